@@ -1,0 +1,210 @@
+"""Configuration: YAML files (safe-loaded) mapped strictly onto dataclasses, plus dotted overrides.
+
+Every config is a tree of dataclasses whose fields carry a docstring and a default. Loading is
+strict: an unknown key, a value of the wrong type or a value out of range fails at start-up with a
+`ConfigError` that names the full dotted key and what is allowed, long before any process group
+exists. Overrides come from the command line as `--sync.algo bmuf` or `--sync.interval_ms=50`;
+values are parsed as YAML scalars (`true`, `1e-3`, `null`).
+
+`SyncConfig` is the part shadowgba itself reads; applications nest it in their own dataclasses
+(see `examples/train_dlrm.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence, TypeVar
+
+import yaml
+
+import sync_algos
+
+T = TypeVar("T")
+
+BASELINES = ("none", "ddp")
+"""Values of `sync.algo` that run no shadowgba algorithm: `none` trains locally only, `ddp` is
+TorchRec's default DDP wrapper. Applications implement them; the runtime refuses them."""
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key and the allowed values."""
+
+
+@dataclasses.dataclass
+class SyncConfig:
+    """How dense parameters are synchronized."""
+
+    algo: str = "ma"
+    """Algorithm name from the `sync_algos` registry (ma, easgd, bmuf), or a baseline: none, ddp."""
+    mode: Literal["shadow", "foreground"] = "shadow"
+    """shadow: a background thread syncs continuously; foreground: the training thread syncs every
+    `foreground_every` steps (the FR-* baselines of ShadowSync)."""
+    writeback: Literal["handoff", "hogwild"] = "handoff"
+    """How the shadow thread's result reaches the live weights. handoff: the training thread takes
+    the snapshot and applies the delta at its next optimizer step (exact, no race); hogwild: the
+    shadow thread reads and writes `.data` itself, lock-free and racy (ShadowSync's semantics)."""
+    interval_ms: float = 50.0
+    """Shadow mode pacing: minimum time between the starts of two rounds. On few CPU cores an
+    unpaced loop steals the trainers' CPU; 0 runs flat out. Can be changed while the job runs."""
+    foreground_every: int = 10
+    """Foreground mode: training steps between two synchronous rounds."""
+    final_sync: bool = True
+    """On close, average the dense replicas once more (blocking) so every rank ends identical."""
+    timeout_s: float = 300.0
+    """Timeout of the shadow process group's collectives: a dead peer fails the round after this."""
+    log_interval_s: float = 30.0
+    """Seconds between metric log lines (logger `shadowgba`); 0 disables them."""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Algorithm-specific knobs, checked against the algorithm's Config dataclass (e.g. for bmuf:
+    block_lr, block_momentum, nesterov; for easgd: beta, alpha)."""
+
+    def __post_init__(self) -> None:
+        allowed = [*sync_algos.algorithm_names(), *BASELINES]
+        if self.algo not in allowed:
+            raise ConfigError(f"algo: unknown algorithm '{self.algo}'; allowed: {allowed}")
+        if self.interval_ms < 0:
+            raise ConfigError(f"interval_ms must be >= 0, got {self.interval_ms}")
+        if self.foreground_every < 1:
+            raise ConfigError(f"foreground_every must be >= 1, got {self.foreground_every}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.log_interval_s < 0:
+            raise ConfigError(f"log_interval_s must be >= 0, got {self.log_interval_s}")
+        if self.algo not in BASELINES:
+            self.algorithm_config()
+
+    def algorithm_config(self) -> Any:
+        """The chosen algorithm's Config dataclass built from `options`, validated."""
+        config_cls = sync_algos.get_algorithm(self.algo).Config
+        try:
+            return from_dict(config_cls, self.options)
+        except ConfigError as error:
+            raise ConfigError(f"options.{error}") from None
+
+
+def from_dict(schema: type[T], data: Mapping[str, Any] | None) -> T:
+    """Build dataclass `schema` from a mapping, strictly; errors name the dotted key."""
+    return _build(schema, data or {}, prefix="")
+
+
+def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """Load `schema` from an optional YAML file, then apply `--dotted.key value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as error:
+            raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping, not {type(loaded).__name__}")
+        data = loaded or {}
+    for key, value in parse_overrides(overrides).items():
+        _set_dotted(data, key, value)
+    return from_dict(schema, data)
+
+
+def parse_overrides(args: Sequence[str]) -> dict[str, Any]:
+    """`["--a.b", "1", "--c=x"]` -> `{"a.b": 1, "c": "x"}`; values parsed as YAML scalars."""
+    parsed: dict[str, Any] = {}
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"expected an override like --sync.algo=bmuf, got '{arg}'")
+        key, has_value, value = arg[2:].partition("=")
+        if not has_value:
+            if index + 1 >= len(args):
+                raise ConfigError(f"override --{key} has no value")
+            index += 1
+            value = args[index]
+        parsed[key] = yaml.safe_load(value) if value != "" else ""
+        index += 1
+    return parsed
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """A plain mapping of a config tree, for logs and result files."""
+    return dataclasses.asdict(config)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot override {dotted}: {part} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _build(schema: type[T], data: Any, prefix: str) -> T:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    fields = {field.name: field for field in dataclasses.fields(schema)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key; allowed keys: {sorted(fields)}")
+    hints = typing.get_type_hints(schema)
+    values = {name: _coerce(hints[name], data[name], f"{prefix}{name}") for name in data}
+    try:
+        return schema(**values)
+    except (ConfigError, ValueError) as error:
+        raise ConfigError(f"{prefix}{error}") from None
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [arg for arg in args if arg is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _coerce(option, value, key)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} fits none of {options}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: {list(args)}")
+        return value
+    if origin in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if origin in (list, tuple, Sequence):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        item = args[0] if args else Any
+        return [_coerce(item, element, f"{key}[{i}]") for i, element in enumerate(value)]
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {hint!r}")

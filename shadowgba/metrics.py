@@ -1,0 +1,79 @@
+"""Counters the shadow runtime keeps about itself, readable at any time and logged periodically.
+
+Written by the shadow thread (rounds) and the training thread(s) (steps, write-backs, time spent in
+sync code); every update and read holds one small lock, so a summary is a consistent cut.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class SyncMetrics:
+    """Rounds, round latency, sync gap, bytes moved and the training thread's cost of syncing."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = time.monotonic()
+        self.rounds = 0
+        self.round_time_total_s = 0.0
+        self.round_time_max_s = 0.0
+        self.bytes_moved = 0
+        self.steps = 0
+        self.applied_rounds = 0
+        self.sync_gap_total_steps = 0
+        self.sync_gap_max_steps = 0
+        self.training_sync_s = 0.0
+        self._last_applied_step = 0
+
+    def record_round(self, seconds: float, bytes_moved: int) -> None:
+        """One round finished its communication."""
+        with self._lock:
+            self.rounds += 1
+            self.round_time_total_s += seconds
+            self.round_time_max_s = max(self.round_time_max_s, seconds)
+            self.bytes_moved += bytes_moved
+
+    def record_applied(self, step: int) -> None:
+        """A round's result reached the live weights at training step `step`."""
+        with self._lock:
+            gap = step - self._last_applied_step
+            self._last_applied_step = step
+            self.applied_rounds += 1
+            self.sync_gap_total_steps += gap
+            self.sync_gap_max_steps = max(self.sync_gap_max_steps, gap)
+
+    def record_step(self, sync_seconds: float) -> None:
+        """A training step ended; `sync_seconds` of it were spent in shadowgba code."""
+        with self._lock:
+            self.steps += 1
+            self.training_sync_s += sync_seconds
+
+    def summary(self) -> dict[str, float]:
+        """A consistent snapshot of every counter plus derived rates."""
+        with self._lock:
+            elapsed = max(time.monotonic() - self._started, 1e-9)
+            return {
+                "rounds": self.rounds,
+                "rounds_per_s": self.rounds / elapsed,
+                "round_latency_ms_mean": 1e3 * self.round_time_total_s / max(self.rounds, 1),
+                "round_latency_ms_max": 1e3 * self.round_time_max_s,
+                "bytes_moved": self.bytes_moved,
+                "steps": self.steps,
+                "applied_rounds": self.applied_rounds,
+                "sync_gap_steps_mean": self.sync_gap_total_steps / max(self.applied_rounds, 1),
+                "sync_gap_steps_max": self.sync_gap_max_steps,
+                "training_sync_s": self.training_sync_s,
+                "elapsed_s": elapsed,
+            }
+
+    def format(self) -> str:
+        """One log line."""
+        s = self.summary()
+        return (
+            f"rounds={s['rounds']} ({s['rounds_per_s']:.1f}/s, {s['round_latency_ms_mean']:.1f} ms mean, "
+            f"{s['round_latency_ms_max']:.1f} ms max) steps={s['steps']} "
+            f"sync_gap={s['sync_gap_steps_mean']:.1f} steps (max {s['sync_gap_steps_max']}) "
+            f"moved={s['bytes_moved'] / 2**20:.1f} MiB training_sync={s['training_sync_s']:.3f}s"
+        )

@@ -1,0 +1,298 @@
+"""The shadow runtime: one object that keeps a trainer's dense replica in sync without blocking it.
+
+    sync = ShadowSync(model, optimizer, config.sync)
+    with sync:
+        for batch in data:              # the user's loop, or a TorchRec train pipeline
+            loss = model(batch)
+            loss.backward()
+            optimizer.step()            # shadowgba runs its step-boundary work right after this
+
+Threads and invariants:
+
+- The *training thread(s)* call `optimizer.step()`; shadowgba wraps that method on the instance (it
+  works for torch optimizers, TorchRec's KeyedOptimizer / CombinedOptimizer and anything with a
+  `step`) so the loop needs no change. After each step it serves the write-back (handoff), runs a
+  foreground round every `foreground_every` steps (foreground mode), and re-raises a failure of the
+  shadow thread with its cause.
+- The *shadow thread* (shadow mode) loops snapshot -> round -> write back, paced by `interval_ms`.
+- All shadow traffic runs on a process group of its own, created at `start()`. The training thread
+  never issues a collective on it while the shadow thread is alive (the only training-thread
+  collectives on it are the initial broadcast, before the thread starts, and the final average,
+  after it has joined), and the shadow thread never touches the group TorchRec's all-to-all uses:
+  two threads on one gloo group deadlock.
+- Rounds are in lockstep across ranks and each carries a stop flag (see `sync_algos.base`): a rank
+  that closes raises it, every rank leaves after that same round, so ranks that finish at different
+  steps never wait in a collective their peers will not enter. Ranks still training then continue
+  locally; `close()` on every rank ends with one blocking average (`final_sync`) so all replicas end
+  identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import logging
+import threading
+import time
+import types
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import sync_algos
+from shadowgba.config import BASELINES, ConfigError, SyncConfig
+from shadowgba.metrics import SyncMetrics
+from shadowgba.torchrec_integration import dense_named_parameters
+from shadowgba.writeback import DenseParams, DirectWriteBack, HandoffWriteBack, WriteBack, wait_for_device
+
+logger = logging.getLogger("shadowgba")
+
+
+class ShadowSyncError(RuntimeError):
+    """The shadow thread failed; the cause is chained (`__cause__`). Local weights are intact."""
+
+
+class ShadowSync:
+    """Synchronizes the dense parameters of `model` across trainers, in the background or every k steps.
+
+    `optimizers` are the optimizers whose `step()` marks a step boundary: usually the one dense
+    optimizer (or TorchRec's combined optimizer), one per thread with Hogwild training threads.
+    `params` overrides which parameters are synchronized (default: the dense ones, i.e. all minus
+    TorchRec-sharded tables). `process_group` is the group whose ranks synchronize (default: world);
+    the shadow traffic always gets a new group over those ranks.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: Any | Sequence[Any],
+        config: SyncConfig,
+        process_group: dist.ProcessGroup | None = None,
+        params: Iterable[tuple[str, nn.Parameter]] | None = None,
+    ) -> None:
+        if config.algo in BASELINES:
+            raise ConfigError(f"sync.algo '{config.algo}' is a baseline that runs without ShadowSync")
+        self.config = config
+        self.optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+        for optimizer in self.optimizers:
+            if not callable(getattr(optimizer, "step", None)):
+                raise TypeError(f"{type(optimizer).__name__} has no step() to hook")
+        self.dense = DenseParams(list(params if params is not None else dense_named_parameters(model)))
+        self.metrics = SyncMetrics()
+        self._parent_group = process_group
+        self._interval_s = config.interval_ms / 1e3
+        self._step_counter = itertools.count(1)
+        self._step = 0
+        self._stop_requested = threading.Event()
+        self._rounds_finished = False
+        self._round_lock = threading.Lock()  # algorithm state: rounds vs state_dict()
+        self._foreground_lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._error_reported = False
+        self._thread: threading.Thread | None = None
+        self._last_log = time.monotonic()
+        self._group: dist.ProcessGroup | None = None
+        self._algorithm: sync_algos.SyncAlgorithm | None = None
+        self._writeback: WriteBack | None = None
+        self._snapshot = self.dense.empty()
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    def __enter__(self) -> "ShadowSync":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
+        self.close(final_sync=exc is None and self.config.final_sync)
+
+    def start(self) -> None:
+        """Collective over the ranks: new group, broadcast of the dense weights, hooks, shadow thread."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ShadowSync needs torch.distributed initialised (init_process_group) first")
+        if self._group is not None:
+            raise RuntimeError("ShadowSync.start() called twice")
+        ranks = None if self._parent_group is None else dist.get_process_group_ranks(self._parent_group)
+        backend = "nccl" if self.dense.device.type == "cuda" else "gloo"
+        self._group = dist.new_group(
+            ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=self.config.timeout_s)
+        )
+        initial = self.dense.empty()
+        self.dense.copy_to(initial)
+        dist.broadcast(initial, src=self._group_rank0(), group=self._group)
+        self.dense.copy_from(initial)
+        self._algorithm = sync_algos.build_algorithm(
+            self.config.algo, self.config.algorithm_config(), self._group, initial
+        )
+        if self.config.mode == "shadow" and self.config.writeback == "handoff":
+            self._writeback = HandoffWriteBack(self.dense, self._record_applied)
+        else:
+            self._writeback = DirectWriteBack(self.dense, self._record_applied)
+        self._hook_optimizers()
+        if self.config.mode == "shadow":
+            self._thread = threading.Thread(target=self._shadow_loop, name="shadowgba-shadow", daemon=True)
+            self._thread.start()
+        logger.info(
+            "shadowgba started: algo=%s mode=%s writeback=%s params=%d (%.2f MiB) ranks=%d",
+            self.config.algo, self.config.mode, self.config.writeback, self.dense.numel,
+            self.dense.numel * self._snapshot.element_size() / 2**20, dist.get_world_size(self._group),
+        )
+
+    def close(self, final_sync: bool | None = None) -> None:
+        """Stop rounds on every rank together, then (optionally) average the replicas once, blocking.
+
+        Every rank must call `close()`; a rank that calls it early waits in the final average for
+        the others. Raises `ShadowSyncError` if the shadow thread failed and that was not yet raised.
+        """
+        if self._group is None:
+            return
+        final_sync = self.config.final_sync if final_sync is None else final_sync
+        self._stop_requested.set()
+        if self._thread is not None:
+            while self._thread.is_alive():
+                self._writeback.on_step_boundary()
+                self._thread.join(timeout=0.002)
+            self._writeback.on_step_boundary()
+        elif not self._rounds_finished and self._error is None:
+            self._foreground_round()
+        self._unhook_optimizers()
+        group, self._group = self._group, None
+        if self._error is not None:
+            dist.destroy_process_group(group)
+            if not self._error_reported:
+                self._error_reported = True
+                raise ShadowSyncError(f"shadow thread failed: {self._error!r}") from self._error
+            return
+        if final_sync:
+            self._final_average(group)
+        logger.info("shadowgba closed: %s", self.metrics.format())
+        dist.destroy_process_group(group)
+
+    # ------------------------------------------------------------------------------ live controls
+    @property
+    def interval_ms(self) -> float:
+        """Current shadow-mode pacing."""
+        return self._interval_s * 1e3
+
+    def set_interval_ms(self, interval_ms: float) -> None:
+        """Change the pacing while the job runs (local to this rank; takes effect at the next round)."""
+        if interval_ms < 0:
+            raise ValueError(f"interval_ms must be >= 0, got {interval_ms}")
+        self._interval_s = interval_ms / 1e3
+
+    # ---------------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Algorithm state plus what identifies it (algorithm, parameter names) for a safe reload."""
+        algorithm = self._require_started()
+        with self._round_lock:
+            return {
+                "algo": self.config.algo,
+                "param_names": list(self.dense.names),
+                "algorithm": algorithm.state_dict(),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output; refuses (changing nothing) a checkpoint of another setup."""
+        algorithm = self._require_started()
+        if state.get("algo") != self.config.algo:
+            raise ValueError(f"checkpoint is for sync algo '{state.get('algo')}', this job runs '{self.config.algo}'")
+        if state.get("param_names") != self.dense.names:
+            raise ValueError(
+                "checkpoint was made for different dense parameters: "
+                f"{len(state.get('param_names') or [])} names vs {len(self.dense.names)} here"
+            )
+        with self._round_lock:
+            algorithm.load_state_dict(state["algorithm"])
+
+    # ---------------------------------------------------------------------------------- internals
+    def _require_started(self) -> sync_algos.SyncAlgorithm:
+        if self._algorithm is None:
+            raise RuntimeError("ShadowSync has not been started")
+        return self._algorithm
+
+    def _group_rank0(self) -> int:
+        return 0 if self._parent_group is None else dist.get_process_group_ranks(self._parent_group)[0]
+
+    def _hook_optimizers(self) -> None:
+        for optimizer in self.optimizers:
+            original = optimizer.step
+
+            def step(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+                result = _original(*args, **kwargs)
+                self._after_step()
+                return result
+
+            optimizer.step = step
+
+    def _unhook_optimizers(self) -> None:
+        for optimizer in self.optimizers:
+            vars(optimizer).pop("step", None)
+
+    def _after_step(self) -> None:
+        """Step-boundary work of a training thread; kept to a few attribute checks when idle."""
+        started = time.perf_counter()
+        self._step = next(self._step_counter)
+        if self._error is not None and not self._error_reported:
+            self._error_reported = True
+            raise ShadowSyncError(f"shadow thread failed: {self._error!r}") from self._error
+        if self._thread is not None:
+            self._writeback.on_step_boundary()
+        elif not self._rounds_finished and self._step % self.config.foreground_every == 0:
+            self._foreground_round()
+            self._maybe_log()
+        self.metrics.record_step(time.perf_counter() - started)
+
+    def _record_applied(self) -> None:
+        self.metrics.record_applied(self._step)
+
+    def _run_round(self) -> bool:
+        """One round: snapshot, communicate, write back. Returns True when every rank must stop."""
+        started = time.perf_counter()
+        self._writeback.snapshot(self._snapshot)
+        with self._round_lock:
+            result = self._algorithm.round(self._snapshot, self._stop_requested.is_set())
+        self.metrics.record_round(time.perf_counter() - started, result.bytes_moved)
+        self._writeback.apply(result.target - self._snapshot)
+        return result.stop
+
+    def _foreground_round(self) -> None:
+        """A synchronous round in the calling training thread; one at a time across Hogwild threads."""
+        with self._foreground_lock:
+            if self._rounds_finished:
+                return
+            try:
+                self._rounds_finished = self._run_round()
+            except Exception as error:
+                self._error = error
+                self._error_reported = True
+                raise ShadowSyncError(f"foreground sync round failed: {error!r}") from error
+
+    def _shadow_loop(self) -> None:
+        stream = torch.cuda.Stream(self.dense.device) if self.dense.device.type == "cuda" else None
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                while True:
+                    started = time.monotonic()
+                    if self._run_round():
+                        break
+                    self._maybe_log()
+                    self._stop_requested.wait(max(0.0, self._interval_s - (time.monotonic() - started)))
+                wait_for_device(self.dense.device)
+        except BaseException as error:  # surfaced in the training thread at its next step
+            logger.exception("shadowgba shadow thread failed")
+            self._error = error
+        finally:
+            self._rounds_finished = True
+
+    def _final_average(self, group: dist.ProcessGroup) -> None:
+        flat = self.dense.empty()
+        self.dense.copy_to(flat)
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
+        self.dense.copy_from(flat)
+
+    def _maybe_log(self) -> None:
+        if self.config.log_interval_s and time.monotonic() - self._last_log >= self.config.log_interval_s:
+            self._last_log = time.monotonic()
+            logger.info("shadowgba: %s", self.metrics.format())

@@ -1,0 +1,139 @@
+"""How a round's snapshot leaves, and its result reaches, the live dense parameters.
+
+The delta rule `w <- w + (t - s)` keeps the local progress made while a round was in flight. Where
+it is applied matters (DESIGN.md §3): an in-place write while the training thread sits between
+forward and backward breaks autograd ("... modified by an inplace operation"). Two strategies:
+
+- `HandoffWriteBack` (default): the shadow thread never touches the parameters. It asks for a
+  snapshot and posts deltas; the training thread serves both at its step boundary (after
+  `optimizer.step()`), when no autograd graph holds the weights. Exact: every snapshot contains every
+  delta posted before it was asked for, because a boundary applies pending deltas first.
+- `DirectWriteBack`: the caller reads and writes `.data` itself. From the shadow thread this is
+  Hogwild (lock-free, racy, no version-counter bump so no autograd error); from the training
+  thread at a step boundary (foreground mode) it is exact.
+
+Writes go through `.data` so that Hogwild training threads, whose module replicas share storage,
+never see a version-counter bump on the tensors their graphs saved.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+
+class DenseParams:
+    """The dense parameters viewed as one flat vector (all must share dtype and device)."""
+
+    def __init__(self, named: Sequence[tuple[str, nn.Parameter]]) -> None:
+        if not named:
+            raise ValueError("no dense parameters to synchronize (are all parameters sharded or frozen?)")
+        self.names = [name for name, _ in named]
+        self.params = [param for _, param in named]
+        kinds = {(p.dtype, p.device) for p in self.params}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"dense parameters must share one dtype and device to be synchronized as one buffer, "
+                f"found {sorted(str(k) for k in kinds)}"
+            )
+        self.dtype, self.device = kinds.pop()
+        self.numel = sum(p.numel() for p in self.params)
+
+    def empty(self) -> torch.Tensor:
+        """A new uninitialised flat buffer of the right size."""
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [piece.view_as(p) for piece, p in zip(flat.split([p.numel() for p in self.params]), self.params)]
+
+    def copy_to(self, flat: torch.Tensor) -> None:
+        """flat <- w."""
+        for view, param in zip(self._views(flat), self.params):
+            view.copy_(param.data)
+
+    def copy_from(self, flat: torch.Tensor) -> None:
+        """w <- flat."""
+        for view, param in zip(self._views(flat), self.params):
+            param.data.copy_(view)
+
+    def add_(self, flat_delta: torch.Tensor) -> None:
+        """w <- w + delta."""
+        for view, param in zip(self._views(flat_delta), self.params):
+            param.data.add_(view)
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Make work queued on this thread's current CUDA stream visible to other streams and threads."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class WriteBack(abc.ABC):
+    """Moves snapshots out of and deltas into the live parameters."""
+
+    def __init__(self, params: DenseParams, on_applied: Callable[[], None]) -> None:
+        self.params = params
+        self._on_applied = on_applied
+
+    @abc.abstractmethod
+    def snapshot(self, out: torch.Tensor) -> None:
+        """Fill `out` with a snapshot `s` of the live parameters (may wait for a step boundary)."""
+
+    @abc.abstractmethod
+    def apply(self, delta: torch.Tensor) -> None:
+        """Bring `delta = t - s` into the live parameters (now, or at the next step boundary)."""
+
+    def on_step_boundary(self) -> None:
+        """Called by a training thread after each optimizer step; serves pending requests."""
+
+
+class DirectWriteBack(WriteBack):
+    """Read and write the parameters immediately, from whichever thread calls."""
+
+    def snapshot(self, out: torch.Tensor) -> None:
+        self.params.copy_to(out)
+
+    def apply(self, delta: torch.Tensor) -> None:
+        self.params.add_(delta)
+        self._on_applied()
+
+
+class HandoffWriteBack(WriteBack):
+    """The shadow thread posts requests; a training thread serves them at its step boundary."""
+
+    def __init__(self, params: DenseParams, on_applied: Callable[[], None]) -> None:
+        super().__init__(params, on_applied)
+        self._lock = threading.Lock()
+        self._pending_delta: torch.Tensor | None = None
+        self._snapshot_request: torch.Tensor | None = None
+        self._snapshot_served = threading.Event()
+
+    def snapshot(self, out: torch.Tensor) -> None:
+        with self._lock:
+            self._snapshot_request = out
+            self._snapshot_served.clear()
+        self._snapshot_served.wait()
+
+    def apply(self, delta: torch.Tensor) -> None:
+        wait_for_device(self.params.device)
+        with self._lock:
+            if self._pending_delta is None:
+                self._pending_delta = delta
+            else:
+                self._pending_delta += delta
+
+    def on_step_boundary(self) -> None:
+        with self._lock:
+            if self._pending_delta is not None:
+                self.params.add_(self._pending_delta)
+                self._pending_delta = None
+                self._on_applied()
+            if self._snapshot_request is not None:
+                self.params.copy_to(self._snapshot_request)
+                wait_for_device(self.params.device)
+                self._snapshot_request = None
+                self._snapshot_served.set()

@@ -1,0 +1,62 @@
+"""Blockwise model-update filtering (BMUF, Chen & Huo 2016): model averaging with block momentum.
+
+Every rank holds the same global model `Wg` and block momentum `D`. Per round:
+`a = allreduce(s)/n; G = a - Wg; D = eta*D + zeta*G; Wg = Wg + D`, and the target is
+`t = Wg + eta*D` (Nesterov) or `t = Wg` (classic). With `eta = 0, zeta = 1` it is exactly MA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from sync_algos.base import RoundResult, SyncAlgorithm
+from sync_algos.registry import register
+
+
+@dataclasses.dataclass
+class BMUFConfig:
+    """Knobs of block momentum."""
+
+    block_lr: float = 1.0
+    """zeta, the block learning rate applied to the averaged block update G; > 0."""
+    block_momentum: float | None = None
+    """eta, the block momentum in [0, 1); None derives the paper's default `1 - 1/n`."""
+    nesterov: bool = True
+    """Nesterov-style target `Wg + eta*D` (True) or classic `Wg` (False)."""
+
+    def __post_init__(self) -> None:
+        if self.block_lr <= 0.0:
+            raise ValueError(f"block_lr must be > 0, got {self.block_lr}")
+        if self.block_momentum is not None and not 0.0 <= self.block_momentum < 1.0:
+            raise ValueError(f"block_momentum must be in [0, 1) or null, got {self.block_momentum}")
+
+
+@register
+class BlockMomentum(SyncAlgorithm):
+    """BMUF: global model `global_model` (Wg) and block momentum `momentum` (D), identical on all ranks."""
+
+    name = "bmuf"
+    Config = BMUFConfig
+    state_names = ("global_model", "momentum")
+
+    def __init__(self, config: BMUFConfig, group: dist.ProcessGroup | None, initial: torch.Tensor) -> None:
+        super().__init__(config, group, initial)
+        self.eta = (
+            config.block_momentum
+            if config.block_momentum is not None
+            else 1.0 - 1.0 / self.world_size
+        )
+        self.zeta = config.block_lr
+        self.global_model = initial.clone()
+        self.momentum = torch.zeros_like(initial)
+
+    def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
+        average, any_stop = self.average(snapshot, stop)
+        block_update = average - self.global_model
+        self.momentum.mul_(self.eta).add_(block_update, alpha=self.zeta)
+        self.global_model += self.momentum
+        target = self.global_model + self.eta * self.momentum if self.config.nesterov else self.global_model.clone()
+        return RoundResult(target, any_stop, self.allreduce.bytes_per_call)

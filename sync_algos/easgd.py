@@ -1,0 +1,54 @@
+"""Elastic averaging SGD (Zhang, Choromanska, LeCun 2015) with the centre replicated on every trainer.
+
+Per round on trainer i: `d_i = alpha * (s_i - c)`, the replica moves `w_i <- w_i - d_i`, and the
+centre moves by the sum of all pulls, `c <- c + allreduce(d)`. The sum of the replicas plus the
+centre is therefore conserved by a round. The centre starts from the broadcast initial weights and
+stays identical on every rank because it only ever changes by the same all-reduced amount.
+(The centre-on-a-parameter-server variant, ShadowSync's S-EASGD, belongs with the PS.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from sync_algos.base import RoundResult, SyncAlgorithm
+from sync_algos.registry import register
+
+
+@dataclasses.dataclass
+class EASGDConfig:
+    """Knobs of elastic averaging."""
+
+    beta: float = 0.9
+    """Total elasticity; the per-trainer coefficient is `alpha = beta / n` unless `alpha` is set."""
+    alpha: float | None = None
+    """Elastic coefficient per trainer, in (0, 1]; None derives it as `beta / n`."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.beta <= 1.0:
+            raise ValueError(f"beta must be in (0, 1], got {self.beta}")
+        if self.alpha is not None and not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1] or null, got {self.alpha}")
+
+
+@register
+class ElasticAveraging(SyncAlgorithm):
+    """EASGD with a replicated centre `c`, updated by all-reduce."""
+
+    name = "easgd"
+    Config = EASGDConfig
+    state_names = ("center",)
+
+    def __init__(self, config: EASGDConfig, group: dist.ProcessGroup | None, initial: torch.Tensor) -> None:
+        super().__init__(config, group, initial)
+        self.alpha = config.alpha if config.alpha is not None else config.beta / self.world_size
+        self.center = initial.clone()
+
+    def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
+        pull = self.alpha * (snapshot - self.center)
+        total_pull, any_stop = self.allreduce.sum(pull, stop)
+        self.center += total_pull
+        return RoundResult(snapshot - pull, any_stop, self.allreduce.bytes_per_call)

@@ -1,0 +1,27 @@
+"""Model averaging (MA): every round replaces each replica's snapshot by the average of all snapshots."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from sync_algos.base import RoundResult, SyncAlgorithm
+from sync_algos.registry import register
+
+
+@dataclasses.dataclass
+class MAConfig:
+    """MA has no knobs: `t = allreduce(s) / n`."""
+
+
+@register
+class ModelAveraging(SyncAlgorithm):
+    """`t = allreduce(s) / n` (ShadowSync's S-MA when run in the shadow thread)."""
+
+    name = "ma"
+    Config = MAConfig
+
+    def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
+        average, any_stop = self.average(snapshot, stop)
+        return RoundResult(average.clone(), any_stop, self.allreduce.bytes_per_call)

@@ -1,0 +1,49 @@
+"""String registry of synchronization algorithms: the config names one, the registry builds it."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from sync_algos.base import SyncAlgorithm
+
+_ALGORITHMS: dict[str, type[SyncAlgorithm]] = {}
+
+AlgorithmT = TypeVar("AlgorithmT", bound=type[SyncAlgorithm])
+
+
+def register(cls: AlgorithmT) -> AlgorithmT:
+    """Class decorator: make an algorithm selectable by its `name`."""
+    if cls.name in _ALGORITHMS:
+        raise ValueError(f"sync algorithm '{cls.name}' is registered twice")
+    _ALGORITHMS[cls.name] = cls
+    return cls
+
+
+def algorithm_names() -> list[str]:
+    """Names a config may use, sorted."""
+    return sorted(_ALGORITHMS)
+
+
+def get_algorithm(name: str) -> type[SyncAlgorithm]:
+    """The algorithm class registered under `name`; the error lists the allowed names."""
+    try:
+        return _ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"unknown sync algorithm '{name}'; allowed: {algorithm_names()}") from None
+
+
+def build_algorithm(
+    name: str,
+    options: Any,
+    group: dist.ProcessGroup | None,
+    initial: torch.Tensor,
+) -> SyncAlgorithm:
+    """Build algorithm `name` for `group`; `options` is its Config instance or a mapping of its fields."""
+    cls = get_algorithm(name)
+    config = cls.Config(**options) if isinstance(options, Mapping) else options
+    if not isinstance(config, cls.Config):
+        raise TypeError(f"options for '{name}' must be a mapping or {cls.Config.__name__}, got {type(options).__name__}")
+    return cls(config, group, initial)

@@ -1,0 +1,124 @@
+"""Each algorithm's round equals its formula, computed here from every rank's snapshot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sync_algos
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZE = 7
+
+
+def snapshot_of(rank: int, round_index: int) -> torch.Tensor:
+    """A deterministic, rank- and round-specific snapshot every process can recompute."""
+    generator = torch.Generator().manual_seed(1000 * rank + round_index)
+    return torch.randn(SIZE, generator=generator, dtype=torch.float64)
+
+
+INITIAL = torch.linspace(-1.0, 1.0, SIZE, dtype=torch.float64)
+
+
+def run_rounds(rank: int, world_size: int, name: str, options: dict, rounds: int) -> dict:
+    algorithm = sync_algos.build_algorithm(name, options, None, INITIAL.clone())
+    targets = [algorithm.round(snapshot_of(rank, r), stop=False).target for r in range(rounds)]
+    return {"targets": targets, "state": algorithm.state_dict()}
+
+
+def snapshots(world_size: int, round_index: int) -> torch.Tensor:
+    return torch.stack([snapshot_of(rank, round_index) for rank in range(world_size)])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ma_round_is_the_average(world_size: int) -> None:
+    results = run_ranks(run_rounds, world_size, "ma", {}, 2)
+    for round_index in range(2):
+        expected = snapshots(world_size, round_index).mean(0)
+        for result in results:
+            torch.testing.assert_close(result["targets"][round_index], expected)
+
+
+def test_bmuf_with_zero_momentum_and_unit_block_lr_is_ma() -> None:
+    results = run_ranks(run_rounds, 3, "bmuf", {"block_momentum": 0.0, "block_lr": 1.0}, 3)
+    for round_index in range(3):
+        expected = snapshots(3, round_index).mean(0)
+        for result in results:
+            torch.testing.assert_close(result["targets"][round_index], expected)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_bmuf_matches_block_momentum_formula(nesterov: bool) -> None:
+    world_size, rounds = 2, 3
+    results = run_ranks(run_rounds, world_size, "bmuf", {"nesterov": nesterov}, rounds)
+    eta, zeta = 1.0 - 1.0 / world_size, 1.0
+    global_model, momentum = INITIAL.clone(), torch.zeros(SIZE, dtype=torch.float64)
+    for round_index in range(rounds):
+        block = snapshots(world_size, round_index).mean(0) - global_model
+        momentum = eta * momentum + zeta * block
+        global_model = global_model + momentum
+        expected = global_model + eta * momentum if nesterov else global_model
+        for result in results:
+            torch.testing.assert_close(result["targets"][round_index], expected)
+    for result in results:
+        torch.testing.assert_close(result["state"]["global_model"], global_model)
+        torch.testing.assert_close(result["state"]["momentum"], momentum)
+
+
+def test_easgd_round_conserves_replicas_plus_centre_and_follows_formula() -> None:
+    world_size = 3
+    results = run_ranks(run_rounds, world_size, "easgd", {}, 1)
+    alpha = 0.9 / world_size
+    s = snapshots(world_size, 0)
+    pulls = alpha * (s - INITIAL)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["targets"][0], s[rank] - pulls[rank])
+        torch.testing.assert_close(result["state"]["center"], INITIAL + pulls.sum(0))
+    targets = torch.stack([result["targets"][0] for result in results])
+    centre = results[0]["state"]["center"]
+    torch.testing.assert_close(targets.sum(0) + centre, s.sum(0) + INITIAL)
+
+
+def stop_at(rank: int, world_size: int, name: str, stop_round: dict[int, int]) -> list[bool]:
+    """Each rank raises its flag from its own `stop_round`; returns the flags it saw until leaving."""
+    algorithm = sync_algos.build_algorithm(name, {}, None, INITIAL.clone())
+    seen = []
+    for round_index in range(10):
+        result = algorithm.round(snapshot_of(rank, round_index), stop=round_index >= stop_round[rank])
+        seen.append(result.stop)
+        if result.stop:
+            break
+    return seen
+
+
+@pytest.mark.parametrize("name", sync_algos.algorithm_names())
+def test_one_rank_raising_the_stop_flag_stops_every_rank_in_the_same_round(name: str) -> None:
+    seen = run_ranks(stop_at, 3, name, {0: 99, 1: 2, 2: 5})
+    assert seen == [[False, False, True]] * 3
+
+
+def test_state_dict_round_trip_and_refusal_of_a_foreign_checkpoint() -> None:
+    def build() -> sync_algos.SyncAlgorithm:
+        cls = sync_algos.get_algorithm("bmuf")
+        algorithm = cls.__new__(cls)
+        algorithm.global_model = torch.zeros(4)
+        algorithm.momentum = torch.zeros(4)
+        algorithm.name = "bmuf"
+        return algorithm
+
+    algorithm = build()
+    state = {"global_model": torch.arange(4.0), "momentum": torch.ones(4)}
+    algorithm.load_state_dict(state)
+    torch.testing.assert_close(algorithm.state_dict()["global_model"], torch.arange(4.0))
+    with pytest.raises(ValueError, match=r"'momentum' has shape \(5,\), expected \(4,\)"):
+        algorithm.load_state_dict({"global_model": torch.zeros(4), "momentum": torch.zeros(5)})
+    torch.testing.assert_close(algorithm.state_dict()["global_model"], torch.arange(4.0))
+    with pytest.raises(ValueError, match="missing \\['momentum'\\]"):
+        algorithm.load_state_dict({"global_model": torch.zeros(4)})
+
+
+def test_unknown_algorithm_names_the_allowed_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown sync algorithm 'sgdx'; allowed: \['bmuf', 'easgd', 'ma'\]"):
+        sync_algos.get_algorithm("sgdx")
