@@ -1,13 +1,14 @@
 """Run a function on N gloo ranks in fresh processes, with a hard deadline so a hang fails fast.
 
 Each rank runs `fn(rank, world_size, *args)` after `init_process_group("gloo")` and sends back its
-return value (or the formatted traceback). `run_ranks` returns the per-rank results in rank order,
+return value (serialised with torch.save) or its formatted traceback. `run_ranks` returns the per-rank results in rank order,
 or raises with every failing rank's traceback; ranks still alive at the deadline are killed and
 reported as hung. Processes are spawned (not forked) so no torch thread pool is inherited.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -33,7 +34,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        encoded = io.BytesIO()
+        torch.save(value, encoded)  # bytes, not shared-memory tensors that die with this process
+        results.put((rank, True, encoded.getvalue()))
         dist.destroy_process_group()
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -75,4 +78,4 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         failures.append(f"ranks {missing} hung or died without a result (deadline {timeout_s}s)")
     if failures:
         raise AssertionError("\n".join(failures))
-    return [outcomes[rank][1] for rank in range(world_size)]
+    return [torch.load(io.BytesIO(outcomes[rank][1]), weights_only=False) for rank in range(world_size)]

@@ -1,0 +1,199 @@
+"""The shadow runtime on real gloo ranks: write-back, stopping together, failures, pacing."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from shadowgba import ShadowSync, ShadowSyncError, SyncConfig
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class ConstantStep(torch.optim.Optimizer):
+    """Adds a fixed increment to every parameter per step: local progress we can count exactly."""
+
+    def __init__(self, params: list[nn.Parameter], increment: float) -> None:
+        super().__init__(params, {"increment": increment})
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.add_(group["increment"])
+
+
+def vector_model(rank: int) -> nn.Module:
+    """Integer-valued float64 weights that differ per rank (the runtime must broadcast them)."""
+    model = nn.Linear(4, 3).double()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.arange(param.numel(), dtype=torch.float64).view_as(param) + 100 * rank)
+    return model
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def train_constant_steps(rank: int, world_size: int, steps: list[int], options: dict) -> dict:
+    """Rank r takes steps[r] steps of +(r+1); returns its weights before and after the final sync."""
+    model = vector_model(rank)
+    optimizer = ConstantStep(list(model.parameters()), increment=float(rank + 1))
+    config = SyncConfig(**{"interval_ms": 1.0, "log_interval_s": 0.0, **options})
+    sync = ShadowSync(model, optimizer, config)
+    with sync:
+        initial = flat(model).clone()
+        for _ in range(steps[rank]):
+            optimizer.step()
+            time.sleep(0.002)
+        sync.close(final_sync=False)
+        before_final = flat(model).clone()
+        sync._group = None  # closed; the context manager's close() is now a no-op
+    return {"initial": initial, "before_final": before_final, "metrics": sync.metrics.summary()}
+
+
+@pytest.mark.parametrize("algo", ["ma", "bmuf"])
+def test_handoff_keeps_local_progress_made_during_rounds(algo: str) -> None:
+    """MA-type rounds preserve the sum of replicas, so sum(w) must equal sum(w0) + all local steps.
+
+    Any lost local step (e.g. rebinding w to the average instead of w + (t - s)) breaks the equality.
+    For BMUF with eta = 0 the rounds are MA; the default eta would add momentum and not conserve.
+    """
+    steps = [150, 150]
+    options = {"algo": algo} | ({"options": {"block_momentum": 0.0}} if algo == "bmuf" else {})
+    results = run_ranks(train_constant_steps, 2, steps, options)
+    torch.testing.assert_close(results[0]["initial"], results[1]["initial"])
+    progress = sum(steps[r] * (r + 1) for r in range(2))
+    total = results[0]["before_final"] + results[1]["before_final"]
+    torch.testing.assert_close(total, 2 * results[0]["initial"] + progress, rtol=0, atol=1e-9)
+    for result in results:
+        assert result["metrics"]["applied_rounds"] >= 5, result["metrics"]
+        assert result["metrics"]["steps"] == 150
+
+
+def final_weights_after_unequal_training(rank: int, world_size: int, steps: list[int], options: dict) -> dict:
+    model = vector_model(rank)
+    optimizer = ConstantStep(list(model.parameters()), increment=1.0)
+    with ShadowSync(model, optimizer, SyncConfig(**{"interval_ms": 1.0, "timeout_s": 60.0, **options})) as sync:
+        for _ in range(steps[rank]):
+            optimizer.step()
+            time.sleep(0.001)
+    return {"weights": flat(model), "metrics": sync.metrics.summary()}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"algo": "ma"},
+        {"algo": "easgd"},
+        {"algo": "bmuf", "writeback": "hogwild"},
+        {"algo": "bmuf", "mode": "foreground", "foreground_every": 7},
+    ],
+    ids=["ma-handoff", "easgd-handoff", "bmuf-hogwild", "bmuf-foreground"],
+)
+def test_ranks_that_stop_at_different_steps_all_exit_with_identical_weights(options: dict) -> None:
+    results = run_ranks(final_weights_after_unequal_training, 3, [20, 300, 90], options, timeout_s=120)
+    for result in results[1:]:
+        torch.testing.assert_close(result["weights"], results[0]["weights"])
+    assert [r["metrics"]["steps"] for r in results] == [20, 300, 90]
+
+
+def test_foreground_mode_syncs_every_k_steps() -> None:
+    results = run_ranks(
+        final_weights_after_unequal_training, 2, [60, 60], {"algo": "ma", "mode": "foreground", "foreground_every": 10}
+    )
+    for result in results:
+        # rounds at steps 10..60, plus the stop round that close() raises its flag in
+        assert result["metrics"]["rounds"] == 7
+        assert result["metrics"]["sync_gap_steps_mean"] == pytest.approx(60 / 7)
+
+
+class InjectedFailure(RuntimeError):
+    """Raised inside the shadow thread by the fault-injection helper."""
+
+
+def fail_round_after(sync: ShadowSync, rounds: int) -> None:
+    """Fault injection: the algorithm's round raises InjectedFailure after `rounds` good rounds."""
+    algorithm = sync._algorithm
+    original = algorithm.round
+    calls = iter(range(10**9))
+
+    def round_(snapshot: torch.Tensor, stop: bool):  # noqa: ANN202 (same signature as the wrapped one)
+        if next(calls) >= rounds:
+            raise InjectedFailure("injected at round %d" % rounds)
+        return original(snapshot, stop)
+
+    algorithm.round = round_
+
+
+def shadow_failure_reaches_training(rank: int, world_size: int) -> str:
+    model = vector_model(rank)
+    optimizer = ConstantStep(list(model.parameters()), increment=1.0)
+    sync = ShadowSync(model, optimizer, SyncConfig(algo="ma", interval_ms=1.0))
+    with pytest.raises(ShadowSyncError, match="shadow thread failed") as caught:
+        with sync:
+            fail_round_after(sync, 3)
+            for _ in range(10_000):
+                optimizer.step()
+                time.sleep(0.001)
+    assert isinstance(caught.value.__cause__, InjectedFailure)
+    assert sync.metrics.rounds == 3
+    return "raised after %d steps" % sync.metrics.steps
+
+
+def test_exception_in_shadow_thread_reaches_the_training_thread() -> None:
+    (message,) = run_ranks(shadow_failure_reaches_training, 1)
+    assert int(message.split()[2]) < 10_000
+
+
+def dead_peer(rank: int, world_size: int) -> str:
+    model = vector_model(rank)
+    optimizer = ConstantStep(list(model.parameters()), increment=1.0)
+    sync = ShadowSync(model, optimizer, SyncConfig(algo="ma", interval_ms=1.0, timeout_s=20.0))
+    sync.start()
+    for step in range(100_000):
+        if rank == 1 and step == 50:
+            os._exit(0)  # fault injection: the peer dies without a word
+        try:
+            optimizer.step()
+        except ShadowSyncError as error:
+            return f"step {step}: {error}"
+        time.sleep(0.001)
+    raise AssertionError("the dead peer was never noticed")
+
+
+def test_a_dead_peer_surfaces_as_an_error_with_its_cause() -> None:
+    with pytest.raises(AssertionError) as failure:
+        run_ranks(dead_peer, 2, timeout_s=60)
+    message = str(failure.value)
+    assert "ranks [0, 1] hung" not in message and "ranks [0] hung" not in message
+    assert "ranks [1] hung or died" in message  # rank 1 exited without reporting, by design
+
+
+def paced_rounds(rank: int, world_size: int) -> dict:
+    model = vector_model(rank)
+    optimizer = ConstantStep(list(model.parameters()), increment=1.0)
+    with ShadowSync(model, optimizer, SyncConfig(algo="ma", interval_ms=50.0)) as sync:
+        started = time.monotonic()
+        while time.monotonic() - started < 1.0:
+            optimizer.step()
+            time.sleep(0.001)
+        sync.set_interval_ms(0.0)
+        fast_start, fast_rounds = time.monotonic(), sync.metrics.rounds
+        while time.monotonic() - fast_start < 0.5:
+            optimizer.step()
+            time.sleep(0.001)
+        return {"slow_rounds": fast_rounds, "slow_s": fast_start - started, "fast_rounds": sync.metrics.rounds - fast_rounds}
+
+
+def test_pacing_bounds_the_round_rate_and_can_change_while_running() -> None:
+    for result in run_ranks(paced_rounds, 2):
+        # at most one round starts per 50 ms interval (plus the one in flight)
+        assert result["slow_rounds"] <= result["slow_s"] / 0.050 + 2, result
+        assert result["fast_rounds"] > result["slow_rounds"], result

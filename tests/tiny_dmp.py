@@ -1,0 +1,61 @@
+"""A tiny TorchRec model sharded table-wise with DistributedModelParallel, for runtime tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+from shadowgba.torchrec_integration import ShadowDataParallelWrapper, dense_named_parameters
+
+TABLES = ("t0", "t1")
+ROWS, DIM, BATCH = 50, 8, 16
+
+
+class TinyRec(nn.Module):
+    """Pooled embeddings of two tables -> an MLP -> one logit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[t]) for t in TABLES],
+            device=torch.device("meta"),
+        )
+        self.mlp = nn.Sequential(nn.Linear(DIM * len(TABLES), 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return self.mlp(self.ebc(features).values()).squeeze(1)
+
+
+def build(wrapper: DataParallelWrapper | None = None) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
+    """The sharded model (fused SGD on the tables) and an SGD optimizer over its dense parameters."""
+    torch.manual_seed(dist.get_rank())  # different dense init per rank: the runtime must broadcast
+    model = TinyRec()
+    apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
+        constraints={t: ParameterConstraints(sharding_types=["table_wise"]) for t in TABLES},
+    )
+    plan = planner.collective_plan(model, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(
+        model, device=torch.device("cpu"), plan=plan, data_parallel_wrapper=wrapper or ShadowDataParallelWrapper()
+    )
+    optimizer = KeyedOptimizerWrapper(dict(dense_named_parameters(dmp)), lambda params: torch.optim.SGD(params, lr=0.05))
+    return dmp, optimizer
+
+
+def batch(rank: int, index: int) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+    """A deterministic batch: one id per table per sample, and a label."""
+    generator = torch.Generator().manual_seed(10_000 * rank + index)
+    ids = torch.randint(0, ROWS, (len(TABLES), BATCH), generator=generator)
+    features = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(TABLES), values=ids.reshape(-1), lengths=torch.ones(len(TABLES) * BATCH, dtype=torch.int32)
+    )
+    labels = (ids[0] % 2 == 0).float()
+    return features, labels
