@@ -20,7 +20,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, ContextManager, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,15 +37,9 @@ from tqdm import tqdm
 
 from shadowgba.config import BASELINES, ConfigError, SyncConfig, load_config, to_dict
 from shadowgba.evaluation import all_gather_rows, log_loss, roc_auc
+from shadowgba.runtime import ShadowSync
 from shadowgba.synthetic import SyntheticConfig, SyntheticCTR
 from shadowgba.torchrec_integration import ShadowDataParallelWrapper, dense_named_parameters
-
-try:
-    from shadowgba.runtime import ShadowSync
-except ModuleNotFoundError as missing:  # the runtime is still being written; baselines run without it
-    if missing.name != "shadowgba.runtime":
-        raise
-    ShadowSync = None
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -78,7 +72,7 @@ class ModelConfig:
 class TrainConfig:
     """Optimizers and how long to train."""
 
-    steps: int = 1500
+    steps: int = 4000
     """Training steps per rank, warm-up included; used when duration_s is 0."""
     duration_s: float = 0.0
     """When > 0: train for this many seconds after warm-up instead of a step count. Rank 0's clock
@@ -89,7 +83,7 @@ class TrainConfig:
     """With duration_s: steps between two broadcasts of rank 0's stop decision."""
     embedding_optimizer: Literal["sgd", "adagrad"] = "adagrad"
     """Fused in-backward optimizer of the sharded tables (Adam/LAMB are CUDA-only in FBGEMM)."""
-    embedding_lr: float = 0.05
+    embedding_lr: float = 0.1
     """Learning rate of the embedding optimizer."""
     dense_optimizer: Literal["sgd", "adagrad", "adam"] = "adam"
     """Optimizer of each rank's dense replica."""
@@ -258,7 +252,7 @@ def run(config: ExperimentConfig, device: torch.device) -> dict[str, Any]:
     model = build_model(config, data, device)
     dense_params = [param for _, param in dense_named_parameters(model)]
     optimizer = OPTIMIZERS[config.train.dense_optimizer](dense_params, lr=config.train.dense_lr)
-    sync = _shadow_sync(model, optimizer, config.sync)
+    sync = None if config.sync.algo in BASELINES else ShadowSync(model, optimizer, config.sync)
     with sync or contextlib.nullcontext():
         stats = train(model, optimizer, data, config.train, device)
     samples_per_s = stats.timed_steps * config.data.batch_size / stats.timed_s
@@ -282,15 +276,6 @@ def run(config: ExperimentConfig, device: torch.device) -> dict[str, Any]:
         "wall_s": time.perf_counter() - wall_start,
         "config": to_dict(config),
     }
-
-
-def _shadow_sync(model: nn.Module, optimizer: torch.optim.Optimizer, config: SyncConfig) -> ContextManager | None:
-    """The ShadowSync runtime for ma / easgd / bmuf; None for the baselines."""
-    if config.algo in BASELINES:
-        return None
-    if ShadowSync is None:
-        raise RuntimeError(f"sync.algo={config.algo} needs shadowgba.runtime, which is not available yet")
-    return ShadowSync(model, optimizer, config)
 
 
 def _device() -> tuple[torch.device, str]:
