@@ -45,8 +45,8 @@ from torch import nn
 import sync_algos
 from shadowgba.config import BASELINES, ConfigError, SyncConfig
 from shadowgba.metrics import SyncMetrics
-from shadowgba.torchrec_integration import dense_named_parameters
-from shadowgba.writeback import DenseParams, DirectWriteBack, HandoffWriteBack, WriteBack, wait_for_device
+from shadowgba.dense import DenseParams, dense_named_parameters
+from shadowgba.writeback import DirectWriteBack, HandoffWriteBack, WriteBack, wait_for_device
 
 logger = logging.getLogger("shadowgba")
 

@@ -1,8 +1,15 @@
 """Blockwise model-update filtering (BMUF, Chen & Huo 2016): model averaging with block momentum.
 
 Every rank holds the same global model `Wg` and block momentum `D`. Per round:
-`a = allreduce(s)/n; G = a - Wg; D = eta*D + zeta*G; Wg = Wg + D`, and the target is
-`t = Wg + eta*D` (Nesterov) or `t = Wg` (classic). With `eta = 0, zeta = 1` it is exactly MA.
+`a = allreduce(s)/n; G = a - start; D = eta*D + zeta*G; Wg = Wg + D`, and the target (the next
+block's starting point) is `t = Wg + eta*D` (Nesterov) or `t = Wg` (classic). With `eta = 0,
+zeta = 1` it is exactly MA.
+
+`start` is the previous round's target: `Wg` for classic BMUF, as in DESIGN.md §4, but `Wg + eta*D`
+for Nesterov. Measuring the block update G from `Wg` under Nesterov would count the look-ahead
+`eta*D`, which the replicas already hold, a second time: `D <- 2*eta*D + progress`, which stops
+decaying at the default eta = 1 - 1/n for n = 2 and diverges beyond (observed: Hogwild training
+stalled). Measured from the block's start, G is the replicas' own progress, as in fairseq's BMUF.
 """
 
 from __future__ import annotations
@@ -55,8 +62,13 @@ class BlockMomentum(SyncAlgorithm):
 
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
         average, any_stop = self.average(snapshot, stop)
-        block_update = average - self.global_model
+        block_update = average - self._block_start()
         self.momentum.mul_(self.eta).add_(block_update, alpha=self.zeta)
         self.global_model += self.momentum
-        target = self.global_model + self.eta * self.momentum if self.config.nesterov else self.global_model.clone()
-        return RoundResult(target, any_stop, self.allreduce.bytes_per_call)
+        return RoundResult(self._block_start(), any_stop, self.allreduce.bytes_per_call)
+
+    def _block_start(self) -> torch.Tensor:
+        """Where the replicas start a block: the round's target."""
+        if self.config.nesterov:
+            return self.global_model + self.eta * self.momentum
+        return self.global_model.clone()

@@ -55,11 +55,13 @@ def test_bmuf_matches_block_momentum_formula(nesterov: bool) -> None:
     results = run_ranks(run_rounds, world_size, "bmuf", {"nesterov": nesterov}, rounds)
     eta, zeta = 1.0 - 1.0 / world_size, 1.0
     global_model, momentum = INITIAL.clone(), torch.zeros(SIZE, dtype=torch.float64)
+    start = INITIAL.clone()
     for round_index in range(rounds):
-        block = snapshots(world_size, round_index).mean(0) - global_model
+        block = snapshots(world_size, round_index).mean(0) - start
         momentum = eta * momentum + zeta * block
         global_model = global_model + momentum
         expected = global_model + eta * momentum if nesterov else global_model
+        start = expected
         for result in results:
             torch.testing.assert_close(result["targets"][round_index], expected)
     for result in results:

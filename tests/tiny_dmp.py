@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.datasets.utils import Batch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
@@ -19,7 +20,8 @@ ROWS, DIM, BATCH = 50, 8, 16
 
 
 class TinyRec(nn.Module):
-    """Pooled embeddings of two tables -> an MLP -> one logit."""
+    """Pooled embeddings of two tables -> an MLP -> one logit; returns (loss, logits) as TorchRec's
+    train pipelines expect."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -29,8 +31,9 @@ class TinyRec(nn.Module):
         )
         self.mlp = nn.Sequential(nn.Linear(DIM * len(TABLES), 16), nn.ReLU(), nn.Linear(16, 1))
 
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        return self.mlp(self.ebc(features).values()).squeeze(1)
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.mlp(self.ebc(batch.sparse_features).values()).squeeze(1)
+        return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits
 
 
 def build(wrapper: DataParallelWrapper | None = None) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
@@ -50,7 +53,7 @@ def build(wrapper: DataParallelWrapper | None = None) -> tuple[DistributedModelP
     return dmp, optimizer
 
 
-def batch(rank: int, index: int) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+def batch(rank: int, index: int) -> Batch:
     """A deterministic batch: one id per table per sample, and a label."""
     generator = torch.Generator().manual_seed(10_000 * rank + index)
     ids = torch.randint(0, ROWS, (len(TABLES), BATCH), generator=generator)
@@ -58,4 +61,4 @@ def batch(rank: int, index: int) -> tuple[KeyedJaggedTensor, torch.Tensor]:
         keys=list(TABLES), values=ids.reshape(-1), lengths=torch.ones(len(TABLES) * BATCH, dtype=torch.int32)
     )
     labels = (ids[0] % 2 == 0).float()
-    return features, labels
+    return Batch(dense_features=torch.zeros(BATCH, 1), sparse_features=features, labels=labels)

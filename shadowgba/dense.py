@@ -1,0 +1,69 @@
+"""The dense (replicated) parameters of a model: which they are, and a flat view of them.
+
+Which: all trainable parameters, minus TorchRec-sharded tables when the model is a
+`DistributedModelParallel`. torchrec is only consulted when it is already imported (a model cannot
+be a DMP otherwise), so plain `nn.Module` users do not pay its import time.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+
+def dense_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The replicated parameters of `model`: for a DMP, all parameters minus the sharded ones.
+
+    Parameters that do not require grad are skipped: nothing trains them, so nothing needs syncing.
+    """
+    sharded: set[str] = set()
+    model_parallel = sys.modules.get("torchrec.distributed.model_parallel")
+    if model_parallel is not None and isinstance(model, model_parallel.DistributedModelParallel):
+        dmp = model_parallel.DistributedModelParallel
+        sharded = set(dmp._sharded_parameter_names(model._dmp_wrapped_module))
+    for name, param in model.named_parameters():
+        if name not in sharded and param.requires_grad:
+            yield name, param
+
+
+class DenseParams:
+    """The dense parameters viewed as one flat vector (all must share dtype and device)."""
+
+    def __init__(self, named: Sequence[tuple[str, nn.Parameter]]) -> None:
+        if not named:
+            raise ValueError("no dense parameters to synchronize (are all parameters sharded or frozen?)")
+        self.names = [name for name, _ in named]
+        self.params = [param for _, param in named]
+        kinds = {(p.dtype, p.device) for p in self.params}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"dense parameters must share one dtype and device to be synchronized as one buffer, "
+                f"found {sorted(str(k) for k in kinds)}"
+            )
+        self.dtype, self.device = kinds.pop()
+        self.numel = sum(p.numel() for p in self.params)
+
+    def empty(self) -> torch.Tensor:
+        """A new uninitialised flat buffer of the right size."""
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [piece.view_as(p) for piece, p in zip(flat.split([p.numel() for p in self.params]), self.params)]
+
+    def copy_to(self, flat: torch.Tensor) -> None:
+        """flat <- w."""
+        for view, param in zip(self._views(flat), self.params):
+            view.copy_(param.data)
+
+    def copy_from(self, flat: torch.Tensor) -> None:
+        """w <- flat."""
+        for view, param in zip(self._views(flat), self.params):
+            param.data.copy_(view)
+
+    def add_(self, flat_delta: torch.Tensor) -> None:
+        """w <- w + delta."""
+        for view, param in zip(self._views(flat_delta), self.params):
+            param.data.add_(view)

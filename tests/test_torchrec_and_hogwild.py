@@ -1,0 +1,110 @@
+"""The runtime with TorchRec DMP models, TorchRec's train pipeline, and Hogwild training threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shadowgba import ShadowSync, SyncConfig
+from shadowgba.hogwild import HogwildThreads, shared_replicas
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def dense_spread(model: nn.Module) -> float:
+    """max |w - mean over ranks| of the dense parameters (0 when replicas agree)."""
+    import torch.distributed as dist
+
+    from shadowgba.torchrec_integration import dense_named_parameters
+
+    flat = torch.cat([p.detach().reshape(-1) for _, p in dense_named_parameters(model)])
+    mean = flat.clone()
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
+    spread = (flat - mean).abs().max()
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    return spread.item()
+
+
+def train_dmp(rank: int, world_size: int, writeback: str, steps: int, use_pipeline: bool) -> dict:
+    """Train the tiny DMP model under ShadowSync with the user's loop or TorchRec's pipeline."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from tests import tiny_dmp
+
+    model, optimizer = tiny_dmp.build()
+    config = SyncConfig(algo="bmuf", writeback=writeback, interval_ms=2.0)
+    with ShadowSync(model, optimizer, config) as sync:
+        if use_pipeline:  # the pipeline calls optimizer.step() itself
+            pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
+            batches = iter([tiny_dmp.batch(rank, index) for index in range(steps)])
+            for _ in range(steps):
+                pipeline.progress(batches)
+        else:
+            for index in range(steps):
+                loss, _ = model(tiny_dmp.batch(rank, index))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    return {"metrics": sync.metrics.summary(), "spread": dense_spread(model)}
+
+
+@pytest.mark.parametrize(
+    "writeback,use_pipeline", [("hogwild", False), ("handoff", True)], ids=["hogwild-own-loop", "handoff-pipeline"]
+)
+def test_dmp_model_trains_hundreds_of_steps_under_shadow_sync(writeback: str, use_pipeline: bool) -> None:
+    """Hogwild writes race the training thread's autograd graph: they must not break it."""
+    results = run_ranks(train_dmp, 2, writeback, 300, use_pipeline, timeout_s=180)
+    for result in results:
+        assert result["metrics"]["steps"] == 300
+        assert result["metrics"]["applied_rounds"] >= 10, result["metrics"]
+        assert result["spread"] == 0.0
+
+
+W_TRUE = torch.arange(8.0).unsqueeze(1) / 8
+INITIAL_LOSS = float((W_TRUE**2).sum())  # E[(x @ w)^2] for x ~ N(0, I), from w = 0-ish
+
+
+def train_hogwild_threads(rank: int, world_size: int, threads: int, steps: int) -> dict:
+    """`threads` Hogwild threads per rank fit y = x @ W_TRUE together; shadow BMUF syncs the ranks."""
+    torch.manual_seed(rank)
+    model = nn.Linear(8, 1, bias=False)
+    runner = HogwildThreads(model, threads, lambda replica: torch.optim.SGD(replica.parameters(), lr=0.05))
+    losses: list[float] = []
+
+    def train(index: int, replica: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        generator = torch.Generator().manual_seed(100 * rank + index)
+        for _ in range(steps):
+            x = torch.randn(32, 8, generator=generator)
+            loss = nn.functional.mse_loss(replica(x), x @ W_TRUE)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        losses.append(loss.item())
+
+    with ShadowSync(model, runner.optimizers, SyncConfig(algo="bmuf", interval_ms=2.0)) as sync:
+        runner.run(train)
+    return {"metrics": sync.metrics.summary(), "losses": losses, "weight": model.weight.detach().clone()}
+
+
+def test_hogwild_threads_share_storage_and_feed_one_shadow_thread() -> None:
+    results = run_ranks(train_hogwild_threads, 2, 2, 300, timeout_s=120)
+    for result in results:
+        assert result["metrics"]["steps"] == 600  # both threads' optimizers are step boundaries
+        assert max(result["losses"]) < 0.1 * INITIAL_LOSS, result["losses"]
+    torch.testing.assert_close(results[0]["weight"], results[1]["weight"])
+    torch.testing.assert_close(results[0]["weight"], W_TRUE.T, atol=0.1, rtol=0)
+
+
+def test_shared_replicas_share_memory_but_not_version_counters_or_grads() -> None:
+    model = nn.Linear(3, 2)
+    original, replica = shared_replicas(model, 2)
+    assert replica.weight.data_ptr() == original.weight.data_ptr()
+    assert replica.weight is not original.weight
+    output = replica(torch.ones(1, 3)).sum()  # replica's graph saves its weight
+    with torch.no_grad():
+        original.weight.add_(1.0)  # another thread's optimizer step
+    output.backward()  # would raise "modified by an inplace operation" with one shared Parameter
+    assert replica.weight.grad is not None and original.weight.grad is None
