@@ -57,6 +57,9 @@ class SyncConfig:
     """Timeout of the shadow process group's collectives: a dead peer fails the round after this."""
     log_interval_s: float = 30.0
     """Seconds between metric log lines (logger `shadowgba`); 0 disables them."""
+    control_file: str | None = None
+    """Optional YAML file polled while the job runs; it may change interval_ms and foreground_every
+    live (see shadowgba.control)."""
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Algorithm-specific knobs, checked against the algorithm's Config dataclass (e.g. for bmuf:
     block_lr, block_momentum, nesterov; for easgd: beta, alpha)."""

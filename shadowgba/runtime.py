@@ -44,6 +44,7 @@ from torch import nn
 
 import sync_algos
 from shadowgba.config import BASELINES, ConfigError, SyncConfig
+from shadowgba.control import ControlFile, LiveSettings
 from shadowgba.metrics import SyncMetrics
 from shadowgba.dense import DenseParams, dense_named_parameters
 from shadowgba.writeback import DirectWriteBack, HandoffWriteBack, WriteBack, wait_for_device
@@ -84,6 +85,8 @@ class ShadowSync:
         self.metrics = SyncMetrics()
         self._parent_group = process_group
         self._interval_s = config.interval_ms / 1e3
+        self._foreground_every = config.foreground_every
+        self._control = ControlFile(config.control_file) if config.control_file else None
         self._step_counter = itertools.count(1)
         self._step = 0
         self._stop_requested = threading.Event()
@@ -177,9 +180,14 @@ class ShadowSync:
 
     def set_interval_ms(self, interval_ms: float) -> None:
         """Change the pacing while the job runs (local to this rank; takes effect at the next round)."""
-        if interval_ms < 0:
-            raise ValueError(f"interval_ms must be >= 0, got {interval_ms}")
-        self._interval_s = interval_ms / 1e3
+        self.apply_live(LiveSettings(interval_ms=interval_ms))
+
+    def apply_live(self, settings: LiveSettings) -> None:
+        """Apply live settings (what a control file carries); unset fields are left alone."""
+        if settings.interval_ms is not None:
+            self._interval_s = settings.interval_ms / 1e3
+        if settings.foreground_every is not None:
+            self._foreground_every = settings.foreground_every
 
     # ---------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -238,7 +246,7 @@ class ShadowSync:
             raise ShadowSyncError(f"shadow thread failed: {self._error!r}") from self._error
         if self._thread is not None:
             self._writeback.on_step_boundary()
-        elif not self._rounds_finished and self._step % self.config.foreground_every == 0:
+        elif not self._rounds_finished and self._step % self._foreground_every == 0:
             self._foreground_round()
             self._maybe_log()
         self.metrics.record_step(time.perf_counter() - started)
@@ -249,6 +257,7 @@ class ShadowSync:
     def _run_round(self) -> bool:
         """One round: snapshot, communicate, write back. Returns True when every rank must stop."""
         started = time.perf_counter()
+        self._poll_control()
         self._writeback.snapshot(self._snapshot)
         with self._round_lock:
             result = self._algorithm.round(self._snapshot, self._stop_requested.is_set())
@@ -291,6 +300,10 @@ class ShadowSync:
         dist.all_reduce(flat, group=group)
         flat /= dist.get_world_size(group)
         self.dense.copy_from(flat)
+
+    def _poll_control(self) -> None:
+        if self._control is not None and (settings := self._control.poll()) is not None:
+            self.apply_live(settings)
 
     def _maybe_log(self) -> None:
         if self.config.log_interval_s and time.monotonic() - self._last_log >= self.config.log_interval_s:

@@ -197,3 +197,35 @@ def test_pacing_bounds_the_round_rate_and_can_change_while_running() -> None:
         # at most one round starts per 50 ms interval (plus the one in flight)
         assert result["slow_rounds"] <= result["slow_s"] / 0.050 + 2, result
         assert result["fast_rounds"] > result["slow_rounds"], result
+
+
+def control_file_changes_pacing(rank: int, world_size: int, control: str) -> dict:
+    from pathlib import Path
+
+    model = vector_model(rank)
+    optimizer = ConstantStep(list(model.parameters()), increment=1.0)
+
+    def train_for(seconds: float) -> int:
+        rounds, started = sync.metrics.rounds, time.monotonic()
+        while time.monotonic() - started < seconds:
+            optimizer.step()
+            time.sleep(0.002)
+        return sync.metrics.rounds - rounds
+
+    config = SyncConfig(algo="ma", interval_ms=1.0, control_file=control)
+    with ShadowSync(model, optimizer, config) as sync:
+        fast = train_for(1.0)
+        Path(control).write_text("interval_ms: 400\n")
+        train_for(1.5)  # picked up within a poll interval (1 s)
+        slow = train_for(1.2)
+        Path(control).write_text("interval_ms: -5\n")  # invalid: logged and ignored
+        train_for(1.2)
+        still_slow = train_for(1.2)
+    return {"fast": fast, "slow": slow, "still_slow": still_slow, "interval_ms": sync.interval_ms}
+
+
+def test_control_file_changes_pacing_while_running_and_bad_edits_are_ignored(tmp_path) -> None:  # noqa: ANN001
+    (result,) = run_ranks(control_file_changes_pacing, 1, str(tmp_path / "control.yaml"))
+    assert result["fast"] > 50, result
+    assert result["slow"] <= 1.2 / 0.4 + 2, result
+    assert result["still_slow"] <= 1.2 / 0.4 + 2 and result["interval_ms"] == 400.0, result

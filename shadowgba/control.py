@@ -1,0 +1,70 @@
+"""Live control: change sync frequency while a job runs by editing a small YAML file.
+
+    # control.yaml, named by sync.control_file
+    interval_ms: 200        # shadow mode pacing
+    foreground_every: 50    # foreground mode period
+
+Each rank polls the file (at most once a second) and applies a change at its next round. Ranks may
+apply it at different steps: rounds pair across ranks by their order, not by step number, and the
+stop flag ends them together (see `sync_algos.base`), so no collective can be left unmatched. A file
+that cannot be read or fails validation is logged and ignored; the job keeps its settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+
+from shadowgba.config import ConfigError, load_config
+
+logger = logging.getLogger("shadowgba")
+
+
+@dataclasses.dataclass
+class LiveSettings:
+    """The settings a control file may change; absent keys stay as they are."""
+
+    interval_ms: float | None = None
+    """New shadow-mode pacing, >= 0."""
+    foreground_every: int | None = None
+    """New foreground-mode period in training steps, >= 1."""
+
+    def __post_init__(self) -> None:
+        if self.interval_ms is not None and self.interval_ms < 0:
+            raise ConfigError(f"interval_ms must be >= 0, got {self.interval_ms}")
+        if self.foreground_every is not None and self.foreground_every < 1:
+            raise ConfigError(f"foreground_every must be >= 1, got {self.foreground_every}")
+
+
+class ControlFile:
+    """Watches one file; `poll()` returns new settings when the file changed since the last poll."""
+
+    POLL_INTERVAL_S = 1.0
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._seen_mtime: float | None = None
+        self._next_poll = 0.0
+
+    def poll(self) -> LiveSettings | None:
+        now = time.monotonic()
+        if now < self._next_poll:
+            return None
+        self._next_poll = now + self.POLL_INTERVAL_S
+        try:
+            mtime = os.stat(self.path).st_mtime
+        except FileNotFoundError:
+            return None
+        if mtime == self._seen_mtime:
+            return None
+        self._seen_mtime = mtime
+        try:
+            settings = load_config(LiveSettings, self.path)
+        except ConfigError as error:
+            logger.warning("shadowgba: ignoring control file %s: %s", self.path, error)
+            return None
+        logger.info("shadowgba: control file %s: %s", self.path, settings)
+        return settings
