@@ -63,6 +63,14 @@ class DenseParams:
         for view, param in zip(self._views(flat), self.params):
             param.data.copy_(view)
 
+    def copy_grads_to(self, flat: torch.Tensor) -> None:
+        """flat <- dL/dw (zeros where a parameter has no gradient)."""
+        for view, param in zip(self._views(flat), self.params):
+            if param.grad is None:
+                view.zero_()
+            else:
+                view.copy_(param.grad)
+
     def add_(self, flat_delta: torch.Tensor) -> None:
         """w <- w + delta."""
         for view, param in zip(self._views(flat_delta), self.params):

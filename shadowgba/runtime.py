@@ -9,9 +9,8 @@
 
 Threads and invariants:
 
-- The *training thread(s)* call `optimizer.step()`; shadowgba wraps that method on the instance (it
-  works for torch optimizers, TorchRec's KeyedOptimizer / CombinedOptimizer and anything with a
-  `step`) so the loop needs no change. After each step it serves the write-back (handoff), runs a
+- The *training thread(s)* call `optimizer.step()`; shadowgba wraps that method on the instance
+  (`shadowgba.step_hook`) so the loop needs no change. After each step it serves the write-back (handoff), runs a
   foreground round every `foreground_every` steps (foreground mode), and re-raises a failure of the
   shadow thread with its cause.
 - The *shadow thread* (shadow mode) loops snapshot -> round -> write back, paced by `interval_ms`.
@@ -36,7 +35,7 @@ import logging
 import threading
 import time
 import types
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,6 +45,7 @@ import sync_algos
 from shadowgba.config import BASELINES, ConfigError, SyncConfig
 from shadowgba.control import ControlFile, LiveSettings
 from shadowgba.metrics import SyncMetrics
+from shadowgba.step_hook import StepHook
 from shadowgba.dense import DenseParams, dense_named_parameters
 from shadowgba.writeback import DirectWriteBack, HandoffWriteBack, WriteBack, wait_for_device
 
@@ -77,10 +77,8 @@ class ShadowSync:
         if config.algo in BASELINES:
             raise ConfigError(f"sync.algo '{config.algo}' is a baseline that runs without ShadowSync")
         self.config = config
-        self.optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-        for optimizer in self.optimizers:
-            if not callable(getattr(optimizer, "step", None)):
-                raise TypeError(f"{type(optimizer).__name__} has no step() to hook")
+        optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+        self._step_hook = StepHook(optimizers, self._after_step)
         self.dense = DenseParams(list(params if params is not None else dense_named_parameters(model)))
         self.metrics = SyncMetrics()
         self._parent_group = process_group
@@ -132,7 +130,7 @@ class ShadowSync:
             self._writeback = HandoffWriteBack(self.dense, self._record_applied)
         else:
             self._writeback = DirectWriteBack(self.dense, self._record_applied)
-        self._hook_optimizers()
+        self._step_hook.install()
         if self.config.mode == "shadow":
             self._thread = threading.Thread(target=self._shadow_loop, name="shadowgba-shadow", daemon=True)
             self._thread.start()
@@ -159,7 +157,7 @@ class ShadowSync:
             self._writeback.on_step_boundary()
         elif not self._rounds_finished and self._error is None:
             self._foreground_round()
-        self._unhook_optimizers()
+        self._step_hook.remove()
         group, self._group = self._group, None
         if self._error is not None:
             dist.destroy_process_group(group)
@@ -221,21 +219,6 @@ class ShadowSync:
 
     def _group_rank0(self) -> int:
         return 0 if self._parent_group is None else dist.get_process_group_ranks(self._parent_group)[0]
-
-    def _hook_optimizers(self) -> None:
-        for optimizer in self.optimizers:
-            original = optimizer.step
-
-            def step(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-                result = _original(*args, **kwargs)
-                self._after_step()
-                return result
-
-            optimizer.step = step
-
-    def _unhook_optimizers(self) -> None:
-        for optimizer in self.optimizers:
-            vars(optimizer).pop("step", None)
 
     def _after_step(self) -> None:
         """Step-boundary work of a training thread; kept to a few attribute checks when idle."""

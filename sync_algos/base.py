@@ -66,6 +66,7 @@ class SyncAlgorithm(abc.ABC):
     """
 
     name: ClassVar[str]
+    kind: ClassVar[str] = "model"
     Config: ClassVar[type]
     state_names: ClassVar[tuple[str, ...]] = ()
 

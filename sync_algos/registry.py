@@ -1,4 +1,10 @@
-"""String registry of synchronization algorithms: the config names one, the registry builds it."""
+"""String registry of synchronization algorithms: the config names one, the registry builds it.
+
+Two kinds are registered: *model* algorithms (`SyncAlgorithm` subclasses: a round maps a snapshot
+of the dense parameters to a target; run by `shadowgba.ShadowSync`) and *gradient* algorithms
+(GBA: trainers push gradients to a parameter server; run by `shadowgba.gba.GBASync`). Every entry
+has a `name`, a `kind` and a `Config` dataclass that validates `sync.options`.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,9 @@ import torch.distributed as dist
 
 from sync_algos.base import SyncAlgorithm
 
-_ALGORITHMS: dict[str, type[SyncAlgorithm]] = {}
+_ALGORITHMS: dict[str, type] = {}
 
-AlgorithmT = TypeVar("AlgorithmT", bound=type[SyncAlgorithm])
+AlgorithmT = TypeVar("AlgorithmT", bound=type)
 
 
 def register(cls: AlgorithmT) -> AlgorithmT:
@@ -27,7 +33,7 @@ def algorithm_names() -> list[str]:
     return sorted(_ALGORITHMS)
 
 
-def get_algorithm(name: str) -> type[SyncAlgorithm]:
+def get_algorithm(name: str) -> type:
     """The algorithm class registered under `name`; the error lists the allowed names."""
     try:
         return _ALGORITHMS[name]
@@ -43,6 +49,8 @@ def build_algorithm(
 ) -> SyncAlgorithm:
     """Build algorithm `name` for `group`; `options` is its Config instance or a mapping of its fields."""
     cls = get_algorithm(name)
+    if cls.kind != "model":
+        raise ValueError(f"'{name}' is a {cls.kind} algorithm: it runs in shadowgba.gba.GBASync, not ShadowSync")
     config = cls.Config(**options) if isinstance(options, Mapping) else options
     if not isinstance(config, cls.Config):
         raise TypeError(f"options for '{name}' must be a mapping or {cls.Config.__name__}, got {type(options).__name__}")

@@ -1,0 +1,127 @@
+"""The one authoritative dense optimizer of sync and GBA mode, over a flat parameter vector.
+
+Sync all-reduce mode runs it on every trainer over the whole flat vector; GBA runs it on the
+parameter servers, each over its contiguous slice. Because the supported optimizers are
+elementwise (SGD with momentum, Adagrad, Adam, AdamW), a slice of the whole-vector state *is* the
+state of the slice, so switching modes moves parameters and optimizer state by slicing and
+concatenating, exactly, with nothing to retune. The learning rate follows a schedule indexed by the
+global step, which travels with the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from sync_algos.gba import LRSchedule
+
+SUPPORTED: dict[str, type[torch.optim.Optimizer]] = {
+    "SGD": torch.optim.SGD,
+    "Adagrad": torch.optim.Adagrad,
+    "Adam": torch.optim.Adam,
+    "AdamW": torch.optim.AdamW,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """Which optimizer, with which hyperparameters: what a trainer sends a server to build it."""
+
+    name: str
+    defaults: dict[str, Any]
+    schedule: LRSchedule
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer, schedule: LRSchedule) -> "OptimizerSpec":
+        """The spec of a user's optimizer: same type, same hyperparameters."""
+        name = type(optimizer).__name__
+        if name not in SUPPORTED:
+            raise ValueError(f"optimizer {name} is not supported for sync/GBA modes; supported: {sorted(SUPPORTED)}")
+        if len(optimizer.param_groups) != 1:
+            raise ValueError("sync/GBA modes need a dense optimizer with exactly one param group")
+        group = optimizer.param_groups[0]
+        defaults = {key: group[key] for key in optimizer.defaults if key in group and key != "params"}
+        return cls(name, defaults, schedule)
+
+
+class FlatOptimizer:
+    """An optimizer over one flat vector, stepped with a given gradient; tracks the global step."""
+
+    def __init__(self, spec: OptimizerSpec, initial: torch.Tensor) -> None:
+        self.spec = spec
+        self.param = nn.Parameter(initial.detach().clone())
+        defaults = {**spec.defaults, "foreach": False} if "foreach" in spec.defaults else dict(spec.defaults)
+        self.optimizer = SUPPORTED[spec.name]([self.param], **defaults)
+        self.base_lr = float(spec.defaults["lr"])
+        self.global_step = 0
+
+    def step(self, gradient: torch.Tensor) -> None:
+        """One optimizer step with `gradient` at the scheduled learning rate; advances k."""
+        self.optimizer.param_groups[0]["lr"] = self.base_lr * self.spec.schedule.factor(self.global_step)
+        self.param.grad = gradient
+        self.optimizer.step()
+        self.param.grad = None
+        self.global_step += 1
+
+    def export(self) -> dict[str, Any]:
+        """Parameters, optimizer state and global step, as plain tensors."""
+        state = self.optimizer.state.get(self.param, {})
+        return {
+            "param": self.param.detach().clone(),
+            "state": {key: value.clone() if torch.is_tensor(value) else value for key, value in state.items()},
+            "global_step": self.global_step,
+        }
+
+    def load(self, exported: dict[str, Any]) -> None:
+        """Take over `export()` output (possibly sliced or concatenated); refuses a size mismatch."""
+        param = exported["param"]
+        if param.shape != self.param.shape or param.dtype != self.param.dtype:
+            raise ValueError(
+                f"optimizer state for {tuple(param.shape)} {param.dtype} cannot load into "
+                f"{tuple(self.param.shape)} {self.param.dtype}"
+            )
+        with torch.no_grad():
+            self.param.copy_(param)
+        self.optimizer.state[self.param] = {
+            key: value.clone() if torch.is_tensor(value) else value for key, value in exported["state"].items()
+        }
+        self.global_step = int(exported["global_step"])
+
+
+def slice_export(exported: dict[str, Any], start: int, end: int) -> dict[str, Any]:
+    """The part of an `export()` that belongs to elements [start, end)."""
+    numel = exported["param"].numel()
+    return {
+        "param": exported["param"][start:end].clone(),
+        "state": {
+            key: value[start:end].clone() if torch.is_tensor(value) and value.numel() == numel else value
+            for key, value in exported["state"].items()
+        },
+        "global_step": exported["global_step"],
+    }
+
+
+def concat_exports(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Reassemble slices made by `slice_export` (in order) into one whole-vector export."""
+    steps = {part["global_step"] for part in parts}
+    if len(steps) != 1:
+        raise ValueError(f"slices come from different global steps {sorted(steps)}")
+    first = parts[0]["state"]
+    state: dict[str, Any] = {}
+    for key, value in first.items():
+        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == parts[0]["param"].numel():
+            state[key] = torch.cat([part["state"][key] for part in parts])
+        else:
+            state[key] = value
+    return {"param": torch.cat([part["param"] for part in parts]), "state": state, "global_step": steps.pop()}
+
+
+def shard_bounds(numel: int, num_shards: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal [start, end) slices of a flat vector, one per shard."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    edges = [numel * index // num_shards for index in range(num_shards + 1)]
+    return list(zip(edges[:-1], edges[1:]))

@@ -1,0 +1,184 @@
+"""One parameter-server rank's slice of the dense parameters under GBA.
+
+The flat dense vector is split into contiguous slices (`shard_bounds`), one per PS rank. Each
+`DenseShard` owns its slice, the one authoritative optimizer over it (`FlatOptimizer`), its global
+step k and the GBA buffer (`sync_algos.gba.GlobalBatchAggregator`). Trainers push a gradient slice
+with the token they pulled; the reply carries fresh parameters and token, so a push is also a pull.
+
+Invariants:
+- One lock guards everything; RPC threads call concurrently. Memory is bounded: one parameter
+  slice, its optimizer state and one buffer of the same size, whatever the number of trainers.
+- A malformed push (wrong shape or dtype, a slice this shard does not own, a token from the future,
+  no samples) is refused with a `ValueError` *before* anything changes.
+- Each shard advances k on its own; a trainer keeps one token per shard. With equal-speed
+  trainers and no staleness every shard steps on the same gradients, which is sync training.
+- The shard also relays mode switches: a request (API or policy) is stored here and carried in
+  every reply until the trainers have switched.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import torch
+
+from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec
+from shadowgba.switch_policy import SwitchPolicy
+from sync_algos.gba import GBAConfig, GlobalBatchAggregator
+
+STALENESS_BUCKETS = 16
+"""Staleness histogram keeps exact counts for 0..15 and one bucket for 16 or more."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardReply:
+    """What a push or pull returns."""
+
+    params: torch.Tensor
+    token: int
+    requested_mode: str | None
+    weight: float = 1.0
+    """Decay weight the pushed gradient got (0: dropped); 1 for pulls."""
+
+
+class DenseShard:
+    """A thread-safe GBA server for the flat slice [start, end) of the dense parameters."""
+
+    def __init__(self) -> None:
+        """Empty until a trainer `configure`s it: a server rank does not know the model."""
+        self.start = self.end = self.num_trainers = 0
+        self._lock = threading.Lock()
+        self._optimizer: FlatOptimizer | None = None
+        self._aggregator: GlobalBatchAggregator | None = None
+        self._policy: SwitchPolicy | None = None
+        self._requested_mode: str | None = None
+        self._compute_s: list[float] = []
+        self._dropped_samples_at_switch = 0
+        self._in_flight = 0
+        self._max_in_flight = 0
+        self._staleness = collections.Counter()
+        self._pushes = self._decayed = self._dropped = 0
+        self._steps_at_configure = 0
+        self._configured_at = time.monotonic()
+
+    # -------------------------------------------------------------------------------- mode changes
+    def configure(self, start: int, end: int, num_trainers: int, spec: OptimizerSpec, exported: dict[str, Any],
+                  config: GBAConfig, global_batch: int) -> None:
+        """Own slice [start, end): take over its parameters, optimizer state and global step
+        (at start, or at a switch to GBA)."""
+        numel = end - start
+        if exported["param"].shape != (numel,):
+            raise ValueError(f"shard [{start}, {end}) cannot load {tuple(exported['param'].shape)} values")
+        optimizer = FlatOptimizer(spec, exported["param"])
+        optimizer.load(exported)
+        aggregator = GlobalBatchAggregator(config, numel, exported["param"].dtype, global_batch)
+        aggregator.global_step = optimizer.global_step
+        with self._lock:
+            self.start, self.end, self.num_trainers = start, end, num_trainers
+            self._compute_s = [0.0] * num_trainers
+            self._optimizer, self._aggregator = optimizer, aggregator
+            self._policy = SwitchPolicy(config.switch_policy)
+            self._requested_mode = None
+            self._steps_at_configure = optimizer.global_step
+            self._configured_at = time.monotonic()
+
+    def export(self) -> dict[str, Any]:
+        """Hand parameters, optimizer state and k back (switch to sync); the shard goes idle.
+
+        A partly filled global batch is discarded (counted in `dropped_samples_at_switch`): its
+        gradients belong to no step the synchronous side will take.
+        """
+        with self._lock:
+            optimizer, aggregator = self._require_configured()
+            self._dropped_samples_at_switch = aggregator.discard()
+            exported = optimizer.export()
+            self._optimizer = self._aggregator = None
+            return exported
+
+    def request_mode(self, mode: str) -> None:
+        """Ask every trainer to switch to `mode`; carried in replies until they do."""
+        if mode not in ("sync", "gba"):
+            raise ValueError(f"unknown mode '{mode}'; allowed: ['gba', 'sync']")
+        with self._lock:
+            self._requested_mode = mode
+
+    # ----------------------------------------------------------------------------- push and pull
+    def pull(self) -> ShardReply:
+        with self._lock:
+            optimizer, aggregator = self._require_configured()
+            return ShardReply(optimizer.param.detach().clone(), aggregator.global_step, self._requested_mode)
+
+    def push(self, trainer: int, start: int, end: int, gradient: torch.Tensor, token: int, num_samples: int,
+             compute_s: float) -> ShardReply:
+        """Add one trainer's gradient slice; step the optimizer when a global batch is complete."""
+        with self._lock:
+            self._in_flight += 1
+            self._max_in_flight = max(self._max_in_flight, self._in_flight)
+        try:
+            with self._lock:
+                optimizer, aggregator = self._require_configured()
+                self._validate(trainer, start, end, gradient, num_samples)
+                staleness, weight, mean = aggregator.add(gradient, token, num_samples)
+                self._pushes += 1
+                self._staleness[min(staleness, STALENESS_BUCKETS)] += 1
+                self._dropped += weight == 0.0
+                self._decayed += 0.0 < weight < 1.0
+                self._compute_s[trainer] = compute_s
+                if mean is not None:
+                    optimizer.step(mean)
+                    if (target := self._policy.observe("gba", self._compute_s)) is not None:
+                        self._requested_mode = target
+                return ShardReply(optimizer.param.detach().clone(), aggregator.global_step, self._requested_mode, weight)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    # ---------------------------------------------------------------------------------- metrics
+    def stats(self) -> dict[str, Any]:
+        """Staleness histogram, decayed / dropped counts, global steps per second, queue depth."""
+        with self._lock:
+            global_step = self._aggregator.global_step if self._aggregator else None
+            elapsed = max(time.monotonic() - self._configured_at, 1e-9)
+            steps = (global_step or self._steps_at_configure) - self._steps_at_configure
+            return {
+                "global_step": global_step,
+                "global_steps_per_s": steps / elapsed,
+                "pushes": self._pushes,
+                "decayed": self._decayed,
+                "dropped": self._dropped,
+                "staleness_histogram": {
+                    (f"{k}+" if k == STALENESS_BUCKETS else str(k)): v for k, v in sorted(self._staleness.items())
+                },
+                "queue_depth": self._in_flight,
+                "queue_depth_max": self._max_in_flight,
+                "buffered_samples": self._aggregator.buffered_samples if self._aggregator else 0,
+                "dropped_samples_at_switch": self._dropped_samples_at_switch,
+            }
+
+    # --------------------------------------------------------------------------------- internals
+    def _require_configured(self) -> tuple[FlatOptimizer, GlobalBatchAggregator]:
+        if self._optimizer is None or self._aggregator is None:
+            raise RuntimeError(f"dense shard [{self.start}, {self.end}) is not serving GBA (sync mode or not configured)")
+        return self._optimizer, self._aggregator
+
+    def _validate(self, trainer: int, start: int, end: int, gradient: torch.Tensor, num_samples: int) -> None:
+        prefix = f"push refused by dense shard [{self.start}, {self.end})"
+        if (start, end) != (self.start, self.end):
+            raise ValueError(f"{prefix}: unknown parameter slice [{start}, {end})")
+        if not 0 <= trainer < self.num_trainers:
+            raise ValueError(f"{prefix}: unknown trainer {trainer} (have {self.num_trainers})")
+        if not isinstance(gradient, torch.Tensor):
+            raise ValueError(f"{prefix}: gradient must be a tensor, got {type(gradient).__name__}")
+        param = self._optimizer.param
+        if gradient.dtype != param.dtype:
+            raise ValueError(f"{prefix}: gradient dtype {gradient.dtype}, expected {param.dtype}")
+        if gradient.shape != param.shape:
+            raise ValueError(f"{prefix}: gradient shape {tuple(gradient.shape)}, expected {tuple(param.shape)}")
+        if num_samples < 1:
+            raise ValueError(f"{prefix}: num_samples must be >= 1, got {num_samples}")
+        if not torch.isfinite(gradient).all():
+            raise ValueError(f"{prefix}: gradient has NaN or inf values")

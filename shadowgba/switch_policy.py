@@ -1,0 +1,47 @@
+"""Automatic switching between sync all-reduce and GBA from measured step times (with hysteresis).
+
+A straggler makes synchronous training run at its pace; GBA lets the others go on. The signal is
+the ratio of the slowest to the median trainer *compute* time (time in the training loop, not
+waiting on sync). Above `to_gba_ratio` for `window` consecutive global steps: go to GBA. Below
+`to_sync_ratio` for `window` steps while in GBA: go back to sync. The gap between the two ratios
+and the window keep it from flapping. Decisions are pure functions of the observations, so every
+trainer that observes the same numbers (sync mode: they arrive in the all-reduce) decides the same
+thing at the same step, with no extra agreement round.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Sequence
+
+from sync_algos.gba import SwitchPolicyConfig
+
+logger = logging.getLogger("shadowgba")
+
+
+class SwitchPolicy:
+    """Feeds on per-global-step compute times; returns the mode to switch to when it fires."""
+
+    def __init__(self, config: SwitchPolicyConfig) -> None:
+        self.config = config
+        self._streak = 0
+
+    def observe(self, mode: str, compute_times: Sequence[float]) -> str | None:
+        """One global step's compute times (one per trainer) in `mode`; a new mode or None."""
+        if not self.config.enabled or len(compute_times) < 2:
+            return None
+        median = statistics.median(compute_times)
+        ratio = max(compute_times) / median if median > 0 else 1.0
+        unhealthy = mode == "sync" and ratio > self.config.to_gba_ratio
+        healthy = mode == "gba" and ratio < self.config.to_sync_ratio
+        self._streak = self._streak + 1 if unhealthy or healthy else 0
+        if self._streak < self.config.window:
+            return None
+        self._streak = 0
+        target = "gba" if unhealthy else "sync"
+        logger.warning(
+            "shadowgba: switch policy fired: slowest/median compute time %.2f for %d steps -> %s",
+            ratio, self.config.window, target,
+        )
+        return target

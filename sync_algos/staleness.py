@@ -1,0 +1,61 @@
+"""Staleness decay for GBA: how much a gradient computed on old parameters still counts.
+
+A pushed gradient carries the token (global step) its parameters came from; its staleness is
+`k_now - token`. Up to `threshold` it counts fully; beyond, the configured `kind` decides:
+
+    drop:           w = 0
+    exponential:    w = rate ** (staleness - threshold)
+    inverse_power:  w = (1 + staleness - threshold) ** -power
+    none:           w = 1 (plain asynchronous aggregation, for comparison)
+
+and anything staler than `max_staleness` is dropped whatever the kind. The GBA paper's exact
+function could not be verified from public text, so the function is pluggable; the default
+(exponential, threshold 2, rate 0.5) keeps a straggler's slightly late gradients and fades the
+badly late ones instead of cutting them off at one step of staleness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+
+@dataclasses.dataclass
+class StalenessDecayConfig:
+    """The decay applied to stale gradients on the parameter server."""
+
+    kind: Literal["drop", "exponential", "inverse_power", "none"] = "exponential"
+    """What happens beyond `threshold`: drop, exponential, inverse_power, or none (no decay)."""
+    threshold: int = 2
+    """Staleness (in global steps) up to which a gradient counts fully; >= 0."""
+    rate: float = 0.5
+    """exponential: weight multiplier per step of staleness beyond the threshold, in (0, 1]."""
+    power: float = 1.0
+    """inverse_power: exponent, > 0."""
+    max_staleness: int = 32
+    """Gradients staler than this are dropped whatever the kind; >= threshold."""
+
+    def __post_init__(self) -> None:
+        if self.threshold < 0:
+            raise ValueError(f"threshold must be >= 0, got {self.threshold}")
+        if not 0.0 < self.rate <= 1.0:
+            raise ValueError(f"rate must be in (0, 1], got {self.rate}")
+        if self.power <= 0.0:
+            raise ValueError(f"power must be > 0, got {self.power}")
+        if self.max_staleness < self.threshold:
+            raise ValueError(f"max_staleness ({self.max_staleness}) must be >= threshold ({self.threshold})")
+
+    def weight(self, staleness: int) -> float:
+        """The factor a gradient of this staleness is multiplied by; 0 means dropped."""
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        if staleness > self.max_staleness:
+            return 0.0
+        excess = staleness - self.threshold
+        if excess <= 0 or self.kind == "none":
+            return 1.0
+        if self.kind == "drop":
+            return 0.0
+        if self.kind == "exponential":
+            return self.rate**excess
+        return (1.0 + excess) ** -self.power
