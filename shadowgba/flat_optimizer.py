@@ -11,6 +11,7 @@ global step, which travels with the state.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -43,7 +44,8 @@ class OptimizerSpec:
         if len(optimizer.param_groups) != 1:
             raise ValueError("sync/GBA modes need a dense optimizer with exactly one param group")
         group = optimizer.param_groups[0]
-        defaults = {key: group[key] for key in optimizer.defaults if key in group and key != "params"}
+        accepted = inspect.signature(SUPPORTED[name]).parameters  # defaults may hold more (AdamW)
+        defaults = {key: group[key] for key in optimizer.defaults if key in group and key in accepted and key != "params"}
         return cls(name, defaults, schedule)
 
 

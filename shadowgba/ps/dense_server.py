@@ -56,6 +56,7 @@ class DenseShard:
         self._aggregator: GlobalBatchAggregator | None = None
         self._policy: SwitchPolicy | None = None
         self._requested_mode: str | None = None
+        self._closing = False
         self._compute_s: list[float] = []
         self._dropped_samples_at_switch = 0
         self._in_flight = 0
@@ -83,6 +84,7 @@ class DenseShard:
             self._optimizer, self._aggregator = optimizer, aggregator
             self._policy = SwitchPolicy(config.switch_policy)
             self._requested_mode = None
+            self._closing = False
             self._steps_at_configure = optimizer.global_step
             self._configured_at = time.monotonic()
 
@@ -99,12 +101,28 @@ class DenseShard:
             self._optimizer = self._aggregator = None
             return exported
 
-    def request_mode(self, mode: str) -> None:
-        """Ask every trainer to switch to `mode`; carried in replies until they do."""
+    def request_mode(self, mode: str) -> bool:
+        """Ask every trainer to switch to `mode`, carried in replies until they do. Refused (False)
+        once a trainer has begun closing: a switch then could not be completed by every trainer."""
         if mode not in ("sync", "gba"):
             raise ValueError(f"unknown mode '{mode}'; allowed: ['gba', 'sync']")
         with self._lock:
+            if self._closing:
+                return False
             self._requested_mode = mode
+            return True
+
+    def begin_close(self) -> bool:
+        """A trainer wants to finish in GBA mode. True: no switch can start from now on. False: a
+        switch is pending, and the trainer must take part in it before it closes.
+
+        Deciding both under one lock is what keeps trainers from pairing a close barrier with a
+        switch barrier."""
+        with self._lock:
+            if self._requested_mode is not None:
+                return False
+            self._closing = True
+            return True
 
     # ----------------------------------------------------------------------------- push and pull
     def pull(self) -> ShardReply:
@@ -130,7 +148,8 @@ class DenseShard:
                 self._compute_s[trainer] = compute_s
                 if mean is not None:
                     optimizer.step(mean)
-                    if (target := self._policy.observe("gba", self._compute_s)) is not None:
+                    target = self._policy.observe("gba", self._compute_s)
+                    if target is not None and not self._closing:
                         self._requested_mode = target
                 return ShardReply(optimizer.param.detach().clone(), aggregator.global_step, self._requested_mode, weight)
         finally:

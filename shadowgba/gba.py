@@ -1,0 +1,394 @@
+"""GBASync: the dense parameters of a trainer under sync all-reduce or GBA, switchable while running.
+
+    roles = transport.start(num_servers=1)            # servers: serve_dense_shard(); transport.stop()
+    with GBASync(model, optimizer, config.sync, roles, local_batch_size=512) as gba:
+        for batch in data:                             # the user's loop, unchanged
+            loss = model(batch); loss.backward()
+            optimizer.step()                           # replaced: the dense update is GBASync's
+    gba.switch_mode("sync")                            # or automatically, by the switch policy
+
+The user's optimizer names the one optimizer (type and hyperparameters, `OptimizerSpec`) but never
+steps itself: the authoritative copy is a `FlatOptimizer`, on every trainer in sync mode and sliced
+over the dense PS shards in GBA mode. Its learning rate follows `GBAConfig.schedule` by global step.
+
+Sync mode (as DDP): every step all-reduces [gradient | switch flag | compute times] over the
+trainer group, steps the flat optimizer with the mean gradient and writes the result back. The
+policy sees every trainer's compute time in the same all-reduce, so all trainers decide a switch at
+the same step with no extra agreement round.
+
+GBA mode: the training thread never waits. It copies its gradient into a bounded queue (dropping the
+oldest when full) together with the tokens of the parameters it was computed on, and installs the
+freshest parameters the shadow thread has pulled. The shadow thread pushes each gradient slice to
+its shard (the reply is the shard's fresh slice and token) and posts the result.
+
+Switching (carries parameters, optimizer state, global step and global batch; nothing is retuned):
+- sync -> GBA, at the same step on every trainer: trainer 0 loads its flat optimizer, sliced, into
+  the shards; a barrier; everyone pulls.
+- GBA -> sync: a request (API or the policy on shard 0) is carried back in every push reply. Each
+  trainer stops feeding the queue, waits for its in-flight pushes, and enters a barrier; trainer 0
+  takes the shards' state, the trainers broadcast it and continue in lockstep. A partly filled
+  global batch is dropped (counted on the shard).
+Collectives run only in the training thread (the shadow thread speaks RPC only), so the trainer
+group never has two threads in it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import types
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shadowgba.config import ConfigError, SyncConfig
+from shadowgba.dense import DenseParams, dense_named_parameters
+from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, concat_exports, shard_bounds, slice_export
+from shadowgba.metrics import SyncMetrics
+from shadowgba.ps import transport
+from shadowgba.ps.dense_server import DenseShard, ShardReply
+from shadowgba.runtime import ShadowSyncError
+from shadowgba.step_hook import StepHook
+from shadowgba.switch_policy import SwitchPolicy
+from sync_algos.gba import GBAConfig
+
+logger = logging.getLogger("shadowgba")
+
+DENSE_SERVICE = "dense"
+
+
+def serve_dense_shard() -> None:
+    """On a server rank: host an (unconfigured) dense shard; trainers configure it."""
+    transport.serve(DENSE_SERVICE, DenseShard())
+
+
+class GBAMetrics(SyncMetrics):
+    """SyncMetrics plus what is particular to GBA: queue drops, decayed / dropped pushes, switches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue_dropped = 0
+        self.decayed = 0
+        self.stale_dropped = 0
+        self.mode_switches = 0
+
+    def record_push(self, weight: float) -> None:
+        with self._lock:
+            self.decayed += 0.0 < weight < 1.0
+            self.stale_dropped += weight == 0.0
+
+    def record_queue_drop(self) -> None:
+        with self._lock:
+            self.queue_dropped += 1
+
+    def record_switch(self) -> None:
+        with self._lock:
+            self.mode_switches += 1
+
+    def summary(self) -> dict[str, float]:
+        summary = super().summary()
+        with self._lock:
+            summary.update(
+                queue_dropped=self.queue_dropped, decayed=self.decayed,
+                stale_dropped=self.stale_dropped, mode_switches=self.mode_switches,
+            )
+        return summary
+
+
+class GBASync:
+    """Sync all-reduce / GBA for one trainer's dense parameters (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: SyncConfig,
+        roles: transport.Roles,
+        local_batch_size: int,
+        params: Iterable[tuple[str, nn.Parameter]] | None = None,
+    ) -> None:
+        if config.algo != "gba":
+            raise ConfigError(f"GBASync runs sync.algo 'gba', not '{config.algo}'")
+        if roles.is_server:
+            raise ValueError("GBASync runs on trainer ranks; server ranks call serve_dense_shard()")
+        self.config: GBAConfig = config.algorithm_config()
+        if self.config.initial_mode == "gba" and roles.num_servers < 1:
+            raise ConfigError("sync.options.initial_mode is 'gba' but the job has no parameter-server ranks")
+        self.roles = roles
+        self.dense = DenseParams(list(params if params is not None else dense_named_parameters(model)))
+        self.spec = OptimizerSpec.of(optimizer, self.config.schedule)
+        self.local_batch_size = local_batch_size
+        self.num_trainers = len(roles.trainer_ranks)
+        self.global_batch = self.num_trainers * local_batch_size
+        self.bounds = shard_bounds(self.dense.numel, max(roles.num_servers, 1))
+        self.mode = "sync"
+        self.metrics = GBAMetrics()
+        self._policy = SwitchPolicy(self.config.switch_policy)
+        self._step_hook = StepHook([optimizer], self._on_step, replace_step=True)
+        self._flat: FlatOptimizer | None = None
+        self._grad = self.dense.empty()
+        self._sync_buffer = torch.zeros(self.dense.numel + 3 + self.num_trainers, dtype=self.dense.dtype,
+                                        device=self.dense.device)
+        self._tokens: list[int] = []
+        self._switch_requested: str | None = None
+        self._queue: collections.deque[tuple[torch.Tensor, list[int], float]] = collections.deque()
+        self._queue_ready = threading.Condition()
+        self._pushing = False
+        self._pulled: tuple[list[torch.Tensor], list[int]] | None = None
+        self._pulled_lock = threading.Lock()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._last_step_end = time.perf_counter()
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    def __enter__(self) -> "GBASync":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Collective over the trainers: equal initial weights, the flat optimizer, the initial mode."""
+        initial = self.dense.empty()
+        self.dense.copy_to(initial)
+        dist.broadcast(initial, src=self.roles.trainer_ranks[0], group=self.roles.trainer_group)
+        self.dense.copy_from(initial)
+        self._flat = FlatOptimizer(self.spec, initial)
+        self._step_hook.install()
+        if self.roles.num_servers:
+            self._thread = threading.Thread(target=self._shadow_loop, name="shadowgba-gba", daemon=True)
+            self._thread.start()
+        if self.config.initial_mode == "gba":
+            self._enter_gba()
+        logger.info("shadowgba GBA started: mode=%s global_batch=%d trainers=%d servers=%d",
+                    self.mode, self.global_batch, self.num_trainers, self.roles.num_servers)
+
+    def close(self) -> None:
+        """Finish so that every trainer ends with the same parameters; every trainer must call it.
+
+        GBA: once shard 0 agrees that no switch is pending, push what is queued, meet the other
+        trainers, pull the final parameters. Sync: raise the stop flag in one last all-reduce (peers
+        still training continue locally, as in ShadowSync), then average the parameters once.
+        """
+        if self._flat is None:
+            return
+        self._step_hook.remove()
+        if self.mode == "gba":
+            if transport.call(0, DENSE_SERVICE, "begin_close"):
+                self._drain()
+                dist.barrier(group=self.roles.trainer_group)  # every trainer's last gradient has landed
+                self._install(*self._pull_all())
+            else:
+                self._leave_gba()  # a switch is pending: take part, then close in sync mode
+        if self.mode == "sync":
+            self._sync_round(contribute=False, stop=True)
+        if self.mode == "local":
+            self._final_average()
+        with self._queue_ready:
+            self._stop = True
+            self._queue_ready.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        self._raise_shadow_error()
+        self._flat = None
+        logger.info("shadowgba GBA closed: %s", self.metrics.format())
+
+    # ------------------------------------------------------------------------------- public API
+    def switch_mode(self, mode: str) -> None:
+        """Ask for a switch to 'sync' or 'gba'; every trainer switches at an agreed point."""
+        if mode not in ("sync", "gba"):
+            raise ValueError(f"unknown mode '{mode}'; allowed: ['gba', 'sync']")
+        if mode == self.mode or self.mode == "local":
+            return
+        if mode == "gba" and self.roles.num_servers < 1:
+            raise ValueError("cannot switch to GBA: the job has no parameter-server ranks")
+        if self.mode == "sync":
+            self._switch_requested = "gba"  # rides in the next all-reduce
+        elif self.mode == "gba" and not transport.call(0, DENSE_SERVICE, "request_mode", mode):
+            logger.warning("shadowgba: switch to %s refused: a trainer is already closing", mode)
+
+    @property
+    def global_step(self) -> int:
+        """The global step k of the parameters this trainer holds (shard 0's token in GBA)."""
+        return self._tokens[0] if self.mode == "gba" else self._flat.global_step
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """Parameters, optimizer state and global step as sync mode holds them (sync mode only)."""
+        if self.mode != "sync":
+            raise RuntimeError("optimizer_state() is defined in sync mode; in GBA the state lives on the servers")
+        return self._flat.export()
+
+    def server_stats(self) -> list[dict[str, Any]]:
+        """Each dense shard's metrics: staleness histogram, decayed/dropped, global steps/s, queue depth."""
+        return [transport.call(index, DENSE_SERVICE, "stats") for index in range(self.roles.num_servers)]
+
+    # ------------------------------------------------------------------------- training thread
+    def _on_step(self) -> None:
+        started = time.perf_counter()
+        compute_s = started - self._last_step_end
+        self._raise_shadow_error()
+        self.dense.copy_grads_to(self._grad)
+        if self.mode == "sync":
+            self._sync_step(compute_s)
+        elif self.mode == "gba":
+            self._gba_step(compute_s)
+        else:
+            self._local_step()
+        self._last_step_end = time.perf_counter()
+        self.metrics.record_step(self._last_step_end - started)
+
+    def _sync_step(self, compute_s: float) -> None:
+        self._sync_round(contribute=True, stop=False, compute_s=compute_s)
+
+    def _sync_round(self, contribute: bool, stop: bool, compute_s: float = 0.0) -> None:
+        """One all-reduce of [gradient | contributors | stop | switch | compute time per trainer]."""
+        numel, n = self.dense.numel, self.num_trainers
+        buffer = self._sync_buffer
+        buffer.zero_()
+        if contribute:
+            buffer[:numel] = self._grad
+            buffer[numel] = 1.0
+        buffer[numel + 1] = 1.0 if stop else 0.0
+        buffer[numel + 2] = 1.0 if self._switch_requested == "gba" else 0.0
+        buffer[numel + 3 + self.roles.trainer_index] = compute_s
+        dist.all_reduce(buffer, group=self.roles.trainer_group)
+        contributors, stopped, switch = buffer[numel : numel + 3].tolist()
+        if contribute and contributors > 0:
+            self._flat.step(buffer[:numel] / contributors)
+            self.dense.copy_from(self._flat.param.detach())
+            self.metrics.record_applied(self._flat.global_step)
+        if stopped > 0:
+            self._switch_to("local")  # a trainer is closing: no more collectives until close()
+            return
+        target = self._policy.observe("sync", buffer[numel + 3 :].tolist())
+        if switch > 0 or target == "gba":
+            self._enter_gba()
+
+    def _local_step(self) -> None:
+        """After a peer closed in sync mode: keep training with the same optimizer, alone."""
+        self._flat.step(self._grad.clone())
+        self.dense.copy_from(self._flat.param.detach())
+
+    def _final_average(self) -> None:
+        flat = self.dense.empty()
+        self.dense.copy_to(flat)
+        dist.all_reduce(flat, group=self.roles.trainer_group)
+        self.dense.copy_from(flat / self.num_trainers)
+
+    def _gba_step(self, compute_s: float) -> None:
+        with self._queue_ready:
+            if len(self._queue) >= self.config.queue_size:
+                self._queue.popleft()
+                self.metrics.record_queue_drop()
+            self._queue.append((self._grad.clone(), list(self._tokens), compute_s))
+            self._queue_ready.notify()
+        with self._pulled_lock:
+            pulled, self._pulled = self._pulled, None
+        if pulled is not None:
+            self._install(*pulled)
+        if self._switch_requested == "sync":
+            self._leave_gba()
+
+    def _enter_gba(self) -> None:
+        """sync -> GBA at the same step on every trainer."""
+        if self.roles.trainer_index == 0:
+            exported = self._flat.export()
+            futures = [
+                transport.call_async(index, DENSE_SERVICE, "configure", start, end, self.num_trainers, self.spec,
+                                     slice_export(exported, start, end), self.config, self.global_batch)
+                for index, (start, end) in enumerate(self.bounds)
+            ]
+            torch.futures.wait_all(futures)
+        dist.barrier(group=self.roles.trainer_group)
+        self._switch_requested = None
+        self._install(*self._pull_all())
+        self._switch_to("gba")
+
+    def _leave_gba(self) -> None:
+        """GBA -> sync: quiesce this trainer's pushes, agree, take the servers' state."""
+        self._drain()
+        dist.barrier(group=self.roles.trainer_group)
+        exported: list[Any] = [None]
+        if self.roles.trainer_index == 0:
+            futures = [transport.call_async(index, DENSE_SERVICE, "export") for index in range(self.roles.num_servers)]
+            exported[0] = concat_exports(torch.futures.wait_all(futures))
+        dist.broadcast_object_list(exported, src=self.roles.trainer_ranks[0], group=self.roles.trainer_group)
+        self._flat.load(exported[0])
+        self.dense.copy_from(self._flat.param.detach())
+        with self._pulled_lock:
+            self._pulled = None
+        self._switch_requested = None
+        self._switch_to("sync")
+
+    def _switch_to(self, mode: str) -> None:
+        previous, self.mode = self.mode, mode
+        self.metrics.record_switch()
+        logger.warning("shadowgba: trainer %d switched %s -> %s at global step %d",
+                       self.roles.trainer_index, previous, mode, self.global_step)
+
+    def _install(self, slices: list[torch.Tensor], tokens: list[int]) -> None:
+        """Make pulled parameters the live ones (GBA trainers make no local dense updates)."""
+        flat = torch.cat(slices)
+        self.dense.copy_from(flat)
+        self._tokens = tokens
+        self.metrics.record_applied(tokens[0])
+
+    def _pull_all(self) -> tuple[list[torch.Tensor], list[int]]:
+        futures = [transport.call_async(index, DENSE_SERVICE, "pull") for index in range(self.roles.num_servers)]
+        replies: list[ShardReply] = torch.futures.wait_all(futures)
+        return [reply.params for reply in replies], [reply.token for reply in replies]
+
+    def _drain(self) -> None:
+        """Wait until the shadow thread has pushed everything queued (errors surface here)."""
+        with self._queue_ready:
+            while (self._queue or self._pushing) and self._error is None:
+                self._queue_ready.wait(timeout=0.05)
+        self._raise_shadow_error()
+
+    def _raise_shadow_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise ShadowSyncError(f"GBA shadow thread failed: {error!r}") from error
+
+    # ---------------------------------------------------------------------------- shadow thread
+    def _shadow_loop(self) -> None:
+        try:
+            while True:
+                with self._queue_ready:
+                    while not self._queue and not self._stop:
+                        self._queue_ready.wait()
+                    if self._stop and not self._queue:
+                        return
+                    gradient, tokens, compute_s = self._queue.popleft()
+                    self._pushing = True
+                try:
+                    self._push(gradient, tokens, compute_s)
+                finally:
+                    with self._queue_ready:
+                        self._pushing = False
+                        self._queue_ready.notify_all()
+        except BaseException as error:  # surfaced in the training thread at its next step
+            logger.exception("shadowgba GBA shadow thread failed")
+            self._error = error
+
+    def _push(self, gradient: torch.Tensor, tokens: list[int], compute_s: float) -> None:
+        started = time.perf_counter()
+        futures = [
+            transport.call_async(index, DENSE_SERVICE, "push", self.roles.trainer_index, start, end,
+                                 gradient[start:end], tokens[index], self.local_batch_size, compute_s)
+            for index, (start, end) in enumerate(self.bounds)
+        ]
+        replies: list[ShardReply] = torch.futures.wait_all(futures)
+        for reply in replies:
+            self.metrics.record_push(reply.weight)
+        self.metrics.record_round(time.perf_counter() - started, 2 * gradient.numel() * gradient.element_size())
+        with self._pulled_lock:
+            self._pulled = ([reply.params for reply in replies], [reply.token for reply in replies])
+        if replies[0].requested_mode == "sync":
+            self._switch_requested = "sync"

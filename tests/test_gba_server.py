@@ -1,0 +1,170 @@
+"""GBA's server side in-process: tokens, staleness decay, global-batch aggregation, validation,
+the flat optimizer's exact slicing, and the switch policy's hysteresis."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, concat_exports, shard_bounds, slice_export
+from shadowgba.ps.dense_server import DenseShard
+from shadowgba.switch_policy import SwitchPolicy
+from sync_algos.gba import GBAConfig, GlobalBatchAggregator, LRSchedule, SwitchPolicyConfig
+from sync_algos.staleness import StalenessDecayConfig
+
+
+@pytest.mark.parametrize(
+    "kind,expected",
+    [
+        ("drop", [1, 1, 1, 0, 0, 0]),
+        ("exponential", [1, 1, 1, 0.5, 0.25, 0.125]),
+        ("inverse_power", [1, 1, 1, 1 / 2, 1 / 3, 1 / 4]),
+        ("none", [1, 1, 1, 1, 1, 1]),
+    ],
+)
+def test_decay_functions_on_constructed_staleness(kind: str, expected: list[float]) -> None:
+    decay = StalenessDecayConfig(kind=kind, threshold=2, rate=0.5, power=1.0, max_staleness=5)
+    assert [decay.weight(s) for s in range(6)] == pytest.approx(expected)
+    assert decay.weight(6) == 0.0  # beyond max_staleness: dropped whatever the kind
+
+
+def test_decay_config_validation() -> None:
+    with pytest.raises(ValueError, match="rate must be in"):
+        StalenessDecayConfig(rate=0.0)
+    with pytest.raises(ValueError, match="max_staleness .* must be >= threshold"):
+        StalenessDecayConfig(threshold=5, max_staleness=3)
+
+
+def aggregator(global_batch: int, **decay: object) -> GlobalBatchAggregator:
+    return GlobalBatchAggregator(GBAConfig(decay=StalenessDecayConfig(**decay)), 3, torch.float64, global_batch)
+
+
+def test_aggregator_applies_the_sample_weighted_mean_once_a_global_batch_is_full() -> None:
+    agg = aggregator(global_batch=8)
+    g1, g2 = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64)
+    assert agg.add(g1, token=0, num_samples=4) == (0, 1.0, None)
+    staleness, weight, mean = agg.add(g2, token=0, num_samples=4)
+    assert (staleness, weight, agg.global_step) == (0, 1.0, 1)
+    torch.testing.assert_close(mean, (g1 + g2) / 2)
+    assert agg.buffered_samples == 0 and agg.buffer.abs().sum() == 0
+
+
+def test_stale_gradients_are_decayed_and_dropped_ones_do_not_fill_the_batch() -> None:
+    agg = aggregator(global_batch=2, kind="drop", threshold=0, max_staleness=4)
+    ones = torch.ones(3, dtype=torch.float64)
+    agg.add(ones, 0, 1)
+    agg.add(ones, 0, 1)  # k = 1
+    assert agg.add(ones, token=0, num_samples=1) == (1, 0.0, None)  # staleness 1 > threshold 0: dropped
+    assert agg.buffered_samples == 0
+    decayed = aggregator(global_batch=2, kind="exponential", threshold=0, rate=0.5)
+    decayed.add(ones, 0, 1)
+    decayed.add(ones, 0, 1)  # k = 1
+    decayed.add(ones, token=1, num_samples=1)
+    _, weight, mean = decayed.add(ones, token=0, num_samples=1)
+    assert weight == 0.5
+    torch.testing.assert_close(mean, ones * 0.75)  # (1 + 0.5) / 2 samples
+
+
+def test_token_from_the_future_is_refused() -> None:
+    agg = aggregator(global_batch=4)
+    with pytest.raises(ValueError, match="token 3 is from the future"):
+        agg.add(torch.ones(3, dtype=torch.float64), token=3, num_samples=1)
+    assert agg.buffered_samples == 0
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adagrad", "Adam", "AdamW"])
+def test_flat_optimizer_state_slices_and_concatenates_exactly(name: str) -> None:
+    """Stepping slices on 'servers' equals stepping the whole vector on a 'trainer', bit for bit."""
+    torch.manual_seed(0)
+    cls = getattr(torch.optim, name)
+    kwargs = {"lr": 0.1, "momentum": 0.9} if name == "SGD" else {"lr": 0.1}
+    spec = OptimizerSpec.of(cls([torch.nn.Parameter(torch.zeros(1))], **kwargs), LRSchedule(warmup_steps=3))
+    whole = FlatOptimizer(spec, torch.randn(10))
+    grads = [torch.randn(10) for _ in range(5)]
+    for grad in grads[:2]:
+        whole.step(grad)
+    bounds = shard_bounds(10, 3)
+    shards = []
+    for start, end in bounds:
+        shard = FlatOptimizer(spec, torch.zeros(end - start))
+        shard.load(slice_export(whole.export(), start, end))
+        shards.append(shard)
+    for grad in grads[2:]:
+        whole.step(grad)
+        for shard, (start, end) in zip(shards, bounds):
+            shard.step(grad[start:end])
+    merged = concat_exports([shard.export() for shard in shards])
+    reference = whole.export()
+    assert merged["global_step"] == reference["global_step"] == 5
+    assert torch.equal(merged["param"], reference["param"])
+    for key, value in reference["state"].items():
+        assert torch.equal(torch.as_tensor(merged["state"][key]), torch.as_tensor(value)), key
+
+
+def test_unsupported_optimizer_is_refused_by_name() -> None:
+    optimizer = torch.optim.RMSprop([torch.nn.Parameter(torch.zeros(1))])
+    with pytest.raises(ValueError, match="RMSprop is not supported .* supported: \\['Adagrad', 'Adam', 'AdamW', 'SGD'\\]"):
+        OptimizerSpec.of(optimizer, LRSchedule())
+
+
+def configured_shard(numel: int = 4) -> DenseShard:
+    spec = OptimizerSpec.of(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), LRSchedule())
+    shard = DenseShard()
+    initial = FlatOptimizer(spec, torch.zeros(numel)).export()
+    shard.configure(0, numel, 2, spec, initial, GBAConfig(), global_batch=2)
+    return shard
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((0, 0, 4, torch.ones(5), 0, 1, 0.0), r"gradient shape \(5,\), expected \(4,\)"),
+        ((0, 0, 4, torch.ones(4, dtype=torch.float64), 0, 1, 0.0), "gradient dtype torch.float64, expected torch.float32"),
+        ((0, 4, 8, torch.ones(4), 0, 1, 0.0), r"unknown parameter slice \[4, 8\)"),
+        ((5, 0, 4, torch.ones(4), 0, 1, 0.0), "unknown trainer 5"),
+        ((0, 0, 4, torch.ones(4), 7, 1, 0.0), "token 7 is from the future"),
+        ((0, 0, 4, torch.ones(4), 0, 0, 0.0), "num_samples must be >= 1"),
+        ((0, 0, 4, torch.full((4,), float("nan")), 0, 1, 0.0), "NaN or inf"),
+    ],
+)
+def test_malformed_pushes_are_refused_and_leave_the_shard_untouched(args: tuple, message: str) -> None:
+    shard = configured_shard()
+    shard.push(1, 0, 4, torch.ones(4), 0, 1, 0.0)  # half a global batch buffered
+    before = shard.stats()
+    with pytest.raises(ValueError, match=message):
+        shard.push(*args)
+    after = shard.stats()
+    assert after["buffered_samples"] == before["buffered_samples"] == 1
+    assert after["pushes"] == before["pushes"] and after["global_step"] == 0
+    torch.testing.assert_close(shard.pull().params, torch.zeros(4))
+
+
+def test_shard_steps_once_per_global_batch_and_tracks_staleness() -> None:
+    shard = configured_shard()
+    shard.push(0, 0, 4, torch.ones(4), 0, 1, 0.0)
+    reply = shard.push(1, 0, 4, torch.ones(4), 0, 1, 0.0)
+    assert reply.token == 1
+    torch.testing.assert_close(reply.params, -torch.ones(4))  # SGD lr 1 on the mean gradient
+    shard.push(0, 0, 4, torch.ones(4), 0, 1, 0.0)  # staleness 1
+    stats = shard.stats()
+    assert stats["staleness_histogram"] == {"0": 2, "1": 1} and stats["global_step"] == 1
+
+
+def test_pending_switch_blocks_close_and_close_blocks_switches() -> None:
+    shard = configured_shard()
+    assert shard.request_mode("sync") is True
+    assert shard.begin_close() is False  # the closing trainer must join the switch first
+    other = configured_shard()
+    assert other.begin_close() is True
+    assert other.request_mode("sync") is False
+
+
+def test_switch_policy_fires_after_a_window_and_has_hysteresis() -> None:
+    policy = SwitchPolicy(SwitchPolicyConfig(enabled=True, to_gba_ratio=1.5, to_sync_ratio=1.2, window=3))
+    straggling, healthy, between = [1.0, 1.0, 3.0], [1.0, 1.0, 1.1], [1.0, 1.0, 1.3]
+    assert [policy.observe("sync", straggling) for _ in range(2)] == [None, None]
+    assert policy.observe("sync", healthy) is None  # streak broken
+    assert [policy.observe("sync", straggling) for _ in range(3)] == [None, None, "gba"]
+    assert [policy.observe("gba", between) for _ in range(5)] == [None] * 5  # inside the band: stay
+    assert [policy.observe("gba", healthy) for _ in range(3)] == [None, None, "sync"]
+    assert SwitchPolicy(SwitchPolicyConfig(enabled=False)).observe("sync", straggling) is None
