@@ -122,8 +122,11 @@ class TrainStats:
     """What the training loop measured on this rank."""
 
     steps: int
+    """Training steps taken, warm-up included (the same on every rank)."""
     timed_steps: int
+    """Steps inside the timed window (after warm-up)."""
     timed_s: float
+    """Length of the timed window on this rank's clock."""
 
 
 def build_model(config: ExperimentConfig, data: SyntheticCTR, device: torch.device) -> DistributedModelParallel:
@@ -149,7 +152,8 @@ def build_model(config: ExperimentConfig, data: SyntheticCTR, device: torch.devi
         OPTIMIZERS[config.train.embedding_optimizer], ebc.parameters(), {"lr": config.train.embedding_lr}
     )
     world_size = dist.get_world_size()
-    # compute_kernel must be explicit: without it the tables silently become dense parameters.
+    # Explicit kernel: left out, TorchRec picks "fused" only if the in-backward optimizer above is
+    # already attached, else "dense" (tables that no optimizer here would train).
     placement = {
         table.name: table_wise(rank=index % world_size, compute_kernel="fused") for index, table in enumerate(tables)
     }
