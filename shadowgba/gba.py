@@ -215,8 +215,26 @@ class GBASync:
 
     @property
     def global_step(self) -> int:
-        """The global step k of the parameters this trainer holds (shard 0's token in GBA)."""
-        return self._tokens[0] if self.mode == "gba" else self._flat.global_step
+        """The global step k of the parameters this trainer holds (in GBA: the oldest shard's token;
+        shards advance independently)."""
+        return min(self._tokens) if self.mode == "gba" else self._flat.global_step
+
+    def wait_for_global_step(self, global_step: int, timeout_s: float = 60.0) -> None:
+        """Block until this trainer holds parameters of global step >= `global_step` (GBA mode).
+
+        Not needed in training (GBA trainers never wait); it makes GBA lockstep, i.e. zero
+        staleness, which is how GBA is shown to equal synchronous training.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.mode == "gba" and self.global_step < global_step:
+            self._raise_shadow_error()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"global step {global_step} not reached within {timeout_s}s (at {self.global_step})")
+            slices, tokens = self._pull_all()
+            if min(tokens) >= global_step:
+                self._install(slices, tokens)
+            else:
+                time.sleep(0.001)
 
     def optimizer_state(self) -> dict[str, Any]:
         """Parameters, optimizer state and global step as sync mode holds them (sync mode only)."""
@@ -337,7 +355,7 @@ class GBASync:
         flat = torch.cat(slices)
         self.dense.copy_from(flat)
         self._tokens = tokens
-        self.metrics.record_applied(tokens[0])
+        self.metrics.record_applied(min(tokens))
 
     def _pull_all(self) -> tuple[list[torch.Tensor], list[int]]:
         futures = [transport.call_async(index, DENSE_SERVICE, "pull") for index in range(self.roles.num_servers)]

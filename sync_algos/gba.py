@@ -59,7 +59,8 @@ class SwitchPolicyConfig:
     enabled: bool = False
     """Switch automatically; the API call `switch_mode` works either way."""
     to_gba_ratio: float = 1.5
-    """Switch to GBA when slowest / median trainer compute time stays above this ..."""
+    """Switch to GBA when slowest / median trainer compute time stays above this ... (with two
+    trainers the median is the mean, so the ratio never reaches 2: keep it below)."""
     to_sync_ratio: float = 1.2
     """... and back to sync when it stays below this (hysteresis: must be < to_gba_ratio)."""
     window: int = 50

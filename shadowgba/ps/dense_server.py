@@ -62,6 +62,7 @@ class DenseShard:
         self._in_flight = 0
         self._max_in_flight = 0
         self._staleness = collections.Counter()
+        self._pushes_by_trainer = collections.Counter()
         self._pushes = self._decayed = self._dropped = 0
         self._steps_at_configure = 0
         self._configured_at = time.monotonic()
@@ -142,6 +143,7 @@ class DenseShard:
                 self._validate(trainer, start, end, gradient, num_samples)
                 staleness, weight, mean = aggregator.add(gradient, token, num_samples)
                 self._pushes += 1
+                self._pushes_by_trainer[trainer] += 1
                 self._staleness[min(staleness, STALENESS_BUCKETS)] += 1
                 self._dropped += weight == 0.0
                 self._decayed += 0.0 < weight < 1.0
@@ -167,6 +169,7 @@ class DenseShard:
                 "global_step": global_step,
                 "global_steps_per_s": steps / elapsed,
                 "pushes": self._pushes,
+                "pushes_by_trainer": dict(sorted(self._pushes_by_trainer.items())),
                 "decayed": self._decayed,
                 "dropped": self._dropped,
                 "staleness_histogram": {
