@@ -63,7 +63,8 @@ class ShadowSync:
     optimizer (or TorchRec's combined optimizer), one per thread with Hogwild training threads.
     `params` overrides which parameters are synchronized (default: the dense ones, i.e. all minus
     TorchRec-sharded tables). `process_group` is the group whose ranks synchronize (default: world);
-    the shadow traffic always gets a new group over those ranks.
+    the shadow traffic gets a new group over those ranks (unless the algorithm only talks to a
+    parameter server: then `process_group` itself carries the initial broadcast and final average).
     """
 
     def __init__(
@@ -96,6 +97,7 @@ class ShadowSync:
         self._thread: threading.Thread | None = None
         self._last_log = time.monotonic()
         self._group: dist.ProcessGroup | None = None
+        self._owns_group = False
         self._algorithm: sync_algos.SyncAlgorithm | None = None
         self._writeback: WriteBack | None = None
         self._snapshot = self.dense.empty()
@@ -114,11 +116,16 @@ class ShadowSync:
             raise RuntimeError("ShadowSync needs torch.distributed initialised (init_process_group) first")
         if self._group is not None:
             raise RuntimeError("ShadowSync.start() called twice")
-        ranks = None if self._parent_group is None else dist.get_process_group_ranks(self._parent_group)
-        backend = "nccl" if self.dense.device.type == "cuda" else "gloo"
-        self._group = dist.new_group(
-            ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=self.config.timeout_s)
-        )
+        if sync_algos.get_algorithm(self.config.algo).uses_collectives:
+            ranks = None if self._parent_group is None else dist.get_process_group_ranks(self._parent_group)
+            backend = "nccl" if self.dense.device.type == "cuda" else "gloo"
+            self._group = dist.new_group(
+                ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=self.config.timeout_s)
+            )
+            self._owns_group = True
+        else:  # rounds talk to a parameter server: the group only carries the broadcast and final average
+            self._group = self._parent_group or dist.group.WORLD
+            self._owns_group = False
         initial = self.dense.empty()
         self.dense.copy_to(initial)
         dist.broadcast(initial, src=self._group_rank0(), group=self._group)
@@ -160,7 +167,7 @@ class ShadowSync:
         self._step_hook.remove()
         group, self._group = self._group, None
         if self._error is not None:
-            dist.destroy_process_group(group)
+            self._release(group)
             if not self._error_reported:
                 self._error_reported = True
                 raise ShadowSyncError(f"shadow thread failed: {self._error!r}") from self._error
@@ -168,7 +175,11 @@ class ShadowSync:
         if final_sync:
             self._final_average(group)
         logger.info("shadowgba closed: %s", self.metrics.format())
-        dist.destroy_process_group(group)
+        self._release(group)
+
+    def _release(self, group: dist.ProcessGroup) -> None:
+        if self._owns_group:
+            dist.destroy_process_group(group)
 
     # ------------------------------------------------------------------------------ live controls
     @property

@@ -67,6 +67,8 @@ class SyncAlgorithm(abc.ABC):
 
     name: ClassVar[str]
     kind: ClassVar[str] = "model"
+    uses_collectives: ClassVar[bool] = True
+    """False for algorithms that only talk to a parameter server: no lockstep, no shadow group."""
     Config: ClassVar[type]
     state_names: ClassVar[tuple[str, ...]] = ()
 

@@ -95,7 +95,13 @@ def stop_at(rank: int, world_size: int, name: str, stop_round: dict[int, int]) -
     return seen
 
 
-@pytest.mark.parametrize("name", [n for n in sync_algos.algorithm_names() if sync_algos.get_algorithm(n).kind == "model"])
+COLLECTIVE_ALGORITHMS = [
+    name for name in sync_algos.algorithm_names()
+    if sync_algos.get_algorithm(name).kind == "model" and sync_algos.get_algorithm(name).uses_collectives
+]
+
+
+@pytest.mark.parametrize("name", COLLECTIVE_ALGORITHMS)
 def test_one_rank_raising_the_stop_flag_stops_every_rank_in_the_same_round(name: str) -> None:
     seen = run_ranks(stop_at, 3, name, {0: 99, 1: 2, 2: 5})
     assert seen == [[False, False, True]] * 3
@@ -122,5 +128,5 @@ def test_state_dict_round_trip_and_refusal_of_a_foreign_checkpoint() -> None:
 
 
 def test_unknown_algorithm_names_the_allowed_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown sync algorithm 'sgdx'; allowed: \['bmuf', 'easgd', 'gba', 'ma'\]"):
+    with pytest.raises(ValueError, match=r"unknown sync algorithm 'sgdx'; allowed: \['bmuf', 'easgd', 'easgd_ps', 'gba', 'ma'\]"):
         sync_algos.get_algorithm("sgdx")
