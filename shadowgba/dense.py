@@ -11,6 +11,7 @@ import sys
 from typing import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -70,6 +71,14 @@ class DenseParams:
                 view.zero_()
             else:
                 view.copy_(param.grad)
+
+    def average_(self, group: dist.ProcessGroup | None) -> None:
+        """w <- mean of w over the ranks of `group` (blocking collective)."""
+        flat = self.empty()
+        self.copy_to(flat)
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
+        self.copy_from(flat)
 
     def add_(self, flat_delta: torch.Tensor) -> None:
         """w <- w + delta."""

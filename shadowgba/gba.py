@@ -189,7 +189,7 @@ class GBASync:
         if self.mode == "sync":
             self._sync_round(contribute=False, stop=True)
         if self.mode == "local":
-            self._final_average()
+            self.dense.average_(self.roles.trainer_group)
         with self._queue_ready:
             self._stop = True
             self._queue_ready.notify_all()
@@ -292,12 +292,6 @@ class GBASync:
         """After a peer closed in sync mode: keep training with the same optimizer, alone."""
         self._flat.step(self._grad.clone())
         self.dense.copy_from(self._flat.param.detach())
-
-    def _final_average(self) -> None:
-        flat = self.dense.empty()
-        self.dense.copy_to(flat)
-        dist.all_reduce(flat, group=self.roles.trainer_group)
-        self.dense.copy_from(flat / self.num_trainers)
 
     def _gba_step(self, compute_s: float) -> None:
         with self._queue_ready:

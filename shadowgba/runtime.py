@@ -124,7 +124,10 @@ class ShadowSync:
             )
             self._owns_group = True
         else:  # rounds talk to a parameter server: the group only carries the broadcast and final average
-            self._group = self._parent_group or dist.group.WORLD
+            if self._parent_group is None:
+                raise ValueError(f"sync.algo '{self.config.algo}' needs process_group=roles.trainer_group "
+                                 "(the world includes the parameter servers)")
+            self._group = self._parent_group
             self._owns_group = False
         initial = self.dense.empty()
         self.dense.copy_to(initial)
@@ -173,7 +176,7 @@ class ShadowSync:
                 raise ShadowSyncError(f"shadow thread failed: {self._error!r}") from self._error
             return
         if final_sync:
-            self._final_average(group)
+            self.dense.average_(group)
         logger.info("shadowgba closed: %s", self.metrics.format())
         self._release(group)
 
@@ -287,13 +290,6 @@ class ShadowSync:
             self._error = error
         finally:
             self._rounds_finished = True
-
-    def _final_average(self, group: dist.ProcessGroup) -> None:
-        flat = self.dense.empty()
-        self.dense.copy_to(flat)
-        dist.all_reduce(flat, group=group)
-        flat /= dist.get_world_size(group)
-        self.dense.copy_from(flat)
 
     def _poll_control(self) -> None:
         if self._control is not None and (settings := self._control.poll()) is not None:
