@@ -1,0 +1,1 @@
+"""Parameter-server side of shadowgba: transport, dense GBA shards and asynchronous embeddings."""

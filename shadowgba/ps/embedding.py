@@ -1,0 +1,431 @@
+"""Asynchronous embedding tables on the parameter servers, behind TorchRec's EmbeddingBagCollection API.
+
+    # server ranks
+    roles = transport.start(num_servers=2)
+    transport.serve("embedding", EmbeddingShard(tables, config, roles.server_index, roles.num_servers))
+    transport.stop()
+    # trainer ranks
+    ebc = PSEmbeddingBagCollection(tables, config, roles.num_servers)     # instead of EmbeddingBagCollection
+    loss = model(batch); loss.backward()                                # model calls ebc(kjt) -> KeyedTensor
+    ebc.push_gradients(); dense_optimizer.step()                        # the push does not wait
+    ebc.flush(); transport.stop()                                       # at the end, or before read_table()
+
+Tables are row-sharded: row `id` lives on server `id % num_servers`, at local row `id // num_servers`.
+
+A trainer step has no collective:
+- forward: per table, the ids of all its features de-duplicated (`torch.unique`); one `lookup` RPC per
+  server covering every table, all in flight at once; per table a leaf tensor of the unique rows
+  (requires grad), pooled per feature by `F.embedding_bag` with the KJT's offsets, so autograd leaves
+  the row gradients in the leaf's `.grad`.
+- `push_gradients()`: one `push` RPC per server carrying every table's row gradients and the batch
+  size, sent to *every* server even without rows, so that every shard counts every batch's samples
+  and aggregate mode closes a global batch at the same push on every shard.
+- It is an explicit call rather than a backward hook because the trainer owns the step boundary
+  (GBA hands its token over there): a hook fires once per table, inside autograd's thread, never for a
+  table the loss does not reach, and would have to block backward when too many pushes are in flight.
+- At most `max_in_flight` steps of pushes are in flight; the next `push_gradients()` waits for the
+  oldest. A lookup may still run before this trainer's own pending pushes are applied: a trainer's
+  rows are at most `max_in_flight` of its own steps stale (Hogwild). A failed push is raised at the
+  next `forward()`, `push_gradients()` or `flush()`.
+
+A shard (`EmbeddingShard`) holds one lock; its RPC threads call it concurrently. Every request is
+validated completely before anything changes (a `ValueError` "push refused: ..." names the table and
+the problem), so a refused request leaves the shard untouched, across all its tables. Modes:
+- hogwild: a push is applied on arrival (duplicate ids summed), racing with other trainers' pushes
+  at the granularity of whole pushes.
+- aggregate (GBA's sparse rule): a push adds `num_samples * grad` to a sparse buffer per table (the
+  touched rows and their sums, so memory is bounded by the rows touched in one global batch); once
+  `global_batch` samples have arrived the buffer divided by those samples, the sample-weighted mean of
+  the pushed gradients, is applied once and cleared. With equal batches this is the mean of the pushes,
+  the same rule as the dense GBA shards (`sync_algos.gba`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import zlib
+from typing import Literal, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, pooling_type_to_str
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from shadowgba.config import ConfigError
+from shadowgba.ps import transport
+
+DEFAULT_SERVICE = "embedding"
+"""Service name under which servers serve their `EmbeddingShard` unless told otherwise."""
+
+RowsByTable = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+"""Per table name: (global row ids, one row of values or gradients per id)."""
+
+
+@dataclasses.dataclass
+class PSEmbeddingConfig:
+    """How PS-hosted embedding tables are initialised and updated."""
+
+    optimizer: Literal["sgd", "rowwise_adagrad"] = "sgd"
+    """Row update on the servers. sgd: w -= lr * g. rowwise_adagrad: one accumulator a per row
+    (starting at 0), a += mean(g^2) over the row, w -= lr * g / (sqrt(a) + eps), as TorchRec's
+    (fbgemm's) row-wise Adagrad without weight decay."""
+    lr: float = 0.01
+    """Learning rate of the row update."""
+    eps: float = 1e-8
+    """rowwise_adagrad: added to sqrt(a) in the denominator."""
+    mode: Literal["hogwild", "aggregate"] = "hogwild"
+    """hogwild: every push is applied on arrival. aggregate: pushes are buffered until
+    `global_batch` samples have arrived, then their sample-weighted mean is applied once (GBA)."""
+    global_batch: int = 0
+    """aggregate: samples per global step (GBA: sync-mode trainer count x local batch); must be > 0
+    there, ignored in hogwild mode."""
+    max_in_flight: int = 2
+    """Steps whose pushes a trainer may have in flight; the next `push_gradients()` waits for the
+    oldest. Bounds the trainer's memory and how stale its own rows can be."""
+    seed: int = 0
+    """Seed of the initial values: each shard of a table runs the table's `init_fn` under a seed
+    derived from (seed, table name, server index, server count)."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.eps < 0:
+            raise ConfigError(f"eps must be >= 0, got {self.eps}")
+        if self.mode == "aggregate" and self.global_batch < 1:
+            raise ConfigError(f"global_batch must be >= 1 sample in aggregate mode, got {self.global_batch}")
+        if self.max_in_flight < 1:
+            raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+
+
+@dataclasses.dataclass
+class _ShardTable:
+    """One table's rows on one shard, with optimizer state and the aggregate-mode buffer."""
+
+    config: EmbeddingBagConfig
+    weight: torch.Tensor
+    accumulator: torch.Tensor
+    pending_rows: torch.Tensor = dataclasses.field(init=False)
+    pending_grads: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.clear_pending()
+
+    def clear_pending(self) -> None:
+        """Empty the aggregate-mode buffer (fresh tensors: views would keep the old storage alive)."""
+        self.pending_rows = torch.empty(0, dtype=torch.int64)
+        self.pending_grads = self.weight.new_empty(0, self.weight.shape[1])
+
+
+class EmbeddingShard:
+    """The rows that server `server_index` of `num_servers` owns, of every table (an RPC service).
+
+    Public methods are the service: `lookup`, `push`, `load_rows`, `stats`. Ids are global row ids;
+    each must belong to this shard (`id % num_servers == server_index`).
+    """
+
+    def __init__(
+        self, tables: Sequence[EmbeddingBagConfig], config: PSEmbeddingConfig, server_index: int, num_servers: int
+    ) -> None:
+        if not 0 <= server_index < num_servers:
+            raise ValueError(f"server_index must be in [0, {num_servers}), got {server_index}")
+        self.config = config
+        self.server_index = server_index
+        self.num_servers = num_servers
+        self._lock = threading.Lock()
+        self._tables = {table.name: self._new_table(table) for table in checked_tables(tables)}
+        self._pushes = 0
+        self._updates = 0
+        self._rows_applied = 0
+        self._pending_samples = 0
+
+    def lookup(self, ids_by_table: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Current rows of the given ids, per table."""
+        checked = {name: self._local_rows("lookup", name, ids) for name, ids in ids_by_table.items()}
+        with self._lock:
+            return {name: table.weight[rows] for name, (table, rows) in checked.items()}
+
+    def push(self, grads_by_table: RowsByTable, num_samples: int) -> None:
+        """Row gradients of one trainer batch of `num_samples` samples; applied per `config.mode`."""
+        checked = self._checked_rows("push", grads_by_table)
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"push refused: num_samples must be an integer >= 1, got {num_samples!r}")
+        with self._lock:
+            self._pushes += 1
+            if self.config.mode == "hogwild":
+                for table, rows, grads in checked:
+                    self._apply(table, *_coalesce(rows, grads))
+                self._updates += 1
+                return
+            for table, rows, grads in checked:
+                table.pending_rows, table.pending_grads = _coalesce(
+                    torch.cat([table.pending_rows, rows]), torch.cat([table.pending_grads, grads * num_samples])
+                )
+            self._pending_samples += num_samples
+            if self._pending_samples >= self.config.global_batch:
+                for table in self._tables.values():
+                    self._apply(table, table.pending_rows, table.pending_grads / self._pending_samples)
+                    table.clear_pending()
+                self._pending_samples = 0
+                self._updates += 1
+
+    def load_rows(self, rows_by_table: RowsByTable) -> None:
+        """Overwrite rows (tests, checkpoints); optimizer state and pending gradients are kept."""
+        checked = self._checked_rows("load", rows_by_table)
+        with self._lock:
+            for table, rows, values in checked:
+                table.weight[rows] = values
+
+    def stats(self) -> dict[str, int]:
+        """Counters: pushes, updates (optimizer applications), rows_applied, pending_rows, pending_samples."""
+        with self._lock:
+            return {
+                "pushes": self._pushes,
+                "updates": self._updates,
+                "rows_applied": self._rows_applied,
+                "pending_rows": sum(len(table.pending_rows) for table in self._tables.values()),
+                "pending_samples": self._pending_samples,
+            }
+
+    def _new_table(self, config: EmbeddingBagConfig) -> _ShardTable:
+        local_rows = len(range(self.server_index, config.num_embeddings, self.num_servers))
+        weight = torch.empty(local_rows, config.embedding_dim, dtype=torch.float32)
+        seed = zlib.crc32(f"{self.config.seed}/{config.name}/{self.server_index}/{self.num_servers}".encode())
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            config.init_fn(weight)
+        adagrad = self.config.optimizer == "rowwise_adagrad"
+        return _ShardTable(config, weight, accumulator=torch.zeros(local_rows if adagrad else 0, dtype=torch.float32))
+
+    def _local_rows(self, request: str, name: str, ids: torch.Tensor) -> tuple[_ShardTable, torch.Tensor]:
+        """The table and local row indices of global `ids`, or a ValueError naming the problem."""
+        table = self._tables.get(name)
+        if table is None:
+            raise ValueError(f"{request} refused: unknown table '{name}'; tables: {sorted(self._tables)}")
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
+            raise _refused(request, name, f"ids must be a 1-D int32/int64 tensor, got {_describe(ids)}")
+        ids = ids.long()
+        size = table.config.num_embeddings
+        if len(ids) and (ids.min() < 0 or ids.max() >= size):
+            bad = ids[(ids < 0) | (ids >= size)][0].item()
+            raise _refused(request, name, f"id {bad} out of range [0, {size})")
+        foreign = ids[ids % self.num_servers != self.server_index].tolist()
+        if foreign:
+            owner = foreign[0] % self.num_servers
+            raise _refused(request, name, f"id {foreign[0]} belongs to server {owner}, not {self.server_index}")
+        return table, ids // self.num_servers
+
+    def _checked_rows(
+        self, request: str, rows_by_table: RowsByTable
+    ) -> list[tuple[_ShardTable, torch.Tensor, torch.Tensor]]:
+        """Validated (table, local rows, values) per entry; values must be finite float32 rows."""
+        checked = []
+        for name, entry in rows_by_table.items():
+            if not isinstance(entry, tuple) or len(entry) != 2:
+                raise _refused(request, name, f"expected (ids, rows), got {type(entry).__name__}")
+            ids, values = entry
+            table, rows = self._local_rows(request, name, ids)
+            shape = (len(rows), table.config.embedding_dim)
+            if not isinstance(values, torch.Tensor) or values.dtype != table.weight.dtype or values.shape != shape:
+                raise _refused(request, name, f"rows must be a {table.weight.dtype} tensor of shape {shape}, "
+                                              f"got {_describe(values)}")
+            if not torch.isfinite(values).all():
+                raise _refused(request, name, "rows contain NaN or infinity")
+            checked.append((table, rows, values))
+        return checked
+
+    def _apply(self, table: _ShardTable, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """One optimizer step on distinct local `rows`."""
+        if self.config.optimizer == "rowwise_adagrad":
+            table.accumulator.index_add_(0, rows, grads.pow(2).mean(dim=1))
+            grads = grads / (table.accumulator[rows].sqrt() + self.config.eps).unsqueeze(1)
+        table.weight.index_add_(0, rows, grads, alpha=-self.config.lr)
+        self._rows_applied += len(rows)
+
+
+@dataclasses.dataclass
+class _Step:
+    """What the last forward with grad enabled left for `push_gradients()`."""
+
+    unique_ids: dict[str, torch.Tensor]
+    leaves: dict[str, torch.Tensor]
+    batch_size: int
+
+
+class PSEmbeddingBagCollection(nn.Module):
+    """`EmbeddingBagCollection` (KJT in, KeyedTensor out; sum or mean pooling) on the PS's shards.
+
+    Holds no parameters: the rows live on the servers, which serve an `EmbeddingShard` under
+    `service` built from the same tables and config. After each backward, call `push_gradients()`.
+    One training thread drives it, as it drives the model's forward and backward.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        config: PSEmbeddingConfig,
+        num_servers: int,
+        service: str = DEFAULT_SERVICE,
+    ) -> None:
+        super().__init__()
+        if num_servers < 1:
+            raise ValueError(f"PSEmbeddingBagCollection needs at least one server, got num_servers={num_servers}")
+        self.config = config
+        self.num_servers = num_servers
+        self.service = service
+        self._tables = checked_tables(tables)
+        self._embedding_names = [name for names in get_embedding_names_by_table(self._tables) for name in names]
+        self._lengths_per_key = [table.embedding_dim for table in self._tables for _ in table.feature_names]
+        self._step: _Step | None = None
+        self._in_flight: collections.deque[list[torch.futures.Future]] = collections.deque()
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        """The tables, as `EmbeddingBagCollection.embedding_bag_configs()` (TorchRec's DLRM reads it)."""
+        return self._tables
+
+    def is_weighted(self) -> bool:
+        """Per-sample weights are not supported, as an unweighted `EmbeddingBagCollection`."""
+        return False
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pooled embeddings of every feature, in table order, as `EmbeddingBagCollection.forward`."""
+        self._settle(self.config.max_in_flight)
+        if self._step is not None and any(leaf.grad is not None for leaf in self._step.leaves.values()):
+            raise RuntimeError(
+                "the row gradients of the previous batch were never pushed: call push_gradients() after backward()"
+            )
+        if features.variable_stride_per_key():
+            raise ValueError("variable batch sizes per feature (VBE) are not supported")
+        jagged = features.to_dict()
+        ids = {
+            table.name: torch.cat([jagged[feature].values() for feature in table.feature_names]).long().cpu()
+            for table in self._tables
+        }
+        unique_ids, inverse = {}, {}
+        for name, table_ids in ids.items():
+            unique_ids[name], inverse[name] = torch.unique(table_ids, return_inverse=True)
+        leaves = {
+            name: table_rows.to(features.device()).requires_grad_(torch.is_grad_enabled())
+            for name, table_rows in self._fetch(unique_ids).items()
+        }
+        pooled = []
+        for table in self._tables:
+            positions = inverse[table.name].to(features.device())
+            start = 0
+            for feature in table.feature_names:
+                bags = jagged[feature]
+                end = start + bags.values().numel()
+                pooled.append(F.embedding_bag(
+                    positions[start:end], leaves[table.name], bags.offsets(),
+                    mode=pooling_type_to_str(table.pooling), include_last_offset=True,
+                ))
+                start = end
+        self._step = _Step(unique_ids, leaves, features.stride()) if torch.is_grad_enabled() else None
+        return KeyedTensor(
+            keys=self._embedding_names, length_per_key=self._lengths_per_key, values=torch.cat(pooled, dim=1)
+        )
+
+    def push_gradients(self) -> None:
+        """Send the last backward's row gradients to the servers; waits only if too many are in flight."""
+        step, self._step = self._step, None
+        if step is None:
+            raise RuntimeError("push_gradients() needs a forward() with gradients enabled first")
+        grads = {
+            name: (step.unique_ids[name], leaf.grad.detach().cpu())
+            for name, leaf in step.leaves.items()
+            if leaf.grad is not None
+        }
+        self._in_flight.append([
+            transport.call_async(server, self.service, "push", request, step.batch_size)
+            for server, request in enumerate(self._split(grads))
+        ])
+        self._settle(self.config.max_in_flight)
+
+    def flush(self) -> None:
+        """Wait until every push is applied (or raise the first that failed)."""
+        self._settle(0)
+
+    def read_table(self, name: str) -> torch.Tensor:
+        """The whole table, gathered from the servers (tests, checkpoints)."""
+        return self._fetch({name: torch.arange(self._table(name).num_embeddings)})[name]
+
+    def load_table(self, name: str, weight: torch.Tensor) -> None:
+        """Overwrite the whole table on the servers (tests, checkpoints); optimizer state is kept."""
+        ids = torch.arange(self._table(name).num_embeddings)
+        futures = [
+            transport.call_async(server, self.service, "load_rows", request)
+            for server, request in enumerate(self._split({name: (ids, weight.detach().cpu())}))
+        ]
+        for future in futures:
+            future.wait()
+
+    def _table(self, name: str) -> EmbeddingBagConfig:
+        for table in self._tables:
+            if table.name == name:
+                return table
+        raise ValueError(f"unknown table '{name}'; tables: {[table.name for table in self._tables]}")
+
+    def _split(self, rows_by_table: RowsByTable) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Per server, the (ids, rows) pairs of the ids it owns; every server gets a request."""
+        requests: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(self.num_servers)]
+        for name, (ids, rows) in rows_by_table.items():
+            owners = ids % self.num_servers
+            for server, request in enumerate(requests):
+                mine = owners == server
+                request[name] = (ids[mine], rows[mine])
+        return requests
+
+    def _fetch(self, ids_by_table: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rows of `ids_by_table`, one lookup per server, all in flight at once."""
+        # split each id's position along with it, so that every reply lands at its ids' places
+        requests = self._split({name: (ids, torch.arange(len(ids))) for name, ids in ids_by_table.items()})
+        futures = [
+            transport.call_async(server, self.service, "lookup", {name: ids for name, (ids, _) in request.items()})
+            for server, request in enumerate(requests)
+        ]
+        dims = {table.name: table.embedding_dim for table in self._tables}
+        rows = {name: torch.empty(len(ids), dims[name], dtype=torch.float32) for name, ids in ids_by_table.items()}
+        for request, future in zip(requests, futures):
+            for name, server_rows in future.wait().items():
+                rows[name][request[name][1]] = server_rows
+        return rows
+
+    def _settle(self, max_left: int) -> None:
+        """Retire finished steps of pushes, waiting while more than `max_left` are in flight."""
+        while self._in_flight and (len(self._in_flight) > max_left or all(f.done() for f in self._in_flight[0])):
+            for future in self._in_flight.popleft():
+                future.wait()  # raises the service's error, e.g. "push refused: ..."
+
+
+def checked_tables(tables: Sequence[EmbeddingBagConfig]) -> list[EmbeddingBagConfig]:
+    """Copies of `tables` with feature names defaulted to the table name (as TorchRec does), validated."""
+    checked = [
+        dataclasses.replace(table, feature_names=list(table.feature_names) or [table.name]) for table in tables
+    ]
+    names = [table.name for table in checked]
+    if len(set(names)) != len(names) or not all(names):
+        raise ValueError(f"tables need distinct, non-empty names, got {names}")
+    for table in checked:
+        if table.data_type != DataType.FP32:
+            raise ValueError(f"table '{table.name}': only FP32 tables are supported, got {table.data_type}")
+        pooling_type_to_str(table.pooling)  # refuses pooling types other than sum and mean
+    return checked
+
+
+def _coalesce(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct rows (sorted) and the sum of the gradients given for each."""
+    distinct, inverse = torch.unique(rows, return_inverse=True)
+    return distinct, grads.new_zeros(len(distinct), grads.shape[1]).index_add_(0, inverse, grads)
+
+
+def _refused(request: str, table: str, problem: str) -> ValueError:
+    return ValueError(f"{request} refused: table '{table}': {problem}")
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__

@@ -1,0 +1,294 @@
+"""The parameter-server transport: who is a server in a torchrun job, and calls into their services.
+
+This is the one module that knows about `torch.distributed.rpc` (TensorPipe is in maintenance mode
+upstream; replacing it touches this file only).
+
+    roles = transport.start(num_servers=2)              # every rank
+    if roles.is_server:
+        transport.serve("embedding", EmbeddingShard(...))
+    else:
+        rows = transport.call(0, "embedding", "lookup", {"t0": ids})   # or call_async -> Future
+    transport.stop()                                    # every rank; servers wait here for the trainers
+
+Roles: the last `num_servers` ranks are servers (RPC names "ps0", "ps1", ...), the others trainers
+("trainer0", ...) with a process group of their own, `Roles.trainer_group`, so that trainer
+collectives never involve a server.
+
+Rendezvous and listening (tested under torchrun and under a plain spawn harness):
+- RPC rendezvous uses `init_method="env://"`, i.e. the store that MASTER_ADDR:MASTER_PORT already
+  names; no second port is taken. Under torchrun (TORCHELASTIC_USE_AGENT_STORE) that is a client of
+  the agent's store. Without an agent, rank 0's default-group TCPStore is multi-tenant, so the RPC
+  rendezvous in the same process shares its server instead of binding the port again. RPC keeps its
+  keys under its own prefix, apart from the process groups' keys.
+- TensorPipe listens on ephemeral ports of one address: the interface named by TP_SOCKET_IFNAME,
+  else whatever the host name resolves to (on many hosts a public address); gloo groups, including
+  the one RPC creates for itself, do the same with GLOO_SOCKET_IFNAME. `start()` sets both, for the
+  rest of the process and unless the user has, to the interface of the local address that routes
+  to MASTER_ADDR: loopback on one machine, the interface facing the master across machines.
+
+Invariants (why a call cannot deadlock):
+- A call is one request and one reply. The service method runs on one of the server's RPC threads
+  and must neither issue collectives nor wait on other calls, so no cycle of waits can form.
+  Services are called concurrently from those threads and must be thread-safe.
+- `start()` returns on trainers before the servers have called `serve()`; a call for a name that
+  is not served yet waits up to `SERVE_WAIT_S` for it, then fails naming the served services.
+- `stop()` is a barrier over every rank that also drains outstanding calls (graceful RPC shutdown,
+  no timeout): servers sit in it until every trainer has called it too.
+- An exception raised by a service is raised by the caller's `wait()` with its own type and message
+  and the server's traceback as a note (RPC alone would turn most types into RuntimeError).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import os
+import socket
+import struct
+import threading
+import traceback
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+SERVE_WAIT_S = 30.0
+"""How long a call for a service name that is not served (yet) waits for `serve()` on its server."""
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """This rank's place in a job of trainers and parameter servers."""
+
+    rank: int
+    """Global rank of this process."""
+    world_size: int
+    """Number of ranks, servers included."""
+    num_servers: int
+    """Number of parameter-server ranks (the last ones)."""
+    server_ranks: tuple[int, ...]
+    """Global ranks of the servers; server i is `server_ranks[i]`, RPC name `ps{i}`."""
+    trainer_ranks: tuple[int, ...]
+    """Global ranks of the trainers; trainer i is `trainer_ranks[i]`, RPC name `trainer{i}`."""
+    trainer_index: int | None
+    """Index of this rank among the trainers; None on servers."""
+    server_index: int | None
+    """Index of this rank among the servers; None on trainers."""
+    trainer_group: dist.ProcessGroup | None = dataclasses.field(default=None, compare=False, repr=False)
+    """Process group of the trainers (set by `start()` on trainers; None on servers)."""
+
+    @classmethod
+    def assign(cls, rank: int, world_size: int, num_servers: int) -> "Roles":
+        """The roles of `rank`, without any group; refuses a server count that leaves no trainer."""
+        if isinstance(num_servers, bool) or not isinstance(num_servers, int) or not 0 <= num_servers < world_size:
+            raise ValueError(
+                f"num_servers must be an integer in [0, world_size) so that at least one trainer remains; "
+                f"got {num_servers!r} with world_size {world_size}"
+            )
+        first_server = world_size - num_servers
+        is_server = rank >= first_server
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            num_servers=num_servers,
+            server_ranks=tuple(range(first_server, world_size)),
+            trainer_ranks=tuple(range(first_server)),
+            trainer_index=None if is_server else rank,
+            server_index=rank - first_server if is_server else None,
+        )
+
+    @property
+    def is_server(self) -> bool:
+        """Whether this rank is a parameter server."""
+        return self.server_index is not None
+
+    @property
+    def name(self) -> str:
+        """This rank's RPC name."""
+        return server_name(self.server_index) if self.is_server else f"trainer{self.trainer_index}"
+
+
+@dataclasses.dataclass
+class _Started:
+    roles: Roles
+    owns_default_group: bool
+
+
+_started: _Started | None = None
+_services: dict[str, object] = {}
+_services_changed = threading.Condition()
+
+
+def server_name(server_index: int) -> str:
+    """RPC name of server `server_index`."""
+    return f"ps{server_index}"
+
+
+def start(num_servers: int, backend: str = "gloo") -> Roles:
+    """Join the job as trainer or server (collective: every rank calls it, in the same order).
+
+    Reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; initialises the default process
+    group (with `backend`) unless it exists, creates the trainer group and starts RPC.
+    """
+    global _started
+    if _started is not None:
+        raise RuntimeError("the PS transport is already started; call stop() first")
+    master_addr = os.environ.get("MASTER_ADDR")
+    if not master_addr or not os.environ.get("MASTER_PORT"):
+        raise RuntimeError("the PS transport needs MASTER_ADDR and MASTER_PORT (as set by torchrun)")
+    owns_default_group = not dist.is_initialized()
+    if owns_default_group:
+        try:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except KeyError as missing:
+            raise RuntimeError(f"the PS transport needs {missing.args[0]} (as set by torchrun)") from None
+    else:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    roles = Roles.assign(rank, world_size, num_servers)  # before any group exists
+    if not {"TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} <= set(os.environ):
+        interface = listen_interface(master_addr)
+        os.environ.setdefault("TP_SOCKET_IFNAME", interface)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    if owns_default_group:
+        dist.init_process_group(backend)
+    trainer_group = dist.new_group(list(roles.trainer_ranks), backend=backend)
+    roles = dataclasses.replace(roles, trainer_group=None if roles.is_server else trainer_group)
+    with warnings.catch_warnings():
+        # RPC's own device-map exchange passes a bare gloo backend where a group is expected
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+        rpc.init_rpc(
+            roles.name,
+            rank=rank,
+            world_size=world_size,
+            rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method="env://"),
+        )
+    _started = _Started(roles, owns_default_group)
+    return roles
+
+
+def roles() -> Roles:
+    """This rank's roles in the started job."""
+    return _require_started().roles
+
+
+def serve(name: str, service: object) -> None:
+    """Make `service`'s public methods callable by other ranks as `name` (server ranks only)."""
+    roles = _require_started().roles
+    if not roles.is_server:
+        raise RuntimeError(f"serve() runs on server ranks; rank {roles.rank} is {roles.name}")
+    with _services_changed:
+        if name in _services:
+            raise ValueError(f"service '{name}' is already served on {roles.name}")
+        _services[name] = service
+        _services_changed.notify_all()
+
+
+def call_async(server_index: int, name: str, method: str, *args: Any) -> torch.futures.Future:
+    """Run `service.method(*args)` of service `name` on server `server_index`; a Future of the result.
+
+    `wait()` returns the result or raises the service's exception: same type, same message, the
+    server's traceback attached as a note. Transport failures (timeout, dead peer) raise RuntimeError.
+    """
+    num_servers = _require_started().roles.num_servers
+    if not 0 <= server_index < num_servers:
+        raise ValueError(f"server_index must be in [0, {num_servers}), got {server_index}")
+    reply = rpc.rpc_async(server_name(server_index), _dispatch, args=(name, method, args))
+    result: torch.futures.Future = torch.futures.Future()
+
+    def settle(done: torch.futures.Future) -> None:
+        try:
+            value = done.wait()
+        except Exception as error:  # the transport failed
+            result.set_exception(error)
+            return
+        if isinstance(value, _Failure):
+            value.error.add_note(f"raised by service '{name}' on {server_name(server_index)}:\n{value.traceback}")
+            result.set_exception(value.error)
+        else:
+            result.set_result(value)
+
+    reply.add_done_callback(settle)
+    return result
+
+
+def call(server_index: int, name: str, method: str, *args: Any) -> Any:
+    """Blocking `call_async`: the result, or the service's exception raised here."""
+    return call_async(server_index, name, method, *args).wait()
+
+
+def stop() -> None:
+    """Leave the job (collective): waits for every rank and every outstanding call, then tears down.
+
+    The default process group is destroyed only if `start()` created it.
+    """
+    global _started
+    started = _require_started()
+    rpc.shutdown(graceful=True)
+    with _services_changed:
+        _services.clear()
+    if started.owns_default_group:
+        dist.destroy_process_group()
+    elif started.roles.trainer_group is not None:
+        dist.destroy_process_group(started.roles.trainer_group)
+    _started = None
+
+
+def listen_interface(master_addr: str) -> str:
+    """Name of the network interface whose IPv4 address this host uses to reach `master_addr`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((master_addr, 9))  # a UDP connect sends nothing; it only picks the route
+        except OSError as error:
+            raise RuntimeError(
+                f"no IPv4 route to MASTER_ADDR {master_addr} ({error}); set TP_SOCKET_IFNAME and "
+                "GLOO_SOCKET_IFNAME to the interface the PS transport should listen on"
+            ) from None
+        local_address = probe.getsockname()[0]
+    for _, interface in socket.if_nameindex():
+        if _ipv4_address(interface) == local_address:
+            return interface
+    raise RuntimeError(
+        f"no network interface holds {local_address}, the address that reaches MASTER_ADDR {master_addr}; "
+        "set TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the interface the PS transport should listen on"
+    )
+
+
+def _ipv4_address(interface: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
+        try:
+            reply = fcntl.ioctl(query.fileno(), _SIOCGIFADDR, struct.pack("256s", interface.encode()[:15]))
+        except OSError:  # the interface has no IPv4 address
+            return None
+    return socket.inet_ntoa(reply[20:24])  # struct ifreq: 16-byte name, then sockaddr_in
+
+
+def _require_started() -> _Started:
+    if _started is None:
+        raise RuntimeError("the PS transport is not started; call start() first")
+    return _started
+
+
+@dataclasses.dataclass
+class _Failure:
+    """A service's exception on its way back to the caller (RPC itself keeps only a few types)."""
+
+    error: Exception
+    traceback: str
+
+
+def _dispatch(name: str, method: str, args: tuple[Any, ...]) -> Any:
+    """Runs on the server's RPC thread: look the service up (waiting for serve()) and call it."""
+    try:
+        with _services_changed:
+            if not _services_changed.wait_for(lambda: name in _services, timeout=SERVE_WAIT_S):
+                raise LookupError(f"no service '{name}' after {SERVE_WAIT_S:g}s; served: {sorted(_services)}")
+            service = _services[name]
+        if method.startswith("_") or not callable(getattr(service, method, None)):
+            raise AttributeError(f"service '{name}' ({type(service).__name__}) has no public method '{method}'")
+        return getattr(service, method)(*args)
+    except Exception as error:
+        return _Failure(error, traceback.format_exc())

@@ -1,0 +1,271 @@
+"""Embeddings on the PS: the shard's update rules in-process, and the module against TorchRec on real ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from shadowgba.config import ConfigError
+from shadowgba.ps import transport
+from shadowgba.ps.embedding import EmbeddingShard, PSEmbeddingBagCollection, PSEmbeddingConfig, checked_tables
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+LR = 0.1
+BATCH = 3
+TABLES = [
+    EmbeddingBagConfig(name="users", num_embeddings=10, embedding_dim=4, feature_names=["user"]),
+    EmbeddingBagConfig(name="products", num_embeddings=7, embedding_dim=3, feature_names=["item", "history"],
+                       pooling=PoolingType.MEAN),
+]
+"""One sum-pooled table, one mean-pooled table read by two features; the rows spread over both servers."""
+BAGS = [  # per trainer, per feature: one bag of ids per sample; empty bags and repeated ids included
+    {"user": [[1, 4], [], [9]], "item": [[0], [6, 2, 2], []], "history": [[], [], []]},
+    {"user": [[], [3, 1, 1], [8]], "item": [[5], [], [1, 3]], "history": [[2], [0, 6], []]},
+]
+
+
+def batch(trainer: int) -> KeyedJaggedTensor:
+    bags = BAGS[trainer]
+    keys = list(bags)
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=torch.tensor([i for key in keys for bag in bags[key] for i in bag], dtype=torch.int64),
+        lengths=torch.tensor([len(bag) for key in keys for bag in bags[key]], dtype=torch.int32),
+    )
+
+
+def probe(trainer: int) -> torch.Tensor:
+    """Fixed output weights: loss = sum(pooled * probe) gives every pooled value its own gradient."""
+    return torch.randn(BATCH, 4 + 3 + 3, generator=torch.Generator().manual_seed(100 + trainer))
+
+
+def reference() -> EmbeddingBagCollection:
+    torch.manual_seed(0)
+    return EmbeddingBagCollection(TABLES)
+
+
+def tables_of(ebc: EmbeddingBagCollection) -> dict[str, torch.Tensor]:
+    return {name: bag.weight.detach().clone() for name, bag in ebc.embedding_bags.items()}
+
+
+SERVICES = {
+    "hogwild": PSEmbeddingConfig(lr=LR),
+    "gba": PSEmbeddingConfig(lr=LR, mode="aggregate", global_batch=2 * BATCH),
+}
+"""Two services on every server: asynchronous SGD, and GBA over the global batch of both trainers."""
+
+
+def ps_against_torchrec(rank: int, world_size: int) -> dict:
+    """Ranks 0-1 train, 2-3 serve. One step of both trainers on both services, then refused pushes."""
+    roles = transport.start(num_servers=2)
+    try:
+        if roles.is_server:
+            for name, config in SERVICES.items():
+                transport.serve(name, EmbeddingShard(TABLES, config, roles.server_index, roles.num_servers))
+            return {}
+        return train_one_step(roles)
+    finally:
+        transport.stop()
+
+
+def train_one_step(roles: transport.Roles) -> dict:
+    me = roles.trainer_index
+    ebc = reference()
+    initial = tables_of(ebc)
+    modules = {
+        name: PSEmbeddingBagCollection(TABLES, config, roles.num_servers, service=name)
+        for name, config in SERVICES.items()
+    }
+    if me == 0:
+        for module in modules.values():
+            for name, weight in initial.items():
+                module.load_table(name, weight)
+    dist.barrier(group=roles.trainer_group)
+    expected = ebc(batch(me))
+    for module in modules.values():
+        pooled = module(batch(me))
+        assert pooled.keys() == expected.keys() == ["user", "item", "history"]
+        assert pooled.length_per_key() == expected.length_per_key()
+        torch.testing.assert_close(pooled.values(), expected.values(), rtol=0, atol=1e-6)
+        (pooled.values() * probe(me)).sum().backward()
+    dist.barrier(group=roles.trainer_group)  # both trainers' gradients come from the initial rows
+    for module in modules.values():
+        module.push_gradients()
+        module.flush()
+    dist.barrier(group=roles.trainer_group)  # both trainers' pushes are applied
+    sum(((ebc(batch(t)).values() * probe(t)).sum() for t in range(2)), torch.tensor(0.0)).backward()
+    gradients = {name: bag.weight.grad for name, bag in ebc.embedding_bags.items()}
+    for name, weight in initial.items():
+        # hogwild: each trainer's step applied; GBA: one step with the mean over the global batch
+        hogwild, gba = modules["hogwild"].read_table(name), modules["gba"].read_table(name)
+        torch.testing.assert_close(hogwild, weight - LR * gradients[name], rtol=0, atol=1e-6)
+        torch.testing.assert_close(gba, weight - LR * gradients[name] / 2, rtol=0, atol=1e-6)
+    dist.barrier(group=roles.trainer_group)
+    if me == 0:
+        check_refusals(modules["hogwild"])
+    dist.barrier(group=roles.trainer_group)
+    return {name: [transport.call(server, name, "stats") for server in range(roles.num_servers)] for name in SERVICES}
+
+
+def check_refusals(module: PSEmbeddingBagCollection) -> None:
+    """A malformed push over RPC and NaN gradients from the module are refused; nothing changes."""
+    before = {name: module.read_table(name) for name in ("users", "products")}
+    float64_rows = {"users": (torch.tensor([0, 2]), torch.ones(2, 4, dtype=torch.float64))}
+    with pytest.raises(ValueError, match=r"push refused: table 'users': rows must be a torch.float32 tensor"):
+        transport.call(0, "hogwild", "push", float64_rows, 1)
+    with pytest.raises(ValueError, match="push refused: table 'users': id 3 belongs to server 1, not 0"):
+        transport.call(0, "hogwild", "push", {"users": (torch.tensor([3]), torch.ones(1, 4))}, 1)
+    pooled = module(batch(0))
+    (pooled.values() * math.nan).sum().backward()
+    module.push_gradients()
+    with pytest.raises(ValueError, match="push refused: table '(users|products)': rows contain NaN"):
+        module.flush()
+    with pytest.raises(ValueError, match=r"lookup refused: table 'users': id 10 out of range \[0, 10\)"):
+        module(KeyedJaggedTensor.from_lengths_sync(
+            keys=["user", "item", "history"], values=torch.tensor([10]), lengths=torch.tensor([1, 0, 0])
+        ))
+    for name, weight in before.items():
+        torch.testing.assert_close(module.read_table(name), weight, rtol=0, atol=0)
+    module(batch(0)).values().sum().backward()
+    with pytest.raises(RuntimeError, match="call push_gradients"):
+        module(batch(0))
+
+
+def test_ps_module_matches_torchrec_forward_and_one_step_with_two_trainers_and_two_servers() -> None:
+    stats = run_ranks(ps_against_torchrec, 4, timeout_s=90)[0]
+    for shard in stats["hogwild"]:  # one push per trainer per server, the refused ones not counted
+        assert (shard["pushes"], shard["updates"], shard["pending_rows"]) == (2, 2, 0)
+    for shard in stats["gba"]:
+        assert (shard["pushes"], shard["updates"], shard["pending_samples"]) == (2, 1, 0)
+
+
+def shard(config: PSEmbeddingConfig, server_index: int = 0, num_servers: int = 1) -> EmbeddingShard:
+    """A shard of table "t" (10 x 2) with weight[i] = (i, -i) on its rows."""
+    table = EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=2)
+    built = EmbeddingShard([table], config, server_index, num_servers)
+    ids = torch.arange(server_index, 10, num_servers)
+    built.load_rows({"t": (ids, torch.stack([ids, -ids], dim=1).float())})
+    return built
+
+
+def rows(built: EmbeddingShard, ids: list[int]) -> torch.Tensor:
+    return built.lookup({"t": torch.tensor(ids)})["t"]
+
+
+def test_hogwild_sgd_sums_repeated_ids_and_serves_only_its_own_rows() -> None:
+    built = shard(PSEmbeddingConfig(lr=0.5), server_index=1, num_servers=2)
+    grads = torch.tensor([[1.0, 2.0], [4.0, 8.0], [16.0, 32.0]])
+    built.push({"t": (torch.tensor([3, 1, 3]), grads)}, 3)
+    expected = torch.tensor([[1.0, -1.0], [3.0, -3.0]]) - 0.5 * torch.stack([grads[1], grads[0] + grads[2]])
+    torch.testing.assert_close(rows(built, [1, 3]), expected)
+    assert built.stats() == {"pushes": 1, "updates": 1, "rows_applied": 2, "pending_rows": 0, "pending_samples": 0}
+
+
+def test_rowwise_adagrad_follows_its_formula_over_two_steps() -> None:
+    config = PSEmbeddingConfig(optimizer="rowwise_adagrad", lr=0.1, eps=1e-3)
+    built = shard(config)
+    first, second = torch.tensor([[3.0, -1.0]]), torch.tensor([[0.5, 2.0]])
+    built.push({"t": (torch.tensor([4]), first)}, 1)
+    accumulator = (first**2).mean()
+    weight = torch.tensor([4.0, -4.0]) - 0.1 * first[0] / (accumulator.sqrt() + 1e-3)
+    torch.testing.assert_close(rows(built, [4])[0], weight)
+    built.push({"t": (torch.tensor([4]), second)}, 1)
+    accumulator = accumulator + (second**2).mean()
+    torch.testing.assert_close(rows(built, [4])[0], weight - 0.1 * second[0] / (accumulator.sqrt() + 1e-3))
+
+
+def test_aggregate_mode_applies_the_sample_weighted_mean_once_a_global_batch_has_arrived() -> None:
+    built = shard(PSEmbeddingConfig(lr=0.5, mode="aggregate", global_batch=8))
+    initial = rows(built, list(range(10)))
+    first, second = torch.tensor([[1.0, 1.0], [2.0, 2.0]]), torch.tensor([[4.0, 4.0], [8.0, 8.0]])
+    built.push({"t": (torch.tensor([1, 2]), first)}, 4)
+    torch.testing.assert_close(rows(built, list(range(10))), initial)  # nothing applied yet
+    assert built.stats() | {"rows_applied": None} == {
+        "pushes": 1, "updates": 0, "rows_applied": None, "pending_rows": 2, "pending_samples": 4,
+    }
+    built.push({"t": (torch.tensor([2, 5]), second)}, 4)  # equal batches: the mean of the two pushes
+    expected = initial.clone()
+    expected[[1, 2, 5]] -= 0.5 * torch.stack([first[0], first[1] + second[0], second[1]]) / 2
+    torch.testing.assert_close(rows(built, list(range(10))), expected)
+    assert built.stats() == {"pushes": 2, "updates": 1, "rows_applied": 3, "pending_rows": 0, "pending_samples": 0}
+    built.push({"t": (torch.tensor([7]), first[:1])}, 2)  # unequal batches: weighted by samples
+    built.push({"t": (torch.tensor([7]), second[:1])}, 6)
+    expected[7] -= 0.5 * (2 * first[0] + 6 * second[0]) / 8
+    torch.testing.assert_close(rows(built, [7])[0], expected[7])
+
+
+MALFORMED = {
+    "unknown table": ({"nope": (torch.tensor([1]), torch.ones(1, 2))}, 1, "unknown table 'nope'; tables: \\['t'\\]"),
+    "id out of range": ({"t": (torch.tensor([4, 10]), torch.ones(2, 2))}, 1, "id 10 out of range \\[0, 10\\)"),
+    "negative id": ({"t": (torch.tensor([-2]), torch.ones(1, 2))}, 1, "id -2 out of range"),
+    "2-D ids": ({"t": (torch.tensor([[2]]), torch.ones(1, 2))}, 1, "ids must be a 1-D int32/int64 tensor"),
+    "float ids": ({"t": (torch.tensor([2.0]), torch.ones(1, 2))}, 1, "ids must be a 1-D int32/int64 tensor"),
+    "float64 rows": ({"t": (torch.tensor([2]), torch.ones(1, 2).double())}, 1, "rows must be a torch.float32 tensor"),
+    "wrong width": ({"t": (torch.tensor([2]), torch.ones(1, 3))}, 1, "shape \\(1, 2\\), got .* shape \\(1, 3\\)"),
+    "too few rows": ({"t": (torch.tensor([2, 4]), torch.ones(1, 2))}, 1, "shape \\(2, 2\\)"),
+    "infinite": ({"t": (torch.tensor([2]), torch.tensor([[1.0, math.inf]]))}, 1, "NaN or infinity"),
+    "not a pair": ({"t": torch.tensor([2])}, 1, "expected \\(ids, rows\\)"),
+    "no samples": ({"t": (torch.tensor([2]), torch.ones(1, 2))}, 0, "num_samples must be an integer >= 1"),
+    "one bad table of two": (
+        {"t": (torch.tensor([2]), torch.ones(1, 2)), "u": (torch.tensor([1]), torch.ones(1, 2))}, 1, "unknown table 'u'"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_malformed_pushes_are_refused_and_leave_the_shard_untouched(case: str, optimizer: str) -> None:
+    built = shard(PSEmbeddingConfig(optimizer=optimizer, mode="aggregate", global_batch=2))
+    built.push({"t": (torch.tensor([2]), torch.ones(1, 2))}, 1)  # something pending, too
+    weights, stats = rows(built, list(range(10))), built.stats()
+    request, num_samples, message = MALFORMED[case]
+    with pytest.raises(ValueError, match=f"push refused: .*{message}"):
+        built.push(request, num_samples)
+    torch.testing.assert_close(rows(built, list(range(10))), weights, rtol=0, atol=0)
+    assert built.stats() == stats
+
+
+def test_lookups_of_foreign_or_unknown_rows_are_refused() -> None:
+    built = shard(PSEmbeddingConfig(), server_index=0, num_servers=3)
+    with pytest.raises(ValueError, match="lookup refused: table 't': id 4 belongs to server 1, not 0"):
+        built.lookup({"t": torch.tensor([3, 4])})
+    with pytest.raises(ValueError, match="lookup refused: unknown table 'u'"):
+        built.lookup({"u": torch.tensor([0])})
+
+
+def test_initial_rows_are_seeded_per_table_and_server_and_leave_the_global_rng_alone() -> None:
+    table = EmbeddingBagConfig(name="t", num_embeddings=100, embedding_dim=8)
+
+    def initial(seed: int, server_index: int) -> torch.Tensor:
+        built = EmbeddingShard([table], PSEmbeddingConfig(seed=seed), server_index, 2)
+        return built.lookup({"t": torch.arange(server_index, 100, 2)})["t"]
+
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    assert torch.equal(initial(0, 0), initial(0, 0))
+    assert not torch.equal(initial(0, 0), initial(0, 1)) and not torch.equal(initial(0, 0), initial(1, 0))
+    assert initial(0, 1).abs().max() <= math.sqrt(1 / 100)  # TorchRec's default init range
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_bad_configs_and_tables_are_refused_with_the_reason() -> None:
+    with pytest.raises(ConfigError, match="global_batch must be >= 1 sample in aggregate mode"):
+        PSEmbeddingConfig(mode="aggregate")
+    with pytest.raises(ConfigError, match="max_in_flight must be >= 1"):
+        PSEmbeddingConfig(max_in_flight=0)
+    table = EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=2)
+    with pytest.raises(ValueError, match="distinct, non-empty names"):
+        checked_tables([table, table])
+    with pytest.raises(ValueError, match="only FP32 tables"):
+        checked_tables([EmbeddingBagConfig(name="h", num_embeddings=4, embedding_dim=2, data_type=DataType.FP16)])
+    with pytest.raises(ValueError, match="Unsupported pooling type"):
+        checked_tables([EmbeddingBagConfig(name="n", num_embeddings=4, embedding_dim=2, pooling=PoolingType.NONE)])
+    assert checked_tables([table])[0].feature_names == ["t"] and table.feature_names == []

@@ -1,0 +1,147 @@
+"""The PS transport on real ranks, under the spawn harness and under torchrun: roles, calls, errors.
+
+Run as a script (`torchrun --nproc_per_node=3 tests/test_ps_transport.py`) it exercises the same
+checks with torchrun's agent owning MASTER_PORT and `start()` creating the default process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shadowgba.ps import transport
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVE_DELAY_S = 0.5
+"""The server serves this long after start(): trainers' first calls must wait for serve(), not fail."""
+
+
+class Echo:
+    """A toy service: returns what it was given, doubles tensors, refuses on request."""
+
+    def __init__(self, server_index: int) -> None:
+        self.server_index = server_index
+
+    def describe(self, sender: int, values: torch.Tensor) -> dict:
+        return {"server": self.server_index, "sender": sender, "doubled": values * 2}
+
+    def refuse(self, reason: str) -> None:
+        raise ValueError(f"push refused: {reason}")
+
+
+def listening_sockets() -> set[tuple[str, str, str]]:
+    """(table, hex address, hex port) of every TCP socket this process listens on, from /proc."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with_target = Path("/proc/self/fd", fd)
+        if with_target.is_symlink():
+            inodes.add(os.readlink(with_target))
+    listening = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path("/proc/net", table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and f"socket:[{fields[9]}]" in inodes:  # 0A: LISTEN
+                listening.add((table, *fields[1].split(":")))
+    return listening
+
+
+def exercise_transport(rank: int, world_size: int) -> dict:
+    """3 ranks, 1 server: every rank checks its roles; trainers call the server's Echo service."""
+    before = listening_sockets()
+    roles = transport.start(num_servers=1)
+    opened = {(table, address) for table, address, _ in listening_sockets() - before}
+    result: dict = {"roles": dataclasses.replace(roles, trainer_group=None), "opened": opened}
+    try:
+        assert roles.world_size == 3 and roles.server_ranks == (2,) and roles.trainer_ranks == (0, 1)
+        assert os.environ["TP_SOCKET_IFNAME"] == os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+        if roles.is_server:
+            assert (roles.server_index, roles.trainer_index, roles.name) == (0, None, "ps0")
+            assert roles.trainer_group is None
+            time.sleep(SERVE_DELAY_S)
+            transport.serve("echo", Echo(roles.server_index))
+            transport.SERVE_WAIT_S = 0.5  # how long the trainers' call for an unknown service waits
+        else:
+            assert (roles.server_index, roles.trainer_index, roles.name) == (None, rank, f"trainer{rank}")
+            reply = transport.call_async(0, "echo", "describe", rank, torch.arange(3.0)).wait()
+            assert reply["server"] == 0 and reply["sender"] == rank
+            torch.testing.assert_close(reply["doubled"], torch.tensor([0.0, 2.0, 4.0]))
+            with pytest.raises(ValueError, match="push refused: stale token from trainer"):
+                transport.call(0, "echo", "refuse", f"stale token from trainer{rank}")
+            with pytest.raises(LookupError, match=r"no service 'nope' .*served: \['echo'\]"):
+                transport.call(0, "nope", "describe", rank, torch.zeros(1))
+            with pytest.raises(AttributeError, match="has no public method '_private'"):
+                transport.call(0, "echo", "_private")
+            with pytest.raises(ValueError, match=r"server_index must be in \[0, 1\)"):
+                transport.call_async(1, "echo", "describe")
+            total = torch.ones(1)
+            dist.all_reduce(total, group=roles.trainer_group)  # the trainer group excludes the server
+            assert total.item() == 2.0
+    finally:  # a failing trainer still releases the server from stop()
+        transport.stop()
+    return result
+
+
+def test_roles_calls_and_remote_errors_on_three_spawned_ranks() -> None:
+    results = run_ranks(exercise_transport, 3, timeout_s=60)
+    assert [result["roles"].is_server for result in results] == [False, False, True]
+    loopback = {("tcp", "0100007F"), ("tcp6", "00000000000000000000000001000000")}
+    for result in results:
+        assert result["opened"] and result["opened"] <= loopback, result["opened"]
+
+
+def test_the_same_checks_pass_under_torchrun() -> None:
+    """torchrun's agent owns MASTER_PORT; start() creates the default group and joins the agent's store."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", __file__]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the ranks share torchrun's stdout, so their lines may interleave
+    assert sorted(re.findall(r"transport ok: (ps\d+|trainer\d+)", done.stdout)) == ["ps0", "trainer0", "trainer1"]
+
+
+def test_roles_are_assigned_before_any_group_and_bad_server_counts_are_refused() -> None:
+    Roles = transport.Roles
+    roles = Roles.assign(rank=1, world_size=4, num_servers=2)
+    assert (roles.trainer_ranks, roles.server_ranks, roles.trainer_index) == ((0, 1), (2, 3), 1)
+    assert not roles.is_server and roles.server_index is None
+    assert Roles.assign(rank=3, world_size=4, num_servers=2).name == "ps1"
+    assert Roles.assign(rank=0, world_size=1, num_servers=0).trainer_ranks == (0,)
+    for bad in (3, -1, 1.0, True):
+        with pytest.raises(ValueError, match=r"num_servers must be an integer in \[0, world_size\)"):
+            Roles.assign(rank=0, world_size=3, num_servers=bad)
+
+
+def test_start_refuses_a_bad_server_count_before_creating_any_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens there: a group would fail differently
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="got 2 with world_size 2"):
+        transport.start(num_servers=2)
+    assert not dist.is_initialized()
+
+
+def test_rpc_listens_on_the_interface_that_reaches_the_master() -> None:
+    loopback = transport.listen_interface("127.0.0.1")
+    assert loopback == transport.listen_interface("localhost")
+    assert socket.if_nametoindex(loopback) > 0
+    with pytest.raises(RuntimeError, match="no IPv4 route to MASTER_ADDR 256.0.0.1 .*set TP_SOCKET_IFNAME"):
+        transport.listen_interface("256.0.0.1")
+
+
+if __name__ == "__main__":
+    outcome = exercise_transport(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    print(f"transport ok: {outcome['roles'].name}", flush=True)
