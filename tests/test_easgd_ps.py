@@ -1,0 +1,91 @@
+"""S-EASGD: the elastic centre on the parameter server, with no collective between trainers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import sync_algos
+from shadowgba.ps import transport
+from shadowgba.ps.easgd_center import CENTER_SERVICE, ElasticCenter
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+INITIAL = torch.linspace(-1.0, 1.0, 9, dtype=torch.float64)
+
+
+def snapshot(trainer: int, round_index: int) -> torch.Tensor:
+    return INITIAL + torch.full_like(INITIAL, 0.1 * (trainer + 1) * (round_index + 1))
+
+
+def job(rank: int, world_size: int, num_servers: int, rounds: int) -> dict | None:
+    """Trainer 1 starts only after trainer 0 has finished all its rounds: with a collective in the
+    round this would deadlock (and time out); with S-EASGD it must not."""
+    roles = transport.start(num_servers)
+    try:
+        if roles.is_server:
+            transport.serve(CENTER_SERVICE, ElasticCenter())
+            return None
+        algorithm = sync_algos.build_algorithm("easgd_ps", {"beta": 0.5}, roles.trainer_group, INITIAL.clone())
+        if roles.trainer_index == 1:
+            while transport.call(0, CENTER_SERVICE, "round_count") < rounds:
+                time.sleep(0.01)
+        targets = [algorithm.round(snapshot(roles.trainer_index, r), stop=False).target for r in range(rounds)]
+        centre = torch.cat([transport.call(i, CENTER_SERVICE, "center") for i in range(num_servers)])
+        return {"targets": targets, "centre": centre, "alpha": algorithm.alpha}
+    finally:
+        transport.stop()
+
+
+def test_trainers_exchange_with_the_centre_independently_and_conserve_the_sum() -> None:
+    rounds = 5
+    first, second, *_ = run_ranks(job, 4, 2, rounds, timeout_s=90)
+    alpha = 0.5 / 2
+    centre = INITIAL.clone()
+    for trainer, result in ((0, first), (1, second)):  # trainer 0's rounds all came first
+        for r in range(rounds):
+            pull = alpha * (snapshot(trainer, r) - centre)
+            centre = centre + pull
+            torch.testing.assert_close(result["targets"][r], snapshot(trainer, r) - pull)
+    torch.testing.assert_close(second["centre"], centre)
+    assert first["alpha"] == second["alpha"] == alpha
+
+
+def test_centre_refuses_mismatched_slices_and_snapshots() -> None:
+    centre = ElasticCenter()
+    centre.init(0, 3, torch.zeros(3))
+    with pytest.raises(ValueError, match=r"centre holds slice \[0, 3\), not \[3, 6\)"):
+        centre.init(3, 6, torch.zeros(3))
+    with pytest.raises(ValueError, match="does not match the centre"):
+        centre.pull(0, 3, torch.zeros(4), 0.1)
+    torch.testing.assert_close(centre.center(), torch.zeros(3))
+
+
+def shadow_job(rank: int, world_size: int, steps: list[int]) -> dict | None:
+    from shadowgba import ShadowSync, SyncConfig
+    from tests.test_runtime import ConstantStep, flat, vector_model
+
+    roles = transport.start(1)
+    try:
+        if roles.is_server:
+            transport.serve(CENTER_SERVICE, ElasticCenter())
+            return None
+        model = vector_model(roles.trainer_index)
+        optimizer = ConstantStep(list(model.parameters()), increment=1.0)
+        config = SyncConfig(algo="easgd_ps", interval_ms=1.0)
+        with ShadowSync(model, optimizer, config, process_group=roles.trainer_group) as sync:
+            for _ in range(steps[roles.trainer_index]):
+                optimizer.step()
+                time.sleep(0.001)
+        return {"weights": flat(model), "rounds": sync.metrics.rounds}
+    finally:
+        transport.stop()
+
+
+def test_shadow_sync_runs_s_easgd_on_the_trainer_group_and_ends_identical() -> None:
+    first, second, _ = run_ranks(shadow_job, 3, [50, 200], timeout_s=90)
+    torch.testing.assert_close(first["weights"], second["weights"], rtol=0, atol=0)
+    assert first["rounds"] > 5 and second["rounds"] > first["rounds"]

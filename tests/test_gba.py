@@ -1,0 +1,168 @@
+"""GBA end to end over RPC and gloo: equivalence with sync training, switching both ways, a
+straggler's decayed gradients, and the automatic switch policy."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from shadowgba.config import SyncConfig
+from shadowgba.gba import GBASync, serve_dense_shard
+from shadowgba.ps import transport
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+BATCH = 8
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+def loss_on(model: nn.Module, trainer: int, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * trainer + step)
+    x = torch.randn(BATCH, 6, generator=generator, dtype=torch.float64)
+    return nn.functional.mse_loss(model(x), x[:, :1] * 2 - x[:, 1:2])
+
+
+def gba_job(rank: int, world_size: int, num_servers: int, trainer_fn, *args) -> object:  # noqa: ANN001
+    """Every rank joins the PS job; servers serve a dense shard, trainers run `trainer_fn`."""
+    roles = transport.start(num_servers)
+    try:
+        if roles.is_server:
+            serve_dense_shard()
+            return None
+        return trainer_fn(roles, *args)
+    finally:
+        transport.stop()
+
+
+def train(roles: transport.Roles, options: dict, schedule: list[str | None], lockstep: bool, sleep_s: float = 0.0) -> dict:
+    """One step per schedule entry; an entry names a mode to switch to after that step."""
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    config = SyncConfig(algo="gba", options=options)
+    with GBASync(model, optimizer, config, roles, local_batch_size=BATCH) as gba:
+        for step, switch in enumerate(schedule):
+            loss_on(model, roles.trainer_index, step).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if lockstep:
+                gba.wait_for_global_step(step + 1)
+            if switch:
+                gba.switch_mode(switch)
+            time.sleep(sleep_s)
+        mode = gba.mode
+    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "mode": mode}
+
+
+def sync_then_state(roles: transport.Roles, steps: int, switches: dict[int, str]) -> dict:
+    """Train `steps` lockstep steps with switches at given steps; end in sync mode, return the state."""
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    config = SyncConfig(algo="gba", options={"initial_mode": "sync"})
+    gba = GBASync(model, optimizer, config, roles, local_batch_size=BATCH)
+    gba.start()
+    for step in range(steps):
+        loss_on(model, roles.trainer_index, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        gba.wait_for_global_step(step + 1)
+        if step in switches:
+            gba.switch_mode(switches[step])
+    assert gba.mode == "sync", gba.mode
+    result = {"state": gba.optimizer_state(), "switches": gba.metrics.summary()["mode_switches"]}
+    gba.close()
+    return result
+
+
+def test_gba_with_zero_staleness_equals_sync_allreduce_training() -> None:
+    """2 trainers, 2 dense shards, Adam, 25 steps: GBA in lockstep vs the sync all-reduce mode."""
+    steps = [None] * 25
+    results = run_ranks(gba_job, 4, 2, train, {"initial_mode": "gba"}, steps, True, timeout_s=180)
+    reference = run_ranks(gba_job, 4, 2, train, {"initial_mode": "sync"}, steps, False, timeout_s=180)
+    for trainer in (0, 1):
+        assert results[trainer]["mode"] == "gba" and reference[trainer]["mode"] == "sync"
+        torch.testing.assert_close(results[trainer]["params"], reference[trainer]["params"], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(results[0]["params"], results[1]["params"], rtol=0, atol=0)
+    assert not torch.equal(results[0]["params"], torch.cat([p.detach().reshape(-1) for p in make_model().parameters()]))
+
+
+def test_switching_sync_gba_sync_carries_parameters_optimizer_state_and_global_step() -> None:
+    switched = run_ranks(gba_job, 3, 1, sync_then_state, 30, {9: "gba", 19: "sync"}, timeout_s=180)
+    reference = run_ranks(gba_job, 3, 1, sync_then_state, 30, {}, timeout_s=180)
+    for trainer in (0, 1):
+        got, want = switched[trainer]["state"], reference[trainer]["state"]
+        assert switched[trainer]["switches"] == 2 and reference[trainer]["switches"] == 0
+        assert got["global_step"] == want["global_step"] == 30
+        torch.testing.assert_close(got["param"], want["param"], rtol=1e-9, atol=1e-12)
+        assert set(got["state"]) == set(want["state"]) == {"step", "exp_avg", "exp_avg_sq"}
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got["state"][key], want["state"][key], rtol=1e-9, atol=1e-15)
+        assert float(got["state"]["step"]) == float(want["state"]["step"]) == 30
+
+
+def straggler(roles: transport.Roles, seconds: float) -> dict:
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    config = SyncConfig(algo="gba", options={"decay": {"kind": "exponential", "threshold": 1}})
+    slow = roles.trainer_index == 1
+    with GBASync(model, optimizer, config, roles, local_batch_size=BATCH) as gba:
+        started, step = time.monotonic(), 0
+        while time.monotonic() - started < seconds:
+            loss_on(model, roles.trainer_index, step).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            time.sleep(0.040 if slow else 0.004)
+            step += 1
+        stats = gba.server_stats()[0] if roles.trainer_index == 0 else None
+    return {
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "metrics": gba.metrics.summary(),
+        "server": stats,
+    }
+
+
+def test_a_slowed_trainer_contributes_fewer_gradients_and_its_stale_ones_are_decayed() -> None:
+    fast, slow, _ = run_ranks(gba_job, 3, 1, straggler, 2.0, timeout_s=120)
+    pushes = fast["server"]["pushes_by_trainer"]
+    assert pushes[0] > 3 * pushes[1] > 0, pushes
+    assert slow["metrics"]["decayed"] + slow["metrics"]["stale_dropped"] > 0, slow["metrics"]
+    assert fast["server"]["global_step"] > 10
+    assert set(fast["server"]["staleness_histogram"]) - {"0", "1"}, fast["server"]["staleness_histogram"]
+    torch.testing.assert_close(fast["params"], slow["params"], rtol=0, atol=0)  # final pull: identical
+
+
+def policy_run(roles: transport.Roles) -> dict:
+    """Trainer 1 straggles for the first phase, then recovers; the policy goes to GBA and back."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    policy = {"enabled": True, "to_gba_ratio": 1.5, "to_sync_ratio": 1.2, "window": 5}
+    config = SyncConfig(algo="gba", options={"initial_mode": "sync", "switch_policy": policy})
+    modes = []
+    with GBASync(model, optimizer, config, roles, local_batch_size=BATCH) as gba:
+        started = time.monotonic()
+        step = 0
+        while time.monotonic() - started < 4.0:
+            straggling = time.monotonic() - started < 1.5
+            time.sleep(0.030 if straggling and roles.trainer_index == 1 else 0.003)
+            loss_on(model, roles.trainer_index, step).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if not modes or modes[-1] != gba.mode:
+                modes.append(gba.mode)
+            step += 1
+            if gba.mode == "sync" and len(modes) >= 3:
+                break
+    return {"modes": modes, "switches": gba.metrics.summary()["mode_switches"]}
+
+
+def test_switch_policy_goes_to_gba_under_a_straggler_and_back_when_healthy() -> None:
+    results = run_ranks(gba_job, 3, 1, policy_run, timeout_s=120)
+    for result in results[:2]:
+        assert result["modes"][:3] == ["sync", "gba", "sync"], result
