@@ -16,13 +16,12 @@ same for every rank count.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Iterator
 
 import torch
 from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from shadowgba.ctr_data import keyed_generator, make_batch
 from shadowgba.evaluation import roc_auc
 
 
@@ -79,12 +78,6 @@ class SyntheticConfig:
             raise ValueError(f"click_rate must be in (0, 1), got {self.click_rate}")
 
 
-def _generator(*key: object) -> torch.Generator:
-    """A generator seeded from every part of `key`, stable across runs, processes and hosts."""
-    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-
-
 class _Teacher:
     """The fixed random model that generates the labels; returns its two raw logit components."""
 
@@ -108,12 +101,16 @@ class _Teacher:
 
 
 class SyntheticCTR:
-    """Streams of `Batch`es (dense features, one KJT feature per table, 0/1 labels) from a teacher."""
+    """Streams of `Batch`es (dense features, one KJT feature per table, 0/1 labels) from a teacher;
+    a `shadowgba.ctr_data.CTRData`."""
 
     def __init__(self, config: SyntheticConfig) -> None:
         self.config = config
         self.feature_names = [f"cat_{table}" for table in range(config.num_tables)]
-        teacher_rng = _generator(config.seed, "teacher")
+        self.num_embeddings_per_feature = [config.num_embeddings] * config.num_tables
+        self.num_dense = config.num_dense
+        self.batch_size = config.batch_size
+        teacher_rng = keyed_generator(config.seed, "teacher")
         self._teacher = _Teacher(config, teacher_rng)
         self._popularity = torch.stack(
             [torch.randperm(config.num_embeddings, generator=teacher_rng) for _ in self.feature_names]
@@ -127,8 +124,9 @@ class SyntheticCTR:
         """Training batch `index` of rank `rank`'s stream; streams of different ranks are disjoint."""
         return self._draw(self.config.batch_size, "train", rank, index)[0]
 
-    def train_batches(self, rank: int, start: int = 0) -> Iterator[Batch]:
-        """Rank `rank`'s endless training stream from batch `start` on."""
+    def train_batches(self, rank: int, world_size: int = 1, start: int = 0) -> Iterator[Batch]:
+        """Rank `rank`'s endless training stream from batch `start` on. `world_size` is there for
+        the common `CTRData` interface: streams are keyed by rank, disjoint for any world size."""
         index = start
         while True:
             yield self.train_batch(rank, index)
@@ -153,11 +151,11 @@ class SyntheticCTR:
         return roc_auc(*self.teacher_heldout())
 
     def _draw(self, batch_size: int, *stream: object) -> tuple[Batch, torch.Tensor]:
-        generator = _generator(self.config.seed, *stream)
+        generator = keyed_generator(self.config.seed, *stream)
         dense, ids = self._features(batch_size, generator)
         logits = self._logits(dense, ids)
         labels = torch.bernoulli(torch.sigmoid(logits), generator=generator)
-        return Batch(dense_features=dense, sparse_features=self._to_kjt(ids), labels=labels), logits
+        return make_batch(self.feature_names, dense, labels, ids), logits
 
     def _features(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         config = self.config
@@ -174,7 +172,7 @@ class SyntheticCTR:
     def _calibrate(self) -> tuple[float, float, float]:
         """Scales giving each component its variance share of logit_std², and the click-rate bias."""
         config = self.config
-        dense, ids = self._features(config.calibration_samples, _generator(config.seed, "calibration"))
+        dense, ids = self._features(config.calibration_samples, keyed_generator(config.seed, "calibration"))
         pairwise, mlp = self._teacher.components(dense, ids)
         pair_scale = config.logit_std * (1.0 - config.dense_share) ** 0.5 / pairwise.std().item()
         dense_scale = config.logit_std * config.dense_share**0.5 / mlp.std().item()
@@ -187,12 +185,3 @@ class SyntheticCTR:
             else:
                 high = bias
         return pair_scale, dense_scale, (low + high) / 2
-
-    def _to_kjt(self, ids: torch.Tensor) -> KeyedJaggedTensor:
-        """[B, tables, ids] -> KJT with one key per table; values are key-major as TorchRec expects."""
-        batch_size, tables, per_sample = ids.shape
-        return KeyedJaggedTensor.from_lengths_sync(
-            keys=self.feature_names,
-            values=ids.transpose(0, 1).reshape(-1),
-            lengths=torch.full((tables * batch_size,), per_sample, dtype=torch.int32),
-        )

@@ -10,6 +10,8 @@ from torchrec.datasets.utils import Batch
 
 from shadowgba.synthetic import SyntheticConfig, SyntheticCTR
 
+pytestmark = pytest.mark.timeout(60)
+
 CONFIG = SyntheticConfig(num_tables=4, num_embeddings=200, batch_size=64, eval_batches=8, calibration_samples=8192)
 
 
@@ -31,6 +33,15 @@ def test_batches_are_deterministic_per_seed_rank_and_index(data: SyntheticCTR) -
     assert_same(next(stream), data.train_batch(1, 5))
     other_seed = SyntheticCTR(dataclasses.replace(CONFIG, seed=1))
     assert not torch.equal(other_seed.train_batch(1, 5).dense_features, data.train_batch(1, 5).dense_features)
+
+
+def test_heldout_set_and_teacher_are_deterministic_per_seed(data: SyntheticCTR) -> None:
+    again = SyntheticCTR(CONFIG)
+    for first, second in zip(data.heldout_batches(0, 1), again.heldout_batches(0, 1), strict=True):
+        assert_same(first, second)
+    assert again.teacher_auc() == data.teacher_auc()
+    other_seed = SyntheticCTR(dataclasses.replace(CONFIG, seed=1))
+    assert not torch.equal(other_seed.teacher_heldout()[0], data.teacher_heldout()[0])
 
 
 def test_rank_streams_and_heldout_set_are_disjoint(data: SyntheticCTR) -> None:
