@@ -48,7 +48,7 @@ from torch import nn
 from shadowgba.config import ConfigError, SyncConfig
 from shadowgba.dense import DenseParams, dense_named_parameters
 from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, concat_exports, shard_bounds, slice_export
-from shadowgba.metrics import SyncMetrics
+from shadowgba.metrics import GBAMetrics
 from shadowgba.ps import transport
 from shadowgba.ps.dense_server import DenseShard, ShardReply
 from shadowgba.runtime import ShadowSyncError
@@ -64,39 +64,6 @@ DENSE_SERVICE = "dense"
 def serve_dense_shard() -> None:
     """On a server rank: host an (unconfigured) dense shard; trainers configure it."""
     transport.serve(DENSE_SERVICE, DenseShard())
-
-
-class GBAMetrics(SyncMetrics):
-    """SyncMetrics plus what is particular to GBA: queue drops, decayed / dropped pushes, switches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.queue_dropped = 0
-        self.decayed = 0
-        self.stale_dropped = 0
-        self.mode_switches = 0
-
-    def record_push(self, weight: float) -> None:
-        with self._lock:
-            self.decayed += 0.0 < weight < 1.0
-            self.stale_dropped += weight == 0.0
-
-    def record_queue_drop(self) -> None:
-        with self._lock:
-            self.queue_dropped += 1
-
-    def record_switch(self) -> None:
-        with self._lock:
-            self.mode_switches += 1
-
-    def summary(self) -> dict[str, float]:
-        summary = super().summary()
-        with self._lock:
-            summary.update(
-                queue_dropped=self.queue_dropped, decayed=self.decayed,
-                stale_dropped=self.stale_dropped, mode_switches=self.mode_switches,
-            )
-        return summary
 
 
 class GBASync:

@@ -77,3 +77,36 @@ class SyncMetrics:
             f"sync_gap={s['sync_gap_steps_mean']:.1f} steps (max {s['sync_gap_steps_max']}) "
             f"moved={s['bytes_moved'] / 2**20:.1f} MiB training_sync={s['training_sync_s']:.3f}s"
         )
+
+
+class GBAMetrics(SyncMetrics):
+    """SyncMetrics plus what is particular to GBA: queue drops, decayed / dropped pushes, switches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue_dropped = 0
+        self.decayed = 0
+        self.stale_dropped = 0
+        self.mode_switches = 0
+
+    def record_push(self, weight: float) -> None:
+        with self._lock:
+            self.decayed += 0.0 < weight < 1.0
+            self.stale_dropped += weight == 0.0
+
+    def record_queue_drop(self) -> None:
+        with self._lock:
+            self.queue_dropped += 1
+
+    def record_switch(self) -> None:
+        with self._lock:
+            self.mode_switches += 1
+
+    def summary(self) -> dict[str, float]:
+        summary = super().summary()
+        with self._lock:
+            summary.update(
+                queue_dropped=self.queue_dropped, decayed=self.decayed,
+                stale_dropped=self.stale_dropped, mode_switches=self.mode_switches,
+            )
+        return summary
