@@ -16,15 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-TRAIN_SCRIPT = ROOT / "examples" / "train_dlrm.py"
-CONFIGS = ROOT / "examples" / "configs"
+from example_job import CONFIGS, ROOT, run_example
 
 MODES: dict[str, list[str]] = {
     "none": ["--config", str(CONFIGS / "none.yaml")],
@@ -47,20 +43,12 @@ THROUGHPUT_MODEL = [
 
 
 def run_once(mode: str, args: argparse.Namespace, extra: Sequence[str], output: Path) -> dict[str, Any]:
-    """One torchrun job; returns its result JSON, or exits with the job's output tail on failure."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-        str(TRAIN_SCRIPT), *MODES[mode], *THROUGHPUT_MODEL,
-        "--train.duration_s", str(args.duration_s),
-        "--train.warmup_steps", str(args.warmup_steps),
-        "--train.progress", "false",
-        *extra,
-        "--output", str(output),
+    """One torchrun job of the example in `mode`."""
+    arguments = [
+        *MODES[mode], *THROUGHPUT_MODEL,
+        "--train.duration_s", str(args.duration_s), "--train.warmup_steps", str(args.warmup_steps), *extra,
     ]
-    job = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if job.returncode != 0:
-        raise SystemExit(f"{mode} failed (exit {job.returncode}):\n{(job.stdout + job.stderr)[-4000:]}")
-    return json.loads(output.read_text())
+    return run_example(mode, args.nproc, arguments, output)
 
 
 def summarize(runs: list[dict[str, Any]], modes: Sequence[str]) -> list[dict[str, Any]]:

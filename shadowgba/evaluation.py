@@ -39,21 +39,22 @@ def log_loss(logits: torch.Tensor, labels: torch.Tensor) -> float:
     ).item()
 
 
-def all_gather_rows(local: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's `local` along dim 0, in rank order, over the default group.
+def all_gather_rows(local: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenate every rank's `local` along dim 0, in group-rank order, over `group` (default: the
+    default group; a job with parameter servers gathers over its trainers' group).
 
     Ranks may hold different numbers of rows. Without an initialized process group the input is
     returned as is. With NCCL, `local` must live on the rank's CUDA device.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return local
-    world_size = dist.get_world_size()
+    world_size = dist.get_world_size(group)
     count = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
     counts = [torch.empty_like(count) for _ in range(world_size)]
-    dist.all_gather(counts, count)
+    dist.all_gather(counts, count, group=group)
     sizes = [int(size) for size in counts]
     padded = local.new_zeros((max(sizes), *local.shape[1:]))
     padded[: local.shape[0]] = local
     chunks = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(chunks, padded)
+    dist.all_gather(chunks, padded, group=group)
     return torch.cat([chunk[:size] for chunk, size in zip(chunks, sizes)])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shadowgba.config import load_config
+from shadowgba.config import ConfigError, load_config
 from tests.multiprocess import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -82,12 +82,52 @@ def test_a_bad_config_fails_before_any_process_group_with_the_key_named(tmp_path
     assert "config error: sync.algo: unknown algorithm 'sgdx'; allowed:" in output
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "examples/configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_config_loads(path: Path) -> None:
+@pytest.mark.timeout(120)
+def test_gba_with_ps_embeddings_and_a_straggler_stops_at_equal_samples_with_identical_replicas(tmp_path: Path) -> None:
+    """2 trainers + 1 server, trainer 1 three times slower, no collective in a trainer step."""
+    output = tmp_path / "gba.json"
+    extra = ["--train.global_samples", "300000", "--straggler.trainers", "[1]", "--straggler.factor", "3"]
+    finish(run_example(["--standalone", "--nproc_per_node=3"], "gba_ps_embeddings.yaml", output, extra), timeout_s=100)
+    results = json.loads(output.read_text())
+    assert (results["world_size"], results["trainers"], results["servers"]) == (3, 2, 1)
+    assert results["dense_replica_max_abs_diff"] == 0.0  # every trainer pulled the final parameters
+    assert results["auc"] > 0.6, results
+    gba, (shard,) = results["gba"], results["gba"]["dense_shards"]
+    assert gba["mode"] == "gba" and gba["global_step"] * 1024 >= 300000
+    pushes = shard["pushes_by_trainer"]
+    assert pushes["0"] > 1.5 * pushes["1"] > 0, pushes  # the fast trainer never waited for the slow one
+    assert results["straggler_sleep_s_total"] > 0 and results["window_s"] > 0
+
+
+def experiment_config(path: Path | None = None, overrides: list[str] = ()) -> object:
     sys.path.insert(0, str(ROOT / "examples"))
     try:
-        from train_dlrm import ExperimentConfig
+        from dlrm_config import ExperimentConfig
     finally:
         sys.path.remove(str(ROOT / "examples"))
-    config = load_config(ExperimentConfig, path)
-    assert config.sync.algo == path.stem
+    return load_config(ExperimentConfig, path, overrides)
+
+
+GBA_CONFIGS = {"gba", "gba_ps_embeddings", "sync_allreduce", "async_ps"}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples/configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    config = experiment_config(path)
+    assert config.sync.algo == ("gba" if path.stem in GBA_CONFIGS else path.stem)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--ps.num_servers", "1"], "ps.num_servers: parameter servers need sync.algo gba, not 'ma'"),
+        (["--model.embeddings", "ps"], "model.embeddings: ps needs sync.algo gba and ps.num_servers >= 1"),
+        (["--sync.algo", "gba"], "ps.num_servers: sync.options.initial_mode gba needs at least one parameter server"),
+        (["--train.global_samples", "100"], "train.global_samples: counted by the GBA global step; needs sync.algo"),
+        (["--sync.algo", "gba", "--ps.num_servers", "1", "--model.embeddings", "ps"],
+         "train.embedding_optimizer: PS tables support sgd and rowwise_adagrad, not adagrad"),
+    ],
+)
+def test_combinations_that_cannot_run_are_refused_naming_the_keys(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        experiment_config(overrides=overrides)

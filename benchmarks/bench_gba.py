@@ -1,0 +1,211 @@
+"""GBA against sync all-reduce and plain async PS training, with one trainer slowed, side by side.
+
+    python benchmarks/bench_gba.py --compute simulated [--reps 3] [--global-samples 1000000] \
+        [--step-ms 50] [--slow-trainer 3] [--factor 3] [--algos sync,gba,async] [--dotted.key value ...]
+    python benchmarks/bench_gba.py --compute real ...
+
+Every run is a `torchrun` job of `examples/train_dlrm.py` with N trainers (`--trainers`, default 4)
+and one parameter-server rank, the tables on the PS (no all-to-all, so nothing but the dense sync can
+hold a fast trainer back), and one trainer slowed `--factor` times by `shadowgba.straggler`:
+- sync: `sync_allreduce.yaml` (dense all-reduce every step, GBASync's sync mode);
+- gba: `gba_ps_embeddings.yaml` (global-batch aggregation, staleness decay);
+- async: `async_ps.yaml` (every gradient applied on arrival, no decay).
+All three share the optimizer, learning rates and global batch (N x local batch); nothing is tuned
+per algorithm. The algorithms run interleaved (sync gba async sync gba async ...) over `--reps`
+repetitions in one invocation, because identical runs differ by up to ~19% here (DESIGN §8).
+
+Compute: `simulated` adds a fixed sleep of `--step-ms` to every trainer's step (the slowed one's
+sleep is `factor` times longer) on the example's small model, so four trainers and a server fit on
+two cores without fighting for CPU and the scheduling effect shows cleanly; `real` slows the
+trainer by `factor` times its measured step time, with every rank competing for the same cores.
+
+Stopping rule: every run stops once the dense parameters hold `--global-samples` samples (read from
+GBA's global step on each trainer, with no collective), so held-out AUC is compared at *equal
+samples applied* to the dense model (sync: every sample; GBA: minus dropped gradients; async: every
+pushed gradient). Throughput counts every trainer's computed samples over one wall-clock window
+shared by all trainers of a run: from the moment the last trainer finished its warm-up to the moment
+the first trainer stopped. The ideal GBA / sync ratio for N trainers, one s times slower, is
+(N - 1 + 1/s) / (N / s): sync runs at the slow trainer's pace, GBA's fast trainers do not wait.
+
+Prints a Markdown table and writes every run's numbers as JSON (default runs/bench_gba_<compute>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from example_job import CONFIGS, ROOT, run_example
+
+ALGOS: dict[str, Path] = {
+    "sync": CONFIGS / "sync_allreduce.yaml",
+    "gba": CONFIGS / "gba_ps_embeddings.yaml",
+    "async": CONFIGS / "async_ps.yaml",
+}
+"""Benchmarked algorithms and their configs."""
+
+PS_JOB = ["--ps.num_servers", "1", "--model.embeddings", "ps", "--train.embedding_optimizer", "rowwise_adagrad"]
+"""The same job shape for all three: one server rank holding the tables (and GBA's dense shard)."""
+
+
+def ideal_ratio(trainers: int, factor: float) -> float:
+    """GBA / sync throughput when fast trainers never wait and sync runs at the slow one's pace."""
+    return (trainers - 1 + 1 / factor) / (trainers / factor)
+
+
+def run_once(algo: str, args: argparse.Namespace, extra: Sequence[str], output: Path) -> dict[str, Any]:
+    """One torchrun job of `algo`: N trainers and one server, the slowed trainer, the common stop."""
+    straggler = ["--straggler.trainers", f"[{args.slow_trainer}]", "--straggler.factor", str(args.factor)]
+    if args.compute == "simulated":
+        straggler += ["--straggler.step_ms", str(args.step_ms)]
+    arguments = [
+        "--config", str(ALGOS[algo]), *PS_JOB, *straggler,
+        "--train.global_samples", str(args.global_samples), "--train.warmup_steps", str(args.warmup_steps), *extra,
+    ]
+    return run_example(algo, args.trainers + 1, arguments, output)
+
+
+def staleness_summary(histogram: dict[str, int]) -> dict[str, float]:
+    """Mean (the open top bucket counted at its bound), 90th percentile and top bucket of a histogram."""
+    buckets = sorted((int(key.rstrip("+")), count) for key, count in histogram.items())
+    total = sum(count for _, count in buckets)
+    if not total:
+        return {"staleness_mean": 0.0, "staleness_p90": 0, "staleness_top": 0}
+    seen, p90 = 0, buckets[-1][0]
+    for staleness, count in buckets:
+        seen += count
+        if seen >= 0.9 * total:
+            p90 = staleness
+            break
+    mean = sum(staleness * count for staleness, count in buckets) / total
+    return {"staleness_mean": mean, "staleness_p90": p90, "staleness_top": buckets[-1][0]}
+
+
+def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
+    """What the table shows of one run (dense-shard numbers from the server; one shard here)."""
+    (shard,) = run["gba"]["dense_shards"]
+    steps = run["steps_in_window_by_trainer"]
+    fast = [count for index, count in enumerate(steps) if index != slow_trainer]
+    return {
+        "samples_per_s": run["samples_per_s_total"],
+        "step_ms_fast": 1e3 * run["window_s"] / max(statistics.mean(fast), 1),
+        "step_ms_slow": 1e3 * run["window_s"] / max(steps[slow_trainer], 1),
+        "auc": run["auc"],
+        "log_loss": run["log_loss"],
+        **staleness_summary(shard["staleness_histogram"]),
+        "decayed": shard["decayed"],
+        "dropped": shard["dropped"],
+        "queue_dropped": run["sync"]["queue_dropped"],
+        "global_steps_per_s": run["gba"]["global_steps_per_s"],
+        "queue_depth": shard["queue_depth_max"],
+        "switches": run["gba"]["mode_switches"],
+    }
+
+
+SUMMARY: dict[str, tuple[Callable[[list[float]], float], ...]] = {
+    "samples_per_s": (statistics.median, min, max),
+    "auc": (statistics.median, min, max),
+    "log_loss": (statistics.median,),
+    "step_ms_fast": (statistics.median,),
+    "step_ms_slow": (statistics.median,),
+    "staleness_mean": (statistics.median,),
+    "staleness_p90": (max,),
+    "staleness_top": (max,),
+    "decayed": (statistics.median,),
+    "dropped": (statistics.median,),
+    "queue_dropped": (statistics.median,),
+    "global_steps_per_s": (statistics.median,),
+    "queue_depth": (max,),
+    "switches": (max,),
+}
+"""How each run metric is summarized over repetitions; the row key is `<metric>_<function>`."""
+
+
+def summarize(runs: list[dict[str, Any]], algos: Sequence[str]) -> list[dict[str, Any]]:
+    """Per algorithm: each metric summarized over repetitions, and the median per-repetition ratio to sync."""
+    sync = {run["rep"]: run["metrics"]["samples_per_s"] for run in runs if run["algo"] == "sync"}
+    rows = []
+    for algo in algos:
+        mine = [run for run in runs if run["algo"] == algo]
+        row: dict[str, Any] = {"algo": algo}
+        for key, functions in SUMMARY.items():
+            values = [run["metrics"][key] for run in mine]
+            row.update({f"{key}_{function.__name__}": function(values) for function in functions})
+        ratios = [run["metrics"]["samples_per_s"] / sync[run["rep"]] for run in mine if run["rep"] in sync]
+        row["ratio_to_sync_median"] = statistics.median(ratios) if ratios else None
+        rows.append(row)
+    return rows
+
+
+COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("algo", lambda row: row["algo"]),
+    ("samples/s (median)", lambda row: f"{row['samples_per_s_median']:,.0f}"),
+    ("min-max", lambda row: f"{row['samples_per_s_min']:,.0f}-{row['samples_per_s_max']:,.0f}"),
+    ("ratio to sync", lambda row: "-" if row["ratio_to_sync_median"] is None else f"{row['ratio_to_sync_median']:.2f}"),
+    ("step ms fast / slow", lambda row: f"{row['step_ms_fast_median']:.0f} / {row['step_ms_slow_median']:.0f}"),
+    ("AUC median (min-max)", lambda row: f"{row['auc_median']:.4f} ({row['auc_min']:.4f}-{row['auc_max']:.4f})"),
+    ("staleness mean / p90 / max",
+     lambda row: f"{row['staleness_mean_median']:.2f} / {row['staleness_p90_max']} / {row['staleness_top_max']}"),
+    ("decayed / dropped / queue-dropped",
+     lambda row: f"{row['decayed_median']:.0f} / {row['dropped_median']:.0f} / {row['queue_dropped_median']:.0f}"),
+    ("global steps/s", lambda row: f"{row['global_steps_per_s_median']:.1f}"),
+    ("PS queue depth max", lambda row: str(row["queue_depth_max"])),
+    ("switches", lambda row: str(row["switches_max"])),
+]
+"""The table's columns: header and how a summary row fills the cell."""
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| " + " | ".join(header for header, _ in COLUMNS) + " |",
+        "| --- |" + " ---: |" * (len(COLUMNS) - 1),
+    ]
+    lines += ["| " + " | ".join(cell(row) for _, cell in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compute", choices=("simulated", "real"), required=True,
+                        help="simulated: fixed per-step sleep; real: the slowed trainer sleeps (factor-1) x its step")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of the interleaved sequence")
+    parser.add_argument("--trainers", type=int, default=4, help="trainer ranks (one PS rank is added)")
+    parser.add_argument("--slow-trainer", type=int, default=3, help="index of the slowed trainer")
+    parser.add_argument("--factor", type=float, default=3.0, help="slowdown of the slowed trainer")
+    parser.add_argument("--step-ms", type=float, default=50.0, help="simulated compute per step (simulated mode)")
+    parser.add_argument("--global-samples", type=int, default=1_000_000,
+                        help="every run stops at this many samples applied")
+    parser.add_argument("--warmup-steps", type=int, default=20, help="steps before the timed window")
+    parser.add_argument("--algos", default=",".join(ALGOS), help=f"comma-separated subset of {list(ALGOS)}")
+    parser.add_argument("--output", type=Path, help="JSON results (default runs/bench_gba_<compute>.json)")
+    args, extra = parser.parse_known_args(argv)
+    algos = args.algos.split(",")
+    if sorted(set(algos) - set(ALGOS)) or not algos:
+        parser.error(f"--algos must name only {list(ALGOS)}; got {algos}")
+    output = args.output or ROOT / "runs" / f"bench_gba_{args.compute}.json"
+    runs = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for rep in range(args.reps):
+            for algo in algos:
+                result = run_once(algo, args, extra, Path(scratch) / f"{algo}-{rep}.json")
+                metrics = run_metrics(result, args.slow_trainer)
+                runs.append({"algo": algo, "rep": rep, "metrics": metrics, "result": result})
+                print(f"rep {rep} {algo}: {metrics['samples_per_s']:,.0f} samples/s over {result['window_s']:.1f} s, "
+                      f"AUC {metrics['auc']:.4f}", flush=True)
+    ideal = ideal_ratio(args.trainers, args.factor)
+    rows = summarize(runs, algos)
+    print(markdown(rows))
+    print(f"ideal ratio to sync: {ideal:.2f} ({args.trainers} trainers, one {args.factor:g}x slower)")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    settings = {key: str(value) for key, value in vars(args).items()} | {"overrides": [*PS_JOB, *extra]}
+    report = {"settings": settings, "ideal_ratio": ideal, "summary": rows, "runs": runs}
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""One `torchrun` job of `examples/train_dlrm.py`, as the benchmarks launch it.
+
+The single place that knows the launch command: a standalone torchrun of the example with the
+progress bar off and the results written to a JSON file, which is read back. A failed job stops
+the benchmark with the job's output tail (a benchmark with a missing run would compare nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_SCRIPT = ROOT / "examples" / "train_dlrm.py"
+CONFIGS = ROOT / "examples" / "configs"
+
+
+def run_example(label: str, nproc: int, arguments: Sequence[str], output: Path) -> dict[str, Any]:
+    """Run the example on `nproc` ranks with `arguments`; returns its results, or exits naming `label`."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        str(TRAIN_SCRIPT), *arguments, "--train.progress", "false", "--output", str(output),
+    ]
+    job = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if job.returncode != 0:
+        raise SystemExit(f"{label} failed (exit {job.returncode}):\n{(job.stdout + job.stderr)[-4000:]}")
+    return json.loads(output.read_text())

@@ -1,0 +1,139 @@
+"""The DLRM example's configuration: one dataclass tree, loaded strictly from YAML plus overrides.
+
+Sections: `sync` (shadowgba), `ps` (parameter-server ranks, for GBA), `model`, `data`, `train`,
+`straggler`. Every combination that cannot run is refused here, naming the keys, before any process
+group exists:
+- parameter servers and PS-hosted embeddings exist only for `sync.algo: gba` (ShadowSync's shadow
+  group spans every rank, so it cannot run beside server ranks);
+- GBA mode and PS embeddings need at least one server;
+- the PS tables support sgd and rowwise_adagrad, not TorchRec's (element-wise) adagrad;
+- `train.global_samples` counts samples by the GBA global step, so it needs `sync.algo: gba`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from shadowgba.config import ConfigError, SyncConfig
+from shadowgba.straggler import StragglerConfig
+from shadowgba.synthetic import SyntheticConfig
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """DLRM shape (TorchRec's conventions: layer sizes include the output layer) and where its tables live."""
+
+    embedding_dim: int = 16
+    """Width of every embedding table."""
+    dense_arch_layer_sizes: list[int] = dataclasses.field(default_factory=lambda: [64, 16])
+    """Bottom MLP on the dense features; the last size must equal embedding_dim."""
+    over_arch_layer_sizes: list[int] = dataclasses.field(default_factory=lambda: [64, 1])
+    """Top MLP on the interactions; the last size must be 1 (the click logit)."""
+    embeddings: Literal["torchrec", "ps"] = "torchrec"
+    """torchrec: tables sharded table-wise over the trainers by DistributedModelParallel (its
+    all-to-all makes every step a barrier between trainers). ps: tables row-sharded on the parameter
+    servers (`shadowgba.ps.embedding`), no collective in a trainer step."""
+
+    def __post_init__(self) -> None:
+        if self.dense_arch_layer_sizes[-1:] != [self.embedding_dim]:
+            raise ConfigError(f"dense_arch_layer_sizes must end with embedding_dim ({self.embedding_dim})")
+        if self.over_arch_layer_sizes[-1:] != [1]:
+            raise ConfigError("over_arch_layer_sizes must end with 1")
+
+
+@dataclasses.dataclass
+class PSConfig:
+    """Parameter-server ranks (GBA only): the last `num_servers` ranks of the job."""
+
+    num_servers: int = 0
+    """Server ranks; they host the dense GBA shards and, with `model.embeddings: ps`, the tables."""
+    max_in_flight: int = 2
+    """PS embeddings: steps of row-gradient pushes a trainer may have in flight before it waits."""
+
+    def __post_init__(self) -> None:
+        if self.num_servers < 0:
+            raise ConfigError(f"num_servers must be >= 0, got {self.num_servers}")
+        if self.max_in_flight < 1:
+            raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Optimizers and how long to train."""
+
+    steps: int = 4000
+    """Training steps per trainer, warm-up included; used when duration_s and global_samples are 0."""
+    duration_s: float = 0.0
+    """When > 0: train for this many seconds after warm-up instead of a step count."""
+    global_samples: int = 0
+    """When > 0 (sync.algo gba only): train until the dense parameters have been updated with this
+    many samples, read from the global step (k x global batch; k x local batch for GBA without
+    aggregation), so that runs of different algorithms stop at equal samples applied."""
+    warmup_steps: int = 50
+    """Steps before the timed window that throughput is measured over."""
+    stop_check_every: int = 20
+    """With duration_s or global_samples, when trainers must stop at the same step (TorchRec
+    embeddings): steps between two broadcasts of trainer 0's stop decision."""
+    embedding_optimizer: Literal["sgd", "adagrad", "rowwise_adagrad"] = "adagrad"
+    """Optimizer of the tables: fused in backward for TorchRec tables (Adam/LAMB are CUDA-only in
+    FBGEMM), on the servers for PS tables (sgd or rowwise_adagrad there)."""
+    embedding_lr: float = 0.1
+    """Learning rate of the embedding optimizer."""
+    dense_optimizer: Literal["sgd", "adagrad", "adam"] = "adam"
+    """Optimizer of the dense parameters (each rank's replica; GBA: the one optimizer)."""
+    dense_lr: float = 0.002
+    """Learning rate of the dense optimizer."""
+    seed: int = 0
+    """Seeds model initialization (identical on every rank)."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        if self.duration_s < 0 or self.global_samples < 0:
+            raise ConfigError("duration_s and global_samples must be >= 0")
+        if self.duration_s and self.global_samples:
+            raise ConfigError("set at most one of duration_s and global_samples")
+        if not (self.duration_s or self.global_samples) and self.steps <= self.warmup_steps:
+            raise ConfigError(f"steps ({self.steps}) must exceed warmup_steps ({self.warmup_steps})")
+        if self.warmup_steps < 0 or self.stop_check_every < 1:
+            raise ConfigError("warmup_steps must be >= 0 and stop_check_every >= 1")
+
+
+@dataclasses.dataclass
+class ExperimentConfig:
+    """Everything one run reads."""
+
+    sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
+    """Dense synchronization (shadowgba)."""
+    ps: PSConfig = dataclasses.field(default_factory=PSConfig)
+    """Parameter-server ranks (GBA)."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """DLRM shape and where the tables live."""
+    data: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
+    """Synthetic CTR task and per-trainer batch size."""
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """Optimizers and run length."""
+    straggler: StragglerConfig = dataclasses.field(default_factory=StragglerConfig)
+    """Injected slowness of chosen trainers (tests and benchmarks)."""
+
+    def __post_init__(self) -> None:
+        gba = self.sync.algo == "gba"
+        if self.ps.num_servers and not gba:
+            raise ConfigError(f"ps.num_servers: parameter servers need sync.algo gba, not '{self.sync.algo}'")
+        if self.train.global_samples and not gba:
+            raise ConfigError(
+                f"train.global_samples: counted by the GBA global step; needs sync.algo gba, not '{self.sync.algo}'"
+            )
+        if gba and self.sync.algorithm_config().initial_mode == "gba" and not self.ps.num_servers:
+            raise ConfigError("ps.num_servers: sync.options.initial_mode gba needs at least one parameter server")
+        if self.model.embeddings == "ps":
+            if not gba or not self.ps.num_servers:
+                raise ConfigError("model.embeddings: ps needs sync.algo gba and ps.num_servers >= 1")
+            if self.train.embedding_optimizer == "adagrad":
+                raise ConfigError("train.embedding_optimizer: PS tables support sgd and rowwise_adagrad, not adagrad")
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every trainer must take the same number of steps (TorchRec's all-to-all pairs them)."""
+        return self.model.embeddings == "torchrec"

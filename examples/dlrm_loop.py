@@ -1,0 +1,195 @@
+"""The example's training loop and what is measured around it, on the trainers only.
+
+One step: forward, backward, the injected straggler sleep (`shadowgba.straggler`; before the
+gradients leave the trainer, so a slow trainer's gradients arrive late), the PS row-gradient push
+(PS tables), `optimizer.step()` (where ShadowSync / GBASync act).
+
+Stopping (`StopRule`): after `train.steps`, or `duration_s` after this trainer's warm-up, or once
+the dense parameters hold `global_samples` samples (GBA's global step). When trainers must take
+equal step counts (TorchRec tables: the all-to-all pairs their steps) trainer 0 decides and
+broadcasts its decision every `stop_check_every` steps; with PS tables a trainer step has no
+collective and each trainer decides alone, so a fast trainer never waits for a slow one.
+
+Timing: every trainer measures from a common start (a barrier on the trainer group before the first
+step). Throughput counts every trainer's samples over one wall-clock window shared by all: from the
+moment the last trainer finished its warm-up to the moment the first trainer finished its last step.
+Only the trainer group is used; server ranks never see these collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.datasets.utils import Batch
+from tqdm import tqdm
+
+from dlrm_config import TrainConfig
+from dlrm_model import BuiltModel
+from shadowgba.ctr_data import CTRData
+from shadowgba.evaluation import all_gather_rows, log_loss, roc_auc
+from shadowgba.ps import transport
+from shadowgba.straggler import Straggler, StragglerConfig
+
+
+@dataclasses.dataclass
+class TrainStats:
+    """What the training loop measured on this trainer (times in seconds since the common start)."""
+
+    steps: int
+    """Training steps taken, warm-up included."""
+    warmup_end_s: float
+    """When the warm-up steps were done."""
+    step_end_s: list[float]
+    """When each step ended."""
+    global_steps: tuple[int, int] | None
+    """GBA jobs: the global step k this trainer held at the end of its warm-up and at its last step."""
+    straggler_sleep_s: float
+    """Time this trainer slept in straggler injection."""
+
+
+class StopRule:
+    """Decides, after each step, whether this trainer leaves the loop (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        lockstep: bool,
+        roles: transport.Roles,
+        device: torch.device,
+        applied_samples: Callable[[], int] | None,
+    ) -> None:
+        if config.global_samples and applied_samples is None:
+            raise ValueError("train.global_samples needs a counter of applied samples (GBA)")
+        self.config = config
+        self.lockstep = lockstep
+        self.roles = roles
+        self.device = device
+        self.applied_samples = applied_samples
+
+    def __call__(self, step: int, since_warmup_s: float) -> bool:
+        config = self.config
+        if not (config.duration_s or config.global_samples):
+            return step >= config.steps  # the same step on every trainer
+        timed_steps = step - config.warmup_steps
+        if timed_steps <= 0 or (self.lockstep and timed_steps % config.stop_check_every):
+            return False
+        if config.duration_s:
+            stop = since_warmup_s >= config.duration_s
+        else:
+            stop = self.applied_samples() >= config.global_samples
+        if not self.lockstep:
+            return stop
+        decision = torch.tensor([stop], device=self.device)
+        dist.broadcast(decision, src=self.roles.trainer_ranks[0], group=self.roles.trainer_group)
+        return bool(decision.item())
+
+
+def train(
+    model: BuiltModel,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[Batch],
+    config: TrainConfig,
+    stop: StopRule,
+    straggler_config: StragglerConfig,
+    global_step: Callable[[], int] | None,
+    device: torch.device,
+) -> TrainStats:
+    """Local training steps until `stop` says so."""
+    roles = stop.roles
+    model.module.train()
+    bar = tqdm(
+        total=None if config.duration_s or config.global_samples else config.steps,
+        unit="step", disable=roles.trainer_index != 0 or not config.progress,
+    )
+    dist.barrier(group=roles.trainer_group)  # the common start
+    origin = time.perf_counter()
+    straggler = Straggler(straggler_config, roles.trainer_index, len(roles.trainer_ranks))  # measures from here
+    step, warmup_end, step_ends = 0, 0.0, []
+    warmup_global_step = global_step() if global_step else 0
+    while True:
+        batch: Batch = next(batches).to(device)
+        loss, _ = model.module(batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        straggler.step()
+        if model.ps_embeddings is not None:
+            model.ps_embeddings.push_gradients()
+        optimizer.step()
+        step += 1
+        now = time.perf_counter() - origin
+        step_ends.append(now)
+        if step == config.warmup_steps:
+            warmup_end = now
+            warmup_global_step = global_step() if global_step else 0
+        bar.update()
+        if step % config.stop_check_every == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+        if stop(step, now - warmup_end):
+            break
+    bar.close()
+    global_steps = (warmup_global_step, global_step()) if global_step else None
+    return TrainStats(steps=step, warmup_end_s=warmup_end, step_end_s=step_ends, global_steps=global_steps,
+                      straggler_sleep_s=straggler.slept_s)
+
+
+def common_window(stats: TrainStats, batch_size: int, roles: transport.Roles, device: torch.device) -> dict[str, float]:
+    """All trainers' samples per second over the window every trainer was training in, after warm-up.
+
+    Returns window_s (0 when the trainers' timed phases do not overlap), steps_in_window_by_trainer,
+    samples_in_window (all trainers) and samples_per_s_total."""
+    bounds = torch.tensor([stats.warmup_end_s, -stats.step_end_s[-1]], dtype=torch.float64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=roles.trainer_group)
+    start, end = bounds[0].item(), -bounds[1].item()
+    mine = torch.tensor([sum(1 for ended in stats.step_end_s if start < ended <= end)], device=device)
+    steps = all_gather_rows(mine, roles.trainer_group).tolist()
+    samples = sum(steps) * batch_size
+    window = max(end - start, 0.0)
+    return {
+        "window_s": window, "steps_in_window_by_trainer": steps, "samples_in_window": samples,
+        "samples_per_s_total": samples / window if window else 0.0,
+    }
+
+
+def global_steps_per_s(stats: TrainStats) -> float | None:
+    """Rate of the global step k seen by this trainer between its warm-up end and its last step."""
+    if stats.global_steps is None:
+        return None
+    first, last = stats.global_steps
+    elapsed = stats.step_end_s[-1] - stats.warmup_end_s
+    return (last - first) / elapsed if elapsed > 0 else 0.0
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: CTRData, roles: transport.Roles, device: torch.device) -> dict[str, float]:
+    """Held-out AUC and log loss over the whole set; each trainer scores its share with its replica."""
+    model.eval()
+    logits, labels = [], []
+    for batch in data.heldout_batches(roles.trainer_index, len(roles.trainer_ranks)):
+        _, (_, batch_logits, batch_labels) = model(batch.to(device))
+        logits.append(batch_logits)
+        labels.append(batch_labels)
+    group = roles.trainer_group
+    all_logits, all_labels = all_gather_rows(torch.cat(logits), group), all_gather_rows(torch.cat(labels), group)
+    return {"auc": roc_auc(all_logits, all_labels), "log_loss": log_loss(all_logits, all_labels)}
+
+
+def dense_replica_spread(params: Sequence[torch.Tensor], roles: transport.Roles) -> float:
+    """Max over trainers and elements of |w - mean over trainers of w|: 0 when replicas are identical."""
+    flat = torch.cat([param.detach().flatten() for param in params])
+    mean = flat.clone()
+    dist.all_reduce(mean, group=roles.trainer_group)
+    spread = (flat - mean / len(roles.trainer_ranks)).abs().max()
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=roles.trainer_group)
+    return spread.item()
+
+
+def sum_over_trainers(value: float, roles: transport.Roles, device: torch.device) -> float:
+    """Sum of a per-trainer number over all trainers."""
+    total = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(total, group=roles.trainer_group)
+    return total.item()
