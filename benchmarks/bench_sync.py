@@ -37,7 +37,7 @@ THROUGHPUT_MODEL = [
     "--model.embedding_dim", "64",
     "--model.dense_arch_layer_sizes", "[512, 256, 64]",
     "--model.over_arch_layer_sizes", "[512, 256, 1]",
-    "--data.num_embeddings", "100000",
+    "--data.synthetic.num_embeddings", "100000",
 ]
 """DESIGN §6's throughput model: 338K dense parameters, 8 tables of 100K x 64."""
 

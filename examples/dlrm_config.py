@@ -17,7 +17,7 @@ from typing import Literal
 
 from shadowgba.config import ConfigError, SyncConfig
 from shadowgba.straggler import StragglerConfig
-from shadowgba.synthetic import SyntheticConfig
+from shadowgba.datasets import DataConfig
 
 
 @dataclasses.dataclass
@@ -110,7 +110,7 @@ class ExperimentConfig:
     """Parameter-server ranks (GBA)."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """DLRM shape and where the tables live."""
-    data: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """Synthetic CTR task and per-trainer batch size."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     """Optimizers and run length."""

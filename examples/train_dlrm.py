@@ -39,13 +39,15 @@ from shadowgba.config import ConfigError, load_config, to_dict
 from shadowgba.evaluation import log_loss, roc_auc
 from shadowgba.gba import GBASync
 from shadowgba.ps import transport
+from shadowgba.ctr_data import CTRData
+from shadowgba.datasets import open_dataset
 from shadowgba.synthetic import SyntheticCTR
 
 
 def run(config: ExperimentConfig, device: torch.device, backend: str) -> dict[str, Any] | None:
     """Every rank: join the job, serve or train; trainers return every number of the run."""
     wall_start = time.perf_counter()
-    data = SyntheticCTR(config.data)
+    data = open_dataset(config.data)
     roles = join(config, backend)
     try:
         if roles.is_server:
@@ -57,7 +59,7 @@ def run(config: ExperimentConfig, device: torch.device, backend: str) -> dict[st
 
 
 def run_trainer(
-    config: ExperimentConfig, data: SyntheticCTR, roles: transport.Roles, device: torch.device
+    config: ExperimentConfig, data: CTRData, roles: transport.Roles, device: torch.device
 ) -> dict[str, Any]:
     """Build, train, close the sync, evaluate."""
     torch.manual_seed(config.train.seed)
@@ -79,7 +81,7 @@ def run_trainer(
     window = common_window(stats, config.data.batch_size, roles, device)
     spread = dense_replica_spread(model.dense_params, roles)
     quality = evaluate(model.module, data, roles, device)
-    teacher_logits, teacher_labels = data.teacher_heldout()
+    ceiling = data.teacher_heldout() if isinstance(data, SyntheticCTR) else None  # only synthetic data has one
     return {
         "world_size": dist.get_world_size(),
         "trainers": num_trainers,
@@ -88,8 +90,7 @@ def run_trainer(
         **window,
         "samples_per_s_per_trainer": window["samples_per_s_total"] / num_trainers,
         **quality,
-        "teacher_auc": roc_auc(teacher_logits, teacher_labels),
-        "teacher_log_loss": log_loss(teacher_logits, teacher_labels),
+        **({"teacher_auc": roc_auc(*ceiling), "teacher_log_loss": log_loss(*ceiling)} if ceiling else {}),
         "dense_params": sum(param.numel() for param in model.dense_params),
         "dense_replica_max_abs_diff": spread,
         "samples_computed_total": sum_over_trainers(stats.steps * config.data.batch_size, roles, device),

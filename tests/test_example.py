@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_RUN = [
     "--train.steps", "400", "--train.warmup_steps", "20", "--train.progress", "false",
-    "--data.eval_batches", "16", "--sync.interval_ms", "20",
+    "--data.synthetic.eval_batches", "16", "--sync.interval_ms", "20",
 ]
 
 
