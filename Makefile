@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 NPROC ?= 2
 CONFIG ?= examples/configs/bmuf.yaml
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench bench-gba clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_sync.py
+
+# GBA vs sync all-reduce vs plain async PS, 4 trainers + 1 PS, one trainer 3x slow
+bench-gba: $(STAMP)
+	$(PY) benchmarks/bench_gba.py --compute simulated
+	$(PY) benchmarks/bench_gba.py --compute real
 
 clean:
 	rm -rf $(VENV) .pytest_cache
