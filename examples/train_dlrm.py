@@ -73,7 +73,7 @@ def run_trainer(
     with sync or contextlib.nullcontext():
         stats = train(model, optimizer, batches, config.train, stop, config.straggler,
                       (lambda: gba.global_step) if gba else None, device)
-        # before close(): closing in sync mode moves every trainer to "local" and counts that as a switch
+        # read before close(): closing in sync mode moves every trainer to "local"
         training_mode = {"mode": gba.mode, "mode_switches": gba.metrics.summary()["mode_switches"]} if gba else {}
     if model.ps_embeddings is not None:
         model.ps_embeddings.flush()

@@ -132,7 +132,7 @@ class GBASync:
             self._thread = threading.Thread(target=self._shadow_loop, name="shadowgba-gba", daemon=True)
             self._thread.start()
         if self.config.initial_mode == "gba":
-            self._enter_gba()
+            self._enter_gba(initial=True)
         logger.info("shadowgba GBA started: mode=%s global_batch=%d trainers=%d servers=%d",
                     self.mode, self.global_batch, self.num_trainers, self.roles.num_servers)
 
@@ -249,7 +249,7 @@ class GBASync:
             self.dense.copy_from(self._flat.param.detach())
             self.metrics.record_applied(self._flat.global_step)
         if stopped > 0:
-            self._switch_to("local")  # a trainer is closing: no more collectives until close()
+            self._switch_to("local", counted=False)  # a trainer is closing: no more collectives until close()
             return
         target = self._policy.observe("sync", buffer[numel + 3 :].tolist())
         if switch > 0 or target == "gba":
@@ -274,8 +274,8 @@ class GBASync:
         if self._switch_requested == "sync":
             self._leave_gba()
 
-    def _enter_gba(self) -> None:
-        """sync -> GBA at the same step on every trainer."""
+    def _enter_gba(self, initial: bool = False) -> None:
+        """sync -> GBA at the same step on every trainer (at start when `initial`: not a switch)."""
         if self.roles.trainer_index == 0:
             exported = self._flat.export()
             futures = [
@@ -287,7 +287,7 @@ class GBASync:
         dist.barrier(group=self.roles.trainer_group)
         self._switch_requested = None
         self._install(*self._pull_all())
-        self._switch_to("gba")
+        self._switch_to("gba", counted=not initial)
 
     def _leave_gba(self) -> None:
         """GBA -> sync: quiesce this trainer's pushes, agree, take the servers' state."""
@@ -305,9 +305,10 @@ class GBASync:
         self._switch_requested = None
         self._switch_to("sync")
 
-    def _switch_to(self, mode: str) -> None:
+    def _switch_to(self, mode: str, counted: bool = True) -> None:
         previous, self.mode = self.mode, mode
-        self.metrics.record_switch()
+        if counted:
+            self.metrics.record_switch()
         logger.warning("shadowgba: trainer %d switched %s -> %s at global step %d",
                        self.roles.trainer_index, previous, mode, self.global_step)
 
