@@ -18,6 +18,9 @@ Compute: `simulated` adds a fixed sleep of `--step-ms` to every trainer's step (
 sleep is `factor` times longer) on the example's small model, so four trainers and a server fit on
 two cores without fighting for CPU and the scheduling effect shows cleanly; `real` slows the
 trainer by `factor` times its measured step time, with every rank competing for the same cores.
+With fewer cores than ranks a real step's cost depends on how many ranks compute at once (in sync
+mode all of them; in GBA the slow one sleeps while the others compute), so the real-mode ratio is
+not bounded by the ideal below.
 
 Stopping rule: every run stops once the dense parameters hold `--global-samples` samples (read from
 GBA's global step on each trainer, with no collective), so held-out AUC is compared at *equal
