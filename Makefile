@@ -33,7 +33,7 @@ bench: $(STAMP)
 # GBA vs sync all-reduce vs plain async PS, 4 trainers + 1 PS, one trainer 3x slow
 bench-gba: $(STAMP)
 	$(PY) benchmarks/bench_gba.py --compute simulated
-	$(PY) benchmarks/bench_gba.py --compute real
+	$(PY) benchmarks/bench_gba.py --compute real --global-samples 2000000
 
 clean:
 	rm -rf $(VENV) .pytest_cache
