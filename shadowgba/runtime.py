@@ -171,9 +171,7 @@ class ShadowSync:
         group, self._group = self._group, None
         if self._error is not None:
             self._release(group)
-            if not self._error_reported:
-                self._error_reported = True
-                raise ShadowSyncError(f"shadow thread failed: {self._error!r}") from self._error
+            self._raise_unreported_error()
             return
         if final_sync:
             self.dense.average_(group)
@@ -238,15 +236,19 @@ class ShadowSync:
         """Step-boundary work of a training thread; kept to a few attribute checks when idle."""
         started = time.perf_counter()
         self._step = next(self._step_counter)
-        if self._error is not None and not self._error_reported:
-            self._error_reported = True
-            raise ShadowSyncError(f"shadow thread failed: {self._error!r}") from self._error
+        self._raise_unreported_error()
         if self._thread is not None:
             self._writeback.on_step_boundary()
         elif not self._rounds_finished and self._step % self._foreground_every == 0:
             self._foreground_round()
             self._maybe_log()
         self.metrics.record_step(time.perf_counter() - started)
+
+    def _raise_unreported_error(self) -> None:
+        """Raise the shadow thread's failure once, in the calling training thread."""
+        if self._error is not None and not self._error_reported:
+            self._error_reported = True
+            raise ShadowSyncError(f"shadow thread failed: {self._error!r}") from self._error
 
     def _record_applied(self) -> None:
         self.metrics.record_applied(self._step)
