@@ -3,9 +3,9 @@
 Sections: `sync` (shadowgba), `ps` (parameter-server ranks, for GBA), `model`, `data`, `train`,
 `straggler`. Every combination that cannot run is refused here, naming the keys, before any process
 group exists:
-- parameter servers and PS-hosted embeddings exist only for `sync.algo: gba` (ShadowSync's shadow
-  group spans every rank, so it cannot run beside server ranks);
-- GBA mode and PS embeddings need at least one server;
+- parameter servers and PS-hosted embeddings exist only for `sync.algo: gba` and `easgd_ps` (the
+  servers host GBA's dense shards or the S-EASGD centre; for any other algorithm they would idle);
+- GBA mode, easgd_ps and PS embeddings need at least one server;
 - the PS tables support sgd and rowwise_adagrad, not TorchRec's (element-wise) adagrad;
 - `train.global_samples` counts samples by the GBA global step, so it needs `sync.algo: gba`.
 """
@@ -18,6 +18,9 @@ from typing import Literal
 from shadowgba.config import ConfigError, SyncConfig
 from shadowgba.straggler import StragglerConfig
 from shadowgba.datasets import DataConfig
+
+PS_ALGOS = frozenset({"gba", "easgd_ps"})
+"""The algorithms that run beside parameter-server ranks (their trainers never meet all ranks)."""
 
 
 @dataclasses.dataclass
@@ -44,10 +47,11 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class PSConfig:
-    """Parameter-server ranks (GBA only): the last `num_servers` ranks of the job."""
+    """Parameter-server ranks (gba, easgd_ps): the last `num_servers` ranks of the job."""
 
     num_servers: int = 0
-    """Server ranks; they host the dense GBA shards and, with `model.embeddings: ps`, the tables."""
+    """Server ranks; they host the dense GBA shards or the S-EASGD centre and, with
+    `model.embeddings: ps`, the tables."""
     max_in_flight: int = 2
     """PS embeddings: steps of row-gradient pushes a trainer may have in flight before it waits."""
 
@@ -107,7 +111,7 @@ class ExperimentConfig:
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     """Dense synchronization (shadowgba)."""
     ps: PSConfig = dataclasses.field(default_factory=PSConfig)
-    """Parameter-server ranks (GBA)."""
+    """Parameter-server ranks (gba, easgd_ps)."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """DLRM shape and where the tables live."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -119,8 +123,14 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         gba = self.sync.algo == "gba"
-        if self.ps.num_servers and not gba:
-            raise ConfigError(f"ps.num_servers: parameter servers need sync.algo gba, not '{self.sync.algo}'")
+        uses_servers = self.sync.algo in PS_ALGOS
+        if self.ps.num_servers and not uses_servers:
+            raise ConfigError(
+                f"ps.num_servers: parameter servers need sync.algo gba or easgd_ps, not '{self.sync.algo}' "
+                "(servers host GBA's dense shards or the S-EASGD centre; for this algorithm they would idle)"
+            )
+        if self.sync.algo == "easgd_ps" and not self.ps.num_servers:
+            raise ConfigError("ps.num_servers: sync.algo easgd_ps keeps the EASGD centre on the servers; needs >= 1")
         if self.train.global_samples and not gba:
             raise ConfigError(
                 f"train.global_samples: counted by the GBA global step; needs sync.algo gba, not '{self.sync.algo}'"
@@ -128,8 +138,8 @@ class ExperimentConfig:
         if gba and self.sync.algorithm_config().initial_mode == "gba" and not self.ps.num_servers:
             raise ConfigError("ps.num_servers: sync.options.initial_mode gba needs at least one parameter server")
         if self.model.embeddings == "ps":
-            if not gba or not self.ps.num_servers:
-                raise ConfigError("model.embeddings: ps needs sync.algo gba and ps.num_servers >= 1")
+            if not uses_servers or not self.ps.num_servers:
+                raise ConfigError("model.embeddings: ps needs sync.algo gba or easgd_ps and ps.num_servers >= 1")
             if self.train.embedding_optimizer == "adagrad":
                 raise ConfigError("train.embedding_optimizer: PS tables support sgd and rowwise_adagrad, not adagrad")
 

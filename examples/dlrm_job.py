@@ -1,13 +1,15 @@
 """Roles in the example's torchrun job: trainers and (for GBA) parameter servers.
 
 - Without servers every rank is a trainer and the trainer group is the default group.
-- With `ps.num_servers > 0` (GBA only) the last ranks are servers: each serves a dense GBA shard and,
-  with `model.embeddings: ps`, an embedding shard, then waits in `transport.stop()` until every
-  trainer is done. Trainers get `Roles.trainer_group`; everything a trainer does collectively
-  (the training loop's own collectives, held-out evaluation, throughput sums, the replica check)
-  runs on that group, never on the default group the servers are part of.
-- `dense_sync` picks what keeps the dense replicas together: ShadowSync (ma / easgd / bmuf), GBASync
-  (gba: sync all-reduce or GBA, per `sync.options.initial_mode`), or nothing (none / ddp).
+- With `ps.num_servers > 0` (gba, easgd_ps) the last ranks are servers: each serves a dense GBA
+  shard (gba) or a slice of the EASGD centre (easgd_ps) and, with `model.embeddings: ps`, an
+  embedding shard, then waits in `transport.stop()` until every trainer is done. Trainers get
+  `Roles.trainer_group`; everything a trainer does collectively (the training loop's own
+  collectives, held-out evaluation, throughput sums, the replica check, ShadowSync's broadcast and
+  final average) runs on that group, never on the default group the servers are part of.
+- `dense_sync` picks what keeps the dense replicas together: ShadowSync (ma / easgd / bmuf /
+  easgd_ps), GBASync (gba: sync all-reduce or GBA, per `sync.options.initial_mode`), or nothing
+  (none / ddp).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from shadowgba.config import BASELINES
 from shadowgba.ctr_data import CTRData
 from shadowgba.gba import GBASync, serve_dense_shard
 from shadowgba.ps import transport
+from shadowgba.ps.easgd_center import CENTER_SERVICE, ElasticCenter
 from shadowgba.ps.embedding import DEFAULT_SERVICE, EmbeddingShard
 from shadowgba.runtime import ShadowSync
 
@@ -44,8 +47,12 @@ def leave(roles: transport.Roles) -> None:
 
 
 def serve(config: ExperimentConfig, data: CTRData, roles: transport.Roles) -> None:
-    """A server rank's whole job: host its shards (trainers configure the dense one)."""
-    serve_dense_shard()
+    """A server rank's whole job: host its shards (trainers configure the dense one) or its slice of
+    the S-EASGD centre (trainers initialise it)."""
+    if config.sync.algo == "easgd_ps":
+        transport.serve(CENTER_SERVICE, ElasticCenter())
+    else:
+        serve_dense_shard()
     if config.model.embeddings == "ps":
         shard = EmbeddingShard(tables(config, data), ps_embedding_config(config, len(roles.trainer_ranks)),
                                roles.server_index, roles.num_servers)

@@ -71,8 +71,9 @@ def tables(config: ExperimentConfig, data: CTRData) -> list[EmbeddingBagConfig]:
 
 
 def ps_embedding_config(config: ExperimentConfig, num_trainers: int) -> PSEmbeddingConfig:
-    """How the PS tables update: aggregated over GBA's global batch, or on arrival without aggregation."""
-    aggregate = config.sync.algorithm_config().aggregation == "global_batch"
+    """How the PS tables update: aggregated over GBA's global batch, or on arrival (Hogwild) without
+    aggregation and under S-EASGD."""
+    aggregate = config.sync.algo == "gba" and config.sync.algorithm_config().aggregation == "global_batch"
     return PSEmbeddingConfig(
         optimizer=config.train.embedding_optimizer,
         lr=config.train.embedding_lr,

@@ -120,8 +120,9 @@ def test_every_shipped_config_loads(path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["--ps.num_servers", "1"], "ps.num_servers: parameter servers need sync.algo gba, not 'ma'"),
-        (["--model.embeddings", "ps"], "model.embeddings: ps needs sync.algo gba and ps.num_servers >= 1"),
+        (["--ps.num_servers", "1"], "ps.num_servers: parameter servers need sync.algo gba or easgd_ps, not 'ma'"),
+        (["--model.embeddings", "ps"], "model.embeddings: ps needs sync.algo gba or easgd_ps and ps.num_servers >= 1"),
+        (["--sync.algo", "easgd_ps"], "ps.num_servers: sync.algo easgd_ps keeps the EASGD centre on the servers"),
         (["--sync.algo", "gba"], "ps.num_servers: sync.options.initial_mode gba needs at least one parameter server"),
         (["--train.global_samples", "100"], "train.global_samples: counted by the GBA global step; needs sync.algo"),
         (["--sync.algo", "gba", "--ps.num_servers", "1", "--model.embeddings", "ps"],
