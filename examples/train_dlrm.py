@@ -36,7 +36,7 @@ from dlrm_loop import (
 )
 from dlrm_model import DENSE_OPTIMIZERS, build_model
 from shadowgba.config import ConfigError, load_config, to_dict
-from shadowgba.evaluation import log_loss, roc_auc
+from shadowgba.evaluation import all_gather_rows, log_loss, roc_auc
 from shadowgba.gba import GBASync
 from shadowgba.ps import transport
 from shadowgba.ctr_data import CTRData
@@ -96,6 +96,8 @@ def run_trainer(
         "samples_computed_total": sum_over_trainers(stats.steps * config.data.batch_size, roles, device),
         "straggler_sleep_s_total": sum_over_trainers(stats.straggler_sleep_s, roles, device),
         "sync": sync.metrics.summary() if sync else {},
+        "sync_rounds_by_trainer": all_gather_rows(  # "sync" is trainer 0's; each trainer's own rounds
+            torch.tensor([sync.metrics.rounds if sync else 0], device=device), roles.trainer_group).tolist(),
         "gba": {
             **training_mode, "global_step": stats.global_steps[1], "global_steps_per_s": global_steps_per_s(stats),
             "dense_shards": gba.server_stats(),

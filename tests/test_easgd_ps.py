@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,3 +91,22 @@ def test_shadow_sync_runs_s_easgd_on_the_trainer_group_and_ends_identical() -> N
     first, second, _ = run_ranks(shadow_job, 3, [50, 200], timeout_s=90)
     torch.testing.assert_close(first["weights"], second["weights"], rtol=0, atol=0)
     assert first["rounds"] > 5 and second["rounds"] > first["rounds"]
+
+
+@pytest.mark.timeout(150)
+def test_example_s_easgd_with_ps_embeddings_lets_the_fast_trainer_run_ahead_of_a_straggler(tmp_path: Path) -> None:
+    """2 trainers + 1 server, trainer 1 three times slower, timed: no collective in a step or a round,
+    so each trainer stops on its own clock and the fast one takes clearly more steps."""
+    from tests.test_example import finish, run_example
+
+    output = tmp_path / "easgd_ps.json"
+    extra = ["--train.duration_s", "6", "--straggler.trainers", "[1]", "--straggler.factor", "3"]
+    finish(run_example(["--standalone", "--nproc_per_node=3"], "easgd_ps.yaml", output, extra), timeout_s=130)
+    results = json.loads(output.read_text())
+    assert (results["world_size"], results["trainers"], results["servers"]) == (3, 2, 1)
+    assert results["config"]["sync"]["algo"] == "easgd_ps" and results["config"]["model"]["embeddings"] == "ps"
+    fast, slow = results["steps_in_window_by_trainer"]
+    assert results["window_s"] > 3 and fast > 2 * slow > 0, results["steps_in_window_by_trainer"]
+    assert min(results["sync_rounds_by_trainer"]) > 5, results["sync_rounds_by_trainer"]
+    assert results["dense_replica_max_abs_diff"] == 0.0  # ShadowSync's final average on the trainer group
+    assert results["auc"] > 0.6, results
