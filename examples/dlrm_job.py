@@ -8,8 +8,8 @@
   collectives, held-out evaluation, throughput sums, the replica check, ShadowSync's broadcast and
   final average) runs on that group, never on the default group the servers are part of.
 - `dense_sync` picks what keeps the dense replicas together: ShadowSync (ma / easgd / bmuf /
-  easgd_ps), GBASync (gba: sync all-reduce or GBA, per `sync.options.initial_mode`), or nothing
-  (none / ddp).
+  easgd_ps), GBASync (gba: sync all-reduce or GBA, per `sync.options.initial_mode`), torch's
+  periodic model averager (pma, `dlrm_pma`), or nothing (none / ddp).
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from torch import nn
 
 from dlrm_config import ExperimentConfig
 from dlrm_model import ps_embedding_config, tables
+from dlrm_pma import PeriodicAveraging
 from shadowgba.config import BASELINES
 from shadowgba.ctr_data import CTRData
+from shadowgba.dense import dense_named_parameters
 from shadowgba.gba import GBASync, serve_dense_shard
 from shadowgba.ps import transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, ElasticCenter
@@ -61,8 +63,11 @@ def serve(config: ExperimentConfig, data: CTRData, roles: transport.Roles) -> No
 
 def dense_sync(
     config: ExperimentConfig, model: nn.Module, optimizer: torch.optim.Optimizer, roles: transport.Roles
-) -> ShadowSync | GBASync | None:
-    """The synchronization of the dense replicas that `sync.algo` names (None for the baselines)."""
+) -> ShadowSync | GBASync | PeriodicAveraging | None:
+    """The synchronization of the dense replicas that `sync.algo` names (None for none and ddp)."""
+    if config.sync.algo == "pma":
+        params = [param for _, param in dense_named_parameters(model)]
+        return PeriodicAveraging(params, optimizer, config.sync.foreground_every, roles.trainer_group)
     if config.sync.algo in BASELINES:
         return None
     if config.sync.algo == "gba":

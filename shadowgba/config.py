@@ -24,9 +24,11 @@ import sync_algos
 
 T = TypeVar("T")
 
-BASELINES = ("none", "ddp")
+BASELINES = ("none", "ddp", "pma")
 """Values of `sync.algo` that run no shadowgba algorithm: `none` trains locally only, `ddp` is
-TorchRec's default DDP wrapper. Applications implement them; the runtime refuses them."""
+TorchRec's default DDP wrapper, `pma` is torch's periodic model averaging (post-local SGD's
+`PeriodicModelAverager`, every `foreground_every` steps). Applications implement them; the runtime
+refuses them."""
 
 
 class ConfigError(ValueError):
@@ -38,7 +40,8 @@ class SyncConfig:
     """How dense parameters are synchronized."""
 
     algo: str = "ma"
-    """Algorithm name from the `sync_algos` registry (ma, easgd, bmuf), or a baseline: none, ddp."""
+    """Algorithm name from the `sync_algos` registry (ma, easgd, bmuf, ...), or a baseline: none, ddp,
+    pma (torch's periodic model averaging every `foreground_every` steps)."""
     mode: Literal["shadow", "foreground"] = "shadow"
     """shadow: a background thread syncs continuously; foreground: the training thread syncs every
     `foreground_every` steps (the FR-* baselines of ShadowSync)."""
@@ -52,7 +55,7 @@ class SyncConfig:
     Measured (benchmarks/bench_sync.py, 2 ranks on 2 cores, 338K dense params): 50 ms cost ~9%
     (0.90-0.92 of no sync, level with DDP); 200 ms cost ~1% (0.98-0.995, above DDP's 0.93)."""
     foreground_every: int = 10
-    """Foreground mode: training steps between two synchronous rounds."""
+    """Foreground mode (and the pma baseline): training steps between two synchronous rounds."""
     final_sync: bool = True
     """On close, average the dense replicas once more (blocking) so every rank ends identical."""
     timeout_s: float = 300.0

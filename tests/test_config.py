@@ -36,7 +36,7 @@ def test_yaml_and_overrides_map_onto_dataclasses(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "text,overrides,message",
     [
-        ("sync: {algo: sgdx}", [], r"sync\.algo: unknown algorithm 'sgdx'; allowed: \['bmuf', 'easgd', 'easgd_ps', 'gba', 'ma', 'none', 'ddp'\]"),
+        ("sync: {algo: sgdx}", [], r"sync\.algo: unknown algorithm 'sgdx'; allowed: \['bmuf', 'easgd', 'easgd_ps', 'gba', 'ma', 'none', 'ddp', 'pma'\]"),
         ("sync: {algorithm: ma}", [], r"sync\.algorithm: unknown key; allowed keys: \[.*'algo'.*\]"),
         ("sync: {mode: async}", [], r"sync\.mode: 'async' is not allowed; allowed values: \['shadow', 'foreground'\]"),
         ("sync: {interval_ms: -1}", [], r"sync\.interval_ms must be >= 0, got -1"),
