@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -36,14 +37,33 @@ def run_example(launcher_args: list[str], config: str, output: Path, extra: list
 
 
 def finish(process: subprocess.Popen, timeout_s: float = 240) -> str:
+    """The output of `process`, which must exit 0 within `timeout_s` (else it is killed)."""
+    failure, output = wait(process, timeout_s)
+    assert failure is None, f"torchrun {failure}:\n{output[-4000:]}"
+    return output
+
+
+def finish_together(processes: list[subprocess.Popen], timeout_s: float = 240) -> None:
+    """Wait for all `processes` at once; if any fails or hangs, report every one's output tail (a
+    torchrun agent that hangs usually waits in its exit barrier for another agent)."""
+    with ThreadPoolExecutor(len(processes)) as pool:
+        outcomes = list(pool.map(lambda process: wait(process, timeout_s), processes))
+    if any(failure for failure, _ in outcomes):
+        raise AssertionError("\n".join(
+            f"--- process {index}: {failure or 'exited 0'} ---\n{output[-3000:]}"
+            for index, (failure, output) in enumerate(outcomes)
+        ))
+
+
+def wait(process: subprocess.Popen, timeout_s: float) -> tuple[str | None, str]:
+    """(why `process` failed or hung, or None if it exited 0; its output). A hung process is killed."""
     try:
         output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         process.kill()
         output, _ = process.communicate()
-        raise AssertionError(f"torchrun hung:\n{output[-4000:]}") from None
-    assert process.returncode == 0, output[-4000:]
-    return output
+        return f"hung for {timeout_s:.0f} s", output
+    return (None if process.returncode == 0 else f"exited {process.returncode}"), output
 
 
 def test_two_rank_bmuf_run_ends_with_identical_replicas_and_a_useful_model(tmp_path: Path) -> None:
@@ -65,8 +85,7 @@ def test_two_torchrun_agents_rendezvous_over_c10d_and_train_together(tmp_path: P
     launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=shadowgba-test"]
     outputs = [tmp_path / "node0.json", tmp_path / "node1.json"]
     agents = [run_example(launcher, "easgd.yaml", output) for output in outputs]
-    for agent in agents:
-        finish(agent)
+    finish_together(agents)
     written = [json.loads(path.read_text()) for path in outputs if path.exists()]
     assert len(written) == 1, "exactly one agent hosts global rank 0, which writes the results"
     (results,) = written
