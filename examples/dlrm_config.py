@@ -76,6 +76,10 @@ class TrainConfig:
     aggregation), so that runs of different algorithms stop at equal samples applied."""
     warmup_steps: int = 50
     """Steps before the timed window that throughput is measured over."""
+    eval_every_samples: int = 0
+    """When > 0: evaluate held-out AUC and log loss each time the samples seen (all trainers) cross a
+    multiple of this, for a `curve` in the results (examples/dlrm_curve.py); its time is left out of
+    the training clock. 0: only the final evaluation."""
     stop_check_every: int = 20
     """With duration_s or global_samples, when trainers must stop at the same step (TorchRec
     embeddings): steps between two broadcasts of trainer 0's stop decision."""
@@ -102,6 +106,8 @@ class TrainConfig:
             raise ConfigError(f"steps ({self.steps}) must exceed warmup_steps ({self.warmup_steps})")
         if self.warmup_steps < 0 or self.stop_check_every < 1:
             raise ConfigError("warmup_steps must be >= 0 and stop_check_every >= 1")
+        if self.eval_every_samples < 0:
+            raise ConfigError(f"eval_every_samples must be >= 0, got {self.eval_every_samples}")
 
 
 @dataclasses.dataclass

@@ -11,8 +11,10 @@ broadcasts its decision every `stop_check_every` steps; with PS tables a trainer
 collective and each trainer decides alone, so a fast trainer never waits for a slow one.
 
 Timing: every trainer measures from a common start (a barrier on the trainer group before the first
-step). Throughput counts every trainer's samples over one wall-clock window shared by all: from the
-moment the last trainer finished its warm-up to the moment the first trainer finished its last step.
+step); time spent between steps outside training (held-out evaluation, `dlrm_curve`) is left out of
+its clock, as if it had been paused. Throughput counts every trainer's samples over one window of
+those clocks shared by all: from the moment the last trainer finished its warm-up to the moment the
+first trainer finished its last step.
 Only the trainer group is used; server ranks never see these collectives.
 """
 
@@ -98,8 +100,10 @@ def train(
     straggler_config: StragglerConfig,
     global_step: Callable[[], int] | None,
     device: torch.device,
+    between_steps: Callable[[int, float], float],
 ) -> TrainStats:
-    """Local training steps until `stop` says so."""
+    """Local training steps until `stop` says so. `between_steps(step, elapsed_s)` runs after each step
+    (the last included) and returns the seconds it spent, which are left out of the step times."""
     roles = stop.roles
     model.module.train()
     bar = tqdm(
@@ -129,6 +133,9 @@ def train(
         bar.update()
         if step % config.stop_check_every == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+        paused = between_steps(step, now)
+        origin += paused
+        straggler.exclude(paused)
         if stop(step, now - warmup_end):
             break
     bar.close()
@@ -165,16 +172,22 @@ def global_steps_per_s(stats: TrainStats) -> float | None:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: CTRData, roles: transport.Roles, device: torch.device) -> dict[str, float]:
-    """Held-out AUC and log loss over the whole set; each trainer scores its share with its replica."""
+def evaluate(
+    model: nn.Module, data: CTRData, roles: transport.Roles, device: torch.device, alone: bool = False
+) -> dict[str, float]:
+    """Held-out AUC and log loss over the whole set; each trainer scores its share with its replica
+    (collective), or with `alone` this trainer scores all of it, with no collective (PS tables only:
+    a TorchRec-sharded forward is itself collective)."""
     model.eval()
     logits, labels = [], []
-    for batch in data.heldout_batches(roles.trainer_index, len(roles.trainer_ranks)):
+    for batch in data.heldout_batches(*((0, 1) if alone else (roles.trainer_index, len(roles.trainer_ranks)))):
         _, (_, batch_logits, batch_labels) = model(batch.to(device))
         logits.append(batch_logits)
         labels.append(batch_labels)
-    group = roles.trainer_group
-    all_logits, all_labels = all_gather_rows(torch.cat(logits), group), all_gather_rows(torch.cat(labels), group)
+    all_logits, all_labels = torch.cat(logits), torch.cat(labels)
+    if not alone:
+        all_logits, all_labels = (all_gather_rows(all_logits, roles.trainer_group),
+                                  all_gather_rows(all_labels, roles.trainer_group))
     return {"auc": roc_auc(all_logits, all_labels), "log_loss": log_loss(all_logits, all_labels)}
 
 

@@ -6,14 +6,17 @@
 
 `sync.algo` picks how the dense replicas meet: ma / easgd / bmuf through `ShadowSync`, gba through
 `GBASync` (sync all-reduce or GBA over parameter-server ranks, `ps.num_servers`), `none` for purely
-local training, `ddp` for TorchRec's default dense DDP. The tables are sharded by TorchRec over the
+local training, `ddp` for TorchRec's default dense DDP, `pma` for torch's periodic model averaging
+every `sync.foreground_every` steps. The tables are sharded by TorchRec over the
 trainers or hosted on the servers (`model.embeddings`); `straggler` slows chosen trainers. The run
 reports held-out AUC and log loss next to the planted teacher's ceiling, all trainers' throughput over
 a common timed window after warm-up, the sync metrics (and the servers' for GBA), and how far the
-dense replicas are apart at the end. One torch thread per rank, gloo on CPU, NCCL on GPUs.
+dense replicas are apart at the end; with `train.eval_every_samples`, a held-out `curve` against
+samples seen. One torch thread per rank, gloo on CPU, NCCL on GPUs.
 
 Modules: `dlrm_config` (the config tree), `dlrm_model` (building the DLRM), `dlrm_job` (trainer and
-server roles, which sync), `dlrm_loop` (training loop, stopping, timing, evaluation).
+server roles, which sync), `dlrm_pma` (the pma baseline), `dlrm_loop` (training loop, stopping,
+timing, evaluation), `dlrm_curve` (the held-out curve during training).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dlrm_config import ExperimentConfig
+from dlrm_curve import heldout_curve
 from dlrm_job import applied_samples, dense_sync, join, leave, serve
 from dlrm_loop import (
     StopRule, common_window, dense_replica_spread, evaluate, global_steps_per_s, sum_over_trainers, train,
@@ -70,9 +74,10 @@ def run_trainer(
     num_trainers = len(roles.trainer_ranks)
     stop = StopRule(config.train, config.lockstep, roles, device, applied_samples(gba, config) if gba else None)
     batches = data.train_batches(roles.trainer_index, num_trainers)
+    curve = heldout_curve(config, model.module, data, roles, device, sync)
     with sync or contextlib.nullcontext():
         stats = train(model, optimizer, batches, config.train, stop, config.straggler,
-                      (lambda: gba.global_step) if gba else None, device)
+                      (lambda: gba.global_step) if gba else None, device, curve.after_step)
         # read before close(): closing in sync mode moves every trainer to "local"
         training_mode = {"mode": gba.mode, "mode_switches": gba.metrics.summary()["mode_switches"]} if gba else {}
     if model.ps_embeddings is not None:
@@ -81,6 +86,7 @@ def run_trainer(
     window = common_window(stats, config.data.batch_size, roles, device)
     spread = dense_replica_spread(model.dense_params, roles)
     quality = evaluate(model.module, data, roles, device)
+    curve.finish(quality, stats.step_end_s[-1])
     ceiling = data.teacher_heldout() if isinstance(data, SyntheticCTR) else None  # only synthetic data has one
     return {
         "world_size": dist.get_world_size(),
@@ -90,6 +96,8 @@ def run_trainer(
         **window,
         "samples_per_s_per_trainer": window["samples_per_s_total"] / num_trainers,
         **quality,
+        "curve": curve.points,
+        "eval_s_during_training": curve.eval_s,  # trainer 0's; left out of window_s and the curve's elapsed_s
         **({"teacher_auc": roc_auc(*ceiling), "teacher_log_loss": log_loss(*ceiling)} if ceiling else {}),
         "dense_params": sum(param.numel() for param in model.dense_params),
         "dense_replica_max_abs_diff": spread,

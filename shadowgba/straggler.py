@@ -81,6 +81,10 @@ class Straggler:
             return 0.0
         return (config.factor - 1.0) * measured_s + config.delay_ms / 1e3
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` the loop spent outside training (e.g. evaluating) out of the next measured step."""
+        self._last_return += seconds
+
     def step(self) -> None:
         """Sleep for this step (see the module docstring); the next step is measured from the return."""
         seconds = self.sleep_s(time.perf_counter() - self._last_return)
