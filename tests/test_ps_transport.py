@@ -112,6 +112,34 @@ def test_the_same_checks_pass_under_torchrun() -> None:
     assert sorted(re.findall(r"transport ok: (ps\d+|trainer\d+)", done.stdout)) == ["ps0", "trainer0", "trainer1"]
 
 
+def trainer_dies(rank: int, world_size: int, trainer_timeout_s: float) -> None:
+    """3 ranks, 1 server: trainer 1 exits abruptly after a call; the others end up in stop()."""
+    transport.PING_INTERVAL_S = 0.2
+    roles = transport.start(num_servers=1)
+    if roles.is_server:
+        transport.serve("echo", Echo(roles.server_index))
+    elif roles.trainer_index == 1:
+        transport.call(0, "echo", "describe", rank, torch.zeros(1))
+        os._exit(3)  # no stop(), no exception, no goodbye: as a killed or crashed process
+    transport.stop(trainer_timeout_s=trainer_timeout_s)
+
+
+def test_a_server_whose_trainer_died_fails_with_a_clear_error_instead_of_waiting_forever() -> None:
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(trainer_dies, 3, 2.0, timeout_s=60)
+    report = str(failed.value)
+    assert time.monotonic() - started < 45, "a rank hung until the harness deadline"
+    assert "ranks [1] hung or died without a result" in report, report
+    server_error = (
+        r"PeerLost: ps0 gave up on trainer1 \(rank 1\): it has not called transport.stop\(\) and has not "
+        r"answered a ping for 2s \(trainer_timeout_s\); it probably died \(last ping: .+\)\. "
+        r"Trainers that arrived: \[0\]"
+    )
+    for rank in (0, 2):  # the server, and the surviving trainer that waited for it, both say why
+        assert re.search(rf"rank {rank}:\n(?:(?!\nrank ).)*{server_error}", report, re.DOTALL), report
+
+
 def test_roles_are_assigned_before_any_group_and_bad_server_counts_are_refused() -> None:
     Roles = transport.Roles
     roles = Roles.assign(rank=1, world_size=4, num_servers=2)

@@ -32,8 +32,18 @@ Invariants (why a call cannot deadlock):
   Services are called concurrently from those threads and must be thread-safe.
 - `start()` returns on trainers before the servers have called `serve()`; a call for a name that
   is not served yet waits up to `SERVE_WAIT_S` for it, then fails naming the served services.
-- `stop()` is a barrier over every rank that also drains outstanding calls (graceful RPC shutdown,
-  no timeout): servers sit in it until every trainer has called it too.
+- `stop()` is a barrier over every rank that also drains outstanding calls: servers sit in it until
+  every trainer has called it too. A server cannot tell a slow trainer from a dead one by waiting
+  alone (RPC's graceful shutdown waits without a timeout, and `ps0` leads it), so first every trainer
+  announces itself to every server (`_arrive`), and a server pings the trainers that have not yet
+  arrived every `PING_INTERVAL_S`: one that has neither arrived nor answered a ping for
+  `trainer_timeout_s` (default `TRAINER_TIMEOUT_S`, generous: a live trainer's RPC threads answer in
+  milliseconds even while it trains) is lost, and the server raises `PeerLost` naming it instead
+  of hanging. Trainers wait for every server's release by polling it (no RPC is held open while a
+  slow trainer finishes), so a server's failure, or its disappearance, reaches them too as a
+  `PeerLost` rather than a hang. Only then does everyone enter the graceful RPC
+  shutdown, which drains outstanding calls. A trainer that dies after announcing itself and before
+  that shutdown still stalls it: that window is the few milliseconds between the two.
 - An exception raised by a service is raised by the caller's `wait()` with its own type and message
   and the server's traceback as a note (RPC alone would turn most types into RuntimeError).
 """
@@ -46,9 +56,10 @@ import os
 import socket
 import struct
 import threading
+import time
 import traceback
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -56,6 +67,12 @@ import torch.distributed.rpc as rpc
 
 SERVE_WAIT_S = 30.0
 """How long a call for a service name that is not served (yet) waits for `serve()` on its server."""
+TRAINER_TIMEOUT_S = 300.0
+"""How long a server in `stop()` waits for a trainer that has neither called `stop()` nor answered a
+ping before it gives up on it (`PeerLost`); `stop(trainer_timeout_s=...)` overrides it."""
+PING_INTERVAL_S = 1.0
+"""How often a server in `stop()` pings the trainers that have not called `stop()` yet (also each
+ping's RPC timeout), and at most how long a trainer in `stop()` sleeps between two polls."""
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
@@ -112,15 +129,32 @@ class Roles:
         return server_name(self.server_index) if self.is_server else f"trainer{self.trainer_index}"
 
 
+class PeerLost(RuntimeError):
+    """`stop()` gave up: a server on a trainer that neither arrived nor answered, or a trainer on a
+    server that gave up or went away."""
+
+
 @dataclasses.dataclass
 class _Started:
     roles: Roles
     owns_default_group: bool
 
 
+@dataclasses.dataclass
+class _StopBarrier:
+    """A server's view of the trainers' arrival in `stop()` (guarded by `_stop_changed`)."""
+
+    arrived: set[int] = dataclasses.field(default_factory=set)
+    """Trainer indices that called `stop()`."""
+    failure: str | None = None
+    """Set when this server gave up on a trainer: the message every trainer raises."""
+
+
 _started: _Started | None = None
 _services: dict[str, object] = {}
 _services_changed = threading.Condition()
+_stop_barrier = _StopBarrier()
+_stop_changed = threading.Condition()
 
 
 def server_name(server_index: int) -> str:
@@ -223,21 +257,115 @@ def call(server_index: int, name: str, method: str, *args: Any) -> Any:
     return call_async(server_index, name, method, *args).wait()
 
 
-def stop() -> None:
+def stop(trainer_timeout_s: float | None = None) -> None:
     """Leave the job (collective): waits for every rank and every outstanding call, then tears down.
 
-    The default process group is destroyed only if `start()` created it.
+    On a server, raises `PeerLost` once a trainer has neither called `stop()` nor answered a ping
+    for `trainer_timeout_s` (default `TRAINER_TIMEOUT_S`); trainers waiting here raise it as well.
+    Either way this rank's transport is torn down. The default process group is destroyed only if
+    `start()` created it.
     """
-    global _started
+    global _started, _stop_barrier
     started = _require_started()
-    rpc.shutdown(graceful=True)
-    with _services_changed:
-        _services.clear()
-    if started.owns_default_group:
-        dist.destroy_process_group()
-    elif started.roles.trainer_group is not None:
-        dist.destroy_process_group(started.roles.trainer_group)
-    _started = None
+    timeout_s = TRAINER_TIMEOUT_S if trainer_timeout_s is None else trainer_timeout_s
+    try:
+        if started.roles.is_server:
+            _await_trainers(started.roles, timeout_s)
+        else:
+            _await_release(started.roles)
+    except BaseException:
+        rpc.shutdown(graceful=False)
+        raise
+    else:
+        rpc.shutdown(graceful=True)
+    finally:
+        with _services_changed:
+            _services.clear()
+        with _stop_changed:
+            _stop_barrier = _StopBarrier()
+        if started.owns_default_group:
+            dist.destroy_process_group()
+        elif started.roles.trainer_group is not None:
+            dist.destroy_process_group(started.roles.trainer_group)
+        _started = None
+
+
+def _await_trainers(roles: Roles, timeout_s: float) -> None:
+    """Server: return once every trainer has arrived; raise `PeerLost` for one that went silent."""
+    trainers = range(len(roles.trainer_ranks))
+    last_heard = dict.fromkeys(trainers, time.monotonic())
+    last_error: dict[int, str] = {}
+    while True:
+        with _stop_changed:
+            _stop_changed.wait_for(lambda: len(_stop_barrier.arrived) == len(trainers), timeout=PING_INTERVAL_S)
+            missing = [index for index in trainers if index not in _stop_barrier.arrived]
+        if not missing:
+            return
+        pings = {index: rpc.rpc_async(f"trainer{index}", _alive, timeout=PING_INTERVAL_S) for index in missing}
+        for index, ping in pings.items():
+            try:
+                ping.wait()
+                last_heard[index] = time.monotonic()
+            except RuntimeError as error:  # dead, unreachable or too slow to answer: the clock keeps running
+                last_error[index] = str(error).splitlines()[0] if str(error) else type(error).__name__
+        now = time.monotonic()
+        with _stop_changed:  # one that arrived while we pinged is not lost
+            lost = [i for i in missing if now - last_heard[i] > timeout_s and i not in _stop_barrier.arrived]
+            if lost:
+                _stop_barrier.failure = (
+                    f"{roles.name} gave up on trainer{lost[0]} (rank {roles.trainer_ranks[lost[0]]}): it has not "
+                    f"called transport.stop() and has not answered a ping for {timeout_s:g}s (trainer_timeout_s); "
+                    f"it probably died (last ping: {last_error.get(lost[0], 'timed out')}). "
+                    f"Trainers that arrived: {sorted(_stop_barrier.arrived)}"
+                )
+        if lost:
+            time.sleep(2 * PING_INTERVAL_S)  # let the waiting trainers' polls read the failure
+            raise PeerLost(_stop_barrier.failure)
+
+
+def _await_release(roles: Roles) -> None:
+    """Trainer: announce this trainer to every server, then poll them until every trainer arrived."""
+    for server in range(roles.num_servers):
+        _call_in_stop(roles, server, _arrive, roles.trainer_index)
+    waiting = list(range(roles.num_servers))
+    pause = 0.005
+    while waiting:
+        for server in list(waiting):
+            released, failure = _call_in_stop(roles, server, _release_state, len(roles.trainer_ranks))
+            if failure is not None:
+                raise PeerLost(failure)
+            if released:
+                waiting.remove(server)
+        time.sleep(pause)
+        pause = min(2 * pause, PING_INTERVAL_S / 4)
+
+
+def _call_in_stop(roles: Roles, server: int, function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` on a server from a trainer in `stop()`; a server that is gone is a PeerLost."""
+    try:
+        return rpc.rpc_sync(server_name(server), function, args=args)
+    except RuntimeError as error:
+        raise PeerLost(
+            f"{server_name(server)} went away while {roles.name} waited in transport.stop(): {error}"
+        ) from None
+
+
+def _arrive(trainer_index: int) -> None:
+    """Runs on a server's RPC thread: trainer `trainer_index` has called `stop()`."""
+    with _stop_changed:
+        _stop_barrier.arrived.add(trainer_index)
+        _stop_changed.notify_all()
+
+
+def _release_state(num_trainers: int) -> tuple[bool, str | None]:
+    """Runs on a server's RPC thread: (every trainer arrived, why this server gave up or None)."""
+    with _stop_changed:
+        return len(_stop_barrier.arrived) == num_trainers, _stop_barrier.failure
+
+
+def _alive() -> bool:
+    """Runs on a trainer's RPC thread: the ping of a server waiting in `stop()`."""
+    return True
 
 
 def listen_interface(master_addr: str) -> str:
