@@ -7,7 +7,8 @@
 - `model.embeddings: ps`: a `PSEmbeddingBagCollection` in place of TorchRec's collection; the
   servers serve `EmbeddingShard`s built from the same `tables()` and `ps_embedding_config()`. Under
   GBA's global-batch aggregation the rows' gradients are aggregated over the same global batch as
-  the dense ones; without aggregation (plain async PS) they are applied on arrival.
+  the dense ones, stale ones decayed by the same `sync.options.decay`; without aggregation (plain
+  async PS) and under S-EASGD they are applied on arrival.
 
 Either way the dense parameters must be exactly the MLPs': `build_model` checks it.
 """
@@ -33,6 +34,7 @@ from shadowgba.ps import transport
 from shadowgba.ps.embedding import PSEmbeddingBagCollection, PSEmbeddingConfig
 from shadowgba.ctr_data import CTRData
 from shadowgba.torchrec_integration import ShadowDataParallelWrapper
+from sync_algos.staleness import StalenessDecayConfig
 
 DENSE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -73,12 +75,14 @@ def tables(config: ExperimentConfig, data: CTRData) -> list[EmbeddingBagConfig]:
 def ps_embedding_config(config: ExperimentConfig, num_trainers: int) -> PSEmbeddingConfig:
     """How the PS tables update: aggregated over GBA's global batch, or on arrival (Hogwild) without
     aggregation and under S-EASGD."""
-    aggregate = config.sync.algo == "gba" and config.sync.algorithm_config().aggregation == "global_batch"
+    gba = config.sync.algorithm_config() if config.sync.algo == "gba" else None
+    aggregate = gba is not None and gba.aggregation == "global_batch"
     return PSEmbeddingConfig(
         optimizer=config.train.embedding_optimizer,
         lr=config.train.embedding_lr,
         mode="aggregate" if aggregate else "hogwild",
         global_batch=num_trainers * config.data.batch_size if aggregate else 0,
+        decay=gba.decay if aggregate else StalenessDecayConfig(),  # stale rows decay as the dense gradients
         max_in_flight=config.ps.max_in_flight,
         seed=config.train.seed,
     )

@@ -14,6 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from shadowgba.config import ConfigError
 from shadowgba.ps import transport
 from shadowgba.ps.embedding import EmbeddingShard, PSEmbeddingBagCollection, PSEmbeddingConfig, checked_tables
+from sync_algos.staleness import StalenessDecayConfig
 from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -166,7 +167,10 @@ def test_hogwild_sgd_sums_repeated_ids_and_serves_only_its_own_rows() -> None:
     built.push({"t": (torch.tensor([3, 1, 3]), grads)}, 3)
     expected = torch.tensor([[1.0, -1.0], [3.0, -3.0]]) - 0.5 * torch.stack([grads[1], grads[0] + grads[2]])
     torch.testing.assert_close(rows(built, [1, 3]), expected)
-    assert built.stats() == {"pushes": 1, "updates": 1, "rows_applied": 2, "pending_rows": 0, "pending_samples": 0}
+    assert built.stats() == {
+        "pushes": 1, "updates": 1, "rows_applied": 2, "pending_rows": 0, "pending_samples": 0,
+        "decayed": 0, "dropped": 0,
+    }
 
 
 def test_rowwise_adagrad_follows_its_formula_over_two_steps() -> None:
@@ -186,18 +190,22 @@ def test_aggregate_mode_applies_the_sample_weighted_mean_once_a_global_batch_has
     built = shard(PSEmbeddingConfig(lr=0.5, mode="aggregate", global_batch=8))
     initial = rows(built, list(range(10)))
     first, second = torch.tensor([[1.0, 1.0], [2.0, 2.0]]), torch.tensor([[4.0, 4.0], [8.0, 8.0]])
-    built.push({"t": (torch.tensor([1, 2]), first)}, 4)
+    built.push({"t": (torch.tensor([1, 2]), first)}, 4, 0)
     torch.testing.assert_close(rows(built, list(range(10))), initial)  # nothing applied yet
     assert built.stats() | {"rows_applied": None} == {
         "pushes": 1, "updates": 0, "rows_applied": None, "pending_rows": 2, "pending_samples": 4,
+        "decayed": 0, "dropped": 0,
     }
-    built.push({"t": (torch.tensor([2, 5]), second)}, 4)  # equal batches: the mean of the two pushes
+    built.push({"t": (torch.tensor([2, 5]), second)}, 4, 0)  # equal batches: the mean of the two pushes
     expected = initial.clone()
     expected[[1, 2, 5]] -= 0.5 * torch.stack([first[0], first[1] + second[0], second[1]]) / 2
     torch.testing.assert_close(rows(built, list(range(10))), expected)
-    assert built.stats() == {"pushes": 2, "updates": 1, "rows_applied": 3, "pending_rows": 0, "pending_samples": 0}
-    built.push({"t": (torch.tensor([7]), first[:1])}, 2)  # unequal batches: weighted by samples
-    built.push({"t": (torch.tensor([7]), second[:1])}, 6)
+    assert built.stats() == {
+        "pushes": 2, "updates": 1, "rows_applied": 3, "pending_rows": 0, "pending_samples": 0,
+        "decayed": 0, "dropped": 0,
+    }
+    built.push({"t": (torch.tensor([7]), first[:1])}, 2, 1)  # unequal batches: weighted by samples
+    built.push({"t": (torch.tensor([7]), second[:1])}, 6, 1)
     expected[7] -= 0.5 * (2 * first[0] + 6 * second[0]) / 8
     torch.testing.assert_close(rows(built, [7])[0], expected[7])
 
@@ -214,6 +222,8 @@ MALFORMED = {
     "infinite": ({"t": (torch.tensor([2]), torch.tensor([[1.0, math.inf]]))}, 1, "NaN or infinity"),
     "not a pair": ({"t": torch.tensor([2])}, 1, "expected \\(ids, rows\\)"),
     "no samples": ({"t": (torch.tensor([2]), torch.ones(1, 2))}, 0, "num_samples must be an integer >= 1"),
+    "token from the future": ({"t": (torch.tensor([2]), torch.ones(1, 2))}, 1, "token 1 is from the future"),
+    "no token": ({"t": (torch.tensor([2]), torch.ones(1, 2))}, 1, "aggregate mode needs the lookup's token"),
     "one bad table of two": (
         {"t": (torch.tensor([2]), torch.ones(1, 2)), "u": (torch.tensor([1]), torch.ones(1, 2))}, 1, "unknown table 'u'"
     ),
@@ -224,13 +234,40 @@ MALFORMED = {
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 def test_malformed_pushes_are_refused_and_leave_the_shard_untouched(case: str, optimizer: str) -> None:
     built = shard(PSEmbeddingConfig(optimizer=optimizer, mode="aggregate", global_batch=2))
-    built.push({"t": (torch.tensor([2]), torch.ones(1, 2))}, 1)  # something pending, too
+    built.push({"t": (torch.tensor([2]), torch.ones(1, 2))}, 1, 0)  # something pending, too
     weights, stats = rows(built, list(range(10))), built.stats()
     request, num_samples, message = MALFORMED[case]
+    token = {"token from the future": 1, "no token": None}.get(case, 0)
     with pytest.raises(ValueError, match=f"push refused: .*{message}"):
-        built.push(request, num_samples)
+        built.push(request, num_samples, token)
     torch.testing.assert_close(rows(built, list(range(10))), weights, rtol=0, atol=0)
     assert built.stats() == stats
+
+
+def test_aggregate_mode_decays_or_drops_stale_row_gradients_as_the_dense_gba_shards_do() -> None:
+    """Global batch of 2 one-sample pushes; every lookup's token is the shard's global step k."""
+    decay = StalenessDecayConfig(kind="exponential", threshold=1, rate=0.5, max_staleness=2)
+    built = shard(PSEmbeddingConfig(lr=1.0, mode="aggregate", global_batch=2, decay=decay))
+    gradient = torch.tensor([[4.0, 8.0]])
+    _, old = built.lookup_with_token({"t": torch.tensor([3])})
+    assert old == 0
+    for _ in range(2):  # k = 2 after two global batches on row 1
+        built.push({"t": (torch.tensor([1]), gradient)}, 1, built.lookup_with_token({"t": torch.tensor([1])})[1])
+        built.push({"t": (torch.tensor([1]), gradient)}, 1, built.lookup_with_token({"t": torch.tensor([1])})[1])
+    before = rows(built, list(range(10)))
+    built.push({"t": (torch.tensor([3]), gradient)}, 1, 1)  # staleness 1: full weight
+    built.push({"t": (torch.tensor([3]), gradient)}, 1, 0)  # staleness 2: weight 0.5, fills the batch
+    expected = before.clone()
+    expected[3] -= (gradient[0] + 0.5 * gradient[0]) / 2
+    torch.testing.assert_close(rows(built, list(range(10))), expected)
+    built.push({"t": (torch.tensor([5]), gradient)}, 1, old)  # staleness 3 > max_staleness: dropped
+    assert rows(built, [5])[0].tolist() == expected[5].tolist()
+    stats = built.stats()
+    assert (stats["updates"], stats["decayed"], stats["dropped"], stats["pending_samples"]) == (3, 1, 1, 0)
+    assert stats["pending_rows"] == 0  # the dropped push left nothing in the buffer
+    hogwild = shard(PSEmbeddingConfig(lr=1.0, decay=decay))  # no global step: tokens are ignored
+    hogwild.push({"t": (torch.tensor([5]), gradient)}, 1)
+    assert hogwild.stats()["dropped"] == 0
 
 
 def test_lookups_of_foreign_or_unknown_rows_are_refused() -> None:

@@ -17,9 +17,10 @@ A trainer step has no collective:
   server covering every table, all in flight at once; per table a leaf tensor of the unique rows
   (requires grad), pooled per feature by `F.embedding_bag` with the KJT's offsets, so autograd leaves
   the row gradients in the leaf's `.grad`.
-- `push_gradients()`: one `push` RPC per server carrying every table's row gradients and the batch
-  size, sent to *every* server even without rows, so that every shard counts every batch's samples
-  and aggregate mode closes a global batch at the same push on every shard.
+- `push_gradients()`: one `push` RPC per server carrying every table's row gradients, the batch
+  size and the token that server's lookup returned, sent to *every* server even without rows, so
+  that every shard counts every batch's samples and aggregate mode closes a global batch at the same
+  push on every shard.
 - It is an explicit call rather than a backward hook because the trainer owns the step boundary
   (GBA hands its token over there): a hook fires once per table, inside autograd's thread, never for a
   table the loss does not reach, and would have to block backward when too many pushes are in flight.
@@ -33,11 +34,16 @@ validated completely before anything changes (a `ValueError` "push refused: ..."
 the problem), so a refused request leaves the shard untouched, across all its tables. Modes:
 - hogwild: a push is applied on arrival (duplicate ids summed), racing with other trainers' pushes
   at the granularity of whole pushes.
-- aggregate (GBA's sparse rule): a push adds `num_samples * grad` to a sparse buffer per table (the
-  touched rows and their sums, so memory is bounded by the rows touched in one global batch); once
-  `global_batch` samples have arrived the buffer divided by those samples, the sample-weighted mean of
-  the pushed gradients, is applied once and cleared. With equal batches this is the mean of the pushes,
-  the same rule as the dense GBA shards (`sync_algos.gba`).
+- aggregate (GBA's sparse rule): the shard has a global step k (its applied updates); a lookup
+  returns k as its token, and the push of the gradients computed on those rows carries it back, so
+  its staleness is k_now - token (a token from the future is refused). The push's weight is
+  `config.decay.weight(staleness)` (`sync_algos.staleness`, GBA's dense default: drop beyond 2).
+  A kept push adds `weight * num_samples * grad` to a sparse buffer per table (the touched rows and
+  their sums, so memory is bounded by the rows touched in one global batch) and its samples to the
+  count; a dropped one (weight 0) changes nothing but the counters. Once `global_batch` samples have
+  arrived the buffer divided by those samples, the sample-weighted mean of the pushed gradients, is
+  applied once, the buffer cleared and k advanced. With equal batches and no staleness this is the
+  mean of the pushes: the same rule as the dense GBA shards (`sync_algos.gba`), on each shard's own k.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from shadowgba.config import ConfigError
 from shadowgba.ps import transport
+from sync_algos.staleness import StalenessDecayConfig
 
 DEFAULT_SERVICE = "embedding"
 """Service name under which servers serve their `EmbeddingShard` unless told otherwise."""
@@ -83,6 +90,9 @@ class PSEmbeddingConfig:
     global_batch: int = 0
     """aggregate: samples per global step (GBA: sync-mode trainer count x local batch); must be > 0
     there, ignored in hogwild mode."""
+    decay: StalenessDecayConfig = dataclasses.field(default_factory=StalenessDecayConfig)
+    """aggregate: weight of a push by its staleness (GBA: the dense shards' `sync.options.decay`);
+    ignored in hogwild mode, where every push is applied on arrival."""
     max_in_flight: int = 2
     """Steps whose pushes a trainer may have in flight; the next `push_gradients()` waits for the
     oldest. Bounds the trainer's memory and how stale its own rows can be."""
@@ -123,7 +133,7 @@ class _ShardTable:
 class EmbeddingShard:
     """The rows that server `server_index` of `num_servers` owns, of every table (an RPC service).
 
-    Public methods are the service: `lookup`, `push`, `load_rows`, `stats`. Ids are global row ids;
+    Public methods are the service: `lookup`, `lookup_with_token`, `push`, `load_rows`, `stats`. Ids are global row ids;
     each must belong to this shard (`id % num_servers == server_index`).
     """
 
@@ -141,28 +151,47 @@ class EmbeddingShard:
         self._updates = 0
         self._rows_applied = 0
         self._pending_samples = 0
+        self._decayed = 0
+        self._dropped = 0
 
     def lookup(self, ids_by_table: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Current rows of the given ids, per table."""
+        return self.lookup_with_token(ids_by_table)[0]
+
+    def lookup_with_token(self, ids_by_table: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+        """Current rows of the given ids, per table, and the token (this shard's global step) they
+        belong to, which the push of their gradients carries back."""
         checked = {name: self._local_rows("lookup", name, ids) for name, ids in ids_by_table.items()}
         with self._lock:
-            return {name: table.weight[rows] for name, (table, rows) in checked.items()}
+            return {name: table.weight[rows] for name, (table, rows) in checked.items()}, self._updates
 
-    def push(self, grads_by_table: RowsByTable, num_samples: int) -> None:
-        """Row gradients of one trainer batch of `num_samples` samples; applied per `config.mode`."""
+    def push(self, grads_by_table: RowsByTable, num_samples: int, token: int | None = None) -> None:
+        """Row gradients of one trainer batch of `num_samples` samples, computed on rows of `token`
+        (required in aggregate mode, ignored in hogwild mode); applied per `config.mode`."""
         checked = self._checked_rows("push", grads_by_table)
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"push refused: num_samples must be an integer >= 1, got {num_samples!r}")
+        aggregate = self.config.mode == "aggregate"
+        if aggregate and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
+            raise ValueError(f"push refused: aggregate mode needs the lookup's token, an integer >= 0; got {token!r}")
         with self._lock:
+            if aggregate and token > self._updates:
+                raise ValueError(f"push refused: token {token} is from the future (global step is {self._updates})")
             self._pushes += 1
-            if self.config.mode == "hogwild":
+            if not aggregate:
                 for table, rows, grads in checked:
                     self._apply(table, *_coalesce(rows, grads))
                 self._updates += 1
                 return
+            weight = self.config.decay.weight(self._updates - token)
+            self._dropped += weight == 0.0
+            self._decayed += 0.0 < weight < 1.0
+            if weight == 0.0:
+                return
             for table, rows, grads in checked:
                 table.pending_rows, table.pending_grads = _coalesce(
-                    torch.cat([table.pending_rows, rows]), torch.cat([table.pending_grads, grads * num_samples])
+                    torch.cat([table.pending_rows, rows]),
+                    torch.cat([table.pending_grads, grads * (weight * num_samples)]),
                 )
             self._pending_samples += num_samples
             if self._pending_samples >= self.config.global_batch:
@@ -180,7 +209,9 @@ class EmbeddingShard:
                 table.weight[rows] = values
 
     def stats(self) -> dict[str, int]:
-        """Counters: pushes, updates (optimizer applications), rows_applied, pending_rows, pending_samples."""
+        """Counters: pushes, updates (optimizer applications; the global step in aggregate mode),
+        rows_applied, pending_rows, pending_samples, and in aggregate mode the pushes decayed
+        (0 < weight < 1) and dropped (weight 0) for staleness."""
         with self._lock:
             return {
                 "pushes": self._pushes,
@@ -188,6 +219,8 @@ class EmbeddingShard:
                 "rows_applied": self._rows_applied,
                 "pending_rows": sum(len(table.pending_rows) for table in self._tables.values()),
                 "pending_samples": self._pending_samples,
+                "decayed": self._decayed,
+                "dropped": self._dropped,
             }
 
     def _new_table(self, config: EmbeddingBagConfig) -> _ShardTable:
@@ -253,6 +286,8 @@ class _Step:
     unique_ids: dict[str, torch.Tensor]
     leaves: dict[str, torch.Tensor]
     batch_size: int
+    tokens: list[int]
+    """Per server, the token its lookup returned."""
 
 
 class PSEmbeddingBagCollection(nn.Module):
@@ -307,9 +342,10 @@ class PSEmbeddingBagCollection(nn.Module):
         unique_ids, inverse = {}, {}
         for name, table_ids in ids.items():
             unique_ids[name], inverse[name] = torch.unique(table_ids, return_inverse=True)
+        fetched, tokens = self._fetch(unique_ids)
         leaves = {
             name: table_rows.to(features.device()).requires_grad_(torch.is_grad_enabled())
-            for name, table_rows in self._fetch(unique_ids).items()
+            for name, table_rows in fetched.items()
         }
         pooled = []
         for table in self._tables:
@@ -323,7 +359,7 @@ class PSEmbeddingBagCollection(nn.Module):
                     mode=pooling_type_to_str(table.pooling), include_last_offset=True,
                 ))
                 start = end
-        self._step = _Step(unique_ids, leaves, features.stride()) if torch.is_grad_enabled() else None
+        self._step = _Step(unique_ids, leaves, features.stride(), tokens) if torch.is_grad_enabled() else None
         return KeyedTensor(
             keys=self._embedding_names, length_per_key=self._lengths_per_key, values=torch.cat(pooled, dim=1)
         )
@@ -339,7 +375,7 @@ class PSEmbeddingBagCollection(nn.Module):
             if leaf.grad is not None
         }
         self._in_flight.append([
-            transport.call_async(server, self.service, "push", request, step.batch_size)
+            transport.call_async(server, self.service, "push", request, step.batch_size, step.tokens[server])
             for server, request in enumerate(self._split(grads))
         ])
         self._settle(self.config.max_in_flight)
@@ -350,7 +386,7 @@ class PSEmbeddingBagCollection(nn.Module):
 
     def read_table(self, name: str) -> torch.Tensor:
         """The whole table, gathered from the servers (tests, checkpoints)."""
-        return self._fetch({name: torch.arange(self._table(name).num_embeddings)})[name]
+        return self._fetch({name: torch.arange(self._table(name).num_embeddings)})[0][name]
 
     def load_table(self, name: str, weight: torch.Tensor) -> None:
         """Overwrite the whole table on the servers (tests, checkpoints); optimizer state is kept."""
@@ -378,20 +414,26 @@ class PSEmbeddingBagCollection(nn.Module):
                 request[name] = (ids[mine], rows[mine])
         return requests
 
-    def _fetch(self, ids_by_table: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rows of `ids_by_table`, one lookup per server, all in flight at once."""
+    def _fetch(self, ids_by_table: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Rows of `ids_by_table`, one lookup per server, all in flight at once; and per server the
+        token of its rows."""
         # split each id's position along with it, so that every reply lands at its ids' places
         requests = self._split({name: (ids, torch.arange(len(ids))) for name, ids in ids_by_table.items()})
         futures = [
-            transport.call_async(server, self.service, "lookup", {name: ids for name, (ids, _) in request.items()})
+            transport.call_async(
+                server, self.service, "lookup_with_token", {name: ids for name, (ids, _) in request.items()}
+            )
             for server, request in enumerate(requests)
         ]
         dims = {table.name: table.embedding_dim for table in self._tables}
         rows = {name: torch.empty(len(ids), dims[name], dtype=torch.float32) for name, ids in ids_by_table.items()}
+        tokens = []
         for request, future in zip(requests, futures):
-            for name, server_rows in future.wait().items():
-                rows[name][request[name][1]] = server_rows
-        return rows
+            server_rows, token = future.wait()
+            tokens.append(token)
+            for name, values in server_rows.items():
+                rows[name][request[name][1]] = values
+        return rows, tokens
 
     def _settle(self, max_left: int) -> None:
         """Retire finished steps of pushes, waiting while more than `max_left` are in flight."""
