@@ -42,6 +42,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from bench_summary import Column, markdown_table, median_or_none, ratios_to, staleness_summary
 from example_job import CONFIGS, ROOT, run_example
 
 ALGOS: dict[str, Path] = {
@@ -70,22 +71,6 @@ def run_once(algo: str, args: argparse.Namespace, extra: Sequence[str], output: 
         "--train.global_samples", str(args.global_samples), "--train.warmup_steps", str(args.warmup_steps), *extra,
     ]
     return run_example(algo, args.trainers + 1, arguments, output)
-
-
-def staleness_summary(histogram: dict[str, int]) -> dict[str, float]:
-    """Mean (the open top bucket counted at its bound), 90th percentile and top bucket of a histogram."""
-    buckets = sorted((int(key.rstrip("+")), count) for key, count in histogram.items())
-    total = sum(count for _, count in buckets)
-    if not total:
-        return {"staleness_mean": 0.0, "staleness_p90": 0, "staleness_top": 0}
-    seen, p90 = 0, buckets[-1][0]
-    for staleness, count in buckets:
-        seen += count
-        if seen >= 0.9 * total:
-            p90 = staleness
-            break
-    mean = sum(staleness * count for staleness, count in buckets) / total
-    return {"staleness_mean": mean, "staleness_p90": p90, "staleness_top": buckets[-1][0]}
 
 
 def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
@@ -130,7 +115,7 @@ SUMMARY: dict[str, tuple[Callable[[list[float]], float], ...]] = {
 
 def summarize(runs: list[dict[str, Any]], algos: Sequence[str]) -> list[dict[str, Any]]:
     """Per algorithm: each metric summarized over repetitions, and the median per-repetition ratio to sync."""
-    sync = {run["rep"]: run["metrics"]["samples_per_s"] for run in runs if run["algo"] == "sync"}
+    sync = [run for run in runs if run["algo"] == "sync"]
     rows = []
     for algo in algos:
         mine = [run for run in runs if run["algo"] == algo]
@@ -138,13 +123,13 @@ def summarize(runs: list[dict[str, Any]], algos: Sequence[str]) -> list[dict[str
         for key, functions in SUMMARY.items():
             values = [run["metrics"][key] for run in mine]
             row.update({f"{key}_{function.__name__}": function(values) for function in functions})
-        ratios = [run["metrics"]["samples_per_s"] / sync[run["rep"]] for run in mine if run["rep"] in sync]
-        row["ratio_to_sync_median"] = statistics.median(ratios) if ratios else None
+        ratios = ratios_to(mine, sync, key=lambda run: run["rep"], value=lambda run: run["metrics"]["samples_per_s"])
+        row["ratio_to_sync_median"] = median_or_none(ratios)
         rows.append(row)
     return rows
 
 
-COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+COLUMNS: list[Column] = [
     ("algo", lambda row: row["algo"]),
     ("samples/s (median)", lambda row: f"{row['samples_per_s_median']:,.0f}"),
     ("min-max", lambda row: f"{row['samples_per_s_min']:,.0f}-{row['samples_per_s_max']:,.0f}"),
@@ -160,15 +145,6 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("switches", lambda row: str(row["switches_max"])),
 ]
 """The table's columns: header and how a summary row fills the cell."""
-
-
-def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| " + " | ".join(header for header, _ in COLUMNS) + " |",
-        "| --- |" + " ---: |" * (len(COLUMNS) - 1),
-    ]
-    lines += ["| " + " | ".join(cell(row) for _, cell in COLUMNS) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -201,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                       f"AUC {metrics['auc']:.4f}", flush=True)
     ideal = ideal_ratio(args.trainers, args.factor)
     rows = summarize(runs, algos)
-    print(markdown(rows))
+    print(markdown_table(COLUMNS, rows))
     print(f"ideal ratio to sync: {ideal:.2f} ({args.trainers} trainers, one {args.factor:g}x slower)")
     output.parent.mkdir(parents=True, exist_ok=True)
     settings = {key: str(value) for key, value in vars(args).items()} | {"overrides": [*PS_JOB, *extra]}

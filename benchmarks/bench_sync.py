@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from example_job import CONFIGS, ROOT, run_example
+from bench_summary import Column, markdown_table, ratios_to
+from example_job import CONFIGS, ROOT, THROUGHPUT_MODEL, run_example
 
 MODES: dict[str, list[str]] = {
     "none": ["--config", str(CONFIGS / "none.yaml")],
@@ -33,15 +34,6 @@ MODES: dict[str, list[str]] = {
 }
 """Benchmarked modes and the train_dlrm.py arguments that select them."""
 
-THROUGHPUT_MODEL = [
-    "--model.embedding_dim", "64",
-    "--model.dense_arch_layer_sizes", "[512, 256, 64]",
-    "--model.over_arch_layer_sizes", "[512, 256, 1]",
-    "--data.synthetic.num_embeddings", "100000",
-]
-"""DESIGN §6's throughput model: 338K dense parameters, 8 tables of 100K x 64."""
-
-
 def run_once(mode: str, args: argparse.Namespace, extra: Sequence[str], output: Path) -> dict[str, Any]:
     """One torchrun job of the example in `mode`."""
     arguments = [
@@ -53,7 +45,7 @@ def run_once(mode: str, args: argparse.Namespace, extra: Sequence[str], output: 
 
 def summarize(runs: list[dict[str, Any]], modes: Sequence[str]) -> list[dict[str, Any]]:
     """Per mode: median, min and max samples/s, median per-repetition ratio to none, median AUC."""
-    baseline = {run["rep"]: run["samples_per_s_total"] for run in runs if run["mode"] == "none"}
+    baseline = [run for run in runs if run["mode"] == "none"]
     rows = []
     for mode in modes:
         mine = [run for run in runs if run["mode"] == mode]
@@ -64,7 +56,7 @@ def summarize(runs: list[dict[str, Any]], modes: Sequence[str]) -> list[dict[str
             "samples_per_s_min": min(speeds),
             "samples_per_s_max": max(speeds),
             "ratio_to_none_median": statistics.median(
-                run["samples_per_s_total"] / baseline[run["rep"]] for run in mine
+                ratios_to(mine, baseline, key=lambda run: run["rep"], value=lambda run: run["samples_per_s_total"])
             ),
             "auc_median": statistics.median(run["auc"] for run in mine),
             "sync_rounds_per_s_median": statistics.median(run["sync"].get("rounds_per_s", 0.0) for run in mine),
@@ -72,19 +64,15 @@ def summarize(runs: list[dict[str, Any]], modes: Sequence[str]) -> list[dict[str
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| mode | samples/s (median) | min-max | ratio to none | AUC | sync rounds/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['mode']} | {row['samples_per_s_median']:,.0f} "
-            f"| {row['samples_per_s_min']:,.0f}-{row['samples_per_s_max']:,.0f} "
-            f"| {row['ratio_to_none_median']:.3f} | {row['auc_median']:.4f} "
-            f"| {row['sync_rounds_per_s_median']:.1f} |"
-        )
-    return "\n".join(lines)
+COLUMNS: list[Column] = [
+    ("mode", lambda row: row["mode"]),
+    ("samples/s (median)", lambda row: f"{row['samples_per_s_median']:,.0f}"),
+    ("min-max", lambda row: f"{row['samples_per_s_min']:,.0f}-{row['samples_per_s_max']:,.0f}"),
+    ("ratio to none", lambda row: f"{row['ratio_to_none_median']:.3f}"),
+    ("AUC", lambda row: f"{row['auc_median']:.4f}"),
+    ("sync rounds/s", lambda row: f"{row['sync_rounds_per_s_median']:.1f}"),
+]
+"""The table's columns: header and how a summary row fills the cell."""
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -109,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(f"rep {rep} {mode}: {result['samples_per_s_total']:,.0f} samples/s, "
                       f"AUC {result['auc']:.4f}", flush=True)
     rows = summarize(runs, modes)
-    print(markdown(rows))
+    print(markdown_table(COLUMNS, rows))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     settings = {key: str(value) for key, value in vars(args).items()} | {"overrides": [*THROUGHPUT_MODEL, *extra]}
     args.output.write_text(json.dumps({"settings": settings, "summary": rows, "runs": runs}, indent=2) + "\n")

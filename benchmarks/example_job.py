@@ -17,6 +17,14 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = ROOT / "examples" / "train_dlrm.py"
 CONFIGS = ROOT / "examples" / "configs"
 
+THROUGHPUT_MODEL = [
+    "--model.embedding_dim", "64",
+    "--model.dense_arch_layer_sizes", "[512, 256, 64]",
+    "--model.over_arch_layer_sizes", "[512, 256, 1]",
+    "--data.synthetic.num_embeddings", "100000",
+]
+"""DESIGN §6's throughput model: 338K dense parameters, 8 tables of 100K x 64 (bench_sync, bench_scaling)."""
+
 
 def run_example(label: str, nproc: int, arguments: Sequence[str], output: Path) -> dict[str, Any]:
     """Run the example on `nproc` ranks with `arguments`; returns its results, or exits naming `label`."""

@@ -1,0 +1,230 @@
+"""Every sync algorithm against DDP, torch's periodic model averaging and no-sync: one command, one matrix.
+
+    python benchmarks/bench_matrix.py --preset quick    # synthetic, 1 seed, shadow modes: < 10 min on 2 cores
+    python benchmarks/bench_matrix.py --preset full     # the whole matrix, 3 seeds
+    python benchmarks/bench_matrix.py --report-only     # re-render tables and plots from the JSON
+
+The matrix: algorithm (none, ddp, pma, ma, easgd, bmuf, gba) x mode (shadow / foreground, for ma,
+easgd and bmuf) x straggler (none / trainer 1 three times slower) x dataset (synthetic, MovieLens-100K)
+x seed. Every cell is one `torchrun` job of `examples/train_dlrm.py` on 2 trainers; gba runs
+`examples/configs/gba.yaml` with 2 trainers and 1 parameter-server rank (3 processes, so on 2 cores
+its server competes with the trainers for CPU). Cells run interleaved: for each seed, each dataset
+and each straggler setting, every algorithm runs once in a row, so a throughput ratio to `none` is
+taken within one such group (the same repetition) and slow drifts of the machine cancel out.
+
+Equal samples seen: every cell of a dataset trains the same number of steps per trainer with the
+same hyperparameters (the ExperimentConfig defaults, nothing tuned per algorithm), and records
+held-out AUC and log loss every 1/8 of the run (`train.eval_every_samples`; evaluation time is left
+out of the throughput window), the last point being the final evaluation. Run lengths:
+- synthetic: 1000 steps of 2 x 512 samples (1M samples);
+- MovieLens-100K: 156 steps of 2 x 512, two epochs of its 80K training ratings. Held-out AUC
+  plateaus between one and two epochs (ddp 0.701 -> 0.703) and falls after that (0.693 at four) as
+  the id embeddings overfit, so longer runs would compare algorithms on an overfitting model.
+With a straggler every TorchRec job runs at the slow trainer's pace (each step's embedding all-to-all
+is a barrier, DESIGN §8), so straggler cells train a third of the steps, about the same timed window:
+they measure throughput, and their AUC compares only among themselves. The quality table uses the
+even cells.
+The seed sets `train.seed` (model initialization) and the data seed (synthetic: teacher and streams;
+MovieLens: epoch shuffles); differences to ddp are taken per seed, so task-to-task variation cancels.
+
+Writes the runs as JSON after every cell (an interrupted benchmark keeps what it measured), then a
+Markdown report (`bench_matrix_report`) and PNG plots (`bench_plots`, needs matplotlib:
+`pip install -e '.[bench]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench_matrix_report import markdown_report
+from bench_summary import plotting
+from example_job import CONFIGS, ROOT, run_example
+
+TRAINERS = 2
+"""Trainer ranks of every cell (gba adds one server rank)."""
+BATCH_SIZE = 512
+"""Samples per batch and trainer, set explicitly for every source."""
+STRAGGLER_FACTOR = 3
+STRAGGLER = ["--straggler.trainers", "[1]", "--straggler.factor", str(STRAGGLER_FACTOR)]
+"""The straggler setting: trainer 1's steps take three times as long (measured, not simulated)."""
+CURVE_POINTS = 8
+"""Held-out evaluations per run, the final one included."""
+WARMUP_SHARE = 0.1
+"""Share of a run's steps before its throughput window opens."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way of syncing the dense parameters: a config of examples/configs, maybe a mode, its servers."""
+
+    name: str
+    config: str
+    mode: str | None = None
+    servers: int = 0
+
+    def arguments(self) -> list[str]:
+        """The train_dlrm.py arguments that select this variant."""
+        return ["--config", str(CONFIGS / self.config), *(["--sync.mode", self.mode] if self.mode else [])]
+
+
+SHADOW_ALGOS = ("ma", "easgd", "bmuf")
+VARIANTS: dict[str, Variant] = {
+    variant.name: variant
+    for variant in (
+        Variant("none", "none.yaml"),
+        Variant("ddp", "ddp.yaml"),
+        Variant("pma", "pma.yaml"),
+        *(Variant(f"{algo}-{mode}", f"{algo}.yaml", mode) for algo in SHADOW_ALGOS for mode in ("shadow", "foreground")),
+        Variant("gba", "gba.yaml", servers=1),
+    )
+}
+"""Every benchmarked variant, in table order."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One run of the matrix."""
+
+    variant: str
+    dataset: str
+    straggler: bool
+    seed: int
+    steps: int
+    """Training steps per trainer: the dataset's run length in the preset, a third of it with a straggler."""
+
+    @property
+    def label(self) -> str:
+        """Names the cell in progress lines and error messages."""
+        return f"{self.dataset} {'straggler' if self.straggler else 'even'} seed {self.seed} {self.variant}"
+
+    @property
+    def nproc(self) -> int:
+        """Processes of the torchrun job: the trainers and the variant's servers."""
+        return TRAINERS + VARIANTS[self.variant].servers
+
+    def arguments(self) -> list[str]:
+        """Every train_dlrm.py argument of this cell."""
+        samples = self.steps * BATCH_SIZE * TRAINERS
+        return [
+            *VARIANTS[self.variant].arguments(),
+            "--data.source", self.dataset,
+            f"--data.{self.dataset}.seed", str(self.seed),
+            f"--data.{self.dataset}.batch_size", str(BATCH_SIZE),
+            "--train.seed", str(self.seed),
+            "--train.steps", str(self.steps),
+            "--train.warmup_steps", str(max(1, int(WARMUP_SHARE * self.steps))),
+            "--train.eval_every_samples", str(samples // CURVE_POINTS),
+            *(STRAGGLER if self.straggler else []),
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Which part of the matrix runs, and how long."""
+
+    variants: tuple[str, ...]
+    steps: dict[str, int]
+    """Dataset -> training steps per trainer; the datasets that run."""
+    seeds: tuple[int, ...]
+    stragglers: tuple[bool, ...] = (False, True)
+
+    def cells(self) -> list[Cell]:
+        """The runs in their interleaved order: seed, dataset, straggler, then every variant in a row."""
+        return [
+            Cell(variant, dataset, straggler, seed, steps // STRAGGLER_FACTOR if straggler else steps)
+            for seed in self.seeds
+            for dataset, steps in self.steps.items()
+            for straggler in self.stragglers
+            for variant in self.variants
+        ]
+
+
+PRESETS: dict[str, Preset] = {
+    "quick": Preset(
+        variants=tuple(name for name in VARIANTS if not name.endswith("-foreground")),
+        steps={"synthetic": 400},
+        seeds=(0,),
+    ),
+    "full": Preset(variants=tuple(VARIANTS), steps={"synthetic": 1000, "movielens": 156}, seeds=(0, 1, 2)),
+}
+"""quick: every algorithm once (shadow mode), short synthetic runs; full: the whole matrix."""
+
+STARTUP_S = 12.0
+"""Measured cost of one cell besides its steps: torchrun, imports, model build, evaluations."""
+STEP_S = {"synthetic": 0.010, "movielens": 0.012}
+"""Measured seconds per training step of 2 trainers on 2 cores, per dataset."""
+
+
+def estimate_s(cells: Sequence[Cell]) -> float:
+    """Expected wall time of `cells` on 2 quiet cores (a straggler run is paced by its slow trainer)."""
+    return sum(STARTUP_S + cell.steps * STEP_S[cell.dataset] * (STRAGGLER_FACTOR if cell.straggler else 1) for cell in cells)
+
+
+def run_cell(cell: Cell, scratch: Path) -> dict[str, Any]:
+    """Run one cell; its results, which must hold the held-out curve."""
+    result = run_example(cell.label, cell.nproc, cell.arguments(), scratch / "result.json")
+    if not result.get("curve"):
+        raise SystemExit(f"{cell.label}: the results have no held-out curve (train.eval_every_samples)")
+    return result
+
+
+def write_json(path: Path, settings: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    """The settings and every run so far."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": settings, "runs": runs}, indent=2) + "\n")
+
+
+def run_matrix(cells: Sequence[Cell], output: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run every cell in order, saving the JSON after each; each run is the cell's fields and its results."""
+    runs: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        for index, cell in enumerate(cells):
+            result = run_cell(cell, Path(scratch))
+            runs.append({**dataclasses.asdict(cell), "result": result})
+            write_json(output, settings, runs)
+            elapsed = time.perf_counter() - start
+            print(f"[{index + 1}/{len(cells)} {elapsed / 60:.1f} min] {cell.label}: "
+                  f"{result['samples_per_s_total']:,.0f} samples/s, AUC {result['auc']:.4f}", flush=True)
+    return runs
+
+
+def write_report(output: Path, report_path: Path, plots_dir: Path) -> None:
+    """Markdown tables and PNG plots from the JSON at `output`."""
+    saved = json.loads(output.read_text())
+    plots_module = plotting()
+    plots = plots_module.write_matrix_plots(saved["runs"], plots_dir) if plots_module else []
+    report = markdown_report(saved["runs"], saved["settings"], [path.relative_to(report_path.parent) for path in plots])
+    report_path.write_text(report + "\n")
+    print(report)
+    print(f"wrote {output}, {report_path} and {len(plots)} plots in {plots_dir}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="which part of the matrix")
+    parser.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_matrix.json", help="JSON results")
+    parser.add_argument("--report", type=Path, help="Markdown report (default: --output with .md)")
+    parser.add_argument("--plots", type=Path, default=ROOT / "runs" / "plots", help="folder for the PNG plots")
+    parser.add_argument("--report-only", action="store_true", help="only re-render the report from --output")
+    args = parser.parse_args(argv)
+    report = args.report or args.output.with_suffix(".md")
+    if not args.report_only:
+        preset = PRESETS[args.preset]
+        cells = preset.cells()
+        print(f"preset {args.preset}: {len(cells)} runs, about {estimate_s(cells) / 60:.0f} min on 2 quiet cores "
+              f"(gba: {TRAINERS} trainers + 1 parameter-server rank)", flush=True)
+        settings = {"preset": args.preset, **dataclasses.asdict(preset), "trainers": TRAINERS,
+                    "batch_size": BATCH_SIZE, "straggler": STRAGGLER, "curve_points": CURVE_POINTS}
+        run_matrix(cells, args.output, settings)
+    write_report(args.output, report, args.plots)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The benchmark matrix's summary tables: quality at equal samples seen, throughput against no-sync.
+
+A run is one cell of `bench_matrix`: its fields (variant, dataset, straggler, seed, steps) and
+`result`, the example's JSON. Pure functions of the runs, so they are tested on constructed runs.
+
+- Quality (cells without a straggler): per dataset and variant, mean +/- std over seeds of held-out
+  AUC and log loss, and the AUC difference to ddp taken per seed (the same seed is the same task
+  and initialization, so only the sync differs).
+- Throughput: per dataset, straggler setting and variant, the median over seeds (repetitions) of
+  samples/s of all trainers, and the median of per-repetition ratios to `none`; the sync gap
+  (steps between a sync round's snapshot and its write-back) and GBA's gradient staleness.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Hashable, Iterable, Sequence
+
+from bench_summary import (
+    Column, Run, markdown_table, mean_std, median_or_none, optional, paired, ratios_to, staleness_summary,
+)
+
+
+def distinct(values: Iterable[Hashable]) -> list[Any]:
+    """The values in order of first appearance, each once (the matrix's own order)."""
+    return list(dict.fromkeys(values))
+
+
+def select(runs: Sequence[Run], **fields: Any) -> list[Run]:
+    """The runs whose cell fields equal `fields`."""
+    return [run for run in runs if all(run[key] == value for key, value in fields.items())]
+
+
+def seed_of(run: Run) -> int:
+    """The repetition a run belongs to: runs of one seed ran side by side."""
+    return run["seed"]
+
+
+def quality_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """Per dataset and variant (cells without a straggler): AUC and log loss over seeds, AUC minus ddp's."""
+    rows = []
+    even = select(runs, straggler=False)
+    for dataset in distinct(run["dataset"] for run in even):
+        mine = select(even, dataset=dataset)
+        ddp = select(mine, variant="ddp")
+        for variant in distinct(run["variant"] for run in mine):
+            cells = select(mine, variant=variant)
+            auc = [run["result"]["auc"] for run in cells]
+            loss = [run["result"]["log_loss"] for run in cells]
+            delta = [run["result"]["auc"] - base["result"]["auc"] for run, base in paired(cells, ddp, seed_of)]
+            teacher = [run["result"]["teacher_auc"] for run in cells if "teacher_auc" in run["result"]]
+            rows.append({
+                "dataset": dataset, "variant": variant, "seeds": len(cells),
+                "samples_seen": cells[0]["result"]["curve"][-1]["samples_seen"],
+                "auc": mean_std(auc), "log_loss": mean_std(loss),
+                "auc_minus_ddp": mean_std(delta) if delta else None,
+                "teacher_auc": mean_std(teacher)[0] if teacher else None,
+            })
+    return rows
+
+
+def merged_staleness(runs: Sequence[Run]) -> dict[str, int]:
+    """GBA's staleness histograms of every dense shard of `runs`, added up ({} for non-GBA runs)."""
+    total: dict[str, int] = {}
+    for run in runs:
+        for shard in (run["result"].get("gba") or {}).get("dense_shards", []):
+            for key, count in shard["staleness_histogram"].items():
+                total[key] = total.get(key, 0) + count
+    return total
+
+
+def sync_gap(run: Run) -> float | None:
+    """Mean steps between a sync round's snapshot and its write-back, where the variant has rounds."""
+    return run["result"]["sync"].get("sync_gap_steps_mean")
+
+
+def samples_per_s(run: Run) -> float:
+    """Samples per second of all trainers over the common timed window."""
+    return run["result"]["samples_per_s_total"]
+
+
+def throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """Per dataset, straggler setting and variant: samples/s over seeds, ratio to none, sync gap, staleness."""
+    rows = []
+    for dataset in distinct(run["dataset"] for run in runs):
+        for straggler in distinct(run["straggler"] for run in select(runs, dataset=dataset)):
+            mine = select(runs, dataset=dataset, straggler=straggler)
+            none = select(mine, variant="none")
+            for variant in distinct(run["variant"] for run in mine):
+                cells = select(mine, variant=variant)
+                speeds = [samples_per_s(run) for run in cells]
+                histogram = merged_staleness(cells)
+                rows.append({
+                    "dataset": dataset, "straggler": straggler, "variant": variant, "seeds": len(cells),
+                    "samples_per_s_median": median_or_none(speeds),
+                    "samples_per_s_min": min(speeds), "samples_per_s_max": max(speeds),
+                    "ratio_to_none_median": median_or_none(ratios_to(cells, none, seed_of, samples_per_s)),
+                    "sync_gap_median": median_or_none([gap for gap in map(sync_gap, cells) if gap is not None]),
+                    **(staleness_summary(histogram) if histogram else {}),
+                })
+    return rows
+
+
+def plus_minus(pair: tuple[float, float] | None, spec: str) -> str:
+    """`mean +/- std`, or `-` where the statistic does not apply."""
+    return "-" if pair is None else f"{format(pair[0], spec)} ± {format(pair[1], spec.lstrip('+'))}"
+
+
+QUALITY_COLUMNS: list[Column] = [
+    ("dataset", lambda row: row["dataset"]),
+    ("algorithm", lambda row: row["variant"]),
+    ("samples seen", lambda row: f"{row['samples_seen']:,}"),
+    ("held-out AUC", lambda row: plus_minus(row["auc"], ".4f")),
+    ("log loss", lambda row: plus_minus(row["log_loss"], ".4f")),
+    ("AUC - ddp (per seed)", lambda row: plus_minus(row["auc_minus_ddp"], "+.4f")),
+    ("seeds", lambda row: str(row["seeds"])),
+]
+"""Quality table: header and cell of each column."""
+
+THROUGHPUT_COLUMNS: list[Column] = [
+    ("dataset", lambda row: row["dataset"]),
+    ("straggler", lambda row: "trainer 1 3x slow" if row["straggler"] else "none"),
+    ("algorithm", lambda row: row["variant"]),
+    ("samples/s (median)", lambda row: f"{row['samples_per_s_median']:,.0f}"),
+    ("min-max", lambda row: f"{row['samples_per_s_min']:,.0f}-{row['samples_per_s_max']:,.0f}"),
+    ("ratio to none", lambda row: optional(row["ratio_to_none_median"], ".3f")),
+    ("sync gap (steps)", lambda row: optional(row["sync_gap_median"], ".2f")),
+    ("staleness mean / p90 / max", lambda row: (
+        f"{row['staleness_mean']:.2f} / {row['staleness_p90']} / {row['staleness_top']}"
+        if "staleness_mean" in row else "-")),
+    ("seeds", lambda row: str(row["seeds"])),
+]
+"""Throughput table: header and cell of each column."""
+
+
+def markdown_report(runs: Sequence[Run], settings: dict[str, Any], plots: Sequence[Path]) -> str:
+    """The whole report: settings, the quality and throughput tables, the teacher ceiling, the plots."""
+    quality = quality_rows(runs)
+    teachers = {row["dataset"]: row["teacher_auc"] for row in quality if row["teacher_auc"] is not None}
+    lines = [
+        "# Sync algorithms side by side",
+        "",
+        f"`python benchmarks/bench_matrix.py --preset {settings['preset']}`: {len(runs)} runs, "
+        f"{settings['trainers']} trainers x batch {settings['batch_size']} (gba: {settings['trainers']} "
+        "trainers + 1 parameter-server rank), same hyperparameters for every algorithm.",
+        "",
+        "## Quality at equal samples seen (no straggler)",
+        "",
+        markdown_table(QUALITY_COLUMNS, quality),
+        "",
+        *(f"Planted teacher's held-out AUC ({dataset}): {auc:.4f}, the ceiling." for dataset, auc in teachers.items()),
+        "",
+        "## Throughput (all trainers), ratio to none within each repetition",
+        "",
+        markdown_table(THROUGHPUT_COLUMNS, throughput_rows(runs)),
+        "",
+        "With TorchRec-sharded tables every step's embedding all-to-all is a barrier, so a straggler paces",
+        "every algorithm, none included; straggler runs train a third of the steps.",
+    ]
+    if plots:
+        lines += ["", "## Plots", "", *(f"![{path.stem}]({path.as_posix()})" for path in plots)]
+    return "\n".join(lines)
