@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 NPROC ?= 2
 CONFIG ?= examples/configs/bmuf.yaml
 
-.PHONY: setup run test bench bench-gba clean
+.PHONY: setup run test bench bench-quick bench-scaling bench-gba clean
 
 setup: $(STAMP)
 
@@ -27,8 +27,23 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests
 
-bench: $(STAMP)
-	$(PY) benchmarks/bench_sync.py
+# The benchmark matrix (benchmarks/bench_matrix.py): every algorithm x mode x straggler x dataset x 3 seeds,
+# JSON, Markdown and plots under runs/; bench-quick is the < 10 min subset. Plots need the bench extra.
+BENCH_STAMP := $(VENV)/.bench-installed
+
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install --quiet -e ".[bench]"
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_matrix.py --preset full
+
+bench-quick: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_matrix.py --preset quick
+
+# samples/s vs trainers (1, 2, 4, 8) for none, ddp and the shadow algorithms
+bench-scaling: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_scaling.py
 
 # GBA vs sync all-reduce vs plain async PS, 4 trainers + 1 PS, one trainer 3x slow
 bench-gba: $(STAMP)

@@ -14,21 +14,12 @@ A run is one cell of `bench_matrix`: its fields (variant, dataset, straggler, se
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Sequence
 
 from bench_summary import (
-    Column, Run, markdown_table, mean_std, median_or_none, optional, paired, ratios_to, staleness_summary,
+    Column, Run, distinct, markdown_table, mean_std, median_or_none, optional, paired, ratios_to, select,
+    staleness_summary,
 )
-
-
-def distinct(values: Iterable[Hashable]) -> list[Any]:
-    """The values in order of first appearance, each once (the matrix's own order)."""
-    return list(dict.fromkeys(values))
-
-
-def select(runs: Sequence[Run], **fields: Any) -> list[Run]:
-    """The runs whose cell fields equal `fields`."""
-    return [run for run in runs if all(run[key] == value for key, value in fields.items())]
 
 
 def seed_of(run: Run) -> int:

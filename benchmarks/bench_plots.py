@@ -18,8 +18,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from bench_matrix_report import distinct, merged_staleness, select, throughput_rows  # noqa: E402
-from bench_summary import Run  # noqa: E402
+from bench_matrix_report import merged_staleness, throughput_rows  # noqa: E402
+from bench_summary import Run, distinct, select  # noqa: E402
 
 STRAGGLER_LABELS = {False: "no straggler", True: "trainer 1 3x slow"}
 

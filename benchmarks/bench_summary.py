@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 from types import ModuleType
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 Run = dict[str, Any]
 Column = tuple[str, Callable[[dict[str, Any]], str]]
@@ -25,6 +25,16 @@ def markdown_table(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) ->
     ]
     lines += ["| " + " | ".join(cell(row) for _, cell in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def distinct(values: Iterable[Hashable]) -> list[Any]:
+    """The values in order of first appearance, each once (the matrix's own order)."""
+    return list(dict.fromkeys(values))
+
+
+def select(runs: Sequence[Run], **fields: Any) -> list[Run]:
+    """The runs whose cell fields equal `fields`."""
+    return [run for run in runs if all(run[key] == value for key, value in fields.items())]
 
 
 def paired(runs: Sequence[Run], baselines: Sequence[Run], key: Callable[[Run], Hashable]) -> list[tuple[Run, Run]]:

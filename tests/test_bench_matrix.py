@@ -127,3 +127,20 @@ def test_one_real_cell_runs_under_torchrun_and_is_reported(tmp_path: Path) -> No
     assert run["result"]["curve"][-1]["samples_seen"] == 40 * 512 * 2
     (row,) = quality_rows([run])
     assert row["auc"][0] == run["result"]["auc"] and row["auc_minus_ddp"] is None
+
+
+def test_scaling_ratios_are_taken_per_size_and_repetition() -> None:
+    from bench_scaling import COLUMNS, summarize
+
+    runs = [
+        {"variant": variant, "rep": rep, "trainers": trainers, "samples_per_s_total": speed}
+        for trainers, rep, variant, speed in (
+            (1, 0, "none", 100.0), (1, 0, "ddp", 90.0), (4, 0, "none", 80.0), (4, 0, "ddp", 40.0),
+            (4, 1, "none", 60.0), (4, 1, "ddp", 60.0),
+        )
+    ]
+    rows = {(row["trainers"], row["variant"]): row for row in summarize(runs)}
+    assert rows[(1, "ddp")]["ratio_to_none_median"] == pytest.approx(0.9)
+    assert rows[(4, "ddp")]["ratio_to_none_median"] == pytest.approx(0.75)  # median of 0.5 and 1.0
+    assert rows[(4, "ddp")]["samples_per_s_per_trainer"] == pytest.approx(50.0 / 4)
+    assert len(COLUMNS) == 6
