@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -200,7 +201,9 @@ def write_report(output: Path, report_path: Path, plots_dir: Path) -> None:
     saved = json.loads(output.read_text())
     plots_module = plotting()
     plots = plots_module.write_matrix_plots(saved["runs"], plots_dir) if plots_module else []
-    report = markdown_report(saved["runs"], saved["settings"], [path.relative_to(report_path.parent) for path in plots])
+    links = [Path(os.path.relpath(path, report_path.parent)) for path in plots]
+    report = markdown_report(saved["runs"], saved["settings"], links)
+    report_path.parent.mkdir(parents=True, exist_ok=True)
     report_path.write_text(report + "\n")
     print(report)
     print(f"wrote {output}, {report_path} and {len(plots)} plots in {plots_dir}")

@@ -8,7 +8,7 @@ A run is one cell of `bench_matrix`: its fields (variant, dataset, straggler, se
   and initialization, so only the sync differs).
 - Throughput: per dataset, straggler setting and variant, the median over seeds (repetitions) of
   samples/s of all trainers, and the median of per-repetition ratios to `none`; the sync gap
-  (steps between a sync round's snapshot and its write-back) and GBA's gradient staleness.
+  (training steps between two sync results reaching the weights) and GBA's gradient staleness.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def merged_staleness(runs: Sequence[Run]) -> dict[str, int]:
 
 
 def sync_gap(run: Run) -> float | None:
-    """Mean steps between a sync round's snapshot and its write-back, where the variant has rounds."""
+    """Mean training steps between two sync results reaching the weights, where the variant has rounds."""
     return run["result"]["sync"].get("sync_gap_steps_mean")
 
 

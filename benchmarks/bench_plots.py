@@ -118,7 +118,7 @@ def write_matrix_plots(runs: Sequence[Run], folder: Path) -> list[Path]:
                     "Throughput per algorithm", folder / "throughput.png"),
         auc_curves(runs, folder / "auc_vs_samples.png"),
         metric_bars(runs, "sync_gap_median", "sync gap, steps (median over seeds)",
-                    "Sync gap: steps between a round's snapshot and its write-back", folder / "sync_gap.png"),
+                    "Sync gap: training steps between two sync results reaching the weights", folder / "sync_gap.png"),
         staleness_histograms(runs, folder / "gba_staleness.png"),
     ]
     return [plot for plot in plots if plot is not None]
