@@ -107,18 +107,18 @@ def test_switching_sync_gba_sync_carries_parameters_optimizer_state_and_global_s
         assert float(got["state"]["step"]) == float(want["state"]["step"]) == 30
 
 
-def straggler(roles: transport.Roles, seconds: float) -> dict:
+def timed_run(roles: transport.Roles, seconds: float, sleeps_s: tuple[float, float], options: dict) -> dict:
+    """Free-running GBA for `seconds`; trainer i sleeps `sleeps_s[i]` per step."""
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    config = SyncConfig(algo="gba", options={"decay": {"kind": "exponential", "threshold": 1}})
-    slow = roles.trainer_index == 1
+    config = SyncConfig(algo="gba", options=options)
     with GBASync(model, optimizer, config, roles, local_batch_size=BATCH) as gba:
         started, step = time.monotonic(), 0
         while time.monotonic() - started < seconds:
             loss_on(model, roles.trainer_index, step).backward()
             optimizer.step()
             optimizer.zero_grad()
-            time.sleep(0.040 if slow else 0.004)
+            time.sleep(sleeps_s[roles.trainer_index])
             step += 1
         stats = gba.server_stats()[0] if roles.trainer_index == 0 else None
     return {
@@ -129,13 +129,26 @@ def straggler(roles: transport.Roles, seconds: float) -> dict:
 
 
 def test_a_slowed_trainer_contributes_fewer_gradients_and_its_stale_ones_are_decayed() -> None:
-    fast, slow, _ = run_ranks(gba_job, 3, 1, straggler, 2.0, timeout_s=120)
+    decay = {"decay": {"kind": "exponential", "threshold": 1}}
+    fast, slow, _ = run_ranks(gba_job, 3, 1, timed_run, 2.0, (0.004, 0.040), decay, timeout_s=120)
     pushes = fast["server"]["pushes_by_trainer"]
     assert pushes[0] > 3 * pushes[1] > 0, pushes
     assert slow["metrics"]["decayed"] + slow["metrics"]["stale_dropped"] > 0, slow["metrics"]
     assert fast["server"]["global_step"] > 10
     assert set(fast["server"]["staleness_histogram"]) - {"0", "1"}, fast["server"]["staleness_histogram"]
     torch.testing.assert_close(fast["params"], slow["params"], rtol=0, atol=0)  # final pull: identical
+
+
+def test_equal_speed_trainers_compute_on_parameters_about_one_global_step_old() -> None:
+    """A gradient spans one step of its trainer, during which the other trainer pushes once: about
+    one global step of staleness is the floor without lockstep. The watcher's long poll keeps the
+    newest parameters at hand for the next step; installing only the reply to the previous push
+    (fetched a whole step earlier) made it about two."""
+    first, _, _ = run_ranks(gba_job, 3, 1, timed_run, 3.0, (0.025, 0.025), {}, timeout_s=120)
+    histogram = {int(key.rstrip("+")): count for key, count in first["server"]["staleness_histogram"].items()}
+    mean = sum(staleness * count for staleness, count in histogram.items()) / sum(histogram.values())
+    assert first["server"]["global_step"] > 40
+    assert mean < 1.4, histogram
 
 
 def policy_run(roles: transport.Roles) -> dict:

@@ -3,6 +3,9 @@ the flat optimizer's exact slicing, and the switch policy's hysteresis."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -168,3 +171,29 @@ def test_switch_policy_fires_after_a_window_and_has_hysteresis() -> None:
     assert [policy.observe("gba", between) for _ in range(5)] == [None] * 5  # inside the band: stay
     assert [policy.observe("gba", healthy) for _ in range(3)] == [None, None, "sync"]
     assert SwitchPolicy(SwitchPolicyConfig(enabled=False)).observe("sync", straggling) is None
+
+
+def test_watch_answers_once_the_global_step_passes_the_token_and_none_once_exported() -> None:
+    """The long poll behind a trainer's fresh parameters: it waits for k > token, times out with
+    what the shard holds, and releases its waiter (None) when the shard leaves GBA."""
+    shard = configured_shard()
+    started = time.monotonic()
+    assert shard.watch(token=0, timeout_s=0.05).token == 0  # nothing new: answered at the timeout
+    assert time.monotonic() - started >= 0.04
+    answered: list[object] = []
+    waiter = threading.Thread(target=lambda: answered.append(shard.watch(token=0, timeout_s=5.0)))
+    waiter.start()
+    shard.push(0, 0, 4, torch.ones(4), 0, 1, 0.0)
+    time.sleep(0.05)
+    assert not answered  # half a global batch: k has not moved
+    shard.push(1, 0, 4, torch.ones(4), 0, 1, 0.0)
+    waiter.join(timeout=2.0)
+    assert answered and answered[0].token == 1
+    torch.testing.assert_close(answered[0].params, -torch.ones(4))
+    assert shard.watch(token=0, timeout_s=5.0).token == 1  # already past: at once
+    waiter = threading.Thread(target=lambda: answered.append(shard.watch(token=1, timeout_s=5.0)))
+    waiter.start()
+    time.sleep(0.05)
+    shard.export()
+    waiter.join(timeout=2.0)
+    assert not waiter.is_alive() and answered[-1] is None

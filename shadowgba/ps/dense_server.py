@@ -14,6 +14,10 @@ Invariants:
   trainers and no staleness every shard steps on the same gradients, which is sync training.
 - The shard also relays mode switches: a request (API or policy) is stored here and carried in
   every reply until the trainers have switched.
+- `watch(token)` is a long poll: it answers once k has passed `token` (or after a timeout), so a
+  trainer's watcher thread holds the newest parameters without polling. At most `WATCHERS` calls
+  wait at once, each holding one of the server's RPC threads for at most its timeout; further
+  ones are answered at once, so watches can never starve pushes of threads.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ from sync_algos.gba import GBAConfig, GlobalBatchAggregator
 
 STALENESS_BUCKETS = 16
 """Staleness histogram keeps exact counts for 0..15 and one bucket for 16 or more."""
+WATCHERS = 8
+"""At most this many `watch` calls wait on one shard at the same time (TensorPipe serves with 16
+RPC threads by default); the rest are answered at once."""
+WATCH_MAX_S = 1.0
+"""Longest one `watch` call may wait, whatever timeout it asks for."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +61,9 @@ class DenseShard:
         """Empty until a trainer `configure`s it: a server rank does not know the model."""
         self.start = self.end = self.num_trainers = 0
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        """Notified when k advances or the shard stops serving GBA (wakes `watch`)."""
+        self._watchers = 0
         self._optimizer: FlatOptimizer | None = None
         self._aggregator: GlobalBatchAggregator | None = None
         self._policy: SwitchPolicy | None = None
@@ -88,6 +100,7 @@ class DenseShard:
             self._closing = False
             self._steps_at_configure = optimizer.global_step
             self._configured_at = time.monotonic()
+            self._changed.notify_all()
 
     def export(self) -> dict[str, Any]:
         """Hand parameters, optimizer state and k back (switch to sync); the shard goes idle.
@@ -100,6 +113,7 @@ class DenseShard:
             self._dropped_samples_at_switch = aggregator.discard()
             exported = optimizer.export()
             self._optimizer = self._aggregator = None
+            self._changed.notify_all()
             return exported
 
     def request_mode(self, mode: str) -> bool:
@@ -128,8 +142,24 @@ class DenseShard:
     # ----------------------------------------------------------------------------- push and pull
     def pull(self) -> ShardReply:
         with self._lock:
-            optimizer, aggregator = self._require_configured()
-            return ShardReply(optimizer.param.detach().clone(), aggregator.global_step, self._requested_mode)
+            self._require_configured()
+            return self._reply()
+
+    def watch(self, token: int, timeout_s: float) -> ShardReply | None:
+        """Long poll: the parameters once the global step has passed `token`, or, after
+        `timeout_s`, whatever the shard holds; None when the shard is not serving GBA (the trainers
+        are switching to sync mode). Answered at once when `WATCHERS` calls already wait."""
+        with self._changed:
+            if self._watchers < WATCHERS:
+                self._watchers += 1
+                try:
+                    self._changed.wait_for(
+                        lambda: self._aggregator is None or self._aggregator.global_step > token,
+                        min(max(timeout_s, 0.0), WATCH_MAX_S),
+                    )
+                finally:
+                    self._watchers -= 1
+            return None if self._aggregator is None else self._reply()
 
     def push(self, trainer: int, start: int, end: int, gradient: torch.Tensor, token: int, num_samples: int,
              compute_s: float) -> ShardReply:
@@ -150,10 +180,11 @@ class DenseShard:
                 self._compute_s[trainer] = compute_s
                 if mean is not None:
                     optimizer.step(mean)
+                    self._changed.notify_all()
                     target = self._policy.observe("gba", self._compute_s)
                     if target is not None and not self._closing:
                         self._requested_mode = target
-                return ShardReply(optimizer.param.detach().clone(), aggregator.global_step, self._requested_mode, weight)
+                return self._reply(weight)
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -182,6 +213,10 @@ class DenseShard:
             }
 
     # --------------------------------------------------------------------------------- internals
+    def _reply(self, weight: float = 1.0) -> ShardReply:
+        """The shard's parameters, token and pending mode request (the lock held, configured)."""
+        return ShardReply(self._optimizer.param.detach().clone(), self._aggregator.global_step, self._requested_mode, weight)
+
     def _require_configured(self) -> tuple[FlatOptimizer, GlobalBatchAggregator]:
         if self._optimizer is None or self._aggregator is None:
             raise RuntimeError(f"dense shard [{self.start}, {self.end}) is not serving GBA (sync mode or not configured)")
