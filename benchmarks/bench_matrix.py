@@ -8,9 +8,11 @@ The matrix: algorithm (none, ddp, pma, ma, easgd, bmuf, gba) x mode (shadow / fo
 easgd and bmuf) x straggler (none / trainer 1 three times slower) x dataset (synthetic, MovieLens-100K)
 x seed. Every cell is one `torchrun` job of `examples/train_dlrm.py` on 2 trainers; gba runs
 `examples/configs/gba.yaml` with 2 trainers and 1 parameter-server rank (3 processes, so on 2 cores
-its server competes with the trainers for CPU). Cells run interleaved: for each seed, each dataset
-and each straggler setting, every algorithm runs once in a row, so a throughput ratio to `none` is
-taken within one such group (the same repetition) and slow drifts of the machine cancel out.
+its server competes with the trainers for CPU); gba-ps-tables and easgd_ps-ps-tables also put the
+tables on that server (`gba_ps_embeddings.yaml`, `easgd_ps.yaml`), so no trainer step is collective.
+Cells run interleaved: for each seed, each dataset and each straggler setting, every algorithm runs
+once in a row, so a throughput ratio to `none` is taken within one such group (the same repetition)
+and slow drifts of the machine cancel out.
 
 Equal samples seen: every cell of a dataset trains the same number of steps per trainer with the
 same hyperparameters (the ExperimentConfig defaults, nothing tuned per algorithm), and records
@@ -50,7 +52,7 @@ from bench_summary import plotting
 from example_job import CONFIGS, ROOT, run_example
 
 TRAINERS = 2
-"""Trainer ranks of every cell (gba adds one server rank)."""
+"""Trainer ranks of every cell (variants with servers add one server rank)."""
 BATCH_SIZE = 512
 """Samples per batch and trainer, set explicitly for every source."""
 STRAGGLER_FACTOR = 3
@@ -85,9 +87,13 @@ VARIANTS: dict[str, Variant] = {
         Variant("pma", "pma.yaml"),
         *(Variant(f"{algo}-{mode}", f"{algo}.yaml", mode) for algo in SHADOW_ALGOS for mode in ("shadow", "foreground")),
         Variant("gba", "gba.yaml", servers=1),
+        Variant("gba-ps-tables", "gba_ps_embeddings.yaml", servers=1),
+        Variant("easgd_ps-ps-tables", "easgd_ps.yaml", servers=1),
     )
 }
-"""Every benchmarked variant, in table order."""
+"""Every benchmarked variant, in table order. The `-ps-tables` ones keep the tables on the parameter
+server instead of sharding them with TorchRec: a trainer step has no collective, so they are the
+ones a straggler cannot pace (GBA, and ShadowSync's production S-EASGD setup)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         preset = PRESETS[args.preset]
         cells = preset.cells()
         print(f"preset {args.preset}: {len(cells)} runs, about {estimate_s(cells) / 60:.0f} min on 2 quiet cores "
-              f"(gba: {TRAINERS} trainers + 1 parameter-server rank)", flush=True)
+              f"(variants with servers: {TRAINERS} trainers + 1 parameter-server rank)", flush=True)
         settings = {"preset": args.preset, **dataclasses.asdict(preset), "trainers": TRAINERS,
                     "batch_size": BATCH_SIZE, "straggler": STRAGGLER, "curve_points": CURVE_POINTS}
         run_matrix(cells, args.output, settings)

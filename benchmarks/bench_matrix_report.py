@@ -132,8 +132,8 @@ def markdown_report(runs: Sequence[Run], settings: dict[str, Any], plots: Sequen
         "# Sync algorithms side by side",
         "",
         f"`python benchmarks/bench_matrix.py --preset {settings['preset']}`: {len(runs)} runs, "
-        f"{settings['trainers']} trainers x batch {settings['batch_size']} (gba: {settings['trainers']} "
-        "trainers + 1 parameter-server rank), same hyperparameters for every algorithm.",
+        f"{settings['trainers']} trainers x batch {settings['batch_size']} (gba, gba-ps-tables, easgd_ps-ps-tables: "
+        f"{settings['trainers']} trainers + 1 parameter-server rank), same hyperparameters for every algorithm.",
         "",
         "## Quality at equal samples seen (no straggler)",
         "",
@@ -146,7 +146,8 @@ def markdown_report(runs: Sequence[Run], settings: dict[str, Any], plots: Sequen
         markdown_table(THROUGHPUT_COLUMNS, throughput_rows(runs)),
         "",
         "With TorchRec-sharded tables every step's embedding all-to-all is a barrier, so a straggler paces",
-        "every algorithm, none included; straggler runs train a third of the steps.",
+        "every algorithm, none included; straggler runs train a third of the steps. The -ps-tables variants",
+        "keep the tables on the parameter server: no trainer step is collective, the fast trainer runs ahead.",
     ]
     if plots:
         lines += ["", "## Plots", "", *(f"![{path.stem}]({path.as_posix()})" for path in plots)]

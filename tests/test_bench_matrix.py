@@ -26,15 +26,17 @@ def fake_run(variant: str, seed: int, auc: float, speed: float, straggler: bool 
 
 def test_quick_preset_runs_every_algorithm_once_in_shadow_mode_within_ten_minutes() -> None:
     cells = PRESETS["quick"].cells()
-    assert {cell.variant for cell in cells} == {"none", "ddp", "pma", "ma-shadow", "easgd-shadow", "bmuf-shadow", "gba"}
+    assert {cell.variant for cell in cells} == {
+        "none", "ddp", "pma", "ma-shadow", "easgd-shadow", "bmuf-shadow", "gba", "gba-ps-tables", "easgd_ps-ps-tables",
+    }
     assert {(cell.dataset, cell.seed) for cell in cells} == {("synthetic", 0)}
-    assert len(cells) == 7 * 2  # with and without the straggler
+    assert len(cells) == 9 * 2  # with and without the straggler
     assert estimate_s(cells) < 8 * 60
 
 
 def test_full_preset_is_the_whole_matrix_interleaved_by_repetition() -> None:
     cells = PRESETS["full"].cells()
-    assert len(cells) == len(VARIANTS) * 2 * 2 * 3 == 120
+    assert len(cells) == len(VARIANTS) * 2 * 2 * 3 == 144
     assert len(set(cells)) == len(cells)
     # the first block: seed 0, synthetic, no straggler, every variant in a row
     assert [cell.variant for cell in cells[: len(VARIANTS)]] == list(VARIANTS)
