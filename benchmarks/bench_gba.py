@@ -1,6 +1,6 @@
 """GBA against sync all-reduce and plain async PS training, with one trainer slowed, side by side.
 
-    python benchmarks/bench_gba.py --compute simulated [--reps 3] [--global-samples 1000000] \
+    python benchmarks/bench_gba.py --compute simulated [--seeds 0,1,2] [--global-samples 1000000] \
         [--step-ms 50] [--slow-trainer 3] [--factor 3] [--algos sync,gba,async] [--dotted.key value ...]
     python benchmarks/bench_gba.py --compute real ...
 
@@ -11,8 +11,12 @@ hold a fast trainer back), and one trainer slowed `--factor` times by `shadowgba
 - gba: `gba_ps_embeddings.yaml` (global-batch aggregation, staleness decay);
 - async: `async_ps.yaml` (every gradient applied on arrival, no decay).
 All three share the optimizer, learning rates and global batch (N x local batch); nothing is tuned
-per algorithm. The algorithms run interleaved (sync gba async sync gba async ...) over `--reps`
-repetitions in one invocation, because identical runs differ by up to ~19% here (DESIGN §8).
+per algorithm. The algorithms run interleaved (sync gba async sync gba async ...) over one
+repetition per seed of `--seeds` in one invocation, because identical runs differ by up to ~19% here
+(DESIGN §8). A repetition's seed is both `train.seed` (model initialisation) and
+`data.synthetic.seed` (the planted teacher and the streams): held-out AUC at 1M samples differs by
+~0.01 from seed to seed, more than the algorithms do, so quality is also reported as each run's AUC
+minus sync's AUC of the same seed (paired).
 
 Compute: `simulated` adds a fixed sleep of `--step-ms` to every trainer's step (the slowed one's
 sleep is `factor` times longer) on the example's small model, so four trainers and a server fit on
@@ -27,7 +31,8 @@ GBA's global step on each trainer, with no collective), so held-out AUC is compa
 samples applied* to the dense model (sync: every sample; GBA: minus dropped gradients; async: every
 pushed gradient). Throughput counts every trainer's computed samples over one wall-clock window
 shared by all trainers of a run: from the moment the last trainer finished its warm-up to the moment
-the first trainer stopped. The ideal GBA / sync ratio for N trainers, one s times slower, is
+the first trainer stopped. "applied samples/s" counts only what reached the dense model (global
+steps/s x samples per global step), so gradients GBA drops as too stale do not count there. The ideal GBA / sync ratio for N trainers, one s times slower, is
 (N - 1 + 1/s) / (N / s): sync runs at the slow trainer's pace, GBA's fast trainers do not wait.
 
 Prints a Markdown table and writes every run's numbers as JSON (default runs/bench_gba_<compute>.json).
@@ -42,7 +47,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench_summary import Column, markdown_table, median_or_none, ratios_to, staleness_summary
+from bench_summary import Column, markdown_table, median_or_none, optional, paired, ratios_to, staleness_summary
 from example_job import CONFIGS, ROOT, run_example
 
 ALGOS: dict[str, Path] = {
@@ -61,14 +66,15 @@ def ideal_ratio(trainers: int, factor: float) -> float:
     return (trainers - 1 + 1 / factor) / (trainers / factor)
 
 
-def run_once(algo: str, args: argparse.Namespace, extra: Sequence[str], output: Path) -> dict[str, Any]:
+def run_once(algo: str, seed: int, args: argparse.Namespace, extra: Sequence[str], output: Path) -> dict[str, Any]:
     """One torchrun job of `algo`: N trainers and one server, the slowed trainer, the common stop."""
     straggler = ["--straggler.trainers", f"[{args.slow_trainer}]", "--straggler.factor", str(args.factor)]
     if args.compute == "simulated":
         straggler += ["--straggler.step_ms", str(args.step_ms)]
     arguments = [
         "--config", str(ALGOS[algo]), *PS_JOB, *straggler,
-        "--train.global_samples", str(args.global_samples), "--train.warmup_steps", str(args.warmup_steps), *extra,
+        "--train.global_samples", str(args.global_samples), "--train.warmup_steps", str(args.warmup_steps),
+        "--train.seed", str(seed), "--data.synthetic.seed", str(seed), *extra,
     ]
     return run_example(algo, args.trainers + 1, arguments, output)
 
@@ -78,8 +84,12 @@ def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
     (shard,) = run["gba"]["dense_shards"]
     steps = run["steps_in_window_by_trainer"]
     fast = [count for index, count in enumerate(steps) if index != slow_trainer]
+    config = run["config"]
+    batch = config["data"][config["data"]["source"]]["batch_size"]
+    per_global_step = batch if config["sync"]["options"].get("aggregation") == "none" else batch * run["trainers"]
     return {
         "samples_per_s": run["samples_per_s_total"],
+        "applied_samples_per_s": run["gba"]["global_steps_per_s"] * per_global_step,
         "step_ms_fast": 1e3 * run["window_s"] / max(statistics.mean(fast), 1),
         "step_ms_slow": 1e3 * run["window_s"] / max(steps[slow_trainer], 1),
         "auc": run["auc"],
@@ -96,6 +106,7 @@ def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
 
 SUMMARY: dict[str, tuple[Callable[[list[float]], float], ...]] = {
     "samples_per_s": (statistics.median, min, max),
+    "applied_samples_per_s": (statistics.median,),
     "auc": (statistics.median, min, max),
     "log_loss": (statistics.median,),
     "step_ms_fast": (statistics.median,),
@@ -123,8 +134,11 @@ def summarize(runs: list[dict[str, Any]], algos: Sequence[str]) -> list[dict[str
         for key, functions in SUMMARY.items():
             values = [run["metrics"][key] for run in mine]
             row.update({f"{key}_{function.__name__}": function(values) for function in functions})
-        ratios = ratios_to(mine, sync, key=lambda run: run["rep"], value=lambda run: run["metrics"]["samples_per_s"])
-        row["ratio_to_sync_median"] = median_or_none(ratios)
+        for key in ("samples_per_s", "applied_samples_per_s"):
+            ratios = ratios_to(mine, sync, key=lambda run: run["rep"], value=lambda run: run["metrics"][key])
+            row[f"{key}_ratio_to_sync_median"] = median_or_none(ratios)
+        auc_gaps = [run["metrics"]["auc"] - base["metrics"]["auc"] for run, base in paired(mine, sync, lambda run: run["rep"])]
+        row["auc_minus_sync"] = auc_gaps
         rows.append(row)
     return rows
 
@@ -133,9 +147,12 @@ COLUMNS: list[Column] = [
     ("algo", lambda row: row["algo"]),
     ("samples/s (median)", lambda row: f"{row['samples_per_s_median']:,.0f}"),
     ("min-max", lambda row: f"{row['samples_per_s_min']:,.0f}-{row['samples_per_s_max']:,.0f}"),
-    ("ratio to sync", lambda row: "-" if row["ratio_to_sync_median"] is None else f"{row['ratio_to_sync_median']:.2f}"),
+    ("ratio to sync", lambda row: optional(row["samples_per_s_ratio_to_sync_median"], ".2f")),
+    ("applied samples/s (ratio to sync)", lambda row: f"{row['applied_samples_per_s_median']:,.0f} "
+                                                      f"({optional(row['applied_samples_per_s_ratio_to_sync_median'], '.2f')})"),
     ("step ms fast / slow", lambda row: f"{row['step_ms_fast_median']:.0f} / {row['step_ms_slow_median']:.0f}"),
     ("AUC median (min-max)", lambda row: f"{row['auc_median']:.4f} ({row['auc_min']:.4f}-{row['auc_max']:.4f})"),
+    ("AUC - sync, per seed", lambda row: " ".join(f"{gap:+.4f}" for gap in row["auc_minus_sync"]) or "-"),
     ("staleness mean / p90 / max",
      lambda row: f"{row['staleness_mean_median']:.2f} / {row['staleness_p90_max']} / {row['staleness_top_max']}"),
     ("decayed / dropped / queue-dropped",
@@ -151,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compute", choices=("simulated", "real"), required=True,
                         help="simulated: fixed per-step sleep; real: the slowed trainer sleeps (factor-1) x its step")
-    parser.add_argument("--reps", type=int, default=3, help="repetitions of the interleaved sequence")
+    parser.add_argument("--seeds", default="0,1,2",
+                        help="comma-separated seeds, one repetition of the interleaved sequence each")
     parser.add_argument("--trainers", type=int, default=4, help="trainer ranks (one PS rank is added)")
     parser.add_argument("--slow-trainer", type=int, default=3, help="index of the slowed trainer")
     parser.add_argument("--factor", type=float, default=3.0, help="slowdown of the slowed trainer")
@@ -168,12 +186,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     output = args.output or ROOT / "runs" / f"bench_gba_{args.compute}.json"
     runs = []
     with tempfile.TemporaryDirectory() as scratch:
-        for rep in range(args.reps):
+        for rep, seed in enumerate(int(seed) for seed in args.seeds.split(",")):
             for algo in algos:
-                result = run_once(algo, args, extra, Path(scratch) / f"{algo}-{rep}.json")
+                result = run_once(algo, seed, args, extra, Path(scratch) / f"{algo}-{rep}.json")
                 metrics = run_metrics(result, args.slow_trainer)
-                runs.append({"algo": algo, "rep": rep, "metrics": metrics, "result": result})
-                print(f"rep {rep} {algo}: {metrics['samples_per_s']:,.0f} samples/s over {result['window_s']:.1f} s, "
+                runs.append({"algo": algo, "rep": rep, "seed": seed, "metrics": metrics, "result": result})
+                print(f"seed {seed} {algo}: {metrics['samples_per_s']:,.0f} samples/s over {result['window_s']:.1f} s, "
                       f"AUC {metrics['auc']:.4f}", flush=True)
     ideal = ideal_ratio(args.trainers, args.factor)
     rows = summarize(runs, algos)
