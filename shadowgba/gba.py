@@ -66,6 +66,9 @@ logger = logging.getLogger("shadowgba")
 DENSE_SERVICE = "dense"
 WATCH_TIMEOUT_S = 0.25
 """Longest a watcher's long poll waits on a shard whose global step does not advance."""
+WATCH_IDLE_S = 0.01
+"""Pause before the next long poll when the last one brought nothing newer, so that a shard that
+answers at once (all its waiters taken) is not polled in a tight loop."""
 
 
 def serve_dense_shard() -> None:
@@ -418,6 +421,8 @@ class GBASync:
                     time.sleep(WATCH_TIMEOUT_S)
                     continue
                 self._offer(replies)
+                if all(reply.token <= token for reply, token in zip(replies, known)):
+                    time.sleep(WATCH_IDLE_S)  # timed out, or answered at once by a shard with all waiters taken
         except BaseException as error:  # surfaced in the training thread at its next step
             logger.exception("shadowgba GBA watcher thread failed")
             self._error = error
