@@ -14,6 +14,11 @@ beyond a threshold of 2, was chosen by the quality benchmark (benchmarks/bench_g
 compute, 4 trainers, one 3x slow, 1M samples; held-out AUC): drop 0.7840 (2 reps), inverse_power
 0.7768 (2 reps), exponential rate 0.5 0.7713 (3 reps), none 0.768. Dropping cost ~13% of the
 gradients, mostly the slow trainer's; see the GBA issue note for the caveats of so few repetitions.
+Caveat found later (docs/gba.md, "Quality against sync"): those repetitions all used seed 0 and
+ran before the trainers' watcher, when every gradient of the slow trainer was 4-5 steps stale;
+the differences are within the 0.01-0.02 AUC that separates seeds at 1M samples. With the watcher
+staleness beyond 2 is rare (p90 2) and the kinds differ only on some of the slow trainer's
+gradients, so the default is kept but not strongly supported by these numbers.
 """
 
 from __future__ import annotations
