@@ -19,11 +19,11 @@ the same step with no extra agreement round.
 GBA mode: the training thread never waits. It copies its gradient into a bounded queue (dropping the
 oldest when full) together with the tokens of the parameters it was computed on, and installs the
 newest parameters the background threads have received. The shadow thread pushes each gradient
-slice to its shard (the reply is the shard's fresh slice and token); a watcher thread keeps one
-long poll (`DenseShard.watch`) per shard open, which answers as soon as the shard's global step
-advances. Without the watcher the newest parameters at the end of step n would be the reply to
-the push of step n-1, fetched a whole step earlier, and every gradient would be computed on
-parameters about one step staler than necessary (4 equal trainers, bench_gba simulated compute:
+slice to its shard (the reply is the shard's fresh slice and token); under global-batch
+aggregation a watcher thread keeps one long poll (`DenseShard.watch`) per shard open, which
+answers as soon as the shard's global step advances. Without the watcher the newest parameters
+at the end of step n would be the reply to the push of step n-1, fetched a whole step earlier, and
+every gradient would be computed on parameters about one step staler than necessary (4 equal trainers, bench_gba simulated compute:
 mean staleness 1.73 without the watcher, 1.17 with it; the floor is about 1, the span of a step).
 
 Switching (carries parameters, optimizer state, global step and global batch; nothing is retuned):
