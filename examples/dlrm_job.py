@@ -71,7 +71,9 @@ def dense_sync(
     if config.sync.algo in BASELINES:
         return None
     if config.sync.algo == "gba":
-        return GBASync(model, optimizer, config.sync, roles, local_batch_size=config.data.batch_size)
+        lockstep_every = config.train.stop_check_every if config.lockstep else 0  # TorchRec tables pair the steps
+        return GBASync(model, optimizer, config.sync, roles, local_batch_size=config.data.batch_size,
+                       lockstep_every=lockstep_every)
     return ShadowSync(model, optimizer, config.sync, process_group=roles.trainer_group)
 
 
