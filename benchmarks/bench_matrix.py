@@ -189,7 +189,7 @@ def estimate_s(cells: Sequence[Cell]) -> float:
 
 def run_cell(cell: Cell, scratch: Path) -> dict[str, Any]:
     """Run one cell; its results, which must hold the held-out curve."""
-    result = run_example(cell.label, cell.nproc, cell.arguments(), scratch / "result.json")
+    result = run_example(cell.label, cell.nproc, cell.arguments(), scratch / "result.json", attempts=2)
     if not result.get("curve"):
         raise SystemExit(f"{cell.label}: the results have no held-out curve (train.eval_every_samples)")
     return result

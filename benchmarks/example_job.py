@@ -26,13 +26,22 @@ THROUGHPUT_MODEL = [
 """DESIGN §6's throughput model: 338K dense parameters, 8 tables of 100K x 64 (bench_sync, bench_scaling)."""
 
 
-def run_example(label: str, nproc: int, arguments: Sequence[str], output: Path) -> dict[str, Any]:
-    """Run the example on `nproc` ranks with `arguments`; returns its results, or exits naming `label`."""
+def run_example(
+    label: str, nproc: int, arguments: Sequence[str], output: Path, attempts: int = 1
+) -> dict[str, Any]:
+    """Run the example on `nproc` ranks with `arguments`; returns its results, or exits naming `label`
+    after `attempts` failed jobs. A retry is announced with the failed job's output tail: a long
+    matrix should survive a rare crash (e.g. a rank aborting in gloo's teardown after it wrote its
+    results) without hiding it."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         str(TRAIN_SCRIPT), *arguments, "--train.progress", "false", "--output", str(output),
     ]
-    job = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if job.returncode != 0:
-        raise SystemExit(f"{label} failed (exit {job.returncode}):\n{(job.stdout + job.stderr)[-4000:]}")
-    return json.loads(output.read_text())
+    for attempt in range(1, attempts + 1):
+        output.unlink(missing_ok=True)
+        job = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        if job.returncode == 0:
+            return json.loads(output.read_text())
+        print(f"{label} failed (exit {job.returncode}, attempt {attempt} of {attempts}):\n"
+              f"{(job.stdout + job.stderr)[-4000:]}", flush=True)
+    raise SystemExit(f"{label} failed {attempts} time(s); its output is above")
