@@ -28,6 +28,8 @@ def panels(count: int, title: str) -> tuple[Figure, list[Axes]]:
     """A figure of `count` panels side by side."""
     figure, axes = plt.subplots(1, count, figsize=(7 * count, 4.5), squeeze=False)
     figure.suptitle(title)
+    for panel in axes[0]:  # 20 distinct colours: the default 10 repeat within one panel of 12 variants
+        panel.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     return figure, list(axes[0])
 
 
