@@ -18,10 +18,13 @@ repetition per seed of `--seeds` in one invocation, because identical runs diffe
 ~0.01 from seed to seed, more than the algorithms do, so quality is also reported as each run's AUC
 minus sync's AUC of the same seed (paired).
 
-Compute: `simulated` adds a fixed sleep of `--step-ms` to every trainer's step (the slowed one's
-sleep is `factor` times longer) on the example's small model, so four trainers and a server fit on
-two cores without fighting for CPU and the scheduling effect shows cleanly; `real` slows the
-trainer by `factor` times its measured step time, with every rank competing for the same cores.
+Compute: `simulated` makes every trainer's compute (batch, forward with the PS lookup, backward)
+last `--step-ms`, the slowed one's `factor` times as long, by padding the example's small model's
+real work with a sleep (`shadowgba.straggler`), so four trainers and a server fit on two cores
+without fighting for CPU and the scheduling effect shows cleanly (the table's "step ms fast / slow"
+shows what the steps really took: the padded compute plus the gradient hand-over and optimizer
+step, and in sync mode the wait for the slowest); `real` slows the trainer by `factor` times its
+measured compute, with every rank competing for the same cores.
 With fewer cores than ranks a real step's cost depends on how many ranks compute at once (in sync
 mode all of them; in GBA the slow one sleeps while the others compute), so the real-mode ratio is
 not bounded by the ideal below.

@@ -112,10 +112,11 @@ def train(
     )
     dist.barrier(group=roles.trainer_group)  # the common start
     origin = time.perf_counter()
-    straggler = Straggler(straggler_config, roles.trainer_index, len(roles.trainer_ranks))  # measures from here
+    straggler = Straggler(straggler_config, roles.trainer_index, len(roles.trainer_ranks))
     step, warmup_end, step_ends = 0, 0.0, []
     warmup_global_step = global_step() if global_step else 0
     while True:
+        straggler.begin_step()
         batch: Batch = next(batches).to(device)
         loss, _ = model.module(batch)
         optimizer.zero_grad(set_to_none=True)
@@ -135,7 +136,6 @@ def train(
             bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
         paused = between_steps(step, now)
         origin += paused
-        straggler.exclude(paused)
         if stop(step, now - warmup_end):
             break
     bar.close()

@@ -1,19 +1,23 @@
 """Straggler injection: make chosen trainers slow, on purpose, for tests and benchmarks.
 
 GBA's claim is about stragglers (Su et al. 2022: >= 2.4x sync all-reduce when some workers are
-slow), so its tests and benchmarks need a slow trainer on demand. The training loop calls
-`Straggler.step()` once per step, at the point where the step's compute is done (after backward,
-before the gradient leaves the trainer), and the call sleeps:
+slow), so its tests and benchmarks need a slow trainer on demand. The training loop calls `Straggler.begin_step()` when a step starts and
+`Straggler.step()` where the step's compute is done (after backward, before the gradient leaves the
+trainer); that call sleeps:
 
-- measured mode (`step_ms == 0`): a slowed trainer sleeps `(factor - 1) x` the time the loop spent
-  since the previous call returned (everything it did in one step, the injected sleep excluded),
-  so its steps take `factor` times as long as they would;
-- simulated-compute mode (`step_ms > 0`): every trainer sleeps `step_ms`, a slowed one
-  `factor x step_ms`, on top of its real (small) work. On a machine with fewer cores than trainers
-  this shows the scheduling effect without the trainers fighting for CPU: a sleeping trainer uses
-  none;
+- measured mode (`step_ms == 0`): a slowed trainer sleeps `(factor - 1) x` the time since
+  `begin_step()`, so its compute takes `factor` times as long as it would;
+- simulated-compute mode (`step_ms > 0`): every trainer's compute lasts `step_ms`, a slowed one's
+  `factor x step_ms`: the call sleeps what the real (small) work since `begin_step()` left of that
+  budget (nothing, if the work overran it). The compute of a slowed trainer is thus exactly `factor`
+  times a fast one's, as the benchmarks' ideal ratios assume; adding the sleep on top of the real
+  work instead would leave the slowed trainer less than `factor` times slower. On a machine with
+  fewer cores than trainers this shows the scheduling effect without the trainers fighting for CPU:
+  a sleeping trainer uses none;
 - either way a slowed trainer also sleeps `delay_ms`.
 
+What happens after `step()` (handing the gradient over, the optimizer step, a collective's wait for
+its peers) is not compute and never padded: a trainer waiting for a slow peer does not also sleep.
 Sleeping before the gradient is handed over (rather than after) keeps staleness realistic: the
 slow trainer's gradient arrives as late as it would if its compute were really slow.
 """
@@ -38,8 +42,9 @@ class StragglerConfig:
     delay_ms: float = 0.0
     """Fixed extra sleep per step of each slowed trainer, in milliseconds; >= 0."""
     step_ms: float = 0.0
-    """Simulated compute (benchmarks): when > 0, every trainer sleeps this many milliseconds per
-    step and a slowed one `factor` times as long; 0 measures the real step time instead."""
+    """Simulated compute (benchmarks): when > 0, every trainer's compute per step lasts this many
+    milliseconds (the real work's time is padded up to it) and a slowed one's `factor` times as long;
+    0 slows by the measured compute time instead."""
 
     def __post_init__(self) -> None:
         if any(isinstance(index, bool) or not isinstance(index, int) or index < 0 for index in self.trainers):
@@ -69,26 +74,24 @@ class Straggler:
         self.slowed = trainer_index in config.trainers
         self.slept_s = 0.0
         """Total time this trainer slept in `step()`."""
-        self._last_return = time.perf_counter()
+        self._step_start = time.perf_counter()
 
     def sleep_s(self, measured_s: float) -> float:
-        """How long to sleep after a step whose own work took `measured_s` seconds."""
+        """How long to sleep after a step whose own compute took `measured_s` seconds."""
         config = self.config
+        delay_s = config.delay_ms / 1e3 if self.slowed else 0.0
         if config.step_ms > 0.0:
-            simulated_s = config.step_ms / 1e3
-            return (config.factor * simulated_s + config.delay_ms / 1e3) if self.slowed else simulated_s
-        if not self.slowed:
-            return 0.0
-        return (config.factor - 1.0) * measured_s + config.delay_ms / 1e3
+            budget_s = config.step_ms / 1e3 * (config.factor if self.slowed else 1.0)
+            return max(budget_s - measured_s, 0.0) + delay_s
+        return (config.factor - 1.0) * measured_s + delay_s if self.slowed else 0.0
 
-    def exclude(self, seconds: float) -> None:
-        """Leave `seconds` the loop spent outside training (e.g. evaluating) out of the next measured step."""
-        self._last_return += seconds
+    def begin_step(self) -> None:
+        """Mark the start of a step's compute (before fetching its batch)."""
+        self._step_start = time.perf_counter()
 
     def step(self) -> None:
-        """Sleep for this step (see the module docstring); the next step is measured from the return."""
-        seconds = self.sleep_s(time.perf_counter() - self._last_return)
+        """Sleep for this step's compute so far (see the module docstring)."""
+        seconds = self.sleep_s(time.perf_counter() - self._step_start)
         if seconds > 0.0:
             time.sleep(seconds)
             self.slept_s += seconds
-        self._last_return = time.perf_counter()

@@ -18,10 +18,13 @@ def test_measured_mode_slows_only_the_chosen_trainers_by_the_factor_plus_the_del
     assert Straggler(config, 1, 2).sleep_s(0.010) == pytest.approx(2 * 0.010 + 0.005)
 
 
-def test_simulated_mode_makes_every_trainer_sleep_and_the_slowed_one_factor_times_longer() -> None:
-    config = StragglerConfig(trainers=[0], factor=3.0, step_ms=20.0)
-    assert Straggler(config, 1, 4).sleep_s(0.5) == pytest.approx(0.020)  # real step time is ignored
-    assert Straggler(config, 0, 4).sleep_s(0.5) == pytest.approx(0.060)
+def test_simulated_mode_pads_compute_to_the_budget_and_the_slowed_one_to_factor_times_it() -> None:
+    config = StragglerConfig(trainers=[0], factor=3.0, step_ms=20.0, delay_ms=4.0)
+    fast, slow = Straggler(config, 1, 4), Straggler(config, 0, 4)
+    assert fast.sleep_s(0.005) == pytest.approx(0.015)  # 5 ms of real work, padded to 20
+    assert slow.sleep_s(0.005) == pytest.approx(0.055 + 0.004)  # to 60, plus the fixed delay
+    assert fast.sleep_s(0.5) == 0.0  # work beyond the budget is not padded (the step overruns)
+    assert slow.sleep_s(0.5) == pytest.approx(0.004)
 
 
 def test_the_default_slows_nobody() -> None:
@@ -30,9 +33,10 @@ def test_the_default_slows_nobody() -> None:
     assert straggler.sleep_s(1.0) == 0.0 and straggler.slept_s == 0.0
 
 
-def test_step_sleeps_factor_minus_one_times_the_time_since_the_previous_step() -> None:
+def test_step_sleeps_factor_minus_one_times_the_compute_since_begin_step() -> None:
     straggler = Straggler(StragglerConfig(trainers=[0], factor=2.0), 0, 1)
-    straggler.step()  # measures from construction: next to nothing
+    time.sleep(0.2)  # between steps (e.g. evaluation): not measured
+    straggler.begin_step()
     time.sleep(0.05)  # one step's own work
     started = time.perf_counter()
     straggler.step()
