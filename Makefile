@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 NPROC ?= 2
 CONFIG ?= examples/configs/bmuf.yaml
 
-.PHONY: setup run test bench bench-quick bench-scaling bench-gba clean
+.PHONY: setup run test bench bench-quick bench-quality bench-scaling bench-gba clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,10 @@ bench: $(BENCH_STAMP)
 
 bench-quick: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_matrix.py --preset quick
+
+# Quality near convergence: the shadow algorithms, none, ddp, pma and gba on 6.1M synthetic samples, 3 seeds.
+bench-quality: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_matrix.py --preset quality
 
 # samples/s vs trainers (1, 2, 4, 8) for none, ddp and the shadow algorithms
 bench-scaling: $(BENCH_STAMP)

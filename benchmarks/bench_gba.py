@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from bench_summary import Column, markdown_table, median_or_none, optional, paired, ratios_to, staleness_summary
-from example_job import CONFIGS, ROOT, run_example
+from example_job import CONFIGS, ROOT, SYNTHETIC_HELDOUT, run_example
 
 ALGOS: dict[str, Path] = {
     "sync": CONFIGS / "sync_allreduce.yaml",
@@ -77,7 +77,7 @@ def run_once(algo: str, seed: int, args: argparse.Namespace, extra: Sequence[str
     arguments = [
         "--config", str(ALGOS[algo]), *PS_JOB, *straggler,
         "--train.global_samples", str(args.global_samples), "--train.warmup_steps", str(args.warmup_steps),
-        "--train.seed", str(seed), "--data.synthetic.seed", str(seed), *extra,
+        "--train.seed", str(seed), "--data.synthetic.seed", str(seed), *SYNTHETIC_HELDOUT, *extra,
     ]
     return run_example(algo, args.trainers + 1, arguments, output)
 
