@@ -50,6 +50,15 @@ def test_full_preset_is_the_whole_matrix_interleaved_by_repetition() -> None:
     assert estimate_s(cells) < 50 * 60
 
 
+def test_quality_preset_trains_the_shadow_algorithms_and_peers_six_times_longer_without_a_straggler() -> None:
+    cells = PRESETS["quality"].cells()
+    assert [cell.variant for cell in cells[:7]] == ["none", "ddp", "pma", "ma-shadow", "easgd-shadow", "bmuf-shadow", "gba"]
+    assert len(cells) == 7 * 3 and {cell.seed for cell in cells} == {0, 1, 2}
+    assert {(cell.dataset, cell.straggler, cell.steps) for cell in cells} == {("synthetic", False, 6000)}
+    pairs = dict(zip(cells[0].arguments()[2::2], cells[0].arguments()[3::2]))
+    assert pairs["--data.synthetic.eval_batches"] == "128"  # held-out noise well below the 0.002 target
+
+
 def test_a_cell_names_its_config_seeds_length_curve_and_straggler() -> None:
     cell = Cell("gba", "movielens", True, 2, 52)
     arguments = cell.arguments()
@@ -59,6 +68,7 @@ def test_a_cell_names_its_config_seeds_length_curve_and_straggler() -> None:
     assert pairs["--data.source"] == "movielens" and pairs["--data.movielens.seed"] == pairs["--train.seed"] == "2"
     assert pairs["--train.steps"] == "52" and int(pairs["--train.eval_every_samples"]) == 52 * 512 * 2 // 8
     assert arguments[-len(STRAGGLER):] == STRAGGLER
+    assert "--data.synthetic.eval_batches" not in arguments  # MovieLens has its own held-out split
     assert Cell("ma-foreground", "synthetic", False, 0, 10).arguments()[2:4] == ["--sync.mode", "foreground"]
 
 
