@@ -85,6 +85,7 @@ def run_once(algo: str, seed: int, args: argparse.Namespace, extra: Sequence[str
 def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
     """What the table shows of one run (dense-shard numbers from the server; one shard here)."""
     (shard,) = run["gba"]["dense_shards"]
+    (rows,) = run["gba"]["embedding_shards"]  # the tables' server: the same rank
     steps = run["steps_in_window_by_trainer"]
     fast = [count for index, count in enumerate(steps) if index != slow_trainer]
     config = run["config"]
@@ -100,6 +101,8 @@ def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
         **staleness_summary(shard["staleness_histogram"]),
         "decayed": shard["decayed"],
         "dropped": shard["dropped"],
+        "row_staleness_mean": staleness_summary(rows["staleness_histogram"])["staleness_mean"],
+        "rows_dropped": rows["dropped"],
         "queue_dropped": run["sync"]["queue_dropped"],
         "global_steps_per_s": run["gba"]["global_steps_per_s"],
         "queue_depth": shard["queue_depth_max"],
@@ -119,6 +122,8 @@ SUMMARY: dict[str, tuple[Callable[[list[float]], float], ...]] = {
     "staleness_top": (max,),
     "decayed": (statistics.median,),
     "dropped": (statistics.median,),
+    "row_staleness_mean": (statistics.median,),
+    "rows_dropped": (statistics.median,),
     "queue_dropped": (statistics.median,),
     "global_steps_per_s": (statistics.median,),
     "queue_depth": (max,),
@@ -158,6 +163,8 @@ COLUMNS: list[Column] = [
     ("AUC - sync, per seed", lambda row: " ".join(f"{gap:+.4f}" for gap in row["auc_minus_sync"]) or "-"),
     ("staleness mean / p90 / max",
      lambda row: f"{row['staleness_mean_median']:.2f} / {row['staleness_p90_max']} / {row['staleness_top_max']}"),
+    ("row staleness mean / rows dropped",
+     lambda row: f"{row['row_staleness_mean_median']:.2f} / {row['rows_dropped_median']:.0f}"),
     ("decayed / dropped / queue-dropped",
      lambda row: f"{row['decayed_median']:.0f} / {row['dropped_median']:.0f} / {row['queue_dropped_median']:.0f}"),
     ("global steps/s", lambda row: f"{row['global_steps_per_s_median']:.1f}"),

@@ -110,6 +110,7 @@ def run_trainer(
         "gba": {
             **training_mode, "global_step": stats.global_steps[1], "global_steps_per_s": global_steps_per_s(stats),
             "dense_shards": gba.server_stats(),
+            "embedding_shards": model.ps_embeddings.server_stats() if model.ps_embeddings else [],
         } if gba else {},
         "config": to_dict(config),
     }

@@ -23,6 +23,7 @@ gradients, so the default is kept but not strongly supported by these numbers.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Literal
 
@@ -66,3 +67,34 @@ class StalenessDecayConfig:
         if self.kind == "exponential":
             return self.rate**excess
         return (1.0 + excess) ** -self.power
+
+
+class StalenessCounts:
+    """What a server saw of the staleness of its pushes: a histogram and the decayed / dropped
+    counts. Not thread-safe: the server holds its own lock around `add` and `summary`."""
+
+    BUCKETS = 16
+    """The histogram keeps exact counts for 0..15 and one bucket, "16+", for 16 or more."""
+
+    def __init__(self) -> None:
+        self._histogram: collections.Counter[int] = collections.Counter()
+        self.decayed = 0
+        """Pushes with 0 < weight < 1."""
+        self.dropped = 0
+        """Pushes with weight 0."""
+
+    def add(self, staleness: int, weight: float) -> None:
+        """Count one push of this staleness that the decay weighted by `weight`."""
+        self._histogram[min(staleness, self.BUCKETS)] += 1
+        self.dropped += weight == 0.0
+        self.decayed += 0.0 < weight < 1.0
+
+    def summary(self) -> dict[str, object]:
+        """decayed, dropped and staleness_histogram (string keys "0".."15", "16+")."""
+        return {
+            "decayed": self.decayed,
+            "dropped": self.dropped,
+            "staleness_histogram": {
+                (f"{k}+" if k == self.BUCKETS else str(k)): v for k, v in sorted(self._histogram.items())
+            },
+        }

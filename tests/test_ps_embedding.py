@@ -169,7 +169,7 @@ def test_hogwild_sgd_sums_repeated_ids_and_serves_only_its_own_rows() -> None:
     torch.testing.assert_close(rows(built, [1, 3]), expected)
     assert built.stats() == {
         "pushes": 1, "updates": 1, "rows_applied": 2, "pending_rows": 0, "pending_samples": 0,
-        "decayed": 0, "dropped": 0,
+        "decayed": 0, "dropped": 0, "staleness_histogram": {},  # hogwild: no tokens
     }
 
 
@@ -194,7 +194,7 @@ def test_aggregate_mode_applies_the_sample_weighted_mean_once_a_global_batch_has
     torch.testing.assert_close(rows(built, list(range(10))), initial)  # nothing applied yet
     assert built.stats() | {"rows_applied": None} == {
         "pushes": 1, "updates": 0, "rows_applied": None, "pending_rows": 2, "pending_samples": 4,
-        "decayed": 0, "dropped": 0,
+        "decayed": 0, "dropped": 0, "staleness_histogram": {"0": 1},
     }
     built.push({"t": (torch.tensor([2, 5]), second)}, 4, 0)  # equal batches: the mean of the two pushes
     expected = initial.clone()
@@ -202,7 +202,7 @@ def test_aggregate_mode_applies_the_sample_weighted_mean_once_a_global_batch_has
     torch.testing.assert_close(rows(built, list(range(10))), expected)
     assert built.stats() == {
         "pushes": 2, "updates": 1, "rows_applied": 3, "pending_rows": 0, "pending_samples": 0,
-        "decayed": 0, "dropped": 0,
+        "decayed": 0, "dropped": 0, "staleness_histogram": {"0": 2},
     }
     built.push({"t": (torch.tensor([7]), first[:1])}, 2, 1)  # unequal batches: weighted by samples
     built.push({"t": (torch.tensor([7]), second[:1])}, 6, 1)
@@ -264,6 +264,7 @@ def test_aggregate_mode_decays_or_drops_stale_row_gradients_as_the_dense_gba_sha
     assert rows(built, [5])[0].tolist() == expected[5].tolist()
     stats = built.stats()
     assert (stats["updates"], stats["decayed"], stats["dropped"], stats["pending_samples"]) == (3, 1, 1, 0)
+    assert stats["staleness_histogram"] == {"0": 4, "1": 1, "2": 1, "3": 1}
     assert stats["pending_rows"] == 0  # the dropped push left nothing in the buffer
     hogwild = shard(PSEmbeddingConfig(lr=1.0, decay=decay))  # no global step: tokens are ignored
     hogwild.push({"t": (torch.tensor([5]), gradient)}, 1)

@@ -33,9 +33,8 @@ import torch
 from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec
 from shadowgba.switch_policy import SwitchPolicy
 from sync_algos.gba import GBAConfig, GlobalBatchAggregator
+from sync_algos.staleness import StalenessCounts
 
-STALENESS_BUCKETS = 16
-"""Staleness histogram keeps exact counts for 0..15 and one bucket for 16 or more."""
 WATCHERS = 8
 """At most this many `watch` calls wait on one shard at the same time (TensorPipe serves with 16
 RPC threads by default); the rest are answered at once."""
@@ -73,9 +72,9 @@ class DenseShard:
         self._dropped_samples_at_switch = 0
         self._in_flight = 0
         self._max_in_flight = 0
-        self._staleness = collections.Counter()
+        self._staleness = StalenessCounts()
         self._pushes_by_trainer = collections.Counter()
-        self._pushes = self._decayed = self._dropped = 0
+        self._pushes = 0
         self._steps_at_configure = 0
         self._configured_at = time.monotonic()
 
@@ -174,9 +173,7 @@ class DenseShard:
                 staleness, weight, mean = aggregator.add(gradient, token, num_samples)
                 self._pushes += 1
                 self._pushes_by_trainer[trainer] += 1
-                self._staleness[min(staleness, STALENESS_BUCKETS)] += 1
-                self._dropped += weight == 0.0
-                self._decayed += 0.0 < weight < 1.0
+                self._staleness.add(staleness, weight)
                 self._compute_s[trainer] = compute_s
                 if mean is not None:
                     optimizer.step(mean)
@@ -201,11 +198,7 @@ class DenseShard:
                 "global_steps_per_s": steps / elapsed,
                 "pushes": self._pushes,
                 "pushes_by_trainer": dict(sorted(self._pushes_by_trainer.items())),
-                "decayed": self._decayed,
-                "dropped": self._dropped,
-                "staleness_histogram": {
-                    (f"{k}+" if k == STALENESS_BUCKETS else str(k)): v for k, v in sorted(self._staleness.items())
-                },
+                **self._staleness.summary(),
                 "queue_depth": self._in_flight,
                 "queue_depth_max": self._max_in_flight,
                 "buffered_samples": self._aggregator.buffered_samples if self._aggregator else 0,

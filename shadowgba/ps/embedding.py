@@ -63,7 +63,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from shadowgba.config import ConfigError
 from shadowgba.ps import transport
-from sync_algos.staleness import StalenessDecayConfig
+from sync_algos.staleness import StalenessCounts, StalenessDecayConfig
 
 DEFAULT_SERVICE = "embedding"
 """Service name under which servers serve their `EmbeddingShard` unless told otherwise."""
@@ -151,8 +151,7 @@ class EmbeddingShard:
         self._updates = 0
         self._rows_applied = 0
         self._pending_samples = 0
-        self._decayed = 0
-        self._dropped = 0
+        self._staleness = StalenessCounts()
 
     def lookup(self, ids_by_table: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Current rows of the given ids, per table."""
@@ -183,9 +182,9 @@ class EmbeddingShard:
                     self._apply(table, *_coalesce(rows, grads))
                 self._updates += 1
                 return
-            weight = self.config.decay.weight(self._updates - token)
-            self._dropped += weight == 0.0
-            self._decayed += 0.0 < weight < 1.0
+            staleness = self._updates - token
+            weight = self.config.decay.weight(staleness)
+            self._staleness.add(staleness, weight)
             if weight == 0.0:
                 return
             for table, rows, grads in checked:
@@ -208,10 +207,10 @@ class EmbeddingShard:
             for table, rows, values in checked:
                 table.weight[rows] = values
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, object]:
         """Counters: pushes, updates (optimizer applications; the global step in aggregate mode),
-        rows_applied, pending_rows, pending_samples, and in aggregate mode the pushes decayed
-        (0 < weight < 1) and dropped (weight 0) for staleness."""
+        rows_applied, pending_rows, pending_samples, and in aggregate mode the pushes' staleness
+        histogram and how many were decayed (0 < weight < 1) and dropped (weight 0)."""
         with self._lock:
             return {
                 "pushes": self._pushes,
@@ -219,8 +218,7 @@ class EmbeddingShard:
                 "rows_applied": self._rows_applied,
                 "pending_rows": sum(len(table.pending_rows) for table in self._tables.values()),
                 "pending_samples": self._pending_samples,
-                "decayed": self._decayed,
-                "dropped": self._dropped,
+                **self._staleness.summary(),
             }
 
     def _new_table(self, config: EmbeddingBagConfig) -> _ShardTable:
@@ -383,6 +381,11 @@ class PSEmbeddingBagCollection(nn.Module):
     def flush(self) -> None:
         """Wait until every push is applied (or raise the first that failed)."""
         self._settle(0)
+
+    def server_stats(self) -> list[dict[str, object]]:
+        """Each server's `EmbeddingShard.stats()`: pushes, updates, and under GBA the staleness
+        histogram and decayed / dropped pushes of the rows."""
+        return [transport.call(server, self.service, "stats") for server in range(self.num_servers)]
 
     def read_table(self, name: str) -> torch.Tensor:
         """The whole table, gathered from the servers (tests, checkpoints)."""
