@@ -56,6 +56,12 @@ class SyncConfig:
     (0.90-0.92 of no sync, level with DDP); 200 ms cost ~1% (0.98-0.995, above DDP's 0.93)."""
     foreground_every: int = 10
     """Foreground mode (and the pma baseline): training steps between two synchronous rounds."""
+    first_round_after: int = 10
+    """Shadow mode: training steps a rank takes before its shadow thread starts rounds (foreground
+    mode's first round is after `foreground_every` steps). The replicas start identical; a round
+    served after the first step or two averages replicas that each took one sign-like Adam step,
+    and on the synthetic benchmark such a first round sent MA's seed-2 run to a basin 0.016 AUC
+    lower for the remaining 6M samples (docs/benchmarks.md, "Near convergence"). 0 starts at once."""
     final_sync: bool = True
     """On close, average the dense replicas once more (blocking) so every rank ends identical."""
     timeout_s: float = 300.0
@@ -75,6 +81,8 @@ class SyncConfig:
             raise ConfigError(f"algo: unknown algorithm '{self.algo}'; allowed: {allowed}")
         if self.interval_ms < 0:
             raise ConfigError(f"interval_ms must be >= 0, got {self.interval_ms}")
+        if self.first_round_after < 0:
+            raise ConfigError(f"first_round_after must be >= 0, got {self.first_round_after}")
         if self.foreground_every < 1:
             raise ConfigError(f"foreground_every must be >= 1, got {self.foreground_every}")
         if self.timeout_s <= 0:

@@ -89,6 +89,7 @@ class ShadowSync:
         self._step_counter = itertools.count(1)
         self._step = 0
         self._stop_requested = threading.Event()
+        self._first_round_due = threading.Event()  # set after `first_round_after` steps or at close
         self._rounds_finished = False
         self._round_lock = threading.Lock()  # algorithm state: rounds vs state_dict()
         self._foreground_lock = threading.Lock()
@@ -160,6 +161,7 @@ class ShadowSync:
             return
         final_sync = self.config.final_sync if final_sync is None else final_sync
         self._stop_requested.set()
+        self._first_round_due.set()
         if self._thread is not None:
             while self._thread.is_alive():
                 self._writeback.on_step_boundary()
@@ -238,6 +240,8 @@ class ShadowSync:
         self._step = next(self._step_counter)
         self._raise_unreported_error()
         if self._thread is not None:
+            if self._step >= self.config.first_round_after:
+                self._first_round_due.set()
             self._writeback.on_step_boundary()
         elif not self._rounds_finished and self._step % self._foreground_every == 0:
             self._foreground_round()
@@ -280,6 +284,8 @@ class ShadowSync:
         stream = torch.cuda.Stream(self.dense.device) if self.dense.device.type == "cuda" else None
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if self.config.first_round_after:
+                    self._first_round_due.wait()
                 while True:
                     started = time.monotonic()
                     if self._run_round():

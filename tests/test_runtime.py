@@ -77,6 +77,36 @@ def test_handoff_keeps_local_progress_made_during_rounds(algo: str) -> None:
         assert result["metrics"]["steps"] == 150
 
 
+def rounds_around_the_first_round_step(rank: int, world_size: int, steps_before: int, steps_after: int) -> dict:
+    """Rounds seen after `steps_before` steps, then after `steps_after` more (first_round_after=20)."""
+    model = vector_model(rank)
+    optimizer = ConstantStep(list(model.parameters()), increment=float(rank + 1))
+    config = SyncConfig(algo="ma", interval_ms=1.0, log_interval_s=0.0, first_round_after=20)
+    with ShadowSync(model, optimizer, config) as sync:
+        for _ in range(steps_before):
+            optimizer.step()
+            time.sleep(0.01)  # 1 ms pacing: without first_round_after, rounds would run all along
+        rounds_before = sync.metrics.rounds
+        for _ in range(steps_after):
+            optimizer.step()
+            time.sleep(0.01)
+        rounds_after = sync.metrics.rounds
+    return {"before": rounds_before, "after": rounds_after, "final": flat(model)}
+
+
+def test_shadow_rounds_start_only_after_first_round_after_steps() -> None:
+    results = run_ranks(rounds_around_the_first_round_step, 2, 19, 21)
+    for result in results:
+        assert result["before"] == 0 and result["after"] >= 3, result
+    torch.testing.assert_close(results[0]["final"], results[1]["final"])
+
+
+def test_a_job_shorter_than_first_round_after_still_closes_together_with_identical_weights() -> None:
+    results = run_ranks(rounds_around_the_first_round_step, 2, 5, 0)
+    assert [result["after"] for result in results] == [0, 0]
+    torch.testing.assert_close(results[0]["final"], results[1]["final"])
+
+
 def final_weights_after_unequal_training(rank: int, world_size: int, steps: list[int], options: dict) -> dict:
     model = vector_model(rank)
     optimizer = ConstantStep(list(model.parameters()), increment=1.0)
