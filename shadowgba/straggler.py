@@ -1,9 +1,9 @@
 """Straggler injection: make chosen trainers slow, on purpose, for tests and benchmarks.
 
 GBA's claim is about stragglers (Su et al. 2022: >= 2.4x sync all-reduce when some workers are
-slow), so its tests and benchmarks need a slow trainer on demand. The training loop calls `Straggler.begin_step()` when a step starts and
-`Straggler.step()` where the step's compute is done (after backward, before the gradient leaves the
-trainer); that call sleeps:
+slow), so its tests and benchmarks need a slow trainer on demand. The training loop calls
+`Straggler.begin_step()` when a step starts and `Straggler.step()` where the step's compute is done
+(after backward, before the gradient leaves the trainer); that call sleeps:
 
 - measured mode (`step_ms == 0`): a slowed trainer sleeps `(factor - 1) x` the time since
   `begin_step()`, so its compute takes `factor` times as long as it would;
