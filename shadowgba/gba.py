@@ -23,8 +23,9 @@ slice to its shard (the reply is the shard's fresh slice and token); under globa
 aggregation a watcher thread keeps one long poll (`DenseShard.watch`) per shard open, which
 answers as soon as the shard's global step advances. Without the watcher the newest parameters
 at the end of step n would be the reply to the push of step n-1, fetched a whole step earlier, and
-every gradient would be computed on parameters about one step staler than necessary (4 equal trainers, bench_gba simulated compute:
-mean staleness 1.73 without the watcher, 1.17 with it; the floor is about 1, the span of a step).
+every gradient would be computed on parameters about one step staler than necessary (4 equal
+trainers, bench_gba simulated compute: mean staleness 1.73 without the watcher, 1.17 with it; the
+floor is about 1, the span of a step).
 
 Switching (carries parameters, optimizer state, global step and global batch; nothing is retuned):
 - sync -> GBA, at the same step on every trainer: trainer 0 loads its flat optimizer, sliced, into
