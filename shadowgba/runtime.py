@@ -263,7 +263,7 @@ class ShadowSync:
         self._poll_control()
         self._writeback.snapshot(self._snapshot)
         with self._round_lock:
-            result = self._algorithm.round(self._snapshot, self._stop_requested.is_set())
+            result = self._algorithm.sync(self._snapshot, self._stop_requested.is_set())
         self.metrics.record_round(time.perf_counter() - started, result.bytes_moved)
         self._writeback.apply(result.target - self._snapshot)
         return result.stop

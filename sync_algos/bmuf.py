@@ -10,6 +10,9 @@ for Nesterov. Measuring the block update G from `Wg` under Nesterov would count 
 `eta*D`, which the replicas already hold, a second time: `D <- 2*eta*D + progress`, which stops
 decaying at the default eta = 1 - 1/n for n = 2 and diverges beyond (observed: Hogwild training
 stalled). Measured from the block's start, G is the replicas' own progress, as in fairseq's BMUF.
+
+The first round places `Wg` at the replicas' average with `D = 0` (`SyncAlgorithm.sync`), so the
+block momentum starts from the first synchronized block, not from the unsynchronized warm-up.
 """
 
 from __future__ import annotations
@@ -66,6 +69,10 @@ class BlockMomentum(SyncAlgorithm):
         self.momentum.mul_(self.eta).add_(block_update, alpha=self.zeta)
         self.global_model += self.momentum
         return RoundResult(self._block_start(), any_stop, self.allreduce.bytes_per_call)
+
+    def start_at(self, consensus: torch.Tensor) -> None:
+        self.global_model.copy_(consensus)
+        self.momentum.zero_()
 
     def _block_start(self) -> torch.Tensor:
         """Where the replicas start a block: the round's target."""

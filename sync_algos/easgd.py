@@ -2,8 +2,9 @@
 
 Per round on trainer i: `d_i = alpha * (s_i - c)`, the replica moves `w_i <- w_i - d_i`, and the
 centre moves by the sum of all pulls, `c <- c + allreduce(d)`. The sum of the replicas plus the
-centre is therefore conserved by a round. The centre starts from the broadcast initial weights and
-stays identical on every rank because it only ever changes by the same all-reduced amount.
+centre is therefore conserved by a round. The centre starts at the replicas' average in the first
+round (`SyncAlgorithm.sync`) and stays identical on every rank because it only ever changes by the
+same all-reduced amount.
 (The centre-on-a-parameter-server variant, ShadowSync's S-EASGD, belongs with the PS.)
 """
 
@@ -52,3 +53,6 @@ class ElasticAveraging(SyncAlgorithm):
         total_pull, any_stop = self.allreduce.sum(pull, stop)
         self.center += total_pull
         return RoundResult(snapshot - pull, any_stop, self.allreduce.bytes_per_call)
+
+    def start_at(self, consensus: torch.Tensor) -> None:
+        self.center.copy_(consensus)

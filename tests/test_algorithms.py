@@ -83,6 +83,47 @@ def test_easgd_round_conserves_replicas_plus_centre_and_follows_formula() -> Non
     torch.testing.assert_close(targets.sum(0) + centre, s.sum(0) + INITIAL)
 
 
+def run_synced_rounds(rank: int, world_size: int, name: str, restored: dict | None) -> dict:
+    """Two rounds the way the runtime runs them (`sync`), optionally after restoring a state."""
+    algorithm = sync_algos.build_algorithm(name, {}, None, INITIAL.clone())
+    if restored is not None:
+        algorithm.load_state_dict(restored)
+    targets, states = [], []
+    for round_index in range(2):
+        targets.append(algorithm.sync(snapshot_of(rank, round_index), stop=False).target)
+        states.append(algorithm.state_dict())
+    return {"targets": targets, "states": states}
+
+
+@pytest.mark.parametrize("name", ["ma", "easgd", "bmuf"])
+def test_the_first_synced_round_averages_and_starts_the_state_there(name: str) -> None:
+    world_size = 2
+    results = run_ranks(run_synced_rounds, world_size, name, None)
+    average = snapshots(world_size, 0).mean(0)
+    second = snapshots(world_size, 1)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["targets"][0], average)
+        if name == "easgd":  # centre placed at the average, then EASGD's formula from there
+            torch.testing.assert_close(result["states"][0]["center"], average)
+            alpha = 0.9 / world_size
+            torch.testing.assert_close(result["targets"][1], second[rank] - alpha * (second[rank] - average))
+        if name == "bmuf":  # Wg at the average, no momentum; the next block's progress gets eta = 1/2
+            torch.testing.assert_close(result["states"][0]["global_model"], average)
+            torch.testing.assert_close(result["states"][0]["momentum"], torch.zeros(SIZE, dtype=torch.float64))
+            block = second.mean(0) - average
+            torch.testing.assert_close(result["targets"][1], average + block + 0.5 * block)
+
+
+def test_a_restored_state_is_kept_by_the_first_synced_round() -> None:
+    restored = {"center": torch.full((SIZE,), 3.0, dtype=torch.float64)}
+    results = run_ranks(run_synced_rounds, 2, "easgd", restored)
+    s = snapshots(2, 0)
+    pulls = 0.45 * (s - 3.0)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["targets"][0], s[rank] - pulls[rank])
+        torch.testing.assert_close(result["states"][0]["center"], 3.0 + pulls.sum(0))
+
+
 def stop_at(rank: int, world_size: int, name: str, stop_round: dict[int, int]) -> list[bool]:
     """Each rank raises its flag from its own `stop_round`; returns the flags it saw until leaving."""
     algorithm = sync_algos.build_algorithm(name, {}, None, INITIAL.clone())

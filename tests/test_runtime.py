@@ -151,15 +151,15 @@ class InjectedFailure(RuntimeError):
 def fail_round_after(sync: ShadowSync, rounds: int) -> None:
     """Fault injection: the algorithm's round raises InjectedFailure after `rounds` good rounds."""
     algorithm = sync._algorithm
-    original = algorithm.round
+    original = algorithm.sync
     calls = iter(range(10**9))
 
-    def round_(snapshot: torch.Tensor, stop: bool):  # noqa: ANN202 (same signature as the wrapped one)
+    def sync_(snapshot: torch.Tensor, stop: bool):  # noqa: ANN202 (same signature as the wrapped one)
         if next(calls) >= rounds:
             raise InjectedFailure("injected at round %d" % rounds)
         return original(snapshot, stop)
 
-    algorithm.round = round_
+    algorithm.sync = sync_
 
 
 def shadow_failure_reaches_training(rank: int, world_size: int) -> str:
