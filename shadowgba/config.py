@@ -61,7 +61,9 @@ class SyncConfig:
     mode's first round is after `foreground_every` steps). The replicas start identical; a round
     served after the first step or two averages replicas that each took one sign-like Adam step,
     and on the synthetic benchmark such a first round sent MA's seed-2 run to a basin 0.016 AUC
-    lower for the remaining 6M samples (docs/benchmarks.md, "Near convergence"). 0 starts at once."""
+    lower for the remaining 6M samples (docs/benchmarks.md, "Near convergence"). 0 starts at once.
+    The first round is a plain average where EASGD's centre and BMUF's global model start
+    (`SyncAlgorithm.sync`)."""
     final_sync: bool = True
     """On close, average the dense replicas once more (blocking) so every rank ends identical."""
     timeout_s: float = 300.0
