@@ -51,7 +51,7 @@ bench-scaling: $(BENCH_STAMP)
 
 # GBA vs sync all-reduce vs plain async PS, 4 trainers + 1 PS, one trainer 3x slow
 bench-gba: $(STAMP)
-	$(PY) benchmarks/bench_gba.py --compute simulated
+	$(PY) benchmarks/bench_gba.py --compute simulated --global-samples 4000000
 	$(PY) benchmarks/bench_gba.py --compute real --global-samples 2000000
 
 clean:
