@@ -221,9 +221,14 @@ class GBASync:
         """Block until this trainer holds parameters of global step >= `global_step` (GBA mode).
 
         Not needed in training (GBA trainers never wait); it makes GBA lockstep, i.e. zero
-        staleness, which is how GBA is shown to equal synchronous training.
+        staleness, which is how GBA is shown to equal synchronous training. It first waits until
+        this trainer's own pushes are answered: a reply may carry a switch request, and lockstep
+        trainers must all see it before their next step, or one leaves GBA a step early and the
+        other waits here for a global step its departed peer will never push (seen under load).
         """
         deadline = time.monotonic() + timeout_s
+        if self.mode == "gba":
+            self._drain()
         while self.mode == "gba" and self.global_step < global_step:
             self._raise_shadow_error()
             if time.monotonic() > deadline:
