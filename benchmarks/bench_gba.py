@@ -70,6 +70,9 @@ samples, seeds 0 and 1 (docs/gba.md, "Hyperparameters tuned for sync"). GBA and 
 it untuned, which is the GBA paper's protocol: a team switches its tuned synchronous job to
 asynchronous training without retuning. Later `--train.dense_lr` arguments override it."""
 
+SHARED_JOB = [*PS_JOB, *TUNED_FOR_SYNC]
+"""What every run of every algorithm gets before its straggler and stopping arguments."""
+
 
 def ideal_ratio(trainers: int, factor: float) -> float:
     """GBA / sync throughput when fast trainers never wait and sync runs at the slow one's pace."""
@@ -82,7 +85,7 @@ def run_once(algo: str, seed: int, args: argparse.Namespace, extra: Sequence[str
     if args.compute == "simulated":
         straggler += ["--straggler.step_ms", str(args.step_ms)]
     arguments = [
-        "--config", str(ALGOS[algo]), *PS_JOB, *TUNED_FOR_SYNC, *straggler,
+        "--config", str(ALGOS[algo]), *SHARED_JOB, *straggler,
         "--train.global_samples", str(args.global_samples), "--train.warmup_steps", str(args.warmup_steps),
         "--train.seed", str(seed), "--data.synthetic.seed", str(seed), *SYNTHETIC_HELDOUT, *extra,
     ]
@@ -215,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(markdown_table(COLUMNS, rows))
     print(f"ideal ratio to sync: {ideal:.2f} ({args.trainers} trainers, one {args.factor:g}x slower)")
     output.parent.mkdir(parents=True, exist_ok=True)
-    settings = {key: str(value) for key, value in vars(args).items()} | {"overrides": [*PS_JOB, *TUNED_FOR_SYNC, *extra]}
+    settings = {key: str(value) for key, value in vars(args).items()} | {"overrides": [*SHARED_JOB, *extra]}
     report = {"settings": settings, "ideal_ratio": ideal, "summary": rows, "runs": runs}
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {output}")

@@ -95,11 +95,10 @@ class SyncAlgorithm(abc.ABC):
         """
         if self.started or not self.uses_collectives:
             return self.round(snapshot, stop)
-        average, any_stop = self.average(snapshot, stop)
-        target = average.clone()
-        self.start_at(target)
+        result = self.averaging_round(snapshot, stop)
+        self.start_at(result.target)
         self.started = True
-        return RoundResult(target, any_stop, self.allreduce.bytes_per_call)
+        return result
 
     @abc.abstractmethod
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
@@ -112,6 +111,11 @@ class SyncAlgorithm(abc.ABC):
         """`allreduce(s) / n` with the stop flag: the building block of MA and BMUF."""
         total, any_stop = self.allreduce.sum(snapshot, stop)
         return total / self.world_size, any_stop
+
+    def averaging_round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
+        """A round whose target is the replicas' average: MA's every round, every algorithm's first."""
+        average, any_stop = self.average(snapshot, stop)
+        return RoundResult(average.clone(), any_stop, self.allreduce.bytes_per_call)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The algorithm's state (centre, global model, momentum ...) as cloned flat tensors."""

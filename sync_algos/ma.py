@@ -23,5 +23,4 @@ class ModelAveraging(SyncAlgorithm):
     Config = MAConfig
 
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
-        average, any_stop = self.average(snapshot, stop)
-        return RoundResult(average.clone(), any_stop, self.allreduce.bytes_per_call)
+        return self.averaging_round(snapshot, stop)
