@@ -74,6 +74,10 @@ SHARED_JOB = [*PS_JOB, *TUNED_FOR_SYNC]
 """What every run of every algorithm gets before its straggler and stopping arguments."""
 
 
+OVERRUN_WARNING = 0.05
+"""Simulated mode warns when more than this share of a fast trainer's steps overran `--step-ms`."""
+
+
 def ideal_ratio(trainers: int, factor: float) -> float:
     """GBA / sync throughput when fast trainers never wait and sync runs at the slow one's pace."""
     return (trainers - 1 + 1 / factor) / (trainers / factor)
@@ -98,6 +102,7 @@ def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
     (rows,) = run["gba"]["embedding_shards"]  # the tables' server: the same rank
     steps = run["steps_in_window_by_trainer"]
     fast = [count for index, count in enumerate(steps) if index != slow_trainer]
+    overruns = run["straggler_overrun_fraction_by_trainer"]
     config = run["config"]
     batch = config["data"][config["data"]["source"]]["batch_size"]
     per_global_step = batch if config["sync"]["options"].get("aggregation") == "none" else batch * run["trainers"]
@@ -117,6 +122,7 @@ def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
         "global_steps_per_s": run["gba"]["global_steps_per_s"],
         "queue_depth": shard["queue_depth_max"],
         "switches": run["gba"]["mode_switches"],
+        "overrun_fast": statistics.mean(overruns[index] for index in range(len(steps)) if index != slow_trainer),
     }
 
 
@@ -138,6 +144,7 @@ SUMMARY: dict[str, tuple[Callable[[list[float]], float], ...]] = {
     "global_steps_per_s": (statistics.median,),
     "queue_depth": (max,),
     "switches": (max,),
+    "overrun_fast": (max,),
 }
 """How each run metric is summarized over repetitions; the row key is `<metric>_<function>`."""
 
@@ -217,6 +224,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = summarize(runs, algos)
     print(markdown_table(COLUMNS, rows))
     print(f"ideal ratio to sync: {ideal:.2f} ({args.trainers} trainers, one {args.factor:g}x slower)")
+    overrun = max(row["overrun_fast_max"] for row in rows)
+    if args.compute == "simulated" and overrun > OVERRUN_WARNING:
+        print(f"WARNING: the fast trainers' real work overran the simulated {args.step_ms:g} ms in up to "
+              f"{overrun:.0%} of their steps, so they ran slower than simulated and the ratios to sync "
+              f"understate the scheduling effect; rerun with a larger --step-ms")
     output.parent.mkdir(parents=True, exist_ok=True)
     settings = {key: str(value) for key, value in vars(args).items()} | {"overrides": [*SHARED_JOB, *extra]}
     report = {"settings": settings, "ideal_ratio": ideal, "summary": rows, "runs": runs}

@@ -52,6 +52,8 @@ class TrainStats:
     """GBA jobs: the global step k this trainer held at the end of its warm-up and at its last step."""
     straggler_sleep_s: float
     """Time this trainer slept in straggler injection."""
+    straggler_overrun_fraction: float
+    """Simulated compute: share of this trainer's steps whose real work overran the budget."""
 
 
 class StopRule:
@@ -141,7 +143,7 @@ def train(
     bar.close()
     global_steps = (warmup_global_step, global_step()) if global_step else None
     return TrainStats(steps=step, warmup_end_s=warmup_end, step_end_s=step_ends, global_steps=global_steps,
-                      straggler_sleep_s=straggler.slept_s)
+                      straggler_sleep_s=straggler.slept_s, straggler_overrun_fraction=straggler.overrun_fraction)
 
 
 def common_window(stats: TrainStats, batch_size: int, roles: transport.Roles, device: torch.device) -> dict[str, float]:

@@ -104,6 +104,8 @@ def run_trainer(
         "dense_replica_max_abs_diff": spread,
         "samples_computed_total": sum_over_trainers(stats.steps * config.data.batch_size, roles, device),
         "straggler_sleep_s_total": sum_over_trainers(stats.straggler_sleep_s, roles, device),
+        "straggler_overrun_fraction_by_trainer": all_gather_rows(  # simulated compute that did not hold
+            torch.tensor([stats.straggler_overrun_fraction], device=device), roles.trainer_group).tolist(),
         "sync": sync.metrics.summary() if sync else {},
         "sync_rounds_by_trainer": all_gather_rows(  # "sync" is trainer 0's; each trainer's own rounds
             torch.tensor([sync.metrics.rounds if sync else 0], device=device), roles.trainer_group).tolist(),

@@ -13,7 +13,8 @@ slow), so its tests and benchmarks need a slow trainer on demand. The training l
   times a fast one's, as the benchmarks' ideal ratios assume; adding the sleep on top of the real
   work instead would leave the slowed trainer less than `factor` times slower. On a machine with
   fewer cores than trainers this shows the scheduling effect without the trainers fighting for CPU:
-  a sleeping trainer uses none;
+  a sleeping trainer uses none. Steps whose real work alone outlasts the budget are counted
+  (`overrun_steps`): on those the simulation did not hold, and `benchmarks/bench_gba.py` warns;
 - either way a slowed trainer also sleeps `delay_ms`.
 
 What happens after `step()` (handing the gradient over, the optimizer step, a collective's wait for
@@ -74,14 +75,31 @@ class Straggler:
         self.slowed = trainer_index in config.trainers
         self.slept_s = 0.0
         """Total time this trainer slept in `step()`."""
+        self.steps = 0
+        """Calls of `step()`."""
+        self.overrun_steps = 0
+        """Simulated-compute mode: steps whose real work alone outlasted this trainer's budget, so
+        it ran slower than simulated (on a slow or crowded machine: raise `step_ms`)."""
         self._step_start = time.perf_counter()
+
+    @property
+    def budget_s(self) -> float | None:
+        """This trainer's simulated compute per step, or None in measured mode."""
+        if self.config.step_ms <= 0.0:
+            return None
+        return self.config.step_ms / 1e3 * (self.config.factor if self.slowed else 1.0)
+
+    @property
+    def overrun_fraction(self) -> float:
+        """Share of this trainer's steps that overran the simulated budget (0 in measured mode)."""
+        return self.overrun_steps / self.steps if self.steps else 0.0
 
     def sleep_s(self, measured_s: float) -> float:
         """How long to sleep after a step whose own compute took `measured_s` seconds."""
         config = self.config
         delay_s = config.delay_ms / 1e3 if self.slowed else 0.0
-        if config.step_ms > 0.0:
-            budget_s = config.step_ms / 1e3 * (config.factor if self.slowed else 1.0)
+        budget_s = self.budget_s
+        if budget_s is not None:
             return max(budget_s - measured_s, 0.0) + delay_s
         return (config.factor - 1.0) * measured_s + delay_s if self.slowed else 0.0
 
@@ -91,7 +109,12 @@ class Straggler:
 
     def step(self) -> None:
         """Sleep for this step's compute so far (see the module docstring)."""
-        seconds = self.sleep_s(time.perf_counter() - self._step_start)
+        measured_s = time.perf_counter() - self._step_start
+        seconds = self.sleep_s(measured_s)
+        self.steps += 1
+        budget_s = self.budget_s
+        if budget_s is not None and measured_s > budget_s:
+            self.overrun_steps += 1
         if seconds > 0.0:
             time.sleep(seconds)
             self.slept_s += seconds

@@ -116,6 +116,7 @@ def test_gba_with_ps_embeddings_and_a_straggler_stops_at_equal_samples_with_iden
     pushes = shard["pushes_by_trainer"]
     assert pushes["0"] > 1.5 * pushes["1"] > 0, pushes  # the fast trainer never waited for the slow one
     assert results["straggler_sleep_s_total"] > 0 and results["window_s"] > 0
+    assert results["straggler_overrun_fraction_by_trainer"] == [0.0, 0.0]  # measured mode: no budget to overrun
     (rows,) = gba["embedding_shards"]  # row pushes carry tokens too: every push counted by staleness
     assert sum(rows["staleness_histogram"].values()) == rows["pushes"] >= pushes["0"] + pushes["1"]
 

@@ -45,6 +45,23 @@ def test_step_sleeps_factor_minus_one_times_the_compute_since_begin_step() -> No
     assert straggler.slept_s == pytest.approx(slept, abs=0.01)
 
 
+def test_steps_whose_real_work_outlasts_the_simulated_budget_are_counted() -> None:
+    """A fast trainer with a 20 ms budget: one step within it, two beyond (the slowed trainer's
+    budget is 3x, 60 ms, so the same 30 ms of work is within it)."""
+    config = StragglerConfig(trainers=[1], factor=3.0, step_ms=20.0)
+    fast, slow = Straggler(config, 0, 2), Straggler(config, 1, 2)
+    for work_s in (0.001, 0.030, 0.030):
+        for straggler in (fast, slow):
+            straggler.begin_step()
+            time.sleep(work_s)
+            straggler.step()
+    assert (fast.steps, fast.overrun_steps, slow.overrun_steps) == (3, 2, 0)
+    assert fast.overrun_fraction == pytest.approx(2 / 3) and slow.overrun_fraction == 0.0
+    measured = Straggler(StragglerConfig(trainers=[0], factor=3.0), 0, 1)
+    measured.step()
+    assert measured.budget_s is None and measured.overrun_fraction == 0.0
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
