@@ -66,7 +66,7 @@ PS_JOB = ["--ps.num_servers", "1", "--model.embeddings", "ps", "--train.embeddin
 
 TUNED_FOR_SYNC = ["--train.dense_lr", "0.008"]
 """Sync all-reduce's best dense learning rate (Adam) for this job: a sweep of 0.001-0.016 at 4M
-samples, seeds 0 and 1 (docs/gba.md, "Hyperparameters tuned for sync"). GBA and plain async inherit
+samples, seeds 0 and 1 (docs/gba.md, "Benchmark at the learning rate tuned for sync"). GBA and plain async inherit
 it untuned, which is the GBA paper's protocol: a team switches its tuned synchronous job to
 asynchronous training without retuning. Later `--train.dense_lr` arguments override it."""
 
