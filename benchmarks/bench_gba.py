@@ -101,7 +101,8 @@ def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
     (shard,) = run["gba"]["dense_shards"]
     (rows,) = run["gba"]["embedding_shards"]  # the tables' server: the same rank
     steps = run["steps_in_window_by_trainer"]
-    fast = [count for index, count in enumerate(steps) if index != slow_trainer]
+    fast_trainers = [index for index in range(len(steps)) if index != slow_trainer]
+    fast = [steps[index] for index in fast_trainers]
     overruns = run["straggler_overrun_fraction_by_trainer"]
     config = run["config"]
     batch = config["data"][config["data"]["source"]]["batch_size"]
@@ -122,7 +123,7 @@ def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
         "global_steps_per_s": run["gba"]["global_steps_per_s"],
         "queue_depth": shard["queue_depth_max"],
         "switches": run["gba"]["mode_switches"],
-        "overrun_fast": statistics.mean(overruns[index] for index in range(len(steps)) if index != slow_trainer),
+        "overrun_fast": statistics.mean(overruns[index] for index in fast_trainers),
     }
 
 
