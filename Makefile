@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_dlrm.py --config $(CONFIG)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) benchmarks/train_dlrm.py --config $(CONFIG)
 
 test: $(STAMP)
 	$(PY) -m pytest tests

@@ -4,9 +4,9 @@
         [--step-ms 50] [--slow-trainer 3] [--factor 3] [--algos sync,gba,async] [--dotted.key value ...]
     python benchmarks/bench_gba.py --compute real ...
 
-Every run is a `torchrun` job of `examples/train_dlrm.py` with N trainers (`--trainers`, default 4)
+Every run is a `torchrun` job of `benchmarks/train_dlrm.py` with N trainers (`--trainers`, default 4)
 and one parameter-server rank, the tables on the PS (no all-to-all, so nothing but the dense sync can
-hold a fast trainer back), and one trainer slowed `--factor` times by `shadowgba.straggler`:
+hold a fast trainer back), and one trainer slowed `--factor` times by `ctrkit.straggler`:
 - sync: `sync_allreduce.yaml` (dense all-reduce every step, GBASync's sync mode);
 - gba: `gba_ps_embeddings.yaml` (global-batch aggregation, staleness decay);
 - async: `async_ps.yaml` (every gradient applied on arrival, no decay).
@@ -21,7 +21,7 @@ the algorithms do, so quality is also reported as each run's AUC minus sync's AU
 
 Compute: `simulated` makes every trainer's compute (batch, forward with the PS lookup, backward)
 last `--step-ms`, the slowed one's `factor` times as long, by padding the example's small model's
-real work with a sleep (`shadowgba.straggler`), so four trainers and a server fit on two cores
+real work with a sleep (`ctrkit.straggler`), so four trainers and a server fit on two cores
 without fighting for CPU and the scheduling effect shows cleanly (the table's "step ms fast / slow"
 shows what the steps really took: the padded compute plus the gradient hand-over and optimizer
 step, and in sync mode the wait for the slowest); `real` slows the trainer by `factor` times its

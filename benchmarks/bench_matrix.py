@@ -7,7 +7,7 @@
 
 The matrix: algorithm (none, ddp, pma, ma, easgd, bmuf, gba) x mode (shadow / foreground, for ma,
 easgd and bmuf) x straggler (none / trainer 1 three times slower) x dataset (synthetic, MovieLens-100K)
-x seed. Every cell is one `torchrun` job of `examples/train_dlrm.py` on 2 trainers; gba runs
+x seed. Every cell is one `torchrun` job of `benchmarks/train_dlrm.py` on 2 trainers; gba runs
 `examples/configs/gba.yaml` with 2 trainers and 1 parameter-server rank (3 processes, so on 2 cores
 its server competes with the trainers for CPU); gba-ps-tables and easgd_ps-ps-tables also put the
 tables on that server (`gba_ps_embeddings.yaml`, `easgd_ps.yaml`), so no trainer step is collective.

@@ -3,7 +3,7 @@
     python benchmarks/bench_scaling.py [--trainers 1,2,4,8] [--variants none,ddp,ma-shadow,...] \
         [--reps 2] [--duration-s 10]
 
-Every run is a `torchrun` job of `examples/train_dlrm.py` on N ranks with the throughput model
+Every run is a `torchrun` job of `benchmarks/train_dlrm.py` on N ranks with the throughput model
 (DESIGN §6: a 338K-parameter dense net, 8 tables of 100K x 64, as bench_sync), timed for a fixed
 window after warm-up. Runs are interleaved (every variant at every size, then the next repetition),
 and each variant's ratio to `none` is the median of its ratios to the `none` run of the same size

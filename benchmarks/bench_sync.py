@@ -3,7 +3,7 @@
     python benchmarks/bench_sync.py [--reps 3] [--duration-s 20] [--modes none,ddp,bmuf] [--model.x y ...]
 
 Identical runs differ by up to ~19% here (DESIGN §8), so one invocation runs every mode as a
-`torchrun` job of `examples/train_dlrm.py`, interleaved (A B C ... A B C ...) over several
+`torchrun` job of `benchmarks/train_dlrm.py`, interleaved (A B C ... A B C ...) over several
 repetitions, each with a fixed timed window after warm-up. Each mode's ratio is the median of its
 per-repetition ratios to the `none` run of the same repetition, which cancels slow drifts of the
 machine. The model is throughput-sized (DESIGN §6: 8 tables of 100K x 64, a 338K-parameter dense

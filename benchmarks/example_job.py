@@ -1,4 +1,4 @@
-"""One `torchrun` job of `examples/train_dlrm.py`, as the benchmarks launch it.
+"""One `torchrun` job of `benchmarks/train_dlrm.py`, as the benchmarks launch it.
 
 The single place that knows the launch command: a standalone torchrun of the example with the
 progress bar off and the results written to a JSON file, which is read back. A failed job stops
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAIN_SCRIPT = ROOT / "examples" / "train_dlrm.py"
+TRAIN_SCRIPT = ROOT / "benchmarks" / "train_dlrm.py"
 CONFIGS = ROOT / "examples" / "configs"
 
 THROUGHPUT_MODEL = [

@@ -1,19 +1,27 @@
 """shadowgba: synchronization out of the training loop, for PyTorch and TorchRec.
 
-`ShadowSync` wraps a model and its optimizer; a shadow thread keeps the dense replicas in sync with
-an algorithm from `sync_algos` chosen by `SyncConfig.algo`. See README.md for the quick start.
+`join` a job on every rank, then wrap the training loop in `dense_sync(...)`: a `DenseSync` that
+keeps the dense replicas in sync with the algorithm `SyncConfig.algo` names (ma, easgd, bmuf,
+easgd_ps in the shadow runtime; gba in the GBA runtime). See README.md for the quick start.
 """
 
-from shadowgba.config import BASELINES, ConfigError, SyncConfig, load_config
-from shadowgba.metrics import SyncMetrics
-from shadowgba.runtime import ShadowSync, ShadowSyncError
+from shadowgba.config import SyncConfig, load_config
+from shadowgba.errors import CheckpointError, ConfigError, PeerLost, SetupError, ShadowGBAError, SyncError
+from shadowgba.factory import Job, dense_sync, join, ps_table_options
+from shadowgba.interface import DenseSync
 
 __all__ = [
-    "BASELINES",
+    "CheckpointError",
     "ConfigError",
-    "ShadowSync",
-    "ShadowSyncError",
+    "DenseSync",
+    "Job",
+    "PeerLost",
+    "SetupError",
+    "ShadowGBAError",
     "SyncConfig",
-    "SyncMetrics",
+    "SyncError",
+    "dense_sync",
+    "join",
     "load_config",
+    "ps_table_options",
 ]

@@ -7,7 +7,7 @@ exists. Overrides come from the command line as `--sync.algo bmuf` or `--sync.in
 values are parsed as YAML scalars (`true`, `1e-3`, `null`).
 
 `SyncConfig` is the part shadowgba itself reads; applications nest it in their own dataclasses
-(see `examples/train_dlrm.py`).
+(see `benchmarks/train_dlrm.py`).
 """
 
 from __future__ import annotations
@@ -21,64 +21,71 @@ from typing import Any, Literal, Mapping, Sequence, TypeVar
 import yaml
 
 import sync_algos
+from shadowgba.errors import ConfigError
+from shadowgba.gba.config import GBAConfig
+from shadowgba.ps.config import PSConfig
+from sync_algos.bmuf import BMUFConfig
+from sync_algos.easgd import EASGDConfig
+from sync_algos.ma import MAConfig
 
 T = TypeVar("T")
-
-BASELINES = ("none", "ddp", "pma")
-"""Values of `sync.algo` that run no shadowgba algorithm: `none` trains locally only, `ddp` is
-TorchRec's default DDP wrapper, `pma` is torch's periodic model averaging (post-local SGD's
-`PeriodicModelAverager`, every `foreground_every` steps). Applications implement them; the runtime
-refuses them."""
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names the key and the allowed values."""
 
 
 @dataclasses.dataclass
 class SyncConfig:
-    """How dense parameters are synchronized."""
+    """How dense parameters are synchronized: the `sync` section of a job's config.
+
+    `algo` picks the algorithm; its options live in the section of the same name (`easgd_ps` reads
+    `easgd`), so changing `sync.algo` on the command line never leaves another algorithm's options
+    behind. The shadow runtime's fields (mode ... control_file) are read by ma, easgd, bmuf and
+    easgd_ps and ignored by gba, which has its own section; `timeout_s` and `ps` serve every algorithm.
+    """
 
     algo: str = "ma"
-    """Algorithm name from the `sync_algos` registry (ma, easgd, bmuf, ...), or a baseline: none, ddp,
-    pma (torch's periodic model averaging every `foreground_every` steps)."""
+    """Algorithm name from the `sync_algos` registry: ma, easgd, bmuf, easgd_ps or gba."""
     mode: Literal["shadow", "foreground"] = "shadow"
     """shadow: a background thread syncs continuously; foreground: the training thread syncs every
-    `foreground_every` steps (the FR-* baselines of ShadowSync)."""
+    `foreground_every` steps (the FR-* baselines of ShadowSync). Ignored by gba."""
     writeback: Literal["handoff", "hogwild"] = "handoff"
     """How the shadow thread's result reaches the live weights. handoff: the training thread takes
     the snapshot and applies the delta at its next optimizer step (exact, no race); hogwild: the
-    shadow thread reads and writes `.data` itself, lock-free and racy (ShadowSync's semantics)."""
+    shadow thread reads and writes `.data` itself, lock-free and racy (ShadowSync's semantics).
+    Ignored by gba."""
     interval_ms: float = 200.0
     """Shadow mode pacing: minimum time between the starts of two rounds. On few CPU cores an
-    unpaced loop steals the trainers' CPU; 0 runs flat out. Can be changed while the job runs.
-    Measured (benchmarks/bench_sync.py, 2 ranks on 2 cores, 338K dense params): 50 ms cost ~9%
-    (0.90-0.92 of no sync, level with DDP); 200 ms cost ~1% (0.98-0.995, above DDP's 0.93)."""
+    unpaced loop steals the trainers' CPU (docs/benchmarks.md); 0 runs flat out. Can be changed
+    while the job runs. Ignored by gba."""
     foreground_every: int = 10
-    """Foreground mode (and the pma baseline): training steps between two synchronous rounds."""
+    """Foreground mode: training steps between two synchronous rounds. Ignored by gba."""
     first_round_after: int = 10
     """Shadow mode: training steps a rank takes before its shadow thread starts rounds (foreground
-    mode's first round is after `foreground_every` steps). The replicas start identical; a round
-    served after the first step or two averages replicas that each took one sign-like Adam step,
-    and on the synthetic benchmark such a first round sent MA's seed-2 run to a basin 0.016 AUC
-    lower for the remaining 6M samples (docs/benchmarks.md, "Near convergence"). 0 starts at once.
-    The first round is a plain average where EASGD's centre and BMUF's global model start
-    (`SyncAlgorithm.sync`)."""
+    mode's first round is after `foreground_every` steps). A round served after the first step or
+    two averages replicas that each took one sign-like Adam step, which can send a run to a worse
+    basin (docs/benchmarks.md, "Near convergence"); 0 starts at once. Ignored by gba."""
     final_sync: bool = True
-    """On close, average the dense replicas once more (blocking) so every rank ends identical."""
+    """On close, average the dense replicas once more (blocking) so every rank ends identical.
+    Ignored by gba, whose trainers always end identical."""
     timeout_s: float = 300.0
-    """Timeout of the shadow process group's collectives: a dead peer fails the round after this."""
+    """Timeout of every collective the library issues (the shadow group, GBA's trainer group): a
+    dead peer fails the round after this."""
     log_interval_s: float = 30.0
     """Seconds between metric log lines (logger `shadowgba`); 0 disables them."""
     control_file: str | None = None
     """Optional YAML file polled while the job runs; it may change interval_ms and foreground_every
-    live (see shadowgba.control)."""
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Algorithm-specific knobs, checked against the algorithm's Config dataclass (e.g. for bmuf:
-    block_lr, block_momentum, nesterov; for easgd: beta, alpha)."""
+    live (see shadowgba.shadow.control). Ignored by gba."""
+    ma: MAConfig = dataclasses.field(default_factory=MAConfig)
+    """Options of `ma` (none)."""
+    easgd: EASGDConfig = dataclasses.field(default_factory=EASGDConfig)
+    """Options of `easgd` and `easgd_ps`: beta, alpha."""
+    bmuf: BMUFConfig = dataclasses.field(default_factory=BMUFConfig)
+    """Options of `bmuf`: block_lr, block_momentum, nesterov."""
+    gba: GBAConfig = dataclasses.field(default_factory=GBAConfig)
+    """Options of `gba`: initial mode, aggregation, staleness decay, schedule, switch policy."""
+    ps: PSConfig = dataclasses.field(default_factory=PSConfig)
+    """Parameter-server ranks (gba, easgd_ps)."""
 
     def __post_init__(self) -> None:
-        allowed = [*sync_algos.algorithm_names(), *BASELINES]
+        allowed = sync_algos.algorithm_names()
         if self.algo not in allowed:
             raise ConfigError(f"algo: unknown algorithm '{self.algo}'; allowed: {allowed}")
         if self.interval_ms < 0:
@@ -91,16 +98,28 @@ class SyncConfig:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.log_interval_s < 0:
             raise ConfigError(f"log_interval_s must be >= 0, got {self.log_interval_s}")
-        if self.algo not in BASELINES:
-            self.algorithm_config()
+        if self.algo == "easgd_ps" and not self.ps.num_servers:
+            raise ConfigError("ps.num_servers: sync.algo easgd_ps keeps the EASGD centre on the servers; needs >= 1")
+        if self.algo == "gba" and self.gba.initial_mode == "gba" and not self.ps.num_servers:
+            raise ConfigError("ps.num_servers: sync.gba.initial_mode gba needs at least one parameter server")
+        if self.ps.num_servers and self.algo not in PS_ALGOS:
+            raise ConfigError(
+                f"ps.num_servers: parameter servers need sync.algo gba or easgd_ps, not '{self.algo}' "
+                "(servers host GBA's dense shards or the S-EASGD centre; for this algorithm they would idle)"
+            )
+
+    @property
+    def section(self) -> str:
+        """The name of the section holding the chosen algorithm's options."""
+        return "easgd" if self.algo == "easgd_ps" else self.algo
 
     def algorithm_config(self) -> Any:
-        """The chosen algorithm's Config dataclass built from `options`, validated."""
-        config_cls = sync_algos.get_algorithm(self.algo).Config
-        try:
-            return from_dict(config_cls, self.options)
-        except ConfigError as error:
-            raise ConfigError(f"options.{error}") from None
+        """The chosen algorithm's options (its typed section)."""
+        return getattr(self, self.section)
+
+
+PS_ALGOS = frozenset({"gba", "easgd_ps"})
+"""The algorithms that run beside parameter-server ranks (their trainers never meet all ranks)."""
 
 
 def from_dict(schema: type[T], data: Mapping[str, Any] | None) -> T:
@@ -108,8 +127,14 @@ def from_dict(schema: type[T], data: Mapping[str, Any] | None) -> T:
     return _build(schema, data or {}, prefix="")
 
 
-def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
-    """Load `schema` from an optional YAML file, then apply `--dotted.key value` overrides."""
+def load_config(
+    schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = (), section: str | None = None
+) -> T:
+    """Load `schema` from an optional YAML file, then apply `--dotted.key value` overrides.
+
+    With `section`, `schema` is built from that top-level key of the file alone (the rest of the
+    file belongs to the application), and overrides name keys inside it (`--algo bmuf`) or with the
+    section's prefix (`--sync.algo bmuf`); other overrides are left to the application."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -123,9 +148,21 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping, not {type(loaded).__name__}")
         data = loaded or {}
+    if section is not None:
+        data = data.get(section) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{section}: expected a mapping, got {data!r}")
     for key, value in parse_overrides(overrides).items():
+        if section is not None and key.startswith(f"{section}."):
+            key = key[len(section) + 1 :]
+        elif section is not None and key.split(".")[0] not in {field.name for field in dataclasses.fields(schema)}:
+            continue
         _set_dotted(data, key, value)
-    return from_dict(schema, data)
+    prefix = f"{section}." if section is not None else ""
+    try:
+        return from_dict(schema, data)
+    except ConfigError as error:
+        raise ConfigError(f"{prefix}{error}") from None
 
 
 def parse_overrides(args: Sequence[str]) -> dict[str, Any]:

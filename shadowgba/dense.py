@@ -1,13 +1,11 @@
 """The dense (replicated) parameters of a model: which they are, and a flat view of them.
 
-Which: all trainable parameters, minus TorchRec-sharded tables when the model is a
-`DistributedModelParallel`. torchrec is only consulted when it is already imported (a model cannot
-be a DMP otherwise), so plain `nn.Module` users do not pay its import time.
+Which: all trainable parameters of a plain module; for a TorchRec `DistributedModelParallel`,
+minus its sharded tables (`shadowgba.integrations.torchrec.dense_named_parameters`).
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Iterator, Sequence
 
 import torch
@@ -15,18 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 
-def dense_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """The replicated parameters of `model`: for a DMP, all parameters minus the sharded ones.
-
-    Parameters that do not require grad are skipped: nothing trains them, so nothing needs syncing.
-    """
-    sharded: set[str] = set()
-    model_parallel = sys.modules.get("torchrec.distributed.model_parallel")
-    if model_parallel is not None and isinstance(model, model_parallel.DistributedModelParallel):
-        dmp = model_parallel.DistributedModelParallel
-        sharded = set(dmp._sharded_parameter_names(model._dmp_wrapped_module))
+def trainable_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Every parameter of `model` that requires grad (nothing trains the others, so nothing syncs them)."""
     for name, param in model.named_parameters():
-        if name not in sharded and param.requires_grad:
+        if param.requires_grad:
             yield name, param
 
 

@@ -17,7 +17,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from sync_algos.gba import LRSchedule
+
+
+@dataclasses.dataclass
+class LRSchedule:
+    """Learning rate as a function of the global step k: linear warm-up, then step decay."""
+
+    warmup_steps: int = 0
+    """Global steps of linear warm-up from lr/warmup_steps to lr; 0 disables."""
+    decay_every: int = 0
+    """Multiply the learning rate by decay_gamma every this many global steps; 0 disables."""
+    decay_gamma: float = 1.0
+    """Step-decay factor, in (0, 1]."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.decay_every < 0:
+            raise ValueError("warmup_steps and decay_every must be >= 0")
+        if not 0.0 < self.decay_gamma <= 1.0:
+            raise ValueError(f"decay_gamma must be in (0, 1], got {self.decay_gamma}")
+
+    def factor(self, global_step: int) -> float:
+        """Multiplier of the base learning rate at global step k."""
+        warmup = min(1.0, (global_step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+        decay = self.decay_gamma ** (global_step // self.decay_every) if self.decay_every else 1.0
+        return warmup * decay
+
 
 SUPPORTED: dict[str, type[torch.optim.Optimizer]] = {
     "SGD": torch.optim.SGD,

@@ -29,80 +29,20 @@ from sync_algos.staleness import StalenessDecayConfig
 
 
 @dataclasses.dataclass
-class LRSchedule:
-    """Learning rate as a function of the global step k: linear warm-up, then step decay."""
+class AggregationConfig:
+    """The server-side rule: how pushed gradients are aggregated and how much a stale one counts."""
 
-    warmup_steps: int = 0
-    """Global steps of linear warm-up from lr/warmup_steps to lr; 0 disables."""
-    decay_every: int = 0
-    """Multiply the learning rate by decay_gamma every this many global steps; 0 disables."""
-    decay_gamma: float = 1.0
-    """Step-decay factor, in (0, 1]."""
-
-    def __post_init__(self) -> None:
-        if self.warmup_steps < 0 or self.decay_every < 0:
-            raise ValueError("warmup_steps and decay_every must be >= 0")
-        if not 0.0 < self.decay_gamma <= 1.0:
-            raise ValueError(f"decay_gamma must be in (0, 1], got {self.decay_gamma}")
-
-    def factor(self, global_step: int) -> float:
-        """Multiplier of the base learning rate at global step k."""
-        warmup = min(1.0, (global_step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
-        decay = self.decay_gamma ** (global_step // self.decay_every) if self.decay_every else 1.0
-        return warmup * decay
-
-
-@dataclasses.dataclass
-class SwitchPolicyConfig:
-    """When to switch automatically between sync all-reduce and GBA, from measured step times."""
-
-    enabled: bool = False
-    """Switch automatically; the API call `switch_mode` works either way."""
-    to_gba_ratio: float = 1.5
-    """Switch to GBA when slowest / median trainer compute time stays above this ... (with two
-    trainers the median is the mean, so the ratio never reaches 2: keep it below)."""
-    to_sync_ratio: float = 1.2
-    """... and back to sync when it stays below this (hysteresis: must be < to_gba_ratio)."""
-    window: int = 50
-    """... for this many consecutive global steps."""
-
-    def __post_init__(self) -> None:
-        if not 1.0 <= self.to_sync_ratio < self.to_gba_ratio:
-            raise ValueError(
-                f"need 1 <= to_sync_ratio < to_gba_ratio, got {self.to_sync_ratio} and {self.to_gba_ratio}"
-            )
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
-
-
-@dataclasses.dataclass
-class GBAConfig:
-    """Knobs of GBA and of its synchronous twin."""
-
-    initial_mode: Literal["gba", "sync"] = "gba"
-    """Mode at start: gba (asynchronous, parameter server) or sync (dense all-reduce every step)."""
     aggregation: Literal["global_batch", "none"] = "global_batch"
     """global_batch: GBA proper. none: apply every gradient on arrival (plain asynchronous PS
     training, the baseline GBA improves on)."""
     decay: StalenessDecayConfig = dataclasses.field(default_factory=StalenessDecayConfig)
     """What a stale gradient still counts (see sync_algos.staleness)."""
-    schedule: LRSchedule = dataclasses.field(default_factory=LRSchedule)
-    """Learning-rate schedule by global step, identical in both modes."""
-    queue_size: int = 2
-    """Gradients the training thread may hand to the shadow thread before it drops the oldest
-    (it never waits); >= 1."""
-    switch_policy: SwitchPolicyConfig = dataclasses.field(default_factory=SwitchPolicyConfig)
-    """Automatic sync <-> GBA switching."""
-
-    def __post_init__(self) -> None:
-        if self.queue_size < 1:
-            raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
 
 
 class GlobalBatchAggregator:
     """The GBA buffer of one flat parameter shard. Not thread-safe: its owner holds a lock."""
 
-    def __init__(self, config: GBAConfig, numel: int, dtype: torch.dtype, global_batch: int) -> None:
+    def __init__(self, config: AggregationConfig, numel: int, dtype: torch.dtype, global_batch: int) -> None:
         if global_batch < 1:
             raise ValueError(f"global_batch must be >= 1 sample, got {global_batch}")
         self.config = config
@@ -145,8 +85,8 @@ class GlobalBatchAggregator:
 
 @register
 class GlobalBatchAggregation:
-    """Registry entry: `sync.algo: gba` selects GBA and validates `sync.options` as GBAConfig."""
+    """Registry entry: `sync.algo: gba` selects GBA; its trainer runtime is `shadowgba.gba.GBASync`."""
 
     name = "gba"
     kind: ClassVar[str] = "gradient"
-    Config = GBAConfig
+    Config = AggregationConfig

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from torchrec.datasets.utils import Batch
 
-from shadowgba.criteo import CriteoConfig, CriteoCTR
-from shadowgba.ctr_data import DataFileError
+from ctrkit.criteo import CriteoConfig, CriteoCTR
+from ctrkit.ctr_data import DataFileError
 
 pytestmark = pytest.mark.timeout(60)
 

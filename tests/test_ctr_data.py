@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from shadowgba.config import ConfigError, from_dict
-from shadowgba.ctr_data import CTRTable, gather_jagged, make_batch
-from shadowgba.datasets import DataConfig, open_dataset
-from shadowgba.synthetic import SyntheticCTR
+from ctrkit.ctr_data import CTRTable, gather_jagged, make_batch
+from ctrkit.datasets import DataConfig, open_dataset
+from ctrkit.synthetic import SyntheticCTR
 
 pytestmark = pytest.mark.timeout(60)
 

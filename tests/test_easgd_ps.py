@@ -67,7 +67,8 @@ def test_centre_refuses_mismatched_slices_and_snapshots() -> None:
 
 
 def shadow_job(rank: int, world_size: int, steps: list[int]) -> dict | None:
-    from shadowgba import ShadowSync, SyncConfig
+    from shadowgba import SyncConfig
+    from shadowgba.shadow.runtime import ShadowSync
     from tests.test_runtime import ConstantStep, flat, vector_model
 
     roles = transport.start(1)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shadowgba.evaluation import all_gather_rows, log_loss, roc_auc
+from ctrkit.evaluation import all_gather_rows, log_loss, roc_auc
 from tests.multiprocess import run_ranks
 
 

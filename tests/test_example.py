@@ -29,7 +29,7 @@ def torchrun(*args: str) -> list[str]:
 
 def run_example(launcher_args: list[str], config: str, output: Path, extra: list[str] = ()) -> subprocess.Popen:
     command = torchrun(
-        *launcher_args, str(ROOT / "examples/train_dlrm.py"),
+        *launcher_args, str(ROOT / "benchmarks/train_dlrm.py"),
         "--config", str(ROOT / "examples/configs" / config), "--output", str(output), *SMALL_RUN, *extra,
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -122,11 +122,8 @@ def test_gba_with_ps_embeddings_and_a_straggler_stops_at_equal_samples_with_iden
 
 
 def experiment_config(path: Path | None = None, overrides: list[str] = ()) -> object:
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from dlrm_config import ExperimentConfig
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    from dlrm.config import ExperimentConfig
+
     return load_config(ExperimentConfig, path, overrides)
 
 

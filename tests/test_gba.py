@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from shadowgba.config import SyncConfig
-from shadowgba.gba import GBASync, serve_dense_shard
+from shadowgba.gba.config import GBAConfig
+from shadowgba.config import from_dict
+from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.ps import transport
 from tests.multiprocess import run_ranks
 
@@ -46,7 +47,7 @@ def train(roles: transport.Roles, options: dict, schedule: list[str | None], loc
     """One step per schedule entry; an entry names a mode to switch to after that step."""
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    config = SyncConfig(algo="gba", options=options)
+    config = from_dict(GBAConfig, options)
     with GBASync(model, optimizer, config, roles, local_batch_size=BATCH) as gba:
         for step, switch in enumerate(schedule):
             loss_on(model, roles.trainer_index, step).backward()
@@ -65,7 +66,7 @@ def sync_then_state(roles: transport.Roles, steps: int, switches: dict[int, str]
     """Train `steps` lockstep steps with switches at given steps; end in sync mode, return the state."""
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    config = SyncConfig(algo="gba", options={"initial_mode": "sync"})
+    config = from_dict(GBAConfig, {"initial_mode": "sync"})
     gba = GBASync(model, optimizer, config, roles, local_batch_size=BATCH)
     gba.start()
     for step in range(steps):
@@ -76,7 +77,7 @@ def sync_then_state(roles: transport.Roles, steps: int, switches: dict[int, str]
         if step in switches:
             gba.switch_mode(switches[step])
     assert gba.mode == "sync", gba.mode
-    result = {"state": gba.optimizer_state(), "switches": gba.metrics.summary()["mode_switches"]}
+    result = {"state": gba.state_dict()["optimizer"], "switches": gba.metrics.summary()["mode_switches"]}
     gba.close()
     return result
 
@@ -111,7 +112,7 @@ def timed_run(roles: transport.Roles, seconds: float, sleeps_s: tuple[float, flo
     """Free-running GBA for `seconds`; trainer i sleeps `sleeps_s[i]` per step."""
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    config = SyncConfig(algo="gba", options=options)
+    config = from_dict(GBAConfig, options)
     with GBASync(model, optimizer, config, roles, local_batch_size=BATCH) as gba:
         started, step = time.monotonic(), 0
         while time.monotonic() - started < seconds:
@@ -163,7 +164,7 @@ def policy_run(roles: transport.Roles) -> dict:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     policy = {"enabled": True, "to_gba_ratio": 1.5, "to_sync_ratio": 1.2, "window": 5}
-    config = SyncConfig(algo="gba", options={"initial_mode": "sync", "switch_policy": policy})
+    config = from_dict(GBAConfig, {"initial_mode": "sync", "switch_policy": policy})
     modes = []
     with GBASync(model, optimizer, config, roles, local_batch_size=BATCH) as gba:
         started = time.monotonic()

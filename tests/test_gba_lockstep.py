@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shadowgba.config import SyncConfig
-from shadowgba.gba import GBASync
+from shadowgba.gba.config import GBAConfig
+from shadowgba.config import from_dict
+from shadowgba.gba.runtime import GBASync
 from shadowgba.ps import transport
 from tests.multiprocess import run_ranks
 from tests.test_gba import BATCH, gba_job, loss_on, make_model
@@ -34,7 +35,7 @@ def paired_steps(roles: transport.Roles) -> dict:
     trainer 0's does."""
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    config = SyncConfig(algo="gba", options={"initial_mode": "gba"})
+    config = from_dict(GBAConfig, {"initial_mode": "gba"})
     switched_after = None
     with GBASync(model, optimizer, config, roles, local_batch_size=BATCH, lockstep_every=CHECK_EVERY) as gba:
         for step in range(STEPS):
@@ -68,4 +69,4 @@ def test_lockstep_every_must_not_be_negative() -> None:
     model, roles = make_model(), transport.Roles.assign(0, 2, num_servers=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="lockstep_every must be >= 0, got -1"):
-        GBASync(model, optimizer, SyncConfig(algo="gba", options={"initial_mode": "sync"}), roles, BATCH, lockstep_every=-1)
+        GBASync(model, optimizer, from_dict(GBAConfig, {"initial_mode": "sync"}), roles, BATCH, lockstep_every=-1)

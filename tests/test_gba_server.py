@@ -11,7 +11,7 @@ import torch
 
 from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, concat_exports, shard_bounds, slice_export
 from shadowgba.ps.dense_server import DenseShard
-from shadowgba.switch_policy import SwitchPolicy
+from shadowgba.gba.switch_policy import SwitchPolicy
 from sync_algos.gba import GBAConfig, GlobalBatchAggregator, LRSchedule, SwitchPolicyConfig
 from sync_algos.staleness import StalenessDecayConfig
 

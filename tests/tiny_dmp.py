@@ -13,7 +13,7 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 
-from shadowgba.torchrec_integration import ShadowDataParallelWrapper, dense_named_parameters
+from shadowgba.integrations.torchrec import ShadowDataParallelWrapper, dense_named_parameters
 
 TABLES = ("t0", "t1")
 ROWS, DIM, BATCH = 50, 8, 16

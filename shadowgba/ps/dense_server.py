@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec
-from shadowgba.switch_policy import SwitchPolicy
-from sync_algos.gba import GBAConfig, GlobalBatchAggregator
+from shadowgba.gba.switch_policy import SwitchPolicy
+from sync_algos.gba import AggregationConfig, GlobalBatchAggregator
 from sync_algos.staleness import StalenessCounts
 
 WATCHERS = 8
@@ -80,7 +80,7 @@ class DenseShard:
 
     # -------------------------------------------------------------------------------- mode changes
     def configure(self, start: int, end: int, num_trainers: int, spec: OptimizerSpec, exported: dict[str, Any],
-                  config: GBAConfig, global_batch: int) -> None:
+                  config: AggregationConfig, global_batch: int) -> None:
         """Own slice [start, end): take over its parameters, optimizer state and global step
         (at start, or at a switch to GBA)."""
         numel = end - start

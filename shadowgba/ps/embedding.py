@@ -61,7 +61,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, poo
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from shadowgba.config import ConfigError
+from shadowgba.errors import ConfigError
 from shadowgba.ps import transport
 from sync_algos.staleness import StalenessCounts, StalenessDecayConfig
 

@@ -51,6 +51,7 @@ Invariants (why a call cannot deadlock):
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import fcntl
 import os
 import socket
@@ -64,6 +65,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+
+from shadowgba.errors import PeerLost
 
 SERVE_WAIT_S = 30.0
 """How long a call for a service name that is not served (yet) waits for `serve()` on its server."""
@@ -129,11 +132,6 @@ class Roles:
         return server_name(self.server_index) if self.is_server else f"trainer{self.trainer_index}"
 
 
-class PeerLost(RuntimeError):
-    """`stop()` gave up: a server on a trainer that neither arrived nor answered, or a trainer on a
-    server that gave up or went away."""
-
-
 @dataclasses.dataclass
 class _Started:
     roles: Roles
@@ -162,11 +160,12 @@ def server_name(server_index: int) -> str:
     return f"ps{server_index}"
 
 
-def start(num_servers: int, backend: str = "gloo") -> Roles:
+def start(num_servers: int, backend: str = "gloo", timeout_s: float | None = None) -> Roles:
     """Join the job as trainer or server (collective: every rank calls it, in the same order).
 
     Reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; initialises the default process
-    group (with `backend`) unless it exists, creates the trainer group and starts RPC.
+    group (with `backend`) unless it exists, creates the trainer group (its collectives time out
+    after `timeout_s`; None: torch's default) and starts RPC.
     """
     global _started
     if _started is not None:
@@ -189,7 +188,8 @@ def start(num_servers: int, backend: str = "gloo") -> Roles:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     if owns_default_group:
         dist.init_process_group(backend)
-    trainer_group = dist.new_group(list(roles.trainer_ranks), backend=backend)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    trainer_group = dist.new_group(list(roles.trainer_ranks), backend=backend, timeout=timeout)
     roles = dataclasses.replace(roles, trainer_group=None if roles.is_server else trainer_group)
     with warnings.catch_warnings():
         # RPC's own device-map exchange passes a bare gloo backend where a group is expected

@@ -1,6 +1,6 @@
 """The example's training loop and what is measured around it, on the trainers only.
 
-One step: forward, backward, the injected straggler sleep (`shadowgba.straggler`; before the
+One step: forward, backward, the injected straggler sleep (`ctrkit.straggler`; before the
 gradients leave the trainer, so a slow trainer's gradients arrive late), the PS row-gradient push
 (PS tables), `optimizer.step()` (where ShadowSync / GBASync act).
 
@@ -11,7 +11,7 @@ broadcasts its decision every `stop_check_every` steps; with PS tables a trainer
 collective and each trainer decides alone, so a fast trainer never waits for a slow one.
 
 Timing: every trainer measures from a common start (a barrier on the trainer group before the first
-step); time spent between steps outside training (held-out evaluation, `dlrm_curve`) is left out of
+step); time spent between steps outside training (held-out evaluation, `dlrm.curve`) is left out of
 its clock, as if it had been paused. Throughput counts every trainer's samples over one window of
 those clocks shared by all: from the moment the last trainer finished its warm-up to the moment the
 first trainer finished its last step.
@@ -30,12 +30,12 @@ from torch import nn
 from torchrec.datasets.utils import Batch
 from tqdm import tqdm
 
-from dlrm_config import TrainConfig
-from dlrm_model import BuiltModel
-from shadowgba.ctr_data import CTRData
-from shadowgba.evaluation import all_gather_rows, log_loss, roc_auc
+from dlrm.config import TrainConfig
+from dlrm.model import BuiltModel
+from ctrkit.ctr_data import CTRData
+from ctrkit.evaluation import all_gather_rows, log_loss, roc_auc
 from shadowgba.ps import transport
-from shadowgba.straggler import Straggler, StragglerConfig
+from ctrkit.straggler import Straggler, StragglerConfig
 
 
 @dataclasses.dataclass

@@ -1,11 +1,11 @@
 """The DLRM example's configuration: one dataclass tree, loaded strictly from YAML plus overrides.
 
-Sections: `sync` (shadowgba), `ps` (parameter-server ranks, for GBA), `model`, `data`, `train`,
-`straggler`. Every combination that cannot run is refused here, naming the keys, before any process
+Sections: `baseline` (none / ddp / pma instead of shadowgba), `sync` (shadowgba, with its
+parameter-server ranks in `sync.ps`), `model`, `data`, `train`, `straggler`. Every combination that cannot run is refused here, naming the keys, before any process
 group exists:
 - parameter servers and PS-hosted embeddings exist only for `sync.algo: gba` and `easgd_ps` (the
   servers host GBA's dense shards or the S-EASGD centre; for any other algorithm they would idle);
-- GBA mode, easgd_ps and PS embeddings need at least one server;
+- GBA mode, easgd_ps and PS embeddings need at least one server (`SyncConfig` checks the first two);
 - the PS tables support sgd and rowwise_adagrad, not TorchRec's (element-wise) adagrad;
 - `train.global_samples` counts samples by the GBA global step, so it needs `sync.algo: gba`.
 """
@@ -15,13 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from shadowgba.config import ConfigError, SyncConfig
-from shadowgba.straggler import StragglerConfig
-from shadowgba.datasets import DataConfig
-
-PS_ALGOS = frozenset({"gba", "easgd_ps"})
-"""The algorithms that run beside parameter-server ranks (their trainers never meet all ranks)."""
-
+from shadowgba.config import PS_ALGOS, SyncConfig
+from shadowgba.errors import ConfigError
+from ctrkit.straggler import StragglerConfig
+from ctrkit.datasets import DataConfig
 
 @dataclasses.dataclass
 class ModelConfig:
@@ -46,23 +43,6 @@ class ModelConfig:
 
 
 @dataclasses.dataclass
-class PSConfig:
-    """Parameter-server ranks (gba, easgd_ps): the last `num_servers` ranks of the job."""
-
-    num_servers: int = 0
-    """Server ranks; they host the dense GBA shards or the S-EASGD centre and, with
-    `model.embeddings: ps`, the tables."""
-    max_in_flight: int = 2
-    """PS embeddings: steps of row-gradient pushes a trainer may have in flight before it waits."""
-
-    def __post_init__(self) -> None:
-        if self.num_servers < 0:
-            raise ConfigError(f"num_servers must be >= 0, got {self.num_servers}")
-        if self.max_in_flight < 1:
-            raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
-
-
-@dataclasses.dataclass
 class TrainConfig:
     """Optimizers and how long to train."""
 
@@ -78,7 +58,7 @@ class TrainConfig:
     """Steps before the timed window that throughput is measured over."""
     eval_every_samples: int = 0
     """When > 0: evaluate held-out AUC and log loss each time the samples seen (all trainers) cross a
-    multiple of this, for a `curve` in the results (examples/dlrm_curve.py); its time is left out of
+    multiple of this, for a `curve` in the results (benchmarks/dlrm/curve.py); its time is left out of
     the training clock. 0: only the final evaluation."""
     stop_check_every: int = 20
     """With duration_s or global_samples, when trainers must stop at the same step (TorchRec
@@ -114,10 +94,12 @@ class TrainConfig:
 class ExperimentConfig:
     """Everything one run reads."""
 
+    baseline: Literal["none", "ddp", "pma"] | None = None
+    """Run a baseline instead of shadowgba (then `sync` is not used, but for pma's
+    `sync.foreground_every`): none trains locally only, ddp is TorchRec's default dense DDP, pma is
+    torch's periodic model averaging every `sync.foreground_every` steps (`dlrm.pma`)."""
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
-    """Dense synchronization (shadowgba)."""
-    ps: PSConfig = dataclasses.field(default_factory=PSConfig)
-    """Parameter-server ranks (gba, easgd_ps)."""
+    """Dense synchronization (shadowgba), parameter-server ranks included (`sync.ps`)."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """DLRM shape and where the tables live."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -128,26 +110,22 @@ class ExperimentConfig:
     """Injected slowness of chosen trainers (tests and benchmarks)."""
 
     def __post_init__(self) -> None:
-        gba = self.sync.algo == "gba"
-        uses_servers = self.sync.algo in PS_ALGOS
-        if self.ps.num_servers and not uses_servers:
+        if self.baseline is not None and self.sync.ps.num_servers:
+            raise ConfigError(f"sync.ps.num_servers: the {self.baseline} baseline runs without parameter servers")
+        if self.train.global_samples and self.algo != "gba":
             raise ConfigError(
-                f"ps.num_servers: parameter servers need sync.algo gba or easgd_ps, not '{self.sync.algo}' "
-                "(servers host GBA's dense shards or the S-EASGD centre; for this algorithm they would idle)"
+                f"train.global_samples: counted by the GBA global step; needs sync.algo gba, not '{self.algo}'"
             )
-        if self.sync.algo == "easgd_ps" and not self.ps.num_servers:
-            raise ConfigError("ps.num_servers: sync.algo easgd_ps keeps the EASGD centre on the servers; needs >= 1")
-        if self.train.global_samples and not gba:
-            raise ConfigError(
-                f"train.global_samples: counted by the GBA global step; needs sync.algo gba, not '{self.sync.algo}'"
-            )
-        if gba and self.sync.algorithm_config().initial_mode == "gba" and not self.ps.num_servers:
-            raise ConfigError("ps.num_servers: sync.options.initial_mode gba needs at least one parameter server")
         if self.model.embeddings == "ps":
-            if not uses_servers or not self.ps.num_servers:
-                raise ConfigError("model.embeddings: ps needs sync.algo gba or easgd_ps and ps.num_servers >= 1")
+            if self.algo not in PS_ALGOS or not self.sync.ps.num_servers:
+                raise ConfigError("model.embeddings: ps needs sync.algo gba or easgd_ps and sync.ps.num_servers >= 1")
             if self.train.embedding_optimizer == "adagrad":
                 raise ConfigError("train.embedding_optimizer: PS tables support sgd and rowwise_adagrad, not adagrad")
+
+    @property
+    def algo(self) -> str:
+        """What keeps the dense replicas together: the baseline's name, or `sync.algo`."""
+        return self.baseline or self.sync.algo
 
     @property
     def lockstep(self) -> bool:

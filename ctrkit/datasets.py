@@ -1,7 +1,7 @@
 """Choosing the CTR data source from the config: `data.source: synthetic | movielens | criteo`.
 
 Each source keeps its own config section, so switching sources is one key and the other sections
-keep their values. `open_dataset` returns the chosen source as a `shadowgba.ctr_data.CTRData`.
+keep their values. `open_dataset` returns the chosen source as a `ctrkit.ctr_data.CTRData`.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from shadowgba.criteo import CriteoConfig, CriteoCTR
-from shadowgba.ctr_data import CTRData
-from shadowgba.movielens import MovieLensConfig, MovieLensCTR
-from shadowgba.synthetic import SyntheticConfig, SyntheticCTR
+from ctrkit.criteo import CriteoConfig, CriteoCTR
+from ctrkit.ctr_data import CTRData
+from ctrkit.movielens import MovieLensConfig, MovieLensCTR
+from ctrkit.synthetic import SyntheticConfig, SyntheticCTR
 
 
 @dataclasses.dataclass

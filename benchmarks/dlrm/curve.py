@@ -23,11 +23,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dlrm_config import ExperimentConfig
-from dlrm_job import applied_samples
-from dlrm_loop import evaluate
-from shadowgba.ctr_data import CTRData
-from shadowgba.gba import GBASync
+from dlrm.config import ExperimentConfig
+from dlrm.job import applied_samples
+from dlrm.loop import evaluate
+from ctrkit.ctr_data import CTRData
 from shadowgba.ps import transport
 
 SYNC_PROGRESS = {
@@ -103,7 +102,7 @@ def heldout_curve(
         model.train()
         return quality
 
-    count = applied_samples(sync, config) if alone and isinstance(sync, GBASync) else None
+    count = applied_samples(sync, config) if alone and config.algo == "gba" else None
 
     def samples_seen(step: int) -> int:
         return count() if count is not None else step * config.data.batch_size * num_trainers

@@ -11,13 +11,35 @@ thing at the same step, with no extra agreement round.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from typing import Sequence
 
-from sync_algos.gba import SwitchPolicyConfig
-
 logger = logging.getLogger("shadowgba")
+
+
+@dataclasses.dataclass
+class SwitchPolicyConfig:
+    """When to switch automatically between sync all-reduce and GBA, from measured step times."""
+
+    enabled: bool = False
+    """Switch automatically; the API call `switch_mode` works either way."""
+    to_gba_ratio: float = 1.5
+    """Switch to GBA when slowest / median trainer compute time stays above this ... (with two
+    trainers the median is the mean, so the ratio never reaches 2: keep it below)."""
+    to_sync_ratio: float = 1.2
+    """... and back to sync when it stays below this (hysteresis: must be < to_gba_ratio)."""
+    window: int = 50
+    """... for this many consecutive global steps."""
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.to_sync_ratio < self.to_gba_ratio:
+            raise ValueError(
+                f"need 1 <= to_sync_ratio < to_gba_ratio, got {self.to_sync_ratio} and {self.to_gba_ratio}"
+            )
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
 
 
 class SwitchPolicy:

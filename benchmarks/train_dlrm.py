@@ -1,22 +1,22 @@
 """Train a TorchRec DLRM on synthetic CTR data with shadowgba (or a baseline) and report the numbers.
 
-    torchrun --standalone --nproc_per_node=2 examples/train_dlrm.py --config examples/configs/bmuf.yaml \
+    torchrun --standalone --nproc_per_node=2 benchmarks/train_dlrm.py --config examples/configs/bmuf.yaml \
         [--sync.interval_ms 20 ...] [--output results.json]
-    torchrun --standalone --nproc_per_node=3 examples/train_dlrm.py --config examples/configs/gba_ps_embeddings.yaml
+    torchrun --standalone --nproc_per_node=3 benchmarks/train_dlrm.py --config examples/configs/gba_ps_embeddings.yaml
 
-`sync.algo` picks how the dense replicas meet: ma / easgd / bmuf through `ShadowSync`, gba through
-`GBASync` (sync all-reduce or GBA over parameter-server ranks, `ps.num_servers`), `none` for purely
-local training, `ddp` for TorchRec's default dense DDP, `pma` for torch's periodic model averaging
-every `sync.foreground_every` steps. The tables are sharded by TorchRec over the
+`sync.algo` picks how the dense replicas meet, through `shadowgba.dense_sync`: ma / easgd / bmuf /
+easgd_ps (the shadow runtime) or gba (sync all-reduce or GBA over parameter-server ranks,
+`sync.ps.num_servers`); `baseline` runs none (purely local training), ddp (TorchRec's default dense
+DDP) or pma (torch's periodic model averaging every `sync.foreground_every` steps) instead. The tables are sharded by TorchRec over the
 trainers or hosted on the servers (`model.embeddings`); `straggler` slows chosen trainers. The run
 reports held-out AUC and log loss next to the planted teacher's ceiling, all trainers' throughput over
 a common timed window after warm-up, the sync metrics (and the servers' for GBA), and how far the
 dense replicas are apart at the end; with `train.eval_every_samples`, a held-out `curve` against
 samples seen. One torch thread per rank, gloo on CPU, NCCL on GPUs.
 
-Modules: `dlrm_config` (the config tree), `dlrm_model` (building the DLRM), `dlrm_job` (trainer and
-server roles, which sync), `dlrm_pma` (the pma baseline), `dlrm_loop` (training loop, stopping,
-timing, evaluation), `dlrm_curve` (the held-out curve during training).
+Modules: `dlrm.config` (the config tree), `dlrm.model` (building the DLRM), `dlrm.job` (trainer and
+server roles, which sync), `dlrm.pma` (the pma baseline), `dlrm.loop` (training loop, stopping,
+timing, evaluation), `dlrm.curve` (the held-out curve during training).
 """
 
 from __future__ import annotations
@@ -33,45 +33,42 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from dlrm_config import ExperimentConfig
-from dlrm_curve import heldout_curve
-from dlrm_job import applied_samples, dense_sync, join, leave, serve
-from dlrm_loop import (
+from dlrm.config import ExperimentConfig
+from dlrm.curve import heldout_curve
+from dlrm.job import applied_samples, dense_sync, join
+from dlrm.loop import (
     StopRule, common_window, dense_replica_spread, evaluate, global_steps_per_s, sum_over_trainers, train,
 )
-from dlrm_model import DENSE_OPTIMIZERS, build_model
+from dlrm.model import DENSE_OPTIMIZERS, build_model
 from shadowgba.config import ConfigError, load_config, to_dict
-from shadowgba.evaluation import all_gather_rows, log_loss, roc_auc
-from shadowgba.gba import GBASync
-from shadowgba.ps import transport
-from shadowgba.ctr_data import CTRData
-from shadowgba.datasets import open_dataset
-from shadowgba.synthetic import SyntheticCTR
+from ctrkit.evaluation import all_gather_rows, log_loss, roc_auc
+import shadowgba
+from ctrkit.ctr_data import CTRData
+from ctrkit.datasets import open_dataset
+from ctrkit.synthetic import SyntheticCTR
 
 
 def run(config: ExperimentConfig, device: torch.device, backend: str) -> dict[str, Any] | None:
     """Every rank: join the job, serve or train; trainers return every number of the run."""
     wall_start = time.perf_counter()
     data = open_dataset(config.data)
-    roles = join(config, backend)
+    job = join(config, data, backend)  # a server rank serves in here until every trainer is done
+    if job.is_server:
+        return None
     try:
-        if roles.is_server:
-            serve(config, data, roles)
-            return None
-        return {**run_trainer(config, data, roles, device), "wall_s": time.perf_counter() - wall_start}
+        return {**run_trainer(config, data, job, device), "wall_s": time.perf_counter() - wall_start}
     finally:
-        leave(roles)
+        job.close()
 
 
-def run_trainer(
-    config: ExperimentConfig, data: CTRData, roles: transport.Roles, device: torch.device
-) -> dict[str, Any]:
+def run_trainer(config: ExperimentConfig, data: CTRData, job: shadowgba.Job, device: torch.device) -> dict[str, Any]:
     """Build, train, close the sync, evaluate."""
+    roles = job.roles
     torch.manual_seed(config.train.seed)
-    model = build_model(config, data, roles, device)
+    model = build_model(config, data, job, device)
     optimizer = DENSE_OPTIMIZERS[config.train.dense_optimizer](model.dense_params, lr=config.train.dense_lr)
-    sync = dense_sync(config, model.module, optimizer, roles)
-    gba = sync if isinstance(sync, GBASync) else None
+    sync = dense_sync(config, model.module, optimizer, job)
+    gba = sync if config.algo == "gba" else None
     num_trainers = len(roles.trainer_ranks)
     stop = StopRule(config.train, config.lockstep, roles, device, applied_samples(gba, config) if gba else None)
     batches = data.train_batches(roles.trainer_index, num_trainers)
@@ -141,7 +138,7 @@ def _report(results: Any, prefix: str = "") -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, help="YAML file; keys mirror ExperimentConfig (examples/dlrm_config.py)")
+    parser.add_argument("--config", type=Path, help="YAML file; keys mirror ExperimentConfig (benchmarks/dlrm/config.py)")
     parser.add_argument("--output", type=Path, help="write all numbers and the config as JSON (rank 0)")
     args, overrides = parser.parse_known_args(argv)
     try:
@@ -149,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ConfigError as error:
         raise SystemExit(f"config error: {error}") from None
     try:  # torchrun's WORLD_SIZE: refused before any process group exists
-        config.straggler.check(int(os.environ.get("WORLD_SIZE", "1")) - config.ps.num_servers)
+        config.straggler.check(int(os.environ.get("WORLD_SIZE", "1")) - config.sync.ps.num_servers)
     except ConfigError as error:
         raise SystemExit(f"config error: straggler.{error}") from None
     torch.set_num_threads(1)

@@ -21,8 +21,8 @@ from typing import Iterator
 import torch
 from torchrec.datasets.utils import Batch
 
-from shadowgba.ctr_data import keyed_generator, make_batch
-from shadowgba.evaluation import roc_auc
+from ctrkit.ctr_data import keyed_generator, make_batch
+from ctrkit.evaluation import roc_auc
 
 
 @dataclasses.dataclass
@@ -102,7 +102,7 @@ class _Teacher:
 
 class SyntheticCTR:
     """Streams of `Batch`es (dense features, one KJT feature per table, 0/1 labels) from a teacher;
-    a `shadowgba.ctr_data.CTRData`."""
+    a `ctrkit.ctr_data.CTRData`."""
 
     def __init__(self, config: SyntheticConfig) -> None:
         self.config = config

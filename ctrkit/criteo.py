@@ -29,7 +29,7 @@ import torch
 from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, DEFAULT_INT_NAMES, INT_FEATURE_COUNT
 from torchrec.datasets.utils import Batch
 
-from shadowgba.ctr_data import CTRTable, DataFileError, check_rank
+from ctrkit.ctr_data import CTRTable, DataFileError, check_rank
 
 FIELDS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
 
@@ -62,7 +62,7 @@ class CriteoConfig:
 
 
 class CriteoCTR:
-    """Criteo-format TSV files as CTR batches; a `shadowgba.ctr_data.CTRData`."""
+    """Criteo-format TSV files as CTR batches; a `ctrkit.ctr_data.CTRData`."""
 
     def __init__(self, config: CriteoConfig) -> None:
         for key in ("train_paths", "heldout_paths"):

@@ -46,23 +46,22 @@ import collections
 import logging
 import threading
 import time
-import types
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shadowgba.config import ConfigError, SyncConfig
-from shadowgba.dense import DenseParams, dense_named_parameters
+from shadowgba.errors import CheckpointError, ConfigError, SyncError
+from shadowgba.interface import DenseSync
+from shadowgba.dense import DenseParams, trainable_named_parameters
 from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, concat_exports, shard_bounds, slice_export
 from shadowgba.metrics import GBAMetrics
 from shadowgba.ps import transport
 from shadowgba.ps.dense_server import DenseShard, ShardReply
-from shadowgba.runtime import ShadowSyncError
 from shadowgba.step_hook import StepHook
-from shadowgba.switch_policy import SwitchPolicy
-from sync_algos.gba import GBAConfig
+from shadowgba.gba.switch_policy import SwitchPolicy
+from shadowgba.gba.config import GBAConfig
 
 logger = logging.getLogger("shadowgba")
 
@@ -79,14 +78,14 @@ def serve_dense_shard() -> None:
     transport.serve(DENSE_SERVICE, DenseShard())
 
 
-class GBASync:
+class GBASync(DenseSync):
     """Sync all-reduce / GBA for one trainer's dense parameters (see the module docstring)."""
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        config: SyncConfig,
+        config: GBAConfig,
         roles: transport.Roles,
         local_batch_size: int,
         params: Iterable[tuple[str, nn.Parameter]] | None = None,
@@ -95,15 +94,13 @@ class GBASync:
         """`lockstep_every` > 0 says the trainers take every step together anyway (TorchRec-sharded
         tables: each step's all-to-all pairs them); GBA -> sync is then agreed every that many steps
         in a one-element all-reduce (see `_leave_gba_due`). 0: trainers step independently (PS tables)."""
-        if config.algo != "gba":
-            raise ConfigError(f"GBASync runs sync.algo 'gba', not '{config.algo}'")
         if roles.is_server:
             raise ValueError("GBASync runs on trainer ranks; server ranks call serve_dense_shard()")
-        self.config: GBAConfig = config.algorithm_config()
+        self.config = config
         if self.config.initial_mode == "gba" and roles.num_servers < 1:
-            raise ConfigError("sync.options.initial_mode is 'gba' but the job has no parameter-server ranks")
+            raise ConfigError("sync.gba.initial_mode is 'gba' but the job has no parameter-server ranks")
         self.roles = roles
-        self.dense = DenseParams(list(params if params is not None else dense_named_parameters(model)))
+        self.dense = DenseParams(list(params if params is not None else trainable_named_parameters(model)))
         self.spec = OptimizerSpec.of(optimizer, self.config.schedule)
         self.local_batch_size = local_batch_size
         self.num_trainers = len(roles.trainer_ranks)
@@ -139,13 +136,6 @@ class GBASync:
         self._last_step_end = time.perf_counter()
 
     # ----------------------------------------------------------------------------------- lifecycle
-    def __enter__(self) -> "GBASync":
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
-        self.close()
-
     def start(self) -> None:
         """Collective over the trainers: equal initial weights, the flat optimizer, the initial mode."""
         initial = self.dense.empty()
@@ -187,15 +177,26 @@ class GBASync:
             self._sync_round(contribute=False, stop=True)
         if self.mode == "local":
             self.dense.average_(self.roles.trainer_group)
+        self._stop_threads()
+        self._raise_shadow_error()
+        self._flat = None
+        logger.info("shadowgba GBA closed: %s", self.metrics.format())
+
+    def abort(self) -> None:
+        """Stop this trainer's background threads and hooks with no collective and no final pull."""
+        if self._flat is None:
+            return
+        self._step_hook.remove()
+        self._stop_threads()
+        self._flat = None
+
+    def _stop_threads(self) -> None:
         self._watching.clear()
         with self._queue_ready:
             self._stop = True
             self._queue_ready.notify_all()
         for thread in self._threads:
             thread.join()
-        self._raise_shadow_error()
-        self._flat = None
-        logger.info("shadowgba GBA closed: %s", self.metrics.format())
 
     # ------------------------------------------------------------------------------- public API
     def switch_mode(self, mode: str) -> None:
@@ -239,11 +240,27 @@ class GBASync:
             else:
                 time.sleep(0.001)
 
-    def optimizer_state(self) -> dict[str, Any]:
-        """Parameters, optimizer state and global step as sync mode holds them (sync mode only)."""
+    modes = ("sync", "gba")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Mode, parameters, optimizer state and global step: this trainer's in sync mode, the dense
+        shards' (reassembled) in GBA mode, where the state lives on the servers."""
+        if self.mode == "gba":
+            futures = [transport.call_async(index, DENSE_SERVICE, "export") for index in range(self.roles.num_servers)]
+            exported = concat_exports(torch.futures.wait_all(futures))
+        else:
+            exported = self._flat.export()
+        return {"mode": self.mode, "param_names": list(self.dense.names), "optimizer": exported}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output into this trainer's optimizer (sync mode: every trainer loads
+        the same state; a later switch to GBA carries it to the servers)."""
+        if not isinstance(state, dict) or state.get("param_names") != self.dense.names:
+            raise CheckpointError("GBA checkpoint was made for other dense parameters (or is not a GBA state_dict)")
         if self.mode != "sync":
-            raise RuntimeError("optimizer_state() is defined in sync mode; in GBA the state lives on the servers")
-        return self._flat.export()
+            raise CheckpointError("GBA state loads in sync mode (initial_mode: sync), before switching to GBA")
+        self._flat.load(state["optimizer"])
+        self.dense.copy_from(self._flat.param.detach())
 
     def server_stats(self) -> list[dict[str, Any]]:
         """Each dense shard's metrics: staleness histogram, decayed/dropped, global steps/s, queue depth."""
@@ -418,7 +435,7 @@ class GBASync:
     def _raise_shadow_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise ShadowSyncError(f"GBA shadow thread failed: {error!r}") from error
+            raise SyncError(f"GBA shadow thread failed: {error!r}") from error
 
     # ---------------------------------------------------------------------------- shadow thread
     def _shadow_loop(self) -> None:

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import torch
 from torchrec.datasets.utils import Batch
 
-from shadowgba.ctr_data import CTRTable, DataFileError, gather_jagged, offsets_of
+from ctrkit.ctr_data import CTRTable, DataFileError, gather_jagged, offsets_of
 
 WHEEL_REQUIREMENT = "recbole==1.2.1"
 WHEEL_NAME = "recbole-1.2.1-py3-none-any.whl"
@@ -80,7 +80,7 @@ class MovieLensConfig:
 
 
 class MovieLensCTR:
-    """MovieLens-100K rating samples as CTR batches; a `shadowgba.ctr_data.CTRData`. `train` and
+    """MovieLens-100K rating samples as CTR batches; a `ctrkit.ctr_data.CTRData`. `train` and
     `test` hold the two splits; `split_timestamp` is the Unix time of the earliest held-out rating."""
 
     def __init__(self, config: MovieLensConfig) -> None:

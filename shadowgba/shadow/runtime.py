@@ -34,7 +34,6 @@ import itertools
 import logging
 import threading
 import time
-import types
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -42,21 +41,19 @@ import torch.distributed as dist
 from torch import nn
 
 import sync_algos
-from shadowgba.config import BASELINES, ConfigError, SyncConfig
-from shadowgba.control import ControlFile, LiveSettings
+from shadowgba.config import SyncConfig
+from shadowgba.errors import CheckpointError, SyncError
+from shadowgba.interface import DenseSync
+from shadowgba.shadow.control import ControlFile, LiveSettings
 from shadowgba.metrics import SyncMetrics
 from shadowgba.step_hook import StepHook
-from shadowgba.dense import DenseParams, dense_named_parameters
-from shadowgba.writeback import DirectWriteBack, HandoffWriteBack, WriteBack, wait_for_device
+from shadowgba.dense import DenseParams, trainable_named_parameters
+from shadowgba.shadow.writeback import DirectWriteBack, HandoffWriteBack, WriteBack, wait_for_device
 
 logger = logging.getLogger("shadowgba")
 
 
-class ShadowSyncError(RuntimeError):
-    """The shadow thread failed; the cause is chained (`__cause__`). Local weights are intact."""
-
-
-class ShadowSync:
+class ShadowSync(DenseSync):
     """Synchronizes the dense parameters of `model` across trainers, in the background or every k steps.
 
     `optimizers` are the optimizers whose `step()` marks a step boundary: usually the one dense
@@ -75,12 +72,10 @@ class ShadowSync:
         process_group: dist.ProcessGroup | None = None,
         params: Iterable[tuple[str, nn.Parameter]] | None = None,
     ) -> None:
-        if config.algo in BASELINES:
-            raise ConfigError(f"sync.algo '{config.algo}' is a baseline that runs without ShadowSync")
         self.config = config
         optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
         self._step_hook = StepHook(optimizers, self._after_step)
-        self.dense = DenseParams(list(params if params is not None else dense_named_parameters(model)))
+        self.dense = DenseParams(list(params if params is not None else trainable_named_parameters(model)))
         self.metrics = SyncMetrics()
         self._parent_group = process_group
         self._interval_s = config.interval_ms / 1e3
@@ -104,13 +99,6 @@ class ShadowSync:
         self._snapshot = self.dense.empty()
 
     # ----------------------------------------------------------------------------------- lifecycle
-    def __enter__(self) -> "ShadowSync":
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
-        self.close(final_sync=exc is None and self.config.final_sync)
-
     def start(self) -> None:
         """Collective over the ranks: new group, broadcast of the dense weights, hooks, shadow thread."""
         if not dist.is_available() or not dist.is_initialized():
@@ -155,7 +143,7 @@ class ShadowSync:
         """Stop rounds on every rank together, then (optionally) average the replicas once, blocking.
 
         Every rank must call `close()`; a rank that calls it early waits in the final average for
-        the others. Raises `ShadowSyncError` if the shadow thread failed and that was not yet raised.
+        the others. Raises `SyncError` if the shadow thread failed and that was not yet raised.
         """
         if self._group is None:
             return
@@ -178,6 +166,20 @@ class ShadowSync:
         if final_sync:
             self.dense.average_(group)
         logger.info("shadowgba closed: %s", self.metrics.format())
+        self._release(group)
+
+    def abort(self) -> None:
+        """Stop this rank's rounds with no final average: the shadow thread raises its stop flag in
+        its next round (which its peers' threads meet) and is joined; the group is released."""
+        if self._group is None:
+            return
+        self._stop_requested.set()
+        self._first_round_due.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.config.timeout_s)
+        self._step_hook.remove()
+        group, self._group = self._group, None
+        self._error_reported = True  # the caller's exception is the one that matters
         self._release(group)
 
     def _release(self, group: dist.ProcessGroup) -> None:
@@ -216,9 +218,9 @@ class ShadowSync:
         """Restore `state_dict()` output; refuses (changing nothing) a checkpoint of another setup."""
         algorithm = self._require_started()
         if state.get("algo") != self.config.algo:
-            raise ValueError(f"checkpoint is for sync algo '{state.get('algo')}', this job runs '{self.config.algo}'")
+            raise CheckpointError(f"checkpoint is for sync algo '{state.get('algo')}', this job runs '{self.config.algo}'")
         if state.get("param_names") != self.dense.names:
-            raise ValueError(
+            raise CheckpointError(
                 "checkpoint was made for different dense parameters: "
                 f"{len(state.get('param_names') or [])} names vs {len(self.dense.names)} here"
             )
@@ -252,7 +254,7 @@ class ShadowSync:
         """Raise the shadow thread's failure once, in the calling training thread."""
         if self._error is not None and not self._error_reported:
             self._error_reported = True
-            raise ShadowSyncError(f"shadow thread failed: {self._error!r}") from self._error
+            raise SyncError(f"shadow thread failed: {self._error!r}") from self._error
 
     def _record_applied(self) -> None:
         self.metrics.record_applied(self._step)
@@ -278,7 +280,7 @@ class ShadowSync:
             except Exception as error:
                 self._error = error
                 self._error_reported = True
-                raise ShadowSyncError(f"foreground sync round failed: {error!r}") from error
+                raise SyncError(f"foreground sync round failed: {error!r}") from error
 
     def _shadow_loop(self) -> None:
         stream = torch.cuda.Stream(self.dense.device) if self.dense.device.type == "cuda" else None

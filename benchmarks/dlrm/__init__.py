@@ -1,0 +1,1 @@
+"""The benchmark harness: one torchrun DLRM job (`benchmarks/train_dlrm.py`) with every algorithm and baseline."""

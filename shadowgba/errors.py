@@ -1,0 +1,40 @@
+"""Every error shadowgba raises, in one hierarchy, so a job can catch "the sync failed" in one place.
+
+    ShadowGBAError                  base: anything the library raises on purpose
+    ├── ConfigError (ValueError)    a config key or value that cannot run; names the dotted key
+    ├── SetupError (ValueError)     a job that cannot be wired up (a DMP over the server ranks, an
+    │                               optimizer the algorithm cannot mirror ...); names the fix
+    ├── CheckpointError (ValueError) a state that does not fit this job; nothing was changed
+    └── SyncError                   a round, push or collective failed while running; the cause is
+        └── PeerLost                chained (`__cause__`) and the local weights are intact
+                                    a peer rank stopped answering; names the rank
+
+Errors raised while the library cleans up after the *user's* exception never replace it: they are
+logged and attached to it as notes (`DenseSync.__exit__`).
+"""
+
+from __future__ import annotations
+
+
+class ShadowGBAError(RuntimeError):
+    """Base of every error shadowgba raises on purpose."""
+
+
+class ConfigError(ShadowGBAError, ValueError):
+    """A configuration that cannot be used; the message names the key and the allowed values."""
+
+
+class SetupError(ShadowGBAError, ValueError):
+    """A job that cannot be wired up as given; the message names what to change."""
+
+
+class CheckpointError(ShadowGBAError, ValueError):
+    """A state that does not fit this job (another algorithm, layout or world size); nothing changed."""
+
+
+class SyncError(ShadowGBAError):
+    """Synchronization failed while running; the cause is chained and the local weights are intact."""
+
+
+class PeerLost(SyncError):
+    """A peer rank (trainer or server) stopped answering; the message names it."""

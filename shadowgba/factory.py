@@ -1,0 +1,217 @@
+"""The front door: `join` a job on every rank, then `dense_sync` on its trainers, whatever the algorithm.
+
+    job = shadowgba.join(config)          # every rank; a server rank serves here until the job ends
+    if job.is_server:
+        return
+    model = DistributedModelParallel(module, device=device, **job.dmp_kwargs())
+    with shadowgba.dense_sync(model, optimizer, job, local_batch_size=512) as sync:
+        for batch in batches:             # the user's loop (or a TorchRec train pipeline), unchanged
+            ...
+
+`join` reads `config.ps.num_servers`: without servers every rank is a trainer and the trainer group
+is the default group; with servers the last ranks become servers, start serving what `config.algo`
+needs (GBA's dense shards or the S-EASGD centre, plus embedding shards when `tables` are given) and
+return only when every trainer has called `job.close()`. The trainers' own collectives must then
+run on `job.trainer_group`: `job.dmp_kwargs()` gives TorchRec the trainer-only sharding environment
+(and no dense DDP), and `dense_sync` refuses a DMP that spans the servers, naming that fix.
+
+`dense_sync` picks the runtime: `ShadowSync` for ma, easgd, bmuf and easgd_ps (shadow thread or
+foreground rounds), `GBASync` for gba (GBA, sync all-reduce, plain async). Both are `DenseSync`s.
+For gba it also finds the dense torch optimizer inside TorchRec's keyed / combined optimizers and
+infers lockstep from TorchRec-sharded tables (their per-step all-to-all pairs the trainers' steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import sync_algos
+from shadowgba.config import PS_ALGOS, SyncConfig, load_config
+from shadowgba.dense import trainable_named_parameters
+from shadowgba.errors import SetupError
+from shadowgba.gba.runtime import GBASync, serve_dense_shard
+from shadowgba.interface import DenseSync
+from shadowgba.ps import transport
+from shadowgba.ps.easgd_center import CENTER_SERVICE, ElasticCenter
+from shadowgba.ps.embedding import DEFAULT_SERVICE, EmbeddingShard, PSEmbeddingBagCollection, PSEmbeddingConfig
+from shadowgba.shadow.runtime import ShadowSync
+
+LOCKSTEP_EVERY = 20
+"""With TorchRec-sharded tables (trainers step together anyway), how many GBA steps apart the
+trainers agree on leaving GBA, unless `sync.gba.lockstep_every` says otherwise."""
+
+
+@dataclasses.dataclass
+class Job:
+    """This rank's place in the job: trainer or server, and the group its trainer collectives use."""
+
+    config: SyncConfig
+    """The `sync` section the job was joined with."""
+    roles: transport.Roles
+    """Rank, trainers, servers, and the trainers' own process group."""
+    tables: Sequence[Any] | None = None
+    """`EmbeddingBagConfig`s of the PS-hosted tables, if any."""
+    table_options: PSEmbeddingConfig | None = None
+    """How the PS-hosted tables are initialised and updated."""
+    closed: bool = False
+
+    @property
+    def is_server(self) -> bool:
+        """Whether this rank was a parameter server (its part of the job is over when `join` returns)."""
+        return self.roles.is_server
+
+    @property
+    def trainer_group(self) -> dist.ProcessGroup:
+        """The process group of the trainers: every trainer collective (TorchRec's included) runs on it."""
+        return self.roles.trainer_group
+
+    @property
+    def trainer_index(self) -> int:
+        """This trainer's index among the trainers (its data shard)."""
+        return self.roles.trainer_index
+
+    @property
+    def num_trainers(self) -> int:
+        """How many ranks train."""
+        return len(self.roles.trainer_ranks)
+
+    def dmp_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `DistributedModelParallel`: shard over the trainers only, no dense DDP."""
+        from shadowgba.integrations import torchrec as torchrec_integration
+
+        return torchrec_integration.dmp_kwargs(self.trainer_group)
+
+    def ps_embeddings(self) -> PSEmbeddingBagCollection:
+        """The trainer side of the PS-hosted tables given to `join` (an EmbeddingBagCollection)."""
+        if self.tables is None or self.table_options is None:
+            raise SetupError("ps_embeddings() needs join(config, tables=..., table_options=...)")
+        return PSEmbeddingBagCollection(list(self.tables), self.table_options, self.roles.num_servers)
+
+    def close(self) -> None:
+        """Leave the job (collective over every rank); with servers, releases them once all trainers have."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.roles.num_servers:
+            transport.stop()
+
+
+def join(
+    config: SyncConfig | str | Path,
+    tables: Sequence[Any] | None = None,
+    table_options: PSEmbeddingConfig | None = None,
+    backend: str | None = None,
+) -> Job:
+    """Join the job on every rank (collective, after or instead of `init_process_group`).
+
+    `config` is the `sync` section, or a YAML file whose `sync` section it is. Server ranks serve
+    what the config needs and return a closed `Job` with `is_server` once the trainers are done.
+    """
+    if not isinstance(config, SyncConfig):
+        config = load_config(SyncConfig, config, section="sync")
+    if tables is not None and (table_options is None or not config.ps.num_servers):
+        raise SetupError("PS-hosted tables need table_options (see ps_table_options) and sync.ps.num_servers >= 1")
+    if not config.ps.num_servers:
+        if not dist.is_initialized():
+            dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+        roles = transport.Roles.assign(dist.get_rank(), dist.get_world_size(), num_servers=0)
+        return Job(config, dataclasses.replace(roles, trainer_group=dist.group.WORLD))
+    roles = transport.start(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s)
+    job = Job(config, roles, tables, table_options)
+    if roles.is_server:
+        _serve(job)
+        job.close()
+    return job
+
+
+def ps_table_options(
+    config: SyncConfig, num_trainers: int, local_batch_size: int, optimizer: str = "sgd", lr: float = 0.01,
+    seed: int = 0,
+) -> PSEmbeddingConfig:
+    """How PS-hosted tables update under `config`: under GBA's global-batch aggregation their row
+    gradients are aggregated over the same global batch as the dense ones and stale ones decayed by
+    the same `sync.gba.decay`; without aggregation (plain async PS) and under S-EASGD they are applied
+    on arrival (Hogwild)."""
+    aggregate = config.algo == "gba" and config.gba.aggregation == "global_batch"
+    return PSEmbeddingConfig(
+        optimizer=optimizer, lr=lr, seed=seed, max_in_flight=config.ps.max_in_flight,
+        mode="aggregate" if aggregate else "hogwild",
+        global_batch=num_trainers * local_batch_size if aggregate else 0,
+        decay=config.gba.decay if aggregate else PSEmbeddingConfig().decay,
+    )
+
+
+def dense_sync(
+    model: nn.Module,
+    optimizer: Any,
+    job: Job | SyncConfig,
+    local_batch_size: int | None = None,
+    params: Iterable[tuple[str, nn.Parameter]] | None = None,
+) -> DenseSync:
+    """The runtime that keeps `model`'s dense parameters in sync under `job.config.algo` (not started).
+
+    `optimizer` is the one whose `step()` marks a step boundary (a torch optimizer, or TorchRec's
+    keyed / combined optimizer). `local_batch_size` (samples per trainer step) is needed by gba,
+    whose global batch is trainers x local batch. `params` overrides which parameters are dense
+    (default: all trainable ones minus TorchRec-sharded tables).
+    """
+    if isinstance(job, SyncConfig):
+        if job.ps.num_servers:
+            raise SetupError(f"sync.algo '{job.algo}' with sync.ps.num_servers > 0 needs job = shadowgba.join(config) "
+                             "on every rank first")
+        job = join(job)
+    if job.is_server:
+        raise SetupError("dense_sync() runs on trainer ranks; a server's part of the job ends in join()")
+    config = job.config
+    torchrec_integration = _torchrec_integration()
+    if torchrec_integration is not None:
+        torchrec_integration.check_sharding_group(model, job.trainer_group, job.roles.num_servers)
+    named = list(params) if params is not None else list(_dense_named_parameters(model, torchrec_integration))
+    if sync_algos.get_algorithm(config.algo).kind == "gradient":
+        if local_batch_size is None or local_batch_size < 1:
+            raise SetupError("sync.algo gba needs dense_sync(..., local_batch_size=samples per trainer step)")
+        dense_optimizer = optimizer
+        lockstep_every = config.gba.lockstep_every
+        if torchrec_integration is not None:
+            dense_optimizer = torchrec_integration.dense_optimizer(optimizer, [param for _, param in named])
+            if lockstep_every is None and torchrec_integration.has_sharded_tables(model):
+                lockstep_every = LOCKSTEP_EVERY
+        return GBASync(model, dense_optimizer, config.gba, job.roles, local_batch_size, named,
+                       lockstep_every=lockstep_every or 0)
+    return ShadowSync(model, optimizer, config, process_group=job.trainer_group, params=named)
+
+
+def _serve(job: Job) -> None:
+    """A server rank's services for `job.config.algo` (trainers configure or initialise them)."""
+    if job.config.algo == "easgd_ps":
+        transport.serve(CENTER_SERVICE, ElasticCenter())
+    else:
+        serve_dense_shard()
+    if job.tables is not None:
+        shard = EmbeddingShard(list(job.tables), job.table_options, job.roles.server_index, job.roles.num_servers)
+        transport.serve(DEFAULT_SERVICE, shard)
+
+
+def _torchrec_integration() -> Any:
+    """The TorchRec adapter when torchrec is loaded (a model cannot be a DMP otherwise), else None."""
+    if "torchrec" not in sys.modules:
+        return None
+    from shadowgba.integrations import torchrec as torchrec_integration
+
+    return torchrec_integration
+
+
+def _dense_named_parameters(model: nn.Module, torchrec_integration: Any) -> Iterable[tuple[str, nn.Parameter]]:
+    if torchrec_integration is not None:
+        return torchrec_integration.dense_named_parameters(model)
+    return trainable_named_parameters(model)
+
+
+__all__ = ["Job", "PS_ALGOS", "dense_sync", "join", "ps_table_options"]

@@ -1,0 +1,1 @@
+"""GBA and its synchronous twin on a trainer (`runtime.GBASync`) and its `sync.gba` config."""

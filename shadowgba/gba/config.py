@@ -1,0 +1,37 @@
+"""`GBAConfig`: the `sync.gba` section, read by `GBASync` on the trainers and by the dense shards."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from shadowgba.flat_optimizer import LRSchedule
+from shadowgba.gba.switch_policy import SwitchPolicyConfig
+from sync_algos.gba import AggregationConfig
+
+
+@dataclasses.dataclass
+class GBAConfig(AggregationConfig):
+    """Knobs of GBA and of its synchronous twin (the aggregation rule's fields, `aggregation` and
+    `decay`, come from `sync_algos.gba.AggregationConfig`)."""
+
+    initial_mode: Literal["gba", "sync"] = "gba"
+    """Mode at start: gba (asynchronous, parameter server) or sync (dense all-reduce every step)."""
+    schedule: LRSchedule = dataclasses.field(default_factory=LRSchedule)
+    """Learning-rate schedule by global step, identical in both modes."""
+    queue_size: int = 2
+    """Gradients the training thread may hand to the shadow thread before it drops the oldest
+    (it never waits); >= 1."""
+    switch_policy: SwitchPolicyConfig = dataclasses.field(default_factory=SwitchPolicyConfig)
+    """Automatic sync <-> GBA switching."""
+    lockstep_every: int | None = None
+    """When the trainers take every step together anyway (TorchRec-sharded tables: each step's
+    all-to-all pairs them), they agree on leaving GBA every this many GBA steps, else one trainer's
+    switch barrier would meet a peer's next all-to-all. None: inferred (20 with TorchRec-sharded
+    tables, 0 otherwise); 0: trainers step independently (PS-hosted tables)."""
+
+    def __post_init__(self) -> None:
+        if self.queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
+        if self.lockstep_every is not None and self.lockstep_every < 0:
+            raise ValueError(f"lockstep_every must be >= 0 or null, got {self.lockstep_every}")

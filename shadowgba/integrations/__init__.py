@@ -1,0 +1,1 @@
+"""Adapters to the frameworks shadowgba plugs into; every TorchRec internal it touches lives here."""

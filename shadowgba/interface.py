@@ -1,0 +1,91 @@
+"""`DenseSync`: the one interface every synchronization runtime implements.
+
+Whatever `sync.algo` says (ma, easgd, bmuf in shadow or foreground mode, easgd_ps, gba in GBA,
+sync all-reduce or plain async mode), the user's loop is the same:
+
+    with shadowgba.dense_sync(model, optimizer, config.sync, job) as sync:
+        for batch in batches:
+            ...
+            optimizer.step()        # the step boundary: the runtime's per-step work hooks in here
+    print(sync.metrics.summary())
+
+Lifecycle and the closing rule:
+
+- `start()` (or entering the `with`) is collective over the trainers: it makes the dense replicas
+  identical and starts the runtime's threads.
+- `close()` is the normal end, collective over the trainers: every trainer must call it; ranks
+  that finish at different steps do not hang (each runtime's stop protocol), and with
+  `sync.final_sync` the replicas end identical. It raises the runtime's own failure, if any.
+- Leaving the `with` block by an exception calls `abort()` instead: no final sync and no collective
+  a peer might not meet; this rank's threads are stopped and joined and its groups released. The
+  user's exception is what propagates; an error while aborting is logged and attached to it as a
+  note, never raised in its place.
+- Neither leaves a thread behind, whatever raises.
+
+`state_dict()` / `load_state_dict()` work in every mode and follow torch's `Stateful` protocol, so
+a runtime composes with `torch.distributed.checkpoint`. A state that does not fit is refused with
+`CheckpointError`, changing nothing.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import types
+from typing import Any, ClassVar
+
+from shadowgba.errors import ConfigError
+
+logger = logging.getLogger("shadowgba")
+
+
+class DenseSync(abc.ABC):
+    """Keeps one trainer's dense parameters in sync with its peers'; see the module docstring."""
+
+    modes: ClassVar[tuple[str, ...]] = ()
+    """The modes `switch_mode` accepts; empty when the algorithm has none."""
+
+    mode: str | None = None
+    """The current mode (one of `modes`), or None for an algorithm without modes."""
+
+    metrics: Any
+    """Counters of this trainer's rounds / pushes, latency, bytes and training-thread cost
+    (`metrics.summary()` is a flat dict)."""
+
+    def __enter__(self) -> "DenseSync":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.abort()
+        except BaseException as error:  # the user's exception wins; ours rides along as a note
+            logger.exception("shadowgba: abort after %r failed", exc)
+            exc.add_note(f"shadowgba: while aborting the sync after this error: {error!r}")
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Collective over the trainers: identical replicas, then the runtime's threads."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """The normal end on every trainer (collective); raises the runtime's failure, if any."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """End this rank's part without any collective: stop and join threads, release groups."""
+
+    def switch_mode(self, mode: str) -> None:
+        """Ask every trainer to switch to `mode` at an agreed step (algorithms with `modes`)."""
+        raise ConfigError(f"{type(self).__name__} has no modes to switch; '{mode}' needs sync.algo gba")
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume this runtime, as tensors and plain values (Stateful)."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output; refuses (`CheckpointError`) a state of another setup."""
