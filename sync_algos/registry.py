@@ -46,6 +46,7 @@ def build_algorithm(
     options: Any,
     group: dist.ProcessGroup | None,
     initial: torch.Tensor,
+    **resources: Any,
 ) -> SyncAlgorithm:
     """Build algorithm `name` for `group`; `options` is its Config instance or a mapping of its fields."""
     cls = get_algorithm(name)
@@ -54,4 +55,4 @@ def build_algorithm(
     config = cls.Config(**options) if isinstance(options, Mapping) else options
     if not isinstance(config, cls.Config):
         raise TypeError(f"options for '{name}' must be a mapping or {cls.Config.__name__}, got {type(options).__name__}")
-    return cls(config, group, initial)
+    return cls(config, group, initial, **resources)

@@ -59,7 +59,8 @@ class ShadowSync(DenseSync):
     `optimizers` are the optimizers whose `step()` marks a step boundary: usually the one dense
     optimizer (or TorchRec's combined optimizer), one per thread with Hogwild training threads.
     `params` overrides which parameters are synchronized (default: the dense ones, i.e. all minus
-    TorchRec-sharded tables). `process_group` is the group whose ranks synchronize (default: world);
+    TorchRec-sharded tables). `algorithm_kwargs` are the algorithm's resources beyond its config
+    (S-EASGD: the client of its centre). `process_group` is the group whose ranks synchronize (default: world);
     the shadow traffic gets a new group over those ranks (unless the algorithm only talks to a
     parameter server: then `process_group` itself carries the initial broadcast and final average).
     """
@@ -71,6 +72,7 @@ class ShadowSync(DenseSync):
         config: SyncConfig,
         process_group: dist.ProcessGroup | None = None,
         params: Iterable[tuple[str, nn.Parameter]] | None = None,
+        algorithm_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
         optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
@@ -78,6 +80,7 @@ class ShadowSync(DenseSync):
         self.dense = DenseParams(list(params if params is not None else trainable_named_parameters(model)))
         self.metrics = SyncMetrics()
         self._parent_group = process_group
+        self._algorithm_kwargs = algorithm_kwargs or {}
         self._interval_s = config.interval_ms / 1e3
         self._foreground_every = config.foreground_every
         self._control = ControlFile(config.control_file) if config.control_file else None
@@ -123,7 +126,7 @@ class ShadowSync(DenseSync):
         dist.broadcast(initial, src=self._group_rank0(), group=self._group)
         self.dense.copy_from(initial)
         self._algorithm = sync_algos.build_algorithm(
-            self.config.algo, self.config.algorithm_config(), self._group, initial
+            self.config.algo, self.config.algorithm_config(), self._group, initial, **self._algorithm_kwargs
         )
         if self.config.mode == "shadow" and self.config.writeback == "handoff":
             self._writeback = HandoffWriteBack(self.dense, self._record_applied)
