@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
-from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, concat_exports, shard_bounds, slice_export
+from shadowgba.flat_optimizer import FlatOptimizer, LRSchedule, OptimizerSpec, concat_exports, shard_bounds, slice_export
+from shadowgba.gba.config import GBAConfig
+from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
 from shadowgba.ps.dense_server import DenseShard
-from shadowgba.gba.switch_policy import SwitchPolicy
-from sync_algos.gba import GBAConfig, GlobalBatchAggregator, LRSchedule, SwitchPolicyConfig
+from sync_algos.gba import GlobalBatchAggregator
 from sync_algos.staleness import StalenessDecayConfig
 
 
