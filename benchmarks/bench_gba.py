@@ -61,7 +61,7 @@ ALGOS: dict[str, Path] = {
 }
 """Benchmarked algorithms and their configs."""
 
-PS_JOB = ["--ps.num_servers", "1", "--model.embeddings", "ps", "--train.embedding_optimizer", "rowwise_adagrad"]
+PS_JOB = ["--sync.ps.num_servers", "1", "--model.embeddings", "ps", "--train.embedding_optimizer", "rowwise_adagrad"]
 """The same job shape for all three: one server rank holding the tables (and GBA's dense shard)."""
 
 TUNED_FOR_SYNC = ["--train.dense_lr", "0.008"]
@@ -106,7 +106,7 @@ def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
     overruns = run["straggler_overrun_fraction_by_trainer"]
     config = run["config"]
     batch = config["data"][config["data"]["source"]]["batch_size"]
-    per_global_step = batch if config["sync"]["options"].get("aggregation") == "none" else batch * run["trainers"]
+    per_global_step = batch if config["sync"]["gba"]["aggregation"] == "none" else batch * run["trainers"]
     return {
         "samples_per_s": run["samples_per_s_total"],
         "applied_samples_per_s": run["gba"]["global_steps_per_s"] * per_global_step,

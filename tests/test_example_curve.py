@@ -1,5 +1,5 @@
 """The example's comparison baselines and measurements under torchrun: torch's periodic model averaging
-(`sync.algo: pma`) and the held-out curve (`train.eval_every_samples`)."""
+(`baseline: pma`) and the held-out curve (`train.eval_every_samples`)."""
 
 from __future__ import annotations
 
