@@ -13,7 +13,8 @@ CONFIG ?= examples/configs/bmuf.yaml
 
 setup: $(STAMP)
 
-# torchrec goes in last with --no-deps: its declared fbgemm-gpu (CUDA) would overwrite fbgemm-gpu-cpu.
+# torchrec goes in last with --no-deps: its declared fbgemm-gpu (CUDA) would overwrite fbgemm-gpu-cpu
+# (docs/design.md, "Dependencies: torch and TorchRec on CPU machines").
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip

@@ -13,11 +13,11 @@ hold a fast trainer back), and one trainer slowed `--factor` times by `ctrkit.st
 All three share the optimizer, learning rates and global batch (N x local batch); the dense
 learning rate is the one tuned for sync (`TUNED_FOR_SYNC`), nothing is tuned per algorithm. The
 algorithms run interleaved (sync gba async sync gba async ...) over one repetition per seed of
-`--seeds` in one invocation, because identical runs differ by up to ~19% here (DESIGN §8). A
-repetition's seed is both `train.seed` (model initialisation) and `data.synthetic.seed` (the planted
-teacher and the streams): held-out AUC at 1M samples differs by ~0.01 from seed to seed, more than
-the algorithms do, so quality is also reported as each run's AUC minus sync's AUC of the same seed
-(paired).
+`--seeds` in one invocation, because identical runs differ too much on these machines to compare
+invocations (docs/benchmarks.md, "The development machines"). A repetition's seed is both
+`train.seed` (model initialisation) and `data.synthetic.seed` (the planted teacher and the
+streams): held-out AUC varies more from seed to seed than between the algorithms, so quality is
+also reported as each run's AUC minus sync's AUC of the same seed (paired).
 
 Compute: `simulated` makes every trainer's compute (batch, forward with the PS lookup, backward)
 last `--step-ms`, the slowed one's `factor` times as long, by padding the example's small model's
@@ -65,9 +65,9 @@ PS_JOB = ["--sync.ps.num_servers", "1", "--model.embeddings", "ps", "--train.emb
 """The same job shape for all three: one server rank holding the tables (and GBA's dense shard)."""
 
 TUNED_FOR_SYNC = ["--train.dense_lr", "0.008"]
-"""Sync all-reduce's best dense learning rate (Adam) for this job: a sweep of 0.001-0.016 at 4M
-samples, seeds 0 and 1 (docs/gba.md, "Benchmark at the learning rate tuned for sync"). GBA and plain async inherit
-it untuned, which is the GBA paper's protocol: a team switches its tuned synchronous job to
+"""Sync all-reduce's best dense learning rate (Adam) for this job, from a sweep of sync alone
+(docs/gba.md, "Benchmark at the learning rate tuned for sync"). GBA and plain async inherit it
+untuned, which is the GBA paper's protocol: a team switches its tuned synchronous job to
 asynchronous training without retuning. Later `--train.dense_lr` arguments override it."""
 
 SHARED_JOB = [*PS_JOB, *TUNED_FOR_SYNC]

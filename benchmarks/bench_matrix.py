@@ -19,14 +19,14 @@ Equal samples seen: every cell of a dataset trains the same number of steps per 
 same hyperparameters (the ExperimentConfig defaults, nothing tuned per algorithm), and records
 held-out AUC and log loss every 1/8 of the run (`train.eval_every_samples`; evaluation time is left
 out of the throughput window), the last point being the final evaluation. Run lengths:
-- synthetic: 1000 steps of 2 x 512 samples (1M samples). Not converged (ddp reaches AUC ~0.81
-  against the teacher's 0.865 and still gains ~0.006 per 100K samples): a mid-training comparison,
-  the length that keeps the full matrix under 40 minutes on 2 cores;
+- synthetic: 1000 steps of 2 x 512 samples (1M samples). Not converged: a mid-training
+  comparison, the length that keeps the full matrix within an hour on 2 cores;
 - MovieLens-100K: 156 steps of 2 x 512, two epochs of its 80K training ratings. Held-out AUC
-  plateaus between one and two epochs (ddp 0.701 -> 0.703) and falls after that (0.693 at four) as
-  the id embeddings overfit, so longer runs would compare algorithms on an overfitting model.
+  plateaus between one and two epochs and falls after that as the id embeddings overfit, so longer
+  runs would compare algorithms on an overfitting model.
+Both lengths were chosen from measured curves (docs/benchmarks.md, "The development machines").
 With a straggler every TorchRec job runs at the slow trainer's pace (each step's embedding all-to-all
-is a barrier, DESIGN §8), so straggler cells train a third of the steps, about the same timed window:
+is a barrier), so straggler cells train a third of the steps, about the same timed window:
 they measure throughput, and their AUC compares only among themselves. The quality table uses the
 even cells.
 The seed sets `train.seed` (model initialization) and the data seed (synthetic: teacher and streams;
@@ -182,11 +182,11 @@ PRESETS: dict[str, Preset] = {
 }
 """quick: every algorithm once (shadow mode), short synthetic runs; full: the whole matrix, 3 seeds for
 quality, the straggler cells (paced by the slow trainer: 3 times as long per step) on seed 0 only,
-which keeps it near 45 minutes on 2 cores; quality: the shadow algorithms and their peers trained 6x
+which keeps it within an hour on 2 cores; quality: the shadow algorithms and their peers trained 6x
 as long on synthetic data (6.1M samples, where ddp's held-out AUC flattens out near the teacher's),
-3 seeds, no straggler: at 1M samples the runs are mid-curve and an algorithm's AUC minus ddp's on
-the same seed is reproducible to 0.0002 yet ranges from -0.027 to +0.017 over seeds, since which
-algorithm is ahead mid-curve depends on the task."""
+3 seeds, no straggler: at 1M samples the runs are mid-curve, where an algorithm's AUC minus ddp's is
+reproducible on one seed but changes sign from seed to seed, since which algorithm is ahead
+mid-curve depends on the task (docs/benchmarks.md, "The development machines")."""
 
 STARTUP_S = 12.0
 """Measured cost of one cell besides its steps: torchrun, imports, model build, evaluations."""

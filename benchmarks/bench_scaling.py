@@ -4,7 +4,7 @@
         [--reps 2] [--duration-s 10]
 
 Every run is a `torchrun` job of `benchmarks/train_dlrm.py` on N ranks with the throughput model
-(DESIGN §6: a 338K-parameter dense net, 8 tables of 100K x 64, as bench_sync), timed for a fixed
+(`example_job.THROUGHPUT_MODEL`, as bench_sync), timed for a fixed
 window after warm-up. Runs are interleaved (every variant at every size, then the next repetition),
 and each variant's ratio to `none` is the median of its ratios to the `none` run of the same size
 and repetition. Writes JSON, a Markdown table and a PNG plot (runs/plots/scaling.png).

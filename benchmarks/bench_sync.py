@@ -2,12 +2,12 @@
 
     python benchmarks/bench_sync.py [--reps 3] [--duration-s 20] [--modes none,ddp,bmuf] [--model.x y ...]
 
-Identical runs differ by up to ~19% here (DESIGN §8), so one invocation runs every mode as a
-`torchrun` job of `benchmarks/train_dlrm.py`, interleaved (A B C ... A B C ...) over several
+Identical runs differ too much on these machines to compare invocations
+(docs/benchmarks.md, "The development machines"), so one invocation runs every mode as a `torchrun` job of `benchmarks/train_dlrm.py`, interleaved (A B C ... A B C ...) over several
 repetitions, each with a fixed timed window after warm-up. Each mode's ratio is the median of its
 per-repetition ratios to the `none` run of the same repetition, which cancels slow drifts of the
-machine. The model is throughput-sized (DESIGN §6: 8 tables of 100K x 64, a 338K-parameter dense
-net); further `--dotted.key value` arguments override every run's config. Prints a Markdown table
+machine. The model is throughput-sized (`example_job.THROUGHPUT_MODEL`: 8 tables of 100K x 64, a
+338K-parameter dense net); further `--dotted.key value` arguments override every run's config. Prints a Markdown table
 and writes every run's numbers as JSON.
 """
 

@@ -23,7 +23,8 @@ THROUGHPUT_MODEL = [
     "--model.over_arch_layer_sizes", "[512, 256, 1]",
     "--data.synthetic.num_embeddings", "100000",
 ]
-"""DESIGN §6's throughput model: 338K dense parameters, 8 tables of 100K x 64 (bench_sync, bench_scaling)."""
+"""The throughput model of bench_sync and bench_scaling: 8 tables of 100K x 64 and a 338K-parameter
+dense net, large enough that syncing it costs real time (docs/benchmarks.md, "The development machines")."""
 
 SYNTHETIC_HELDOUT = ["--data.synthetic.eval_batches", "128"]
 """Held-out synthetic set of the quality benchmarks: 128 x 512 = 65,536 samples, 4x the example's

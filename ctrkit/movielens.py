@@ -4,7 +4,7 @@ The data ships inside the `recbole==1.2.1` wheel (RecBole's atomic files for ml-
 fetched with `pip download --no-deps`, checked against a pinned sha256 and read as a zip: installing
 recbole would pull heavy dependencies. Only the three ml-100k files are extracted.
 
-The task (DESIGN.md §7): one sample per rating, label rating >= 4. Dense features are the user's age,
+The task: one sample per rating, label rating >= 4. Dense features are the user's age,
 the movie's release year, the hour and weekday of the rating (UTC), and log(1 + earlier ratings) of
 the user and of the movie, counted over strictly earlier timestamps, so no feature looks ahead.
 They are standardized with training-split statistics only. Sparse features are user, item, gender,

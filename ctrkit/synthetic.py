@@ -1,7 +1,7 @@
 """Synthetic click-through data with a planted teacher, streamed batch by batch.
 
 Quality comparisons between sync algorithms need a task whose ceiling is known and that a DLRM can
-learn within minutes (DESIGN §7/§8). Here a fixed random *teacher* scores every sample: pairwise dot
+learn within minutes. Here a fixed random *teacher* scores every sample: pairwise dot
 products of per-table teacher embeddings (the structure of DLRM's interaction layer) plus a small MLP
 on the dense features, standardized to a chosen logit spread and shifted to a chosen click rate.
 Labels are Bernoulli draws from the teacher's probability, so the teacher's own held-out AUC is the
