@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from shadowgba.config import ConfigError
+from shadowgba.errors import ConfigError
 
 
 @dataclasses.dataclass
