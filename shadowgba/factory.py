@@ -39,7 +39,7 @@ from shadowgba.errors import SetupError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.interface import DenseSync
 from shadowgba.ps import transport
-from shadowgba.ps.easgd_center import CENTER_SERVICE, ElasticCenter
+from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from shadowgba.ps.embedding import DEFAULT_SERVICE, EmbeddingShard, PSEmbeddingBagCollection, PSEmbeddingConfig
 from shadowgba.shadow.runtime import ShadowSync
 
@@ -61,6 +61,8 @@ class Job:
     table_options: PSEmbeddingConfig | None = None
     """How the PS-hosted tables are initialised and updated."""
     closed: bool = False
+    sharding_guard: Any = None
+    """On trainers of a job with servers: refuses a DMP over the whole world (`ShardingGuard`)."""
 
     @property
     def is_server(self) -> bool:
@@ -99,6 +101,8 @@ class Job:
         if self.closed:
             return
         self.closed = True
+        if self.sharding_guard is not None:
+            self.sharding_guard.remove()
         if self.roles.num_servers:
             transport.stop()
 
@@ -128,6 +132,11 @@ def join(
     if roles.is_server:
         _serve(job)
         job.close()
+        return job
+    from shadowgba.integrations import torchrec as torchrec_integration
+
+    job.sharding_guard = torchrec_integration.ShardingGuard(roles.trainer_group, roles.num_servers)
+    job.sharding_guard.install()
     return job
 
 
@@ -154,13 +163,17 @@ def dense_sync(
     job: Job | SyncConfig,
     local_batch_size: int | None = None,
     params: Iterable[tuple[str, nn.Parameter]] | None = None,
+    end_job: bool = True,
 ) -> DenseSync:
     """The runtime that keeps `model`'s dense parameters in sync under `job.config.algo` (not started).
 
     `optimizer` is the one whose `step()` marks a step boundary (a torch optimizer, or TorchRec's
     keyed / combined optimizer). `local_batch_size` (samples per trainer step) is needed by gba,
     whose global batch is trainers x local batch. `params` overrides which parameters are dense
-    (default: all trainable ones minus TorchRec-sharded tables).
+    (default: all trainable ones minus TorchRec-sharded tables). With `end_job`, a `with` block
+    over the sync that ends normally also ends this trainer's part of the job (`job.close()`,
+    releasing the servers once every trainer has); pass False to use the servers after it (e.g.
+    evaluating on PS-hosted tables) and call `job.close()` yourself.
     """
     if isinstance(job, SyncConfig):
         if job.ps.num_servers:
@@ -171,8 +184,6 @@ def dense_sync(
         raise SetupError("dense_sync() runs on trainer ranks; a server's part of the job ends in join()")
     config = job.config
     torchrec_integration = _torchrec_integration()
-    if torchrec_integration is not None:
-        torchrec_integration.check_sharding_group(model, job.trainer_group, job.roles.num_servers)
     named = list(params) if params is not None else list(_dense_named_parameters(model, torchrec_integration))
     if sync_algos.get_algorithm(config.algo).kind == "gradient":
         if local_batch_size is None or local_batch_size < 1:
@@ -185,7 +196,9 @@ def dense_sync(
                 lockstep_every = LOCKSTEP_EVERY
         return GBASync(model, dense_optimizer, config.gba, job.roles, local_batch_size, named,
                        lockstep_every=lockstep_every or 0)
-    return ShadowSync(model, optimizer, config, process_group=job.trainer_group, params=named)
+    resources = {"centre": CenterClient(job.roles.num_servers)} if config.algo == "easgd_ps" else None
+    return ShadowSync(model, optimizer, config, process_group=job.trainer_group, params=named,
+                      algorithm_kwargs=resources)
 
 
 def _serve(job: Job) -> None:

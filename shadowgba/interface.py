@@ -32,7 +32,7 @@ from __future__ import annotations
 import abc
 import logging
 import types
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from shadowgba.errors import ConfigError
 
@@ -59,12 +59,19 @@ class DenseSync(abc.ABC):
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
         if exc is None:
             self.close()
+            for finish in self.__dict__.get("_after_exit", ()):
+                finish()
             return
         try:
             self.abort()
         except BaseException as error:  # the user's exception wins; ours rides along as a note
             logger.exception("shadowgba: abort after %r failed", exc)
             exc.add_note(f"shadowgba: while aborting the sync after this error: {error!r}")
+
+    def call_after_exit(self, finish: Callable[[], None]) -> None:
+        """Run `finish` once a `with` block over this sync has closed it normally (not after an
+        exception: then peers may still wait in collectives, and only this rank's part is ended)."""
+        self.__dict__.setdefault("_after_exit", []).append(finish)
 
     @abc.abstractmethod
     def start(self) -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from shadowgba.config import ConfigError, SyncConfig, load_config, parse_overrides
+from shadowgba.gba.config import GBAConfig
+from sync_algos.bmuf import BMUFConfig
 
 
 @dataclasses.dataclass
@@ -27,24 +29,48 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_yaml_and_overrides_map_onto_dataclasses(tmp_path: Path) -> None:
-    path = write(tmp_path, "sync:\n  algo: easgd\n  options: {beta: 0.5}\nsteps: 3\n")
-    job = load_config(Job, path, ["--sync.algo", "bmuf", "--sync.interval_ms=20", "--sync.options", "{nesterov: false}"])
+    path = write(tmp_path, "sync:\n  algo: easgd\n  easgd: {beta: 0.5}\nsteps: 3\n")
+    job = load_config(Job, path, ["--sync.algo", "bmuf", "--sync.interval_ms=20", "--sync.bmuf.nesterov", "false"])
     assert job.sync.algo == "bmuf" and job.sync.interval_ms == 20.0 and job.steps == 3
-    assert job.sync.algorithm_config().nesterov is False
+    assert isinstance(job.sync.bmuf, BMUFConfig) and job.sync.algorithm_config() is job.sync.bmuf
+    assert job.sync.bmuf.nesterov is False
+    assert job.sync.easgd.beta == 0.5  # another algorithm's section stays typed and valid, just unused
+
+
+def test_changing_the_algorithm_leaves_no_options_behind_in_the_wrong_place(tmp_path: Path) -> None:
+    """The README's `--sync.algo easgd` on a bmuf file: bmuf's options stay in bmuf's section."""
+    path = write(tmp_path, "sync:\n  algo: bmuf\n  bmuf: {block_lr: 1.0, nesterov: true}\n")
+    config = load_config(SyncConfig, path, ["--sync.algo", "easgd"], section="sync")
+    assert config.algo == "easgd" and config.algorithm_config() is config.easgd
+    assert config.section == "easgd" and load_config(SyncConfig, path, ["--algo", "easgd_ps", "--ps.num_servers", "1"],
+                                                      section="sync").section == "easgd"
+
+
+def test_a_section_of_a_larger_job_file_loads_alone_and_ignores_the_application_keys(tmp_path: Path) -> None:
+    path = write(tmp_path, "sync:\n  algo: gba\n  gba: {initial_mode: sync}\nmodel: {embedding_dim: 8}\n")
+    config = load_config(SyncConfig, path, ["--model.embedding_dim", "4", "--sync.timeout_s", "9"], section="sync")
+    assert isinstance(config.gba, GBAConfig) and config.gba.initial_mode == "sync" and config.timeout_s == 9.0
+    with pytest.raises(ConfigError, match=r"sync\.gba\.queue_size must be >= 1"):
+        load_config(SyncConfig, path, ["--sync.gba.queue_size", "0"], section="sync")
 
 
 @pytest.mark.parametrize(
     "text,overrides,message",
     [
-        ("sync: {algo: sgdx}", [], r"sync\.algo: unknown algorithm 'sgdx'; allowed: \['bmuf', 'easgd', 'easgd_ps', 'gba', 'ma', 'none', 'ddp', 'pma'\]"),
+        ("sync: {algo: sgdx}", [], r"sync\.algo: unknown algorithm 'sgdx'; allowed: \['bmuf', 'easgd', 'easgd_ps', 'gba', 'ma'\]"),
+        ("sync: {algo: none}", [], r"sync\.algo: unknown algorithm 'none'"),  # baselines are the harness's
+        ("sync: {options: {beta: 0.5}}", [], r"sync\.options: unknown key"),
+        ("sync: {algo: easgd_ps}", [], r"sync\.ps\.num_servers: sync\.algo easgd_ps keeps the EASGD centre on the servers"),
+        ("sync: {algo: gba}", [], r"sync\.ps\.num_servers: sync\.gba\.initial_mode gba needs at least one parameter server"),
+        ("sync: {ps: {num_servers: 1}}", [], r"sync\.ps\.num_servers: parameter servers need sync\.algo gba or easgd_ps, not 'ma'"),
         ("sync: {algorithm: ma}", [], r"sync\.algorithm: unknown key; allowed keys: \[.*'algo'.*\]"),
         ("sync: {mode: async}", [], r"sync\.mode: 'async' is not allowed; allowed values: \['shadow', 'foreground'\]"),
         ("sync: {interval_ms: -1}", [], r"sync\.interval_ms must be >= 0, got -1"),
         ("sync: {foreground_every: 0}", [], r"sync\.foreground_every must be >= 1"),
         ("sync: {interval_ms: fast}", [], r"sync\.interval_ms: expected a number, got 'fast'"),
         ("sync: {final_sync: 1}", [], r"sync\.final_sync: expected true or false, got 1"),
-        ("sync: {algo: bmuf, options: {block_momentum: 1.5}}", [], r"sync\.options\.block_momentum must be in \[0, 1\)"),
-        ("sync: {algo: easgd, options: {eta: 0.1}}", [], r"sync\.options\.eta: unknown key; allowed keys: \['alpha', 'beta'\]"),
+        ("sync: {algo: bmuf, bmuf: {block_momentum: 1.5}}", [], r"sync\.bmuf\.block_momentum must be in \[0, 1\)"),
+        ("sync: {algo: easgd, easgd: {eta: 0.1}}", [], r"sync\.easgd\.eta: unknown key; allowed keys: \['alpha', 'beta'\]"),
         ("steps: 2.5", [], r"steps: expected an integer, got 2\.5"),
         ("", ["--sync.writeback", "locked"], r"sync\.writeback: 'locked' is not allowed; allowed values: \['handoff', 'hogwild'\]"),
         ("- just\n- a list", [], r"must hold a mapping, not list"),

@@ -133,18 +133,20 @@ GBA_CONFIGS = {"gba", "gba_ps_embeddings", "sync_allreduce", "async_ps"}
 @pytest.mark.parametrize("path", sorted((ROOT / "examples/configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path: Path) -> None:
     config = experiment_config(path)
-    assert config.sync.algo == ("gba" if path.stem in GBA_CONFIGS else path.stem)
+    assert config.algo == ("gba" if path.stem in GBA_CONFIGS else path.stem)
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["--ps.num_servers", "1"], "ps.num_servers: parameter servers need sync.algo gba or easgd_ps, not 'ma'"),
-        (["--model.embeddings", "ps"], "model.embeddings: ps needs sync.algo gba or easgd_ps and ps.num_servers >= 1"),
-        (["--sync.algo", "easgd_ps"], "ps.num_servers: sync.algo easgd_ps keeps the EASGD centre on the servers"),
-        (["--sync.algo", "gba"], "ps.num_servers: sync.options.initial_mode gba needs at least one parameter server"),
+        (["--sync.ps.num_servers", "1"], "sync.ps.num_servers: parameter servers need sync.algo gba or easgd_ps, not 'ma'"),
+        (["--model.embeddings", "ps"], "model.embeddings: ps needs sync.algo gba or easgd_ps and sync.ps.num_servers >= 1"),
+        (["--sync.algo", "easgd_ps"], "sync.ps.num_servers: sync.algo easgd_ps keeps the EASGD centre on the servers"),
+        (["--sync.algo", "gba"], "sync.ps.num_servers: sync.gba.initial_mode gba needs at least one parameter server"),
         (["--train.global_samples", "100"], "train.global_samples: counted by the GBA global step; needs sync.algo"),
-        (["--sync.algo", "gba", "--ps.num_servers", "1", "--model.embeddings", "ps"],
+        (["--baseline", "pma", "--sync.algo", "gba", "--sync.gba.initial_mode", "sync", "--sync.ps.num_servers", "1"],
+         "sync.ps.num_servers: the pma baseline runs without parameter servers"),
+        (["--sync.algo", "gba", "--sync.ps.num_servers", "1", "--model.embeddings", "ps"],
          "train.embedding_optimizer: PS tables support sgd and rowwise_adagrad, not adagrad"),
     ],
 )

@@ -67,7 +67,7 @@ def test_handoff_keeps_local_progress_made_during_rounds(algo: str) -> None:
     For BMUF with eta = 0 the rounds are MA; the default eta would add momentum and not conserve.
     """
     steps = [150, 150]
-    options = {"algo": algo} | ({"options": {"block_momentum": 0.0}} if algo == "bmuf" else {})
+    options = {"algo": algo} | ({"bmuf": BMUFConfig(block_momentum=0.0)} if algo == "bmuf" else {})
     results = run_ranks(train_constant_steps, 2, steps, options)
     torch.testing.assert_close(results[0]["initial"], results[1]["initial"])
     progress = sum(steps[r] * (r + 1) for r in range(2))

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import shadowgba
 from shadowgba import SyncConfig
 from shadowgba.shadow.runtime import ShadowSync
 from shadowgba.shadow.hogwild import HogwildThreads, shared_replicas
@@ -29,39 +30,60 @@ def dense_spread(model: nn.Module) -> float:
     return spread.item()
 
 
-def train_dmp(rank: int, world_size: int, writeback: str, steps: int, use_pipeline: bool) -> dict:
-    """Train the tiny DMP model under ShadowSync with the user's loop or TorchRec's pipeline."""
+def train_loop(model: nn.Module, optimizer: object, rank: int, steps: int, use_pipeline: bool) -> None:
+    """The user's loop, or TorchRec's `TrainPipelineSparseDist` (which calls optimizer.step() itself)."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     from tests import tiny_dmp
 
-    model, optimizer = tiny_dmp.build()
-    config = SyncConfig(algo="bmuf", writeback=writeback, interval_ms=2.0)
-    with ShadowSync(model, optimizer, config) as sync:
-        if use_pipeline:  # the pipeline calls optimizer.step() itself
-            pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
-            batches = iter([tiny_dmp.batch(rank, index) for index in range(steps)])
-            for _ in range(steps):
-                pipeline.progress(batches)
-        else:
-            for index in range(steps):
-                loss, _ = model(tiny_dmp.batch(rank, index))
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-    return {"metrics": sync.metrics.summary(), "spread": dense_spread(model)}
+    if use_pipeline:
+        pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
+        batches = iter([tiny_dmp.batch(rank, index) for index in range(steps)])
+        for _ in range(steps):
+            pipeline.progress(batches)
+    else:
+        for index in range(steps):
+            loss, _ = model(tiny_dmp.batch(rank, index))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
 
 
-@pytest.mark.parametrize(
-    "writeback,use_pipeline", [("hogwild", False), ("handoff", True)], ids=["hogwild-own-loop", "handoff-pipeline"]
-)
-def test_dmp_model_trains_hundreds_of_steps_under_shadow_sync(writeback: str, use_pipeline: bool) -> None:
-    """Hogwild writes race the training thread's autograd graph: they must not break it."""
-    results = run_ranks(train_dmp, 2, writeback, 300, use_pipeline, timeout_s=180)
-    for result in results:
-        assert result["metrics"]["steps"] == 300
-        assert result["metrics"]["applied_rounds"] >= 10, result["metrics"]
-        assert result["spread"] == 0.0
+SHADOW_CASES = [  # (label, sync config fields, steps, TorchRec pipeline)
+    ("ma-shadow-pipeline", {"algo": "ma"}, 150, True),
+    ("easgd-shadow-pipeline", {"algo": "easgd"}, 150, True),
+    ("bmuf-handoff-pipeline", {"algo": "bmuf"}, 300, True),
+    ("bmuf-hogwild-own-loop", {"algo": "bmuf", "writeback": "hogwild"}, 300, False),
+    ("bmuf-foreground-pipeline", {"algo": "bmuf", "mode": "foreground"}, 150, True),
+    ("ma-foreground-pipeline", {"algo": "ma", "mode": "foreground"}, 150, True),
+]
+
+
+def train_dmp_under_every_shadow_algorithm(rank: int, world_size: int) -> dict:
+    """The tiny DMP under each shadow algorithm through the one factory, one job for all of them."""
+    from tests import tiny_dmp
+
+    results = {}
+    for label, fields, steps, use_pipeline in SHADOW_CASES:
+        model, optimizer = tiny_dmp.build(golden_optimizer=True)
+        config = SyncConfig(**{"interval_ms": 2.0, "foreground_every": 5, **fields})
+        with shadowgba.dense_sync(model, optimizer, config) as sync:
+            train_loop(model, optimizer, rank, steps, use_pipeline)
+        results[label] = {"metrics": sync.metrics.summary(), "spread": dense_spread(model), "steps": steps}
+    return results
+
+
+def test_every_shadow_algorithm_wraps_a_torchrec_pipeline_through_the_factory() -> None:
+    """ma, easgd, bmuf (shadow, foreground; handoff, hogwild) on a DMP trained by TorchRec's
+    pipeline or the user's loop, with TorchRec's golden-script optimizer (a KeyedOptimizerWrapper
+    over every named parameter): hundreds of steps, rounds applied, replicas identical at the end.
+    Hogwild writes race the training thread's autograd graph: they must not break it."""
+    (results, _) = run_ranks(train_dmp_under_every_shadow_algorithm, 2, timeout_s=240)
+    assert list(results) == [label for label, *_ in SHADOW_CASES]
+    for label, result in results.items():
+        assert result["metrics"]["steps"] == result["steps"], label
+        assert result["metrics"]["applied_rounds"] >= 10, (label, result["metrics"])
+        assert result["spread"] == 0.0, label
 
 
 W_TRUE = torch.arange(8.0).unsqueeze(1) / 8

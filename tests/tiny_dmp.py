@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,20 +38,27 @@ class TinyRec(nn.Module):
         return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits
 
 
-def build(wrapper: DataParallelWrapper | None = None) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
-    """The sharded model (fused SGD on the tables) and an SGD optimizer over its dense parameters."""
+def build(
+    wrapper: DataParallelWrapper | None = None, dmp_kwargs: dict[str, Any] | None = None, golden_optimizer: bool = False
+) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
+    """The sharded model (fused SGD on the tables) and an SGD optimizer over its dense parameters.
+
+    `dmp_kwargs` go to DistributedModelParallel (`job.dmp_kwargs()`: shard over the trainers only);
+    `golden_optimizer` builds the optimizer as TorchRec's golden training script does, over every
+    named parameter of the DMP."""
     torch.manual_seed(dist.get_rank())  # different dense init per rank: the runtime must broadcast
     model = TinyRec()
     apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
+    kwargs = dict(dmp_kwargs or {"data_parallel_wrapper": wrapper or ShadowDataParallelWrapper()})
+    group = kwargs["env"].process_group if "env" in kwargs else dist.GroupMember.WORLD
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
+        topology=Topology(world_size=dist.get_world_size(group), compute_device="cpu"),
         constraints={t: ParameterConstraints(sharding_types=["table_wise"]) for t in TABLES},
     )
-    plan = planner.collective_plan(model, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(
-        model, device=torch.device("cpu"), plan=plan, data_parallel_wrapper=wrapper or ShadowDataParallelWrapper()
-    )
-    optimizer = KeyedOptimizerWrapper(dict(dense_named_parameters(dmp)), lambda params: torch.optim.SGD(params, lr=0.05))
+    plan = planner.collective_plan(model, [EmbeddingBagCollectionSharder()], group)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, **kwargs)
+    params = dict(dmp.named_parameters()) if golden_optimizer else dict(dense_named_parameters(dmp))
+    optimizer = KeyedOptimizerWrapper(params, lambda params: torch.optim.SGD(params, lr=0.05))
     return dmp, optimizer
 
 

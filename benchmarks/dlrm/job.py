@@ -43,7 +43,7 @@ def dense_sync(config: ExperimentConfig, model: nn.Module, optimizer: Any, job: 
         return PeriodicAveraging(params, optimizer, config.sync.foreground_every, job.trainer_group)
     if config.baseline is not None:
         return None
-    return shadowgba.dense_sync(model, optimizer, job, local_batch_size=config.data.batch_size)
+    return shadowgba.dense_sync(model, optimizer, job, local_batch_size=config.data.batch_size, end_job=False)
 
 
 def applied_samples(sync: Any, config: ExperimentConfig) -> Callable[[], int]:

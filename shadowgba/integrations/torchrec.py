@@ -6,15 +6,17 @@
   places the module on its device, leaving the dense replicas to the sync runtime. The same code
   path serves gloo on CPU and NCCL on GPUs.
 - `dense_named_parameters`: a DMP's parameters minus its sharded tables.
-- `dmp_kwargs` / `check_sharding_group`: with parameter-server ranks in the job, TorchRec must shard
+- `dmp_kwargs` / `ShardingGuard`: with parameter-server ranks in the job, TorchRec must shard
   over the trainers only; a DMP over the whole world would wait forever for the servers in its
-  all-to-all, so it is refused before the first step, naming the fix.
+  planner's collectives and all-to-all, so its construction is refused, naming the fix.
 - `dense_optimizer`: the torch optimizer of the dense parameters inside TorchRec's
   `KeyedOptimizerWrapper` / `CombinedOptimizer` (GBA mirrors its type and hyperparameters).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -27,7 +29,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from shadowgba.errors import SetupError
 
 __all__ = [
-    "ShadowDataParallelWrapper", "check_sharding_group", "dense_named_parameters", "dense_optimizer",
+    "ShadowDataParallelWrapper", "ShardingGuard", "dense_named_parameters", "dense_optimizer",
     "dmp_kwargs", "has_sharded_tables",
 ]
 
@@ -63,18 +65,44 @@ def has_sharded_tables(model: nn.Module) -> bool:
     return bool(_sharded_names(model))
 
 
-def check_sharding_group(model: nn.Module, trainer_group: dist.ProcessGroup, num_servers: int) -> None:
-    """Refuse a DMP whose tables are sharded over more ranks than the trainers (the servers included)."""
-    if not isinstance(model, DistributedModelParallel) or not num_servers:
-        return
-    sharded_over = model._env.world_size
-    trainers = dist.get_world_size(trainer_group)
-    if sharded_over != trainers:
-        raise SetupError(
-            f"the DistributedModelParallel shards its tables over {sharded_over} ranks, but only {trainers} "
-            f"train ({num_servers} are parameter servers and never join TorchRec's all-to-all, so the first "
-            "step would wait forever); build it with DistributedModelParallel(..., **job.dmp_kwargs())"
-        )
+class ShardingGuard:
+    """While installed, a `DistributedModelParallel` that would shard over more ranks than the
+    trainers is refused at construction (before its planner's first collective over the world,
+    which the servers never enter), naming the fix. `shadowgba.join` installs it on the trainers of
+    a job with parameter servers and `Job.close()` removes it."""
+
+    def __init__(self, trainer_group: dist.ProcessGroup, num_servers: int) -> None:
+        self.trainers = dist.get_world_size(trainer_group)
+        self.num_servers = num_servers
+        self._original: Any = None
+
+    def install(self) -> None:
+        original = DistributedModelParallel.__init__
+        signature = inspect.signature(original)
+        guard = self
+
+        @functools.wraps(original)
+        def checked_init(dmp: DistributedModelParallel, *args: Any, **kwargs: Any) -> None:
+            env = signature.bind(dmp, *args, **kwargs).arguments.get("env")
+            guard.check(dist.get_world_size() if env is None else env.world_size)
+            original(dmp, *args, **kwargs)
+
+        self._original = original
+        DistributedModelParallel.__init__ = checked_init
+
+    def remove(self) -> None:
+        if self._original is not None:
+            DistributedModelParallel.__init__ = self._original
+            self._original = None
+
+    def check(self, sharded_over: int) -> None:
+        if sharded_over != self.trainers:
+            raise SetupError(
+                f"this DistributedModelParallel would shard its tables over {sharded_over} ranks, but only "
+                f"{self.trainers} train ({self.num_servers} are parameter servers and never join TorchRec's "
+                "collectives, so it would wait for them forever); build it with "
+                "DistributedModelParallel(..., **job.dmp_kwargs())"
+            )
 
 
 def dense_optimizer(optimizer: Any, dense_params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
