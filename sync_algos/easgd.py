@@ -4,8 +4,9 @@ Per round on trainer i: `d_i = alpha * (s_i - c)`, the replica moves `w_i <- w_i
 centre moves by the sum of all pulls, `c <- c + allreduce(d)`. The sum of the replicas plus the
 centre is therefore conserved by a round. The centre starts at the replicas' average in the first
 round (`SyncAlgorithm.sync`) and stays identical on every rank because it only ever changes by the
-same all-reduced amount.
-(The centre-on-a-parameter-server variant, ShadowSync's S-EASGD, belongs with the PS.)
+same all-reduced amount. The variant whose centre is not replicated but exchanged with by each
+trainer alone (ShadowSync's S-EASGD, the centre on the parameter servers) is `easgd_ps`; both
+compute the pull with `elastic_pull`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ class EASGDConfig:
             raise ValueError(f"alpha must be in (0, 1] or null, got {self.alpha}")
 
 
+def elastic_pull(snapshot: torch.Tensor, centre: torch.Tensor, alpha: float) -> torch.Tensor:
+    """EASGD's elastic update, the one place it is written: the pull `d = alpha * (s - c)`.
+
+    The replica moves to `s - d` and the centre by `+d`, so the exchange conserves their sum. A
+    centre that replicas exchange with one at a time (S-EASGD) adds each `d` as it comes; the
+    replicated centre adds all of a round's pulls at once (their all-reduced sum).
+    """
+    return alpha * (snapshot - centre)
+
+
 @register
 class ElasticAveraging(SyncAlgorithm):
     """EASGD with a replicated centre `c`, updated by all-reduce."""
@@ -49,7 +60,7 @@ class ElasticAveraging(SyncAlgorithm):
         self.center = initial.clone()
 
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
-        pull = self.alpha * (snapshot - self.center)
+        pull = elastic_pull(snapshot, self.center, self.alpha)
         total_pull, any_stop = self.allreduce.sum(pull, stop)
         self.center += total_pull
         return RoundResult(snapshot - pull, any_stop, self.allreduce.bytes_per_call)

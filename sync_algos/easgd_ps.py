@@ -1,15 +1,16 @@
-"""EASGD with its centre on the parameter server (ShadowSync's S-EASGD).
+"""EASGD with its centre held elsewhere, exchanged with by each trainer alone (ShadowSync's S-EASGD).
 
-Same maths as `easgd` (`d = alpha * (s - c)`, `t = s - d`, `c <- c + d`), but the centre lives on
-the PS ranks (`shadowgba.ps.easgd_center`) and each trainer exchanges with it on its own: a round
-has no collective, so a slow trainer slows nobody and the stop flag needs no agreement (each
-trainer simply leaves its own loop). Needs the PS transport started (`shadowgba.ps.transport`) and
-every server rank serving an `ElasticCenter`.
+Same maths as `easgd` (`d = alpha * (s - c)`, `t = s - d`, `c <- c + d`, `elastic_pull`), but the
+centre is not replicated: it sits behind the `Centre` interface (in shadowgba, on the parameter
+servers), and each trainer exchanges with it on its own. A round has no collective, so a slow
+trainer slows nobody and the stop flag needs no agreement (each trainer simply leaves its own loop).
+The algorithm is built with its centre as a resource: `build_algorithm("easgd_ps", ..., centre=...)`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+import abc
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -19,34 +20,40 @@ from sync_algos.easgd import EASGDConfig
 from sync_algos.registry import register
 
 
+class Centre(abc.ABC):
+    """S-EASGD's centre `c` as one trainer sees it: the whole flat vector, wherever it is stored.
+
+    Shared by every trainer of the job; an implementation makes each `exchange` atomic with respect
+    to the other trainers' (the centre must not move between computing `d` and adding it).
+    """
+
+    @abc.abstractmethod
+    def init(self, initial: torch.Tensor) -> None:
+        """Start the centre at `initial`, the flat dense weights that every trainer holds at start;
+        every trainer calls it, and the calls after the first one change nothing."""
+
+    @abc.abstractmethod
+    def exchange(self, snapshot: torch.Tensor, alpha: float) -> torch.Tensor:
+        """One elastic exchange with snapshot `s`: move the centre by `d = alpha * (s - c)` and return `d`."""
+
+
 @register
 class ElasticAveragingPS(SyncAlgorithm):
-    """S-EASGD: elastic exchanges with a sharded centre on the parameter servers."""
+    """S-EASGD: each trainer's elastic exchanges with a shared `Centre`."""
 
     name = "easgd_ps"
     Config = EASGDConfig
     uses_collectives: ClassVar[bool] = False
 
-    def __init__(self, config: EASGDConfig, group: dist.ProcessGroup | None, initial: torch.Tensor) -> None:
+    def __init__(
+        self, config: EASGDConfig, group: dist.ProcessGroup | None, initial: torch.Tensor, centre: Centre
+    ) -> None:
+        """`group` is the trainers' group (its size sets `alpha = beta / n`); `centre` the shared centre."""
         super().__init__(config, group, initial)
-        from shadowgba.flat_optimizer import shard_bounds  # shadowgba imports sync_algos: not at module load
-        from shadowgba.ps import transport
-        from shadowgba.ps.easgd_center import CENTER_SERVICE
-
-        self._transport, self._service = transport, CENTER_SERVICE
         self.alpha = config.alpha if config.alpha is not None else config.beta / self.world_size
-        self.bounds = shard_bounds(initial.numel(), transport.roles().num_servers)
-        self._exchange("init", lambda start, end: (start, end, initial[start:end].clone()))
+        self.centre = centre
+        self.centre.init(initial)
 
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
-        pulls = self._exchange("pull", lambda start, end: (start, end, snapshot[start:end].clone(), self.alpha))
-        pull = torch.cat(pulls)
+        pull = self.centre.exchange(snapshot, self.alpha)
         return RoundResult(snapshot - pull, stop, 2 * pull.numel() * pull.element_size())
-
-    def _exchange(self, method: str, args_for_slice: Callable[[int, int], tuple[Any, ...]]) -> list[Any]:
-        """Call `method` on every centre slice in parallel; results in slice order."""
-        futures = [
-            self._transport.call_async(index, self._service, method, *args_for_slice(start, end))
-            for index, (start, end) in enumerate(self.bounds)
-        ]
-        return torch.futures.wait_all(futures)

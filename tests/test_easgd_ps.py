@@ -11,7 +11,7 @@ import torch
 
 import sync_algos
 from shadowgba.ps import transport
-from shadowgba.ps.easgd_center import CENTER_SERVICE, ElasticCenter
+from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,7 +31,9 @@ def job(rank: int, world_size: int, num_servers: int, rounds: int) -> dict | Non
         if roles.is_server:
             transport.serve(CENTER_SERVICE, ElasticCenter())
             return None
-        algorithm = sync_algos.build_algorithm("easgd_ps", {"beta": 0.5}, roles.trainer_group, INITIAL.clone())
+        algorithm = sync_algos.build_algorithm(
+            "easgd_ps", {"beta": 0.5}, roles.trainer_group, INITIAL.clone(), centre=CenterClient(num_servers)
+        )
         if roles.trainer_index == 1:
             while transport.call(0, CENTER_SERVICE, "round_count") < rounds:
                 time.sleep(0.01)
@@ -68,6 +70,7 @@ def test_centre_refuses_mismatched_slices_and_snapshots() -> None:
 
 def shadow_job(rank: int, world_size: int, steps: list[int]) -> dict | None:
     from shadowgba import SyncConfig
+    from shadowgba.ps.config import PSConfig
     from shadowgba.shadow.runtime import ShadowSync
     from tests.test_runtime import ConstantStep, flat, vector_model
 
@@ -78,8 +81,10 @@ def shadow_job(rank: int, world_size: int, steps: list[int]) -> dict | None:
             return None
         model = vector_model(roles.trainer_index)
         optimizer = ConstantStep(list(model.parameters()), increment=1.0)
-        config = SyncConfig(algo="easgd_ps", interval_ms=1.0)
-        with ShadowSync(model, optimizer, config, process_group=roles.trainer_group) as sync:
+        config = SyncConfig(algo="easgd_ps", interval_ms=1.0, ps=PSConfig(num_servers=1))
+        centre = CenterClient(roles.num_servers)
+        with ShadowSync(model, optimizer, config, process_group=roles.trainer_group,
+                        algorithm_kwargs={"centre": centre}) as sync:
             for _ in range(steps[roles.trainer_index]):
                 optimizer.step()
                 time.sleep(0.001)

@@ -1,16 +1,24 @@
-"""The EASGD centre on the parameter server: ShadowSync's S-EASGD.
+"""The EASGD centre on the parameter servers (ShadowSync's S-EASGD): the server slices and the client.
 
-Each trainer's shadow thread sends its snapshot slice; the server computes the elastic pull
-`d = alpha * (s - c)`, moves the centre `c <- c + d` and returns `d`, which the trainer subtracts
-(`t = s - d`). There is no collective: trainers talk to the centre one at a time, under its lock, so
-a slow trainer slows nobody. Each server rank holds the centre slice given by `shard_bounds`.
+The flat centre is split into contiguous slices by `shard_bounds`, one per server rank, each an
+`ElasticCenter` served under `CENTER_SERVICE`. A trainer's `CenterClient` is the `Centre` that
+`sync_algos.easgd_ps.ElasticAveragingPS` exchanges with: it sends each server its slice of the
+snapshot, all calls in flight at once; the server computes the elastic pull `d = alpha * (s - c)`
+(`sync_algos.easgd.elastic_pull`), moves its slice `c <- c + d` and returns `d`. There is no
+collective: trainers talk to each slice one at a time, under its lock, so a slow trainer slows nobody.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
+
+from shadowgba.flat_optimizer import shard_bounds
+from shadowgba.ps import transport
+from sync_algos.easgd import elastic_pull
+from sync_algos.easgd_ps import Centre
 
 CENTER_SERVICE = "easgd_center"
 
@@ -45,7 +53,7 @@ class ElasticCenter:
                     f"snapshot {tuple(snapshot.shape)} {snapshot.dtype} does not match the centre "
                     f"{tuple(self._center.shape)} {self._center.dtype}"
                 )
-            pull = alpha * (snapshot - self._center)
+            pull = elastic_pull(snapshot, self._center, alpha)
             self._center += pull
             self.rounds += 1
             return pull
@@ -59,3 +67,33 @@ class ElasticCenter:
     def round_count(self) -> int:
         with self._lock:
             return self.rounds
+
+
+class CenterClient(Centre):
+    """The trainer side of the centre: the whole flat vector over `num_servers` `ElasticCenter` slices.
+
+    Needs the PS transport started (`shadowgba.ps.transport`) and every server serving an
+    `ElasticCenter` under `service`. Holds no state: the slices follow from the vector's length by
+    `shard_bounds`, as on every trainer; a server refuses a slice that is not the one it holds.
+    """
+
+    def __init__(self, num_servers: int, service: str = CENTER_SERVICE) -> None:
+        if num_servers < 1:
+            raise ValueError(f"the S-EASGD centre needs at least one server, got num_servers={num_servers}")
+        self.num_servers = num_servers
+        self.service = service
+
+    def init(self, initial: torch.Tensor) -> None:
+        self._call_each_slice("init", initial)
+
+    def exchange(self, snapshot: torch.Tensor, alpha: float) -> torch.Tensor:
+        return torch.cat(self._call_each_slice("pull", snapshot, alpha))
+
+    def _call_each_slice(self, method: str, whole: torch.Tensor, *extra: Any) -> list[Any]:
+        """`method(start, end, whole[start:end], *extra)` on every server at once; results in slice
+        order. Slices are cloned: sending a view would send the whole vector's storage."""
+        futures = [
+            transport.call_async(index, self.service, method, start, end, whole[start:end].clone(), *extra)
+            for index, (start, end) in enumerate(shard_bounds(whole.numel(), self.num_servers))
+        ]
+        return torch.futures.wait_all(futures)
