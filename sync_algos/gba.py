@@ -2,10 +2,12 @@
 
 GBA aggregates *gradients*, not models, so it does not fit the snapshot -> target interface of
 `SyncAlgorithm`; its trainer runtime is `shadowgba.gba.GBASync` and its servers the dense shards
-of `shadowgba.ps`. What is GBA-specific lives here, free of any transport:
+and embedding shards of `shadowgba.ps`. The rule they all run lives here, once, free of any
+transport (`GlobalBatchRule`; `GlobalBatchAggregator` adds the buffer of a flat dense slice, the
+embedding shards a sparse buffer of rows):
 
 - a token is the global step k that a trainer's parameters came from; a pushed gradient's
-  staleness is `k_now - token`; a token from the future is refused;
+  staleness is `k_now - token`; a token from the future (or a negative one) is refused;
 - each push adds `w(staleness) * num_samples * g` to a buffer (g: the trainer's mean gradient over
   its local batch). Once the buffer holds one *global batch* of samples (the sync-mode global
   batch: trainers x local batch) the server applies `buffer / samples` with the one optimizer,
@@ -39,48 +41,110 @@ class AggregationConfig:
     """What a stale gradient still counts (see sync_algos.staleness)."""
 
 
-class GlobalBatchAggregator:
-    """The GBA buffer of one flat parameter shard. Not thread-safe: its owner holds a lock."""
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """What the rule decided about one push."""
 
-    def __init__(self, config: AggregationConfig, numel: int, dtype: torch.dtype, global_batch: int) -> None:
+    staleness: int
+    """`k_now - token`, in global steps."""
+    weight: float
+    """The decay weight; 0 means dropped: the push's gradient must not enter the buffer."""
+    scale: float
+    """What the push's gradient is multiplied by as it enters the buffer: weight x its samples."""
+    completed_samples: int
+    """0, or, when this push completes a global step, the samples of that global batch: the owner
+    applies `buffer / completed_samples` (the sample-weighted mean) and clears the buffer."""
+
+    @property
+    def dropped(self) -> bool:
+        return self.weight == 0.0
+
+
+class GlobalBatchRule:
+    """GBA's rule on one server, whatever it buffers (a dense slice, embedding rows).
+
+    It owns the server's global step k and the samples counted toward the current global batch;
+    the owner keeps the buffer of weighted gradient sums, adds `Admission.scale * g` to it and
+    applies it when `admit` says a global step is complete. Not thread-safe: its owner holds a lock.
+    """
+
+    def __init__(self, config: AggregationConfig, global_batch: int) -> None:
         if global_batch < 1:
             raise ValueError(f"global_batch must be >= 1 sample, got {global_batch}")
         self.config = config
         self.global_batch = global_batch
-        self.buffer = torch.zeros(numel, dtype=dtype)
-        self.buffered_samples = 0
         self.global_step = 0
+        self.buffered_samples = 0
 
     def staleness(self, token: int) -> int:
-        """`k_now - token`; refuses a token from the future."""
+        """`k_now - token`; refuses a token from the future or a negative one."""
         if token > self.global_step:
             raise ValueError(f"token {token} is from the future (global step is {self.global_step})")
         if token < 0:
             raise ValueError(f"token must be >= 0, got {token}")
         return self.global_step - token
 
-    def add(self, gradient: torch.Tensor, token: int, num_samples: int) -> tuple[int, float, torch.Tensor | None]:
-        """Buffer one gradient; returns (staleness, weight, mean gradient to apply or None)."""
+    def admit(self, token: int, num_samples: int) -> Admission:
+        """Decide one push of `num_samples` samples computed on parameters of `token`: its weight,
+        and whether it completes a global step (then k has advanced). A refused token raises
+        `ValueError` with nothing changed; a dropped push changes nothing."""
         staleness = self.staleness(token)
         weight = self.config.decay.weight(staleness)
         if weight == 0.0:
-            return staleness, weight, None
-        self.buffer.add_(gradient, alpha=weight * num_samples)
+            return Admission(staleness, weight, 0.0, 0)
         self.buffered_samples += num_samples
-        full = self.config.aggregation == "none" or self.buffered_samples >= self.global_batch
-        if not full:
-            return staleness, weight, None
-        mean = self.buffer / self.buffered_samples
+        completed = 0
+        if self.config.aggregation == "none" or self.buffered_samples >= self.global_batch:
+            completed, self.buffered_samples = self.buffered_samples, 0
+            self.global_step += 1
+        return Admission(staleness, weight, weight * num_samples, completed)
+
+    def discard(self) -> int:
+        """Forget a partly counted global batch; returns its samples."""
+        dropped, self.buffered_samples = self.buffered_samples, 0
+        return dropped
+
+
+class GlobalBatchAggregator:
+    """The GBA buffer of one flat parameter shard, under `GlobalBatchRule`. Not thread-safe: its
+    owner holds a lock."""
+
+    def __init__(self, config: AggregationConfig, numel: int, dtype: torch.dtype, global_batch: int) -> None:
+        self.rule = GlobalBatchRule(config, global_batch)
+        self.buffer = torch.zeros(numel, dtype=dtype)
+
+    @property
+    def global_step(self) -> int:
+        """The shard's k; set when the shard takes over an optimizer already at some step."""
+        return self.rule.global_step
+
+    @global_step.setter
+    def global_step(self, step: int) -> None:
+        self.rule.global_step = step
+
+    @property
+    def buffered_samples(self) -> int:
+        return self.rule.buffered_samples
+
+    def staleness(self, token: int) -> int:
+        """`k_now - token`; refuses a token from the future."""
+        return self.rule.staleness(token)
+
+    def add(self, gradient: torch.Tensor, token: int, num_samples: int) -> tuple[int, float, torch.Tensor | None]:
+        """Buffer one gradient; returns (staleness, weight, mean gradient to apply or None)."""
+        admission = self.rule.admit(token, num_samples)
+        if not admission.dropped:
+            self.buffer.add_(gradient, alpha=admission.scale)
+        if not admission.completed_samples:
+            return admission.staleness, admission.weight, None
+        mean = self.buffer / admission.completed_samples
         self.buffer.zero_()
-        self.buffered_samples = 0
-        self.global_step += 1
-        return staleness, weight, mean
+        return admission.staleness, admission.weight, mean
 
     def discard(self) -> int:
         """Drop a partly filled global batch (at a mode switch); returns the samples dropped."""
-        dropped, self.buffered_samples = self.buffered_samples, 0
         self.buffer.zero_()
-        return dropped
+        return self.rule.discard()
 
 
 @register

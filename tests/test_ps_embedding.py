@@ -223,6 +223,7 @@ MALFORMED = {
     "not a pair": ({"t": torch.tensor([2])}, 1, "expected \\(ids, rows\\)"),
     "no samples": ({"t": (torch.tensor([2]), torch.ones(1, 2))}, 0, "num_samples must be an integer >= 1"),
     "token from the future": ({"t": (torch.tensor([2]), torch.ones(1, 2))}, 1, "token 1 is from the future"),
+    "negative token": ({"t": (torch.tensor([2]), torch.ones(1, 2))}, 1, "token must be >= 0, got -1"),
     "no token": ({"t": (torch.tensor([2]), torch.ones(1, 2))}, 1, "aggregate mode needs the lookup's token"),
     "one bad table of two": (
         {"t": (torch.tensor([2]), torch.ones(1, 2)), "u": (torch.tensor([1]), torch.ones(1, 2))}, 1, "unknown table 'u'"
@@ -237,7 +238,7 @@ def test_malformed_pushes_are_refused_and_leave_the_shard_untouched(case: str, o
     built.push({"t": (torch.tensor([2]), torch.ones(1, 2))}, 1, 0)  # something pending, too
     weights, stats = rows(built, list(range(10))), built.stats()
     request, num_samples, message = MALFORMED[case]
-    token = {"token from the future": 1, "no token": None}.get(case, 0)
+    token = {"token from the future": 1, "negative token": -1, "no token": None}.get(case, 0)
     with pytest.raises(ValueError, match=f"push refused: .*{message}"):
         built.push(request, num_samples, token)
     torch.testing.assert_close(rows(built, list(range(10))), weights, rtol=0, atol=0)

@@ -34,16 +34,15 @@ validated completely before anything changes (a `ValueError` "push refused: ..."
 the problem), so a refused request leaves the shard untouched, across all its tables. Modes:
 - hogwild: a push is applied on arrival (duplicate ids summed), racing with other trainers' pushes
   at the granularity of whole pushes.
-- aggregate (GBA's sparse rule): the shard has a global step k (its applied updates); a lookup
-  returns k as its token, and the push of the gradients computed on those rows carries it back, so
-  its staleness is k_now - token (a token from the future is refused). The push's weight is
-  `config.decay.weight(staleness)` (`sync_algos.staleness`, GBA's dense default: drop beyond 2).
-  A kept push adds `weight * num_samples * grad` to a sparse buffer per table (the touched rows and
-  their sums, so memory is bounded by the rows touched in one global batch) and its samples to the
-  count; a dropped one (weight 0) changes nothing but the counters. Once `global_batch` samples have
-  arrived the buffer divided by those samples, the sample-weighted mean of the pushed gradients, is
-  applied once, the buffer cleared and k advanced. With equal batches and no staleness this is the
-  mean of the pushes: the same rule as the dense GBA shards (`sync_algos.gba`), on each shard's own k.
+- aggregate (GBA): the dense GBA shards' rule, `sync_algos.gba.GlobalBatchRule`, on each shard's
+  own global step k (its applied updates). A lookup returns k as its token, and the push of the
+  gradients computed on those rows carries it back; the rule refuses a token from the future and
+  weighs the push by its staleness (`config.decay`, GBA's dense default: drop beyond 2). A kept
+  push adds `weight * num_samples * grad` to a sparse buffer per table (the touched rows and their
+  sums, so memory is bounded by the rows touched in one global batch); a dropped one (weight 0)
+  changes nothing but the counters. Once `global_batch` samples have arrived the buffer divided by
+  those samples, the sample-weighted mean of the pushed gradients, is applied once, the buffer
+  cleared and k advanced.
 """
 
 from __future__ import annotations
@@ -63,6 +62,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from shadowgba.errors import ConfigError
 from shadowgba.ps import transport
+from sync_algos.gba import AggregationConfig, Admission, GlobalBatchRule
 from sync_algos.staleness import StalenessCounts, StalenessDecayConfig
 
 DEFAULT_SERVICE = "embedding"
@@ -148,9 +148,13 @@ class EmbeddingShard:
         self._lock = threading.Lock()
         self._tables = {table.name: self._new_table(table) for table in checked_tables(tables)}
         self._pushes = 0
-        self._updates = 0
+        self._hogwild_updates = 0
         self._rows_applied = 0
-        self._pending_samples = 0
+        self._rule = (
+            GlobalBatchRule(AggregationConfig(decay=config.decay), config.global_batch)
+            if config.mode == "aggregate" else None
+        )
+        """aggregate mode: GBA's rule, owning the global step and the samples toward the global batch."""
         self._staleness = StalenessCounts()
 
     def lookup(self, ids_by_table: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -162,7 +166,7 @@ class EmbeddingShard:
         belong to, which the push of their gradients carries back."""
         checked = {name: self._local_rows("lookup", name, ids) for name, ids in ids_by_table.items()}
         with self._lock:
-            return {name: table.weight[rows] for name, (table, rows) in checked.items()}, self._updates
+            return {name: table.weight[rows] for name, (table, rows) in checked.items()}, self._update_count()
 
     def push(self, grads_by_table: RowsByTable, num_samples: int, token: int | None = None) -> None:
         """Row gradients of one trainer batch of `num_samples` samples, computed on rows of `token`
@@ -170,35 +174,26 @@ class EmbeddingShard:
         checked = self._checked_rows("push", grads_by_table)
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"push refused: num_samples must be an integer >= 1, got {num_samples!r}")
-        aggregate = self.config.mode == "aggregate"
-        if aggregate and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
+        if self._rule is not None and (isinstance(token, bool) or not isinstance(token, int)):
             raise ValueError(f"push refused: aggregate mode needs the lookup's token, an integer >= 0; got {token!r}")
         with self._lock:
-            if aggregate and token > self._updates:
-                raise ValueError(f"push refused: token {token} is from the future (global step is {self._updates})")
+            admission = self._admit(token, num_samples)
             self._pushes += 1
-            if not aggregate:
+            if admission is None:
                 for table, rows, grads in checked:
                     self._apply(table, *_coalesce(rows, grads))
-                self._updates += 1
+                self._hogwild_updates += 1
                 return
-            staleness = self._updates - token
-            weight = self.config.decay.weight(staleness)
-            self._staleness.add(staleness, weight)
-            if weight == 0.0:
-                return
-            for table, rows, grads in checked:
-                table.pending_rows, table.pending_grads = _coalesce(
-                    torch.cat([table.pending_rows, rows]),
-                    torch.cat([table.pending_grads, grads * (weight * num_samples)]),
-                )
-            self._pending_samples += num_samples
-            if self._pending_samples >= self.config.global_batch:
+            self._staleness.add(admission.staleness, admission.weight)
+            if not admission.dropped:
+                for table, rows, grads in checked:
+                    table.pending_rows, table.pending_grads = _coalesce(
+                        torch.cat([table.pending_rows, rows]), torch.cat([table.pending_grads, grads * admission.scale])
+                    )
+            if admission.completed_samples:
                 for table in self._tables.values():
-                    self._apply(table, table.pending_rows, table.pending_grads / self._pending_samples)
+                    self._apply(table, table.pending_rows, table.pending_grads / admission.completed_samples)
                     table.clear_pending()
-                self._pending_samples = 0
-                self._updates += 1
 
     def load_rows(self, rows_by_table: RowsByTable) -> None:
         """Overwrite rows (tests, checkpoints); optimizer state and pending gradients are kept."""
@@ -214,12 +209,27 @@ class EmbeddingShard:
         with self._lock:
             return {
                 "pushes": self._pushes,
-                "updates": self._updates,
+                "updates": self._update_count(),
                 "rows_applied": self._rows_applied,
                 "pending_rows": sum(len(table.pending_rows) for table in self._tables.values()),
-                "pending_samples": self._pending_samples,
+                "pending_samples": 0 if self._rule is None else self._rule.buffered_samples,
                 **self._staleness.summary(),
             }
+
+    def _admit(self, token: int | None, num_samples: int) -> Admission | None:
+        """GBA's verdict on a push in aggregate mode, None in hogwild mode (the lock held); a
+        refused token changes nothing."""
+        if self._rule is None:
+            return None
+        try:
+            return self._rule.admit(token, num_samples)
+        except ValueError as error:  # a token from the future or a negative one
+            raise ValueError(f"push refused: {error}") from None
+
+    def _update_count(self) -> int:
+        """Optimizer applications so far (the lock held): in aggregate mode the global step k, the
+        token a lookup returns."""
+        return self._hogwild_updates if self._rule is None else self._rule.global_step
 
     def _new_table(self, config: EmbeddingBagConfig) -> _ShardTable:
         local_rows = len(range(self.server_index, config.num_embeddings, self.num_servers))
