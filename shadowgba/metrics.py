@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
+from sync_algos.staleness import StalenessCounts
+
 
 class SyncMetrics:
     """Rounds, round latency, sync gap, bytes moved and the training thread's cost of syncing."""
@@ -85,14 +87,14 @@ class GBAMetrics(SyncMetrics):
     def __init__(self) -> None:
         super().__init__()
         self.queue_dropped = 0
-        self.decayed = 0
-        self.stale_dropped = 0
+        self.push_weights = StalenessCounts()
+        """The decay weights this trainer's pushes got back from the shards (decayed / dropped)."""
         self.mode_switches = 0
 
     def record_push(self, weight: float) -> None:
+        """A shard answered a push with the decay weight it gave the gradient (0: dropped)."""
         with self._lock:
-            self.decayed += 0.0 < weight < 1.0
-            self.stale_dropped += weight == 0.0
+            self.push_weights.count_weight(weight)
 
     def record_queue_drop(self) -> None:
         with self._lock:
@@ -106,7 +108,7 @@ class GBAMetrics(SyncMetrics):
         summary = super().summary()
         with self._lock:
             summary.update(
-                queue_dropped=self.queue_dropped, decayed=self.decayed,
-                stale_dropped=self.stale_dropped, mode_switches=self.mode_switches,
+                queue_dropped=self.queue_dropped, decayed=self.push_weights.decayed,
+                stale_dropped=self.push_weights.dropped, mode_switches=self.mode_switches,
             )
         return summary

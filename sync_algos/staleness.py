@@ -9,16 +9,9 @@ A pushed gradient carries the token (global step) its parameters came from; its 
     none:           w = 1 (plain asynchronous aggregation, for comparison)
 
 and anything staler than `max_staleness` is dropped whatever the kind. The GBA paper's exact
-function could not be verified from public text, so the function is pluggable. The default, drop
-beyond a threshold of 2, was chosen by the quality benchmark (benchmarks/bench_gba.py, simulated
-compute, 4 trainers, one 3x slow, 1M samples; held-out AUC): drop 0.7840 (2 reps), inverse_power
-0.7768 (2 reps), exponential rate 0.5 0.7713 (3 reps), none 0.768. Dropping cost ~13% of the
-gradients, mostly the slow trainer's; see the GBA issue note for the caveats of so few repetitions.
-Caveat found later (docs/gba.md, "Quality against sync"): those repetitions all used seed 0 and
-ran before the trainers' watcher, when every gradient of the slow trainer was 4-5 steps stale;
-the differences are within the 0.01-0.02 AUC that separates seeds at 1M samples. With the watcher
-staleness beyond 2 is rare (p90 2) and the kinds differ only on some of the slow trainer's
-gradients, so the default is kept but not strongly supported by these numbers.
+function could not be verified from public text, so the function is pluggable. Why the default is
+drop beyond a threshold of 2, and how weakly the measurements support it: docs/gba.md (the decay
+function paragraphs under "Benchmark at the learning rate tuned for sync").
 """
 
 from __future__ import annotations
@@ -70,8 +63,12 @@ class StalenessDecayConfig:
 
 
 class StalenessCounts:
-    """What a server saw of the staleness of its pushes: a histogram and the decayed / dropped
-    counts. Not thread-safe: the server holds its own lock around `add` and `summary`."""
+    """What was seen of the staleness of pushes: a histogram and the decayed / dropped counts.
+
+    The one place that classifies a decay weight (0: dropped, strictly between 0 and 1: decayed),
+    for the servers (which know each push's staleness: `add`) and the trainers (which only learn
+    the weight their push got back: `count_weight`). Not thread-safe: the owner holds its own lock.
+    """
 
     BUCKETS = 16
     """The histogram keeps exact counts for 0..15 and one bucket, "16+", for 16 or more."""
@@ -86,6 +83,10 @@ class StalenessCounts:
     def add(self, staleness: int, weight: float) -> None:
         """Count one push of this staleness that the decay weighted by `weight`."""
         self._histogram[min(staleness, self.BUCKETS)] += 1
+        self.count_weight(weight)
+
+    def count_weight(self, weight: float) -> None:
+        """Count one push the decay weighted by `weight`, its staleness unknown here (not in the histogram)."""
         self.dropped += weight == 0.0
         self.decayed += 0.0 < weight < 1.0
 
