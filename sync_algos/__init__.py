@@ -1,7 +1,9 @@
-"""Dense-parameter synchronization algorithms, one module each, selected by name.
+"""Synchronization algorithms, maths only: one module each, selected by name (`registry`).
 
-Importing the package registers every built-in algorithm: `ma`, `easgd`, `bmuf`, `easgd_ps` (model
-averaging family, run by ShadowSync) and `gba` (gradient aggregation, run by GBASync).
+Importing the package registers every built-in algorithm: `ma`, `easgd`, `bmuf`, `easgd_ps` (the
+model-averaging family; `build_algorithm` builds them) and `gba` (gradient aggregation: the rule the
+parameter servers run). Nothing here imports `shadowgba` or talks to the network: what an algorithm
+needs from outside (S-EASGD's centre) comes in through a small interface (`easgd_ps.Centre`).
 """
 
 from sync_algos.base import FlaggedAllReduce, RoundResult, SyncAlgorithm

@@ -5,11 +5,12 @@ Every rank holds the same global model `Wg` and block momentum `D`. Per round:
 block's starting point) is `t = Wg + eta*D` (Nesterov) or `t = Wg` (classic). With `eta = 0,
 zeta = 1` it is exactly MA.
 
-`start` is the previous round's target: `Wg` for classic BMUF, as in DESIGN.md §4, but `Wg + eta*D`
-for Nesterov. Measuring the block update G from `Wg` under Nesterov would count the look-ahead
-`eta*D`, which the replicas already hold, a second time: `D <- 2*eta*D + progress`, which stops
-decaying at the default eta = 1 - 1/n for n = 2 and diverges beyond (observed: Hogwild training
-stalled). Measured from the block's start, G is the replicas' own progress, as in fairseq's BMUF.
+`start` is the previous round's target: `Wg` for classic BMUF, but `Wg + eta*D` for Nesterov. The
+textbook form `G = a - Wg`, used under Nesterov, would count the look-ahead `eta*D`, which the
+replicas already hold, a second time: `D <- 2*eta*D + progress`, which stops decaying at the
+default eta = 1 - 1/n for n = 2 and diverges beyond (observed: Hogwild training stalled).
+Measured from the block's start, G is the replicas' own progress, as in fairseq's BMUF; for
+classic BMUF the two forms are the same.
 
 The first round places `Wg` at the replicas' average with `D = 0` (`SyncAlgorithm.sync`), so the
 block momentum starts from the first synchronized block, not from the unsynchronized warm-up.

@@ -1,9 +1,15 @@
-"""String registry of synchronization algorithms: the config names one, the registry builds it.
+"""String registry of synchronization algorithms: every entry is selectable by its `name`.
 
-Two kinds are registered: *model* algorithms (`SyncAlgorithm` subclasses: a round maps a snapshot
-of the dense parameters to a target; run by `shadowgba.ShadowSync`) and *gradient* algorithms
-(GBA: trainers push gradients to a parameter server; run by `shadowgba.gba.GBASync`). Every entry
-has a `name`, a `kind` and a `Config` dataclass that validates `sync.options`.
+Each entry has a `name`, a `kind` and a `Config` dataclass that validates its options. There are
+two kinds:
+
+- *model* (`ma`, `easgd`, `bmuf`, `easgd_ps`): `SyncAlgorithm` subclasses, whose round maps a
+  snapshot of the dense parameters to a target. They are built here, `build_algorithm(name, ...)`,
+  with whatever resources beyond their config they need (S-EASGD's `centre`).
+- *gradient* (`gba`): trainers push gradients rather than exchange models, so there is no round to
+  build. The entry names GBA's aggregation rule, which the parameter servers run
+  (`sync_algos.gba`); the trainer runtime that pushes to them is chosen by shadowgba's factory
+  from this kind. `build_algorithm` therefore builds model algorithms only and says so for gba.
 """
 
 from __future__ import annotations
@@ -48,10 +54,12 @@ def build_algorithm(
     initial: torch.Tensor,
     **resources: Any,
 ) -> SyncAlgorithm:
-    """Build algorithm `name` for `group`; `options` is its Config instance or a mapping of its fields."""
+    """Build model algorithm `name` for `group`; `options` is its Config instance or a mapping of its
+    fields; `resources` go to its constructor as keyword arguments (S-EASGD: `centre`)."""
     cls = get_algorithm(name)
     if cls.kind != "model":
-        raise ValueError(f"'{name}' is a {cls.kind} algorithm: it runs in shadowgba.gba.GBASync, not ShadowSync")
+        raise ValueError(f"'{name}' is a {cls.kind} algorithm: no round to build; its rule runs on the parameter "
+                         "servers and its trainer runtime is shadowgba.gba.GBASync, not ShadowSync")
     config = cls.Config(**options) if isinstance(options, Mapping) else options
     if not isinstance(config, cls.Config):
         raise TypeError(f"options for '{name}' must be a mapping or {cls.Config.__name__}, got {type(options).__name__}")

@@ -6,6 +6,11 @@ import pytest
 import torch
 
 import sync_algos
+from shadowgba.metrics import GBAMetrics
+from sync_algos.easgd import elastic_pull
+from sync_algos.easgd_ps import Centre
+from sync_algos.gba import Admission, AggregationConfig, GlobalBatchRule
+from sync_algos.staleness import StalenessCounts, StalenessDecayConfig
 from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -171,3 +176,89 @@ def test_state_dict_round_trip_and_refusal_of_a_foreign_checkpoint() -> None:
 def test_unknown_algorithm_names_the_allowed_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown sync algorithm 'sgdx'; allowed: \['bmuf', 'easgd', 'easgd_ps', 'gba', 'ma'\]"):
         sync_algos.get_algorithm("sgdx")
+
+
+class ScriptedCentre(Centre):
+    """A centre that answers each exchange with a pull fixed in advance and records the calls."""
+
+    def __init__(self, pulls: list[torch.Tensor]) -> None:
+        self.pulls = pulls
+        self.initial: torch.Tensor | None = None
+        self.exchanges: list[tuple[torch.Tensor, float]] = []
+
+    def init(self, initial: torch.Tensor) -> None:
+        self.initial = initial.clone()
+
+    def exchange(self, snapshot: torch.Tensor, alpha: float) -> torch.Tensor:
+        self.exchanges.append((snapshot.clone(), alpha))
+        return self.pulls[len(self.exchanges) - 1]
+
+
+def easgd_ps_rounds(rank: int, world_size: int, stops: list[bool]) -> dict:
+    """S-EASGD against a scripted centre: the algorithm only talks to its `Centre`."""
+    pulls = [torch.full((SIZE,), 0.1 * (r + 1), dtype=torch.float64) for r in range(len(stops))]
+    centre = ScriptedCentre(pulls)
+    algorithm = sync_algos.build_algorithm("easgd_ps", {"beta": 0.6}, None, INITIAL.clone(), centre=centre)
+    results = [algorithm.sync(snapshot_of(rank, r), stop=stop) for r, stop in enumerate(stops)]
+    return {"results": results, "pulls": pulls, "initial": centre.initial, "exchanges": centre.exchanges}
+
+
+def test_easgd_ps_targets_its_centres_pull_with_alpha_beta_over_n_and_no_agreement_on_stop() -> None:
+    stops = [False, True]
+    for rank, result in enumerate(run_ranks(easgd_ps_rounds, 2, stops)):
+        torch.testing.assert_close(result["initial"], INITIAL)
+        for r, (round_result, pull) in enumerate(zip(result["results"], result["pulls"])):
+            snapshot, alpha = result["exchanges"][r]
+            torch.testing.assert_close(snapshot, snapshot_of(rank, r))
+            assert alpha == 0.6 / 2
+            torch.testing.assert_close(round_result.target, snapshot - pull)  # no averaging first round
+            assert round_result.stop == stops[r]  # each trainer's own flag: no collective
+            assert round_result.bytes_moved == 2 * SIZE * 8
+
+
+def test_elastic_pull_conserves_replica_plus_centre() -> None:
+    snapshot, centre = snapshot_of(0, 0), INITIAL.clone()
+    pull = elastic_pull(snapshot, centre, 0.25)
+    torch.testing.assert_close(pull, 0.25 * (snapshot - centre))
+    torch.testing.assert_close((snapshot - pull) + (centre + pull), snapshot + centre)
+
+
+def test_gba_rule_refuses_bad_tokens_and_closes_a_global_batch_on_the_sample_count() -> None:
+    rule = GlobalBatchRule(AggregationConfig(decay=StalenessDecayConfig(threshold=0)), global_batch=5)
+    for token, message in ((1, r"token 1 is from the future \(global step is 0\)"), (-1, "token must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            rule.admit(token, 1)
+    assert (rule.global_step, rule.buffered_samples) == (0, 0)
+    assert rule.admit(0, 3) == Admission(staleness=0, weight=1.0, scale=3.0, completed_samples=0)
+    assert rule.admit(0, 4) == Admission(staleness=0, weight=1.0, scale=4.0, completed_samples=7)
+    assert (rule.global_step, rule.buffered_samples) == (1, 0)
+    dropped = rule.admit(0, 9)  # staleness 1 > threshold 0: dropped, counts nothing
+    assert dropped.dropped and (dropped.scale, dropped.completed_samples, rule.buffered_samples) == (0.0, 0, 0)
+    rule.admit(1, 2)
+    assert rule.discard() == 2 and rule.buffered_samples == 0
+    with pytest.raises(ValueError, match="global_batch must be >= 1"):
+        GlobalBatchRule(AggregationConfig(), global_batch=0)
+
+
+def test_gba_rule_without_aggregation_completes_a_step_on_every_kept_push() -> None:
+    rule = GlobalBatchRule(AggregationConfig(aggregation="none"), global_batch=100)
+    assert [rule.admit(k, 2).completed_samples for k in range(3)] == [2, 2, 2]
+    assert rule.global_step == 3
+
+
+def test_staleness_counts_classify_weights_for_servers_and_trainers_alike() -> None:
+    counts = StalenessCounts()
+    for staleness, weight in ((0, 1.0), (3, 0.5), (20, 0.0)):
+        counts.add(staleness, weight)
+    assert counts.summary() == {"decayed": 1, "dropped": 1, "staleness_histogram": {"0": 1, "3": 1, "16+": 1}}
+    trainer = GBAMetrics()
+    for weight in (1.0, 0.5, 0.0, 0.0):
+        trainer.record_push(weight)
+    assert (trainer.summary()["decayed"], trainer.summary()["stale_dropped"]) == (1, 2)
+
+
+def test_every_entry_has_a_kind_and_only_model_algorithms_are_built_here() -> None:
+    kinds = {name: sync_algos.get_algorithm(name).kind for name in sync_algos.algorithm_names()}
+    assert kinds == {"bmuf": "model", "easgd": "model", "easgd_ps": "model", "gba": "gradient", "ma": "model"}
+    with pytest.raises(ValueError, match="'gba' is a gradient algorithm: no round to build; its rule runs on the"):
+        sync_algos.build_algorithm("gba", {}, None, INITIAL.clone())
