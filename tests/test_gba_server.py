@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
-from shadowgba.flat_optimizer import FlatOptimizer, LRSchedule, OptimizerSpec, concat_exports, shard_bounds, slice_export
+from shadowgba.flat_optimizer import (FlatOptimizer, LRSchedule, OptimizerSpec, concat_exports, shard_bounds,
+                                      slice_export)
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
-from shadowgba.ps.dense_server import DenseShard
+from shadowgba.ps.dense_server import DenseShard, PushRequest
 from sync_algos.gba import GlobalBatchAggregator
 from sync_algos.staleness import StalenessDecayConfig
 
@@ -133,10 +134,10 @@ def configured_shard(numel: int = 4) -> DenseShard:
 )
 def test_malformed_pushes_are_refused_and_leave_the_shard_untouched(args: tuple, message: str) -> None:
     shard = configured_shard()
-    shard.push(1, 0, 4, torch.ones(4), 0, 1, 0.0)  # half a global batch buffered
+    shard.push(PushRequest(1, 0, 4, torch.ones(4), 0, 1, 0.0))  # half a global batch buffered
     before = shard.stats()
     with pytest.raises(ValueError, match=message):
-        shard.push(*args)
+        shard.push(PushRequest(*args))
     after = shard.stats()
     assert after["buffered_samples"] == before["buffered_samples"] == 1
     assert after["pushes"] == before["pushes"] and after["global_step"] == 0
@@ -145,11 +146,11 @@ def test_malformed_pushes_are_refused_and_leave_the_shard_untouched(args: tuple,
 
 def test_shard_steps_once_per_global_batch_and_tracks_staleness() -> None:
     shard = configured_shard()
-    shard.push(0, 0, 4, torch.ones(4), 0, 1, 0.0)
-    reply = shard.push(1, 0, 4, torch.ones(4), 0, 1, 0.0)
+    shard.push(PushRequest(0, 0, 4, torch.ones(4), 0, 1, 0.0))
+    reply = shard.push(PushRequest(1, 0, 4, torch.ones(4), 0, 1, 0.0))
     assert reply.token == 1
     torch.testing.assert_close(reply.params, -torch.ones(4))  # SGD lr 1 on the mean gradient
-    shard.push(0, 0, 4, torch.ones(4), 0, 1, 0.0)  # staleness 1
+    shard.push(PushRequest(0, 0, 4, torch.ones(4), 0, 1, 0.0))  # staleness 1
     stats = shard.stats()
     assert stats["staleness_histogram"] == {"0": 2, "1": 1} and stats["global_step"] == 1
 
@@ -184,10 +185,10 @@ def test_watch_answers_once_the_global_step_passes_the_token_and_none_once_expor
     answered: list[object] = []
     waiter = threading.Thread(target=lambda: answered.append(shard.watch(token=0, timeout_s=5.0)))
     waiter.start()
-    shard.push(0, 0, 4, torch.ones(4), 0, 1, 0.0)
+    shard.push(PushRequest(0, 0, 4, torch.ones(4), 0, 1, 0.0))
     time.sleep(0.05)
     assert not answered  # half a global batch: k has not moved
-    shard.push(1, 0, 4, torch.ones(4), 0, 1, 0.0)
+    shard.push(PushRequest(1, 0, 4, torch.ones(4), 0, 1, 0.0))
     waiter.join(timeout=2.0)
     assert answered and answered[0].token == 1
     torch.testing.assert_close(answered[0].params, -torch.ones(4))

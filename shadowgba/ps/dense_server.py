@@ -18,6 +18,10 @@ Invariants:
   trainer's watcher thread holds the newest parameters without polling. At most `WATCHERS` calls
   wait at once, each holding one of the server's RPC threads for at most its timeout; further
   ones are answered at once, so watches can never starve pushes of threads.
+
+Trainers never name the service's methods as strings: `DenseShardClient` (below) has one typed
+method per `DenseShard` method, fans it out over every shard in parallel and returns the shards'
+replies in shard order. `serve_dense_shard()` is the server rank's side of the same service name.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec
+from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, concat_exports, shard_bounds, slice_export
+from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy
-from sync_algos.gba import AggregationConfig, GlobalBatchAggregator
+from shadowgba.ps import transport
+from sync_algos.gba import GlobalBatchAggregator
 from sync_algos.staleness import StalenessCounts
 
 WATCHERS = 8
@@ -40,6 +46,27 @@ WATCHERS = 8
 RPC threads by default); the rest are answered at once."""
 WATCH_MAX_S = 1.0
 """Longest one `watch` call may wait, whatever timeout it asks for."""
+DENSE_SERVICE = "dense"
+"""The transport service name the dense shards are served under."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PushRequest:
+    """One trainer's gradient for one shard's slice: what `DenseShard.push` takes."""
+
+    trainer: int
+    """Index of the pushing trainer (its compute time and push count are kept per trainer)."""
+    start: int
+    end: int
+    """The slice [start, end) of the flat dense vector the gradient is for (must be the shard's)."""
+    gradient: torch.Tensor
+    """The trainer's mean gradient over its local batch, for that slice."""
+    token: int
+    """The shard's global step the trainer's parameters came from (staleness = k - token)."""
+    num_samples: int
+    """Samples the gradient was computed on (its weight in the global batch)."""
+    compute_s: float
+    """The trainer's last compute time, seen by the shard's switch policy."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +107,7 @@ class DenseShard:
 
     # -------------------------------------------------------------------------------- mode changes
     def configure(self, start: int, end: int, num_trainers: int, spec: OptimizerSpec, exported: dict[str, Any],
-                  config: AggregationConfig, global_batch: int) -> None:
+                  config: GBAConfig, global_batch: int) -> None:
         """Own slice [start, end): take over its parameters, optimizer state and global step
         (at start, or at a switch to GBA)."""
         numel = end - start
@@ -160,8 +187,7 @@ class DenseShard:
                     self._watchers -= 1
             return None if self._aggregator is None else self._reply()
 
-    def push(self, trainer: int, start: int, end: int, gradient: torch.Tensor, token: int, num_samples: int,
-             compute_s: float) -> ShardReply:
+    def push(self, request: PushRequest) -> ShardReply:
         """Add one trainer's gradient slice; step the optimizer when a global batch is complete."""
         with self._lock:
             self._in_flight += 1
@@ -169,12 +195,12 @@ class DenseShard:
         try:
             with self._lock:
                 optimizer, aggregator = self._require_configured()
-                self._validate(trainer, start, end, gradient, num_samples)
-                staleness, weight, mean = aggregator.add(gradient, token, num_samples)
+                self._validate(request)
+                staleness, weight, mean = aggregator.add(request.gradient, request.token, request.num_samples)
                 self._pushes += 1
-                self._pushes_by_trainer[trainer] += 1
+                self._pushes_by_trainer[request.trainer] += 1
                 self._staleness.add(staleness, weight)
-                self._compute_s[trainer] = compute_s
+                self._compute_s[request.trainer] = request.compute_s
                 if mean is not None:
                     optimizer.step(mean)
                     self._changed.notify_all()
@@ -215,12 +241,14 @@ class DenseShard:
             raise RuntimeError(f"dense shard [{self.start}, {self.end}) is not serving GBA (sync mode or not configured)")
         return self._optimizer, self._aggregator
 
-    def _validate(self, trainer: int, start: int, end: int, gradient: torch.Tensor, num_samples: int) -> None:
+    def _validate(self, request: PushRequest) -> None:
+        """Refuse (ValueError) a push this shard cannot apply; the aggregator checks the token."""
         prefix = f"push refused by dense shard [{self.start}, {self.end})"
-        if (start, end) != (self.start, self.end):
-            raise ValueError(f"{prefix}: unknown parameter slice [{start}, {end})")
-        if not 0 <= trainer < self.num_trainers:
-            raise ValueError(f"{prefix}: unknown trainer {trainer} (have {self.num_trainers})")
+        if (request.start, request.end) != (self.start, self.end):
+            raise ValueError(f"{prefix}: unknown parameter slice [{request.start}, {request.end})")
+        if not 0 <= request.trainer < self.num_trainers:
+            raise ValueError(f"{prefix}: unknown trainer {request.trainer} (have {self.num_trainers})")
+        gradient, num_samples = request.gradient, request.num_samples
         if not isinstance(gradient, torch.Tensor):
             raise ValueError(f"{prefix}: gradient must be a tensor, got {type(gradient).__name__}")
         param = self._optimizer.param
@@ -232,3 +260,73 @@ class DenseShard:
             raise ValueError(f"{prefix}: num_samples must be >= 1, got {num_samples}")
         if not torch.isfinite(gradient).all():
             raise ValueError(f"{prefix}: gradient has NaN or inf values")
+
+
+def serve_dense_shard() -> None:
+    """On a server rank: host an (unconfigured) dense shard; trainers configure it."""
+    transport.serve(DENSE_SERVICE, DenseShard())
+
+
+class DenseShardClient:
+    """The trainer side of the dense shards: one typed method per `DenseShard` method.
+
+    The flat dense vector of `numel` elements is split over `num_shards` shards by `shard_bounds`
+    (shard i on server i). Each method calls every shard that has a part in it, in parallel, and
+    returns the replies in shard order; a shard's exception is raised here with its own type and
+    message (`transport.call_async`). Switch and close requests go to shard 0 alone: one place
+    decides them, under one lock (`DenseShard.begin_close`). With no shards (a job without servers)
+    the client is empty and every fan-out returns nothing.
+    """
+
+    def __init__(self, numel: int, num_shards: int) -> None:
+        self.bounds: list[tuple[int, int]] = shard_bounds(numel, num_shards) if num_shards else []
+        """The [start, end) slice of each shard, in shard order."""
+
+    def configure(self, num_trainers: int, spec: OptimizerSpec, exported: dict[str, Any], config: GBAConfig,
+                  global_batch: int) -> None:
+        """Load a whole-vector optimizer `export()`, sliced, into the shards (they start serving GBA)."""
+        self._fan_out("configure", [
+            (start, end, num_trainers, spec, slice_export(exported, start, end), config, global_batch)
+            for start, end in self.bounds
+        ])
+
+    def push(self, trainer: int, gradient: torch.Tensor, tokens: list[int], num_samples: int,
+             compute_s: float) -> list[ShardReply]:
+        """Push each shard its slice of the whole-vector `gradient`, with that shard's token."""
+        return self._fan_out("push", [
+            (PushRequest(trainer, start, end, gradient[start:end], token, num_samples, compute_s),)
+            for (start, end), token in zip(self.bounds, tokens)
+        ])
+
+    def pull(self) -> list[ShardReply]:
+        """Every shard's parameters and token, now."""
+        return self._fan_out("pull")
+
+    def watch(self, tokens: list[int], timeout_s: float) -> list[ShardReply | None]:
+        """Long-poll each shard for a global step past its token (`DenseShard.watch`)."""
+        return self._fan_out("watch", [(token, timeout_s) for token in tokens])
+
+    def export(self) -> dict[str, Any]:
+        """Take the shards' optimizer state back as one whole-vector export; the shards go idle."""
+        return concat_exports(self._fan_out("export"))
+
+    def begin_close(self) -> bool:
+        """Ask shard 0 to close in GBA mode (`DenseShard.begin_close`): False while a switch is pending."""
+        return transport.call(0, DENSE_SERVICE, "begin_close")
+
+    def request_mode(self, mode: str) -> bool:
+        """Ask shard 0 to carry a switch to `mode` to every trainer; False once a trainer is closing."""
+        return transport.call(0, DENSE_SERVICE, "request_mode", mode)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each shard's `DenseShard.stats()`."""
+        return self._fan_out("stats")
+
+    def _fan_out(self, method: str, args_by_shard: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
+        """Call `method` on shard i with `args_by_shard[i]` (default: no arguments), all at once;
+        the results in shard order."""
+        if args_by_shard is None:
+            args_by_shard = [()] * len(self.bounds)
+        return torch.futures.wait_all([
+            transport.call_async(index, DENSE_SERVICE, method, *args) for index, args in enumerate(args_by_shard)
+        ])

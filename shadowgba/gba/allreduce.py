@@ -1,0 +1,73 @@
+"""Sync mode's one collective per step: an all-reduce that carries the gradient and the control flags.
+
+Each trainer step in sync mode is exactly one `all_reduce` (SUM) over the trainer group of one flat
+buffer, laid out as
+
+    [ gradient (numel) | contributors (1) | stop (1) | switch (1) | compute time (1 per trainer) ]
+
+- gradient: this trainer's gradient, or zeros when it does not contribute (its closing round);
+- contributors: 1 from each trainer that contributed, so the sum is the divisor of the mean;
+- stop: 1 from a trainer that is closing: its peers stop issuing collectives (`runtime.Mode.LOCAL`);
+- switch: 1 from a trainer that was asked (`switch_mode("gba")`) to switch to GBA;
+- compute time: each trainer writes only its own slot, so the sum is every trainer's time.
+
+Folding the flags and the times into the gradient's all-reduce is what makes sync mode need no
+agreement round: every trainer receives the same sums after the same step, so every trainer takes
+the same decision there (stop, switch, or what the switch policy says about the times), and no
+second collective can be left unmatched. The buffer is allocated once; its fields are named views
+of it (`torch.split`), so the layout is written down in one place, `SyncAllReduce.__init__`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncRound:
+    """What one sync all-reduce brought back (the same on every trainer)."""
+
+    mean_gradient: torch.Tensor | None
+    """The mean of the contributed gradients (a new tensor), or None when this trainer did not
+    contribute or nobody did."""
+    stopped: bool
+    """A trainer is closing: no more collectives until `close()`."""
+    switch_to_gba: bool
+    """A trainer was asked to switch to GBA."""
+    compute_times: list[float]
+    """Every trainer's compute time of this step, in trainer order (for the switch policy)."""
+
+
+class SyncAllReduce:
+    """One trainer's side of the sync-mode all-reduce; see the module docstring for the layout."""
+
+    def __init__(self, numel: int, num_trainers: int, trainer_index: int, group: dist.ProcessGroup | None,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self._buffer = torch.zeros(numel + 3 + num_trainers, dtype=dtype, device=device)
+        self._gradient, self._control = self._buffer.split([numel, 3 + num_trainers])
+        """The gradient field, and everything after it (read back in one device-to-host copy)."""
+        self._contributors, self._stop, self._switch, self._compute_times = self._control.split([1, 1, 1, num_trainers])
+        self._trainer_index = trainer_index
+        self._group = group
+
+    def round(self, gradient: torch.Tensor | None, stop: bool, switch_to_gba: bool, compute_s: float) -> SyncRound:
+        """All-reduce this trainer's `gradient` (None: contribute nothing) and flags; blocking, collective."""
+        self._buffer.zero_()
+        if gradient is not None:
+            self._gradient.copy_(gradient)
+            self._contributors.fill_(1.0)
+        self._stop.fill_(float(stop))
+        self._switch.fill_(float(switch_to_gba))
+        self._compute_times[self._trainer_index] = compute_s
+        dist.all_reduce(self._buffer, group=self._group)
+        contributors, stopped, switch, *compute_times = self._control.tolist()
+        contributed = gradient is not None and contributors > 0
+        return SyncRound(
+            mean_gradient=self._gradient / contributors if contributed else None,
+            stopped=stopped > 0,
+            switch_to_gba=switch > 0,
+            compute_times=compute_times,
+        )

@@ -1,0 +1,274 @@
+"""GBA mode's asynchronous client: the training thread hands gradients off and never waits.
+
+    training thread --submit(gradient)--> bounded queue --> pusher thread --push--> shards
+          ^                                                     |  replies
+          +--install_fresh()-- newest reply per shard <---------+
+                                          ^-------- watcher thread <--watch (long poll)-- shards
+
+- The queue holds at most `queue_size` gradients; when it is full the oldest is dropped (counted
+  in `metrics.queue_dropped`), so the training thread never blocks on the network.
+- The pusher thread pushes each queued gradient to every shard (`DenseShardClient.push`) with the
+  tokens of the parameters it was computed on; a reply is the shard's fresh slice and token, and
+  may carry a request to switch to sync (`sync_requested`).
+- Under global-batch aggregation the watcher thread keeps one long poll (`DenseShard.watch`) per
+  shard open, which answers as soon as the shard's global step advances. Without it the newest
+  parameters at the end of step n would be the reply to the push of step n-1, fetched a whole
+  step earlier, and every gradient would be computed on parameters about one step staler than
+  necessary (4 equal trainers, bench_gba simulated compute: mean staleness 1.73 without the
+  watcher, 1.17 with it; the floor is about 1, the span of a step). Without aggregation (plain
+  async) k advances at every push, so each watch would answer every push of every trainer (N^2
+  replies; measured -27% samples/s in real compute): plain async keeps the fetch with each push.
+- Both background threads only `_offer` replies: per shard the newest one is kept. The training
+  thread installs them (`install_fresh`) at the end of its step, shard by shard: a shard's
+  parameters are a function of its global step, so a newer token means newer values.
+
+Threads and locks: the background threads speak RPC only, never a collective, so the trainer
+group never has two threads of one rank in it. `_queue_ready` guards the queue and the pusher's
+busy flag; `_replies_lock` guards the kept replies and the watcher's copy of the tokens. A thread's
+failure is kept and raised in the training thread, as a `SyncError` chaining it, at its next call
+of `raise_error` (every step), `drain` or `wait_for_global_step`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from shadowgba.dense import DenseParams
+from shadowgba.errors import SyncError
+from shadowgba.metrics import GBAMetrics
+from shadowgba.ps.dense_server import DenseShardClient, ShardReply
+
+logger = logging.getLogger("shadowgba")
+
+WATCH_TIMEOUT_S = 0.25
+"""Longest a watcher's long poll waits on a shard whose global step does not advance."""
+WATCH_IDLE_S = 0.01
+"""Pause before the next long poll when the last one brought nothing newer, so that a shard that
+answers at once (all its waiters taken) is not polled in a tight loop."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Queued:
+    """A gradient waiting for the pusher thread."""
+
+    gradient: torch.Tensor
+    tokens: list[int]
+    """The tokens of the parameters the gradient was computed on, one per shard."""
+    compute_s: float
+
+
+class GBAClient:
+    """One trainer's asynchronous traffic with the dense shards in GBA mode (see the module docstring)."""
+
+    def __init__(self, shards: DenseShardClient, dense: DenseParams, trainer_index: int, local_batch_size: int,
+                 queue_size: int, watch: bool, metrics: GBAMetrics) -> None:
+        """`watch`: run the watcher's long polls while in GBA mode (global-batch aggregation only)."""
+        self._shards = shards
+        self._dense = dense
+        self._trainer_index = trainer_index
+        self._local_batch_size = local_batch_size
+        self._queue_size = queue_size
+        self._watch = watch
+        self._metrics = metrics
+        self.tokens: list[int] = []
+        """Per shard, the token of the installed parameters (training thread only)."""
+        self._sync_requested = threading.Event()
+        """Set by the pusher when a reply carries a request to switch to sync; cleared by `leave`."""
+        self._queue: collections.deque[_Queued] = collections.deque()
+        self._queue_ready = threading.Condition()
+        self._pushing = False
+        self._stopping = False
+        self._fresh: list[ShardReply | None] = [None] * len(shards.bounds)
+        """Per shard, the newest reply (push or watch) not yet installed; guarded by _replies_lock."""
+        self._live_tokens: list[int] = []
+        """A copy of `tokens` for the watcher thread; guarded by _replies_lock."""
+        self._replies_lock = threading.Lock()
+        self._watching = threading.Event()
+        self._error: BaseException | None = None
+        self._threads: list[threading.Thread] = []
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the pusher and the watcher (both idle until GBA mode gives them work)."""
+        self._threads = [
+            threading.Thread(target=self._run, args=(self._push_loop, "pusher"), name="shadowgba-gba", daemon=True),
+            threading.Thread(target=self._run, args=(self._watch_loop, "watcher"), name="shadowgba-gba-watch",
+                             daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """Stop and join both threads; the pusher first pushes what is queued."""
+        self._watching.clear()
+        with self._queue_ready:
+            self._stopping = True
+            self._queue_ready.notify_all()
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+
+    # ---------------------------------------------------------------------- entering / leaving GBA
+    def enter(self) -> None:
+        """Entering GBA mode: install every shard's parameters, then keep them fresh."""
+        self.refresh()
+        if self._watch:
+            self._watching.set()
+
+    def leave(self) -> None:
+        """Leaving GBA mode: stop watching, wait for this trainer's pushes, forget what they brought."""
+        self._watching.clear()
+        self.drain()
+        with self._replies_lock:
+            self._fresh = [None] * len(self._shards.bounds)
+        self._sync_requested.clear()
+
+    @property
+    def sync_requested(self) -> bool:
+        """Whether a push reply has carried a request to switch to sync since GBA mode was entered."""
+        return self._sync_requested.is_set()
+
+    @property
+    def global_step(self) -> int:
+        """The oldest shard's token of the installed parameters (shards advance independently)."""
+        return min(self.tokens)
+
+    # ------------------------------------------------------------------------- training thread
+    def submit(self, gradient: torch.Tensor, compute_s: float) -> None:
+        """Queue a copy of `gradient` (computed on the installed parameters); drop the oldest if full."""
+        with self._queue_ready:
+            if len(self._queue) >= self._queue_size:
+                self._queue.popleft()
+                self._metrics.record_queue_drop()
+            self._queue.append(_Queued(gradient.clone(), list(self.tokens), compute_s))
+            self._queue_ready.notify()
+
+    def install_fresh(self) -> None:
+        """Install, shard by shard, the newest parameters received since the last install."""
+        with self._replies_lock:
+            fresh, self._fresh = self._fresh, [None] * len(self._shards.bounds)
+        newer = [reply is not None and reply.token > token for reply, token in zip(fresh, self.tokens)]
+        if not any(newer):
+            return
+        live = self._dense.empty()
+        if not all(newer):
+            self._dense.copy_to(live)
+        slices = [reply.params if new else live[start:end]
+                  for reply, new, (start, end) in zip(fresh, newer, self._shards.bounds)]
+        tokens = [reply.token if new else token for reply, new, token in zip(fresh, newer, self.tokens)]
+        self._install(slices, tokens)
+
+    def refresh(self) -> None:
+        """Pull every shard's parameters now and install them."""
+        self._install_replies(self._shards.pull())
+
+    def wait_for_global_step(self, global_step: int, timeout_s: float) -> None:
+        """Wait for this trainer's pushes to be answered, then pull until every shard has passed
+        `global_step` and install that (`GBASync.wait_for_global_step` says why in this order)."""
+        deadline = time.monotonic() + timeout_s
+        self.drain()
+        while self.global_step < global_step:
+            self.raise_error()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"global step {global_step} not reached within {timeout_s}s (at {self.global_step})")
+            replies = self._shards.pull()
+            if min(reply.token for reply in replies) >= global_step:
+                self._install_replies(replies)
+            else:
+                time.sleep(0.001)
+
+    def drain(self) -> None:
+        """Wait until the pusher has pushed everything queued (its errors surface here)."""
+        with self._queue_ready:
+            while (self._queue or self._pushing) and self._error is None:
+                self._queue_ready.wait(timeout=0.05)
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        """Raise a background thread's failure, once, as a SyncError chaining it."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise SyncError(f"GBA shadow thread failed: {error!r}") from error
+
+    def _install_replies(self, replies: list[ShardReply]) -> None:
+        self._install([reply.params for reply in replies], [reply.token for reply in replies])
+
+    def _install(self, slices: list[torch.Tensor], tokens: list[int]) -> None:
+        """Make these parameters the live ones (GBA trainers make no local dense updates)."""
+        self._dense.copy_from(torch.cat(slices))
+        self.tokens = tokens
+        with self._replies_lock:
+            self._live_tokens = list(tokens)
+        self._metrics.record_applied(min(tokens))
+
+    # ----------------------------------------------------------------------- background threads
+    def _run(self, loop: Callable[[], None], role: str) -> None:
+        """A background thread's body: its failure is kept for the training thread to raise."""
+        try:
+            loop()
+        except BaseException as error:
+            logger.exception("shadowgba GBA %s thread failed", role)
+            self._error = error  # drain() polls for it
+
+    def _push_loop(self) -> None:
+        """Push queued gradients until stopped and the queue is empty."""
+        while True:
+            with self._queue_ready:
+                while not self._queue and not self._stopping:
+                    self._queue_ready.wait()
+                if not self._queue:
+                    return
+                queued = self._queue.popleft()
+                self._pushing = True
+            try:
+                self._push(queued)
+            finally:
+                with self._queue_ready:
+                    self._pushing = False
+                    self._queue_ready.notify_all()
+
+    def _push(self, queued: _Queued) -> None:
+        started = time.perf_counter()
+        gradient = queued.gradient
+        replies = self._shards.push(self._trainer_index, gradient, queued.tokens, self._local_batch_size,
+                                    queued.compute_s)
+        for reply in replies:
+            self._metrics.record_push(reply.weight)
+        self._metrics.record_round(time.perf_counter() - started, 2 * gradient.numel() * gradient.element_size())
+        self._offer(replies)
+        if replies[0].requested_mode == "sync":
+            self._sync_requested.set()
+
+    def _watch_loop(self) -> None:
+        """While watching: one long poll per shard, renewed when all have answered, each asking
+        for a global step past the newest this trainer knows of."""
+        while not self._stopping:
+            if not self._watching.wait(timeout=WATCH_TIMEOUT_S):
+                continue
+            with self._replies_lock:
+                known = [
+                    max(token, reply.token if reply is not None else token)
+                    for token, reply in zip(self._live_tokens, self._fresh)
+                ]
+            replies = [reply for reply in self._shards.watch(known, WATCH_TIMEOUT_S) if reply is not None]
+            if len(replies) < len(known):  # a shard answered None: the shards are leaving GBA (switch to sync)
+                time.sleep(WATCH_TIMEOUT_S)
+                continue
+            self._offer(replies)
+            if all(reply.token <= token for reply, token in zip(replies, known)):
+                time.sleep(WATCH_IDLE_S)  # timed out, or answered at once by a shard with all waiters taken
+
+    def _offer(self, replies: list[ShardReply]) -> None:
+        """Keep, per shard, the newest of the replies received so far (both background threads)."""
+        with self._replies_lock:
+            for index, reply in enumerate(replies):
+                kept = self._fresh[index]
+                if kept is None or reply.token > kept.token:
+                    self._fresh[index] = reply
