@@ -3,6 +3,7 @@ straggler's decayed gradients, and the automatic switch policy."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from torch import nn
 
 from shadowgba.gba.config import GBAConfig
 from shadowgba.config import from_dict
+from shadowgba.errors import SyncError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.ps import transport
 from tests.multiprocess import run_ranks
@@ -187,3 +189,36 @@ def test_switch_policy_goes_to_gba_under_a_straggler_and_back_when_healthy() -> 
     results = run_ranks(gba_job, 3, 1, policy_run, timeout_s=120)
     for result in results[:2]:
         assert result["modes"][:3] == ["sync", "gba", "sync"], result
+
+
+def gba_threads() -> list[str]:
+    """The GBA client's threads alive in this process."""
+    return [thread.name for thread in threading.enumerate() if thread.name.startswith("shadowgba-gba")]
+
+
+def fail_then_close_and_abort(roles: transport.Roles) -> dict:
+    """One trainer in GBA: a NaN gradient is refused by the shard, so close()'s drain raises; then a
+    second run leaves its `with` block by the user's exception (abort)."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = from_dict(GBAConfig, {"initial_mode": "gba"})
+    gba = GBASync(model, optimizer, config, roles, local_batch_size=BATCH)
+    gba.start()
+    running = gba_threads()
+    (loss_on(model, 0, 0) * float("nan")).backward()
+    optimizer.step()
+    with pytest.raises(SyncError, match="NaN or inf"):
+        gba.close()
+    after_close = gba_threads()
+    with pytest.raises(KeyError, match="the user's error"):
+        with GBASync(model, optimizer, config, roles, local_batch_size=BATCH):
+            loss_on(model, 0, 1).backward()
+            optimizer.step()
+            raise KeyError("the user's error")
+    return {"running": running, "after_close": after_close, "after_abort": gba_threads()}
+
+
+def test_close_and_abort_stop_and_join_the_threads_whatever_raises() -> None:
+    trainer, _ = run_ranks(gba_job, 2, 1, fail_then_close_and_abort, timeout_s=60)
+    assert sorted(trainer["running"]) == ["shadowgba-gba", "shadowgba-gba-watch"], trainer
+    assert trainer["after_close"] == [] and trainer["after_abort"] == [], trainer

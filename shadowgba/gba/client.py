@@ -26,7 +26,8 @@ Threads and locks: the background threads speak RPC only, never a collective, so
 group never has two threads of one rank in it. `_queue_ready` guards the queue and the pusher's
 busy flag; `_replies_lock` guards the kept replies and the watcher's copy of the tokens. A thread's
 failure is kept and raised in the training thread, as a `SyncError` chaining it, at its next call
-of `raise_error` (every step), `drain` or `wait_for_global_step`.
+of `raise_error` (every step), `drain` or `wait_for_global_step`. `stop()` always stops and joins
+both threads.
 """
 
 from __future__ import annotations
@@ -105,10 +106,13 @@ class GBAClient:
         for thread in self._threads:
             thread.start()
 
-    def stop(self) -> None:
-        """Stop and join both threads; the pusher first pushes what is queued."""
+    def stop(self, discard_queued: bool = False) -> None:
+        """Stop and join both threads; never raises. The pusher first pushes what is queued, unless
+        `discard_queued` (an abort: the run is over, nothing more should reach the shards)."""
         self._watching.clear()
         with self._queue_ready:
+            if discard_queued:
+                self._queue.clear()
             self._stopping = True
             self._queue_ready.notify_all()
         for thread in self._threads:

@@ -153,17 +153,22 @@ class GBASync(DenseSync):
 
     # ----------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Collective over the trainers: equal initial weights, the flat optimizer, the initial mode."""
+        """Collective over the trainers: equal initial weights, the flat optimizer, the initial mode.
+        If it fails, what it started is stopped again (`abort`) before the error propagates."""
         initial = self.dense.empty()
         self.dense.copy_to(initial)
         dist.broadcast(initial, src=self.roles.trainer_ranks[0], group=self.roles.trainer_group)
         self.dense.copy_from(initial)
         self._flat = FlatOptimizer(self.spec, initial)
-        self._step_hook.install()
-        if self.roles.num_servers:
-            self._client.start()
-        if self.config.initial_mode == Mode.GBA:
-            self._enter_gba(initial=True)
+        try:
+            self._step_hook.install()
+            if self.roles.num_servers:
+                self._client.start()
+            if self.config.initial_mode == Mode.GBA:
+                self._enter_gba(initial=True)
+        except BaseException:
+            self.abort()
+            raise
         logger.info("shadowgba GBA started: mode=%s global_batch=%d trainers=%d servers=%d",
                     self.mode, self.global_batch, self.num_trainers, self.roles.num_servers)
 
@@ -173,23 +178,23 @@ class GBASync(DenseSync):
         GBA: once shard 0 agrees that no switch is pending, push what is queued, meet the other
         trainers, pull the final parameters. Sync: raise the stop flag in one last all-reduce (peers
         still training continue locally, as in ShadowSync), then average the parameters once.
+        Whatever raises, the client's threads are stopped and joined before the error propagates;
+        a background thread's failure is raised after that.
         """
         if self._flat is None:
             return
-        self._step_hook.remove()
-        self._finish()
-        self._client.stop()
+        try:
+            self._finish()
+        finally:
+            self._release(discard_queued=False)
         self._client.raise_error()
-        self._flat = None
         logger.info("shadowgba GBA closed: %s", self.metrics.format())
 
     def abort(self) -> None:
-        """Stop this trainer's background threads and hooks with no collective and no final pull."""
-        if self._flat is None:
-            return
-        self._step_hook.remove()
-        self._client.stop()
-        self._flat = None
+        """Stop this trainer's hook and background threads with no collective and no final pull;
+        queued gradients are dropped."""
+        if self._flat is not None:
+            self._release(discard_queued=True)
 
     def _finish(self) -> None:
         """close()'s protocol, by mode (see `Mode`)."""
@@ -204,6 +209,14 @@ class GBASync(DenseSync):
             self._after_sync_round(self._allreduce.round(None, stop=True, switch_to_gba=False, compute_s=0.0))
         if self.mode == Mode.LOCAL:
             self.dense.average_(self.roles.trainer_group)
+
+    def _release(self, discard_queued: bool) -> None:
+        """Mark the runtime closed, remove the step hook, stop and join the client's threads (always)."""
+        self._flat = None
+        try:
+            self._step_hook.remove()
+        finally:
+            self._client.stop(discard_queued)
 
     # ------------------------------------------------------------------------------- public API
     def switch_mode(self, mode: str) -> None:
