@@ -194,11 +194,15 @@ def dense_sync(
             dense_optimizer = torchrec_integration.dense_optimizer(optimizer, [param for _, param in named])
             if lockstep_every is None and torchrec_integration.has_sharded_tables(model):
                 lockstep_every = LOCKSTEP_EVERY
-        return GBASync(model, dense_optimizer, config.gba, job.roles, local_batch_size, named,
-                       lockstep_every=lockstep_every or 0)
-    resources = {"centre": CenterClient(job.roles.num_servers)} if config.algo == "easgd_ps" else None
-    return ShadowSync(model, optimizer, config, process_group=job.trainer_group, params=named,
-                      algorithm_kwargs=resources)
+        sync: DenseSync = GBASync(model, dense_optimizer, config.gba, job.roles, local_batch_size, named,
+                                  lockstep_every=lockstep_every or 0)
+    else:
+        resources = {"centre": CenterClient(job.roles.num_servers)} if config.algo == "easgd_ps" else None
+        sync = ShadowSync(model, optimizer, config, process_group=job.trainer_group, params=named,
+                          algorithm_kwargs=resources)
+    if end_job:
+        sync.call_after_exit(job.close)
+    return sync
 
 
 def _serve(job: Job) -> None:

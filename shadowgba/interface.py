@@ -59,7 +59,7 @@ class DenseSync(abc.ABC):
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
         if exc is None:
             self.close()
-            for finish in self.__dict__.get("_after_exit", ()):
+            for finish in self.__dict__.pop("_after_exit", ()):
                 finish()
             return
         try:
