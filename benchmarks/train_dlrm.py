@@ -123,23 +123,39 @@ def _device() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def _report(results: Any, prefix: str = "") -> None:
-    """Every number, one `dotted.key: value` line each."""
-    if isinstance(results, dict):
-        for key, value in results.items():
-            if key != "config":
-                _report(value, f"{prefix}{key}.")
-    elif isinstance(results, list):
-        for index, value in enumerate(results):
-            _report(value, f"{prefix}{index}.")
-    else:
-        print(f"{prefix[:-1]}: {results:.6g}" if isinstance(results, float) else f"{prefix[:-1]}: {results}")
+def _summary(results: dict[str, Any], output: Path) -> str:
+    """A few human lines: what ran, how fast, how good, what the sync cost (all of it is in `output`)."""
+    config = results["config"]
+    algo = config["baseline"] or config["sync"]["algo"]
+    how = f"{config['sync']['mode']} mode" if algo in ("ma", "easgd", "bmuf", "easgd_ps") else (
+        f"{results['gba']['mode']} mode" if results["gba"] else "baseline")
+    lines = [
+        f"{algo} ({how}): {results['trainers']} trainers, {results['servers']} servers, "
+        f"{results['dense_params']:,} dense parameters",
+        f"  throughput   {results['samples_per_s_total']:,.0f} samples/s "
+        f"({results['samples_per_s_per_trainer']:,.0f} per trainer) over a common {results['window_s']:.1f} s window",
+    ]
+    quality = f"  held-out     AUC {results['auc']:.4f}, log loss {results['log_loss']:.4f}"
+    if "teacher_auc" in results:
+        quality += f" (the planted teacher's ceiling: AUC {results['teacher_auc']:.4f})"
+    lines.append(quality)
+    sync = results["sync"]
+    if sync:
+        gap = sync.get("sync_gap_steps_mean")
+        lines.append(
+            f"  sync         {sync['rounds']} rounds ({sync['rounds_per_s']:.1f}/s), "
+            + (f"sync gap {gap:.1f} steps mean, " if gap is not None else "")
+            + f"training-thread sync cost {sync['training_sync_s']:.3f} s"
+        )
+    lines.append(f"  full record  {output}")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, help="YAML file; keys mirror ExperimentConfig (benchmarks/dlrm/config.py)")
-    parser.add_argument("--output", type=Path, help="write all numbers and the config as JSON (rank 0)")
+    parser.add_argument("--output", type=Path, default=Path("runs/train_dlrm.json"),
+                        help="where rank 0 writes every number and the config as JSON (default: %(default)s)")
     args, overrides = parser.parse_known_args(argv)
     try:
         config = load_config(ExperimentConfig, args.config, overrides)
@@ -155,9 +171,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         results = run(config, device, backend)
         if dist.get_rank() == 0:
-            _report(results)
-            if args.output:
-                args.output.write_text(json.dumps(results, indent=2) + "\n")
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(json.dumps(results, indent=2) + "\n")
+            print(_summary(results, args.output), flush=True)
     finally:
         dist.destroy_process_group()
 

@@ -68,6 +68,10 @@ class SyncConfig:
     timeout_s: float = 300.0
     """Timeout of every collective the library issues (the shadow group, GBA's trainer group): a
     dead peer fails the round after this."""
+    on_nonfinite: Literal["skip", "fail"] = "skip"
+    """A round, all-reduce or push that would bring NaN / Inf into other replicas or the servers is
+    refused either way. skip: leave that rank's contribution out, warn and count it in the metrics
+    (one bad batch does not stop a days-long job); fail: raise `SyncError` naming the rank."""
     log_interval_s: float = 30.0
     """Seconds between metric log lines (logger `shadowgba`); 0 disables them."""
     control_file: str | None = None

@@ -76,7 +76,7 @@ def test_two_rank_bmuf_run_ends_with_identical_replicas_and_a_useful_model(tmp_p
     # a constant predictor scores AUC 0.5; the planted teacher bounds what is reachable
     assert results["auc"] > 0.65, results
     assert results["auc"] <= results["teacher_auc"] + 0.01
-    assert "auc:" in log and "samples_per_s_total:" in log
+    assert "held-out     AUC" in log and "samples/s" in log and f"full record  {output}" in log
 
 
 def test_two_torchrun_agents_rendezvous_over_c10d_and_train_together(tmp_path: Path) -> None:
