@@ -1,7 +1,8 @@
 """Configuration: YAML files (safe-loaded) mapped strictly onto dataclasses, plus dotted overrides.
 
 Every config is a tree of dataclasses whose fields carry a docstring and a default. Loading is
-strict: an unknown key, a value of the wrong type or a value out of range fails at start-up with a
+strict: an unknown key, a value of the wrong type, a float that is NaN or infinite (for any float
+field: `.inf` / `.nan` would slip past every `< 0` check) or a value out of range fails at start-up with a
 `ConfigError` that names the full dotted key and what is allowed, long before any process group
 exists. Overrides come from the command line as `--sync.algo bmuf` or `--sync.interval_ms=50`;
 values are parsed as YAML scalars (`true`, `1e-3`, `null`).
@@ -13,6 +14,7 @@ values are parsed as YAML scalars (`true`, `1e-3`, `null`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -258,9 +260,11 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
-    if hint is float:
+    if hint is float:  # every float field of every section: NaN / Inf would slip past range checks
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):

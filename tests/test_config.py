@@ -75,6 +75,13 @@ def test_a_section_of_a_larger_job_file_loads_alone_and_ignores_the_application_
         ("", ["--sync.writeback", "locked"], r"sync\.writeback: 'locked' is not allowed; allowed values: \['handoff', 'hogwild'\]"),
         ("- just\n- a list", [], r"must hold a mapping, not list"),
         ("sync: {algo: [", [], r"is not valid YAML"),
+        ("", ["--sync.timeout_s", ".inf"], r"sync\.timeout_s: expected a finite number, got inf"),
+        ("", ["--sync.interval_ms", ".nan"], r"sync\.interval_ms: expected a finite number, got nan"),
+        ("sync: {log_interval_s: -.inf}", [], r"sync\.log_interval_s: expected a finite number, got -inf"),
+        ("sync: {algo: easgd, easgd: {beta: .nan}}", [], r"sync\.easgd\.beta: expected a finite number, got nan"),
+        ("sync: {algo: easgd, easgd: {alpha: .inf}}", [], r"sync\.easgd\.alpha: expected a finite number, got inf"),
+        ("sync: {algo: bmuf, bmuf: {block_lr: .inf}}", [], r"sync\.bmuf\.block_lr: expected a finite number, got inf"),
+        ("", ["--sync.bmuf.block_momentum", ".nan"], r"sync\.bmuf\.block_momentum: expected a finite number"),
     ],
 )
 def test_bad_configs_name_the_key_and_the_allowed_values(tmp_path: Path, text: str, overrides: list[str], message: str) -> None:
