@@ -11,6 +11,16 @@ last element (summed over ranks). A rank that wants to stop raises its flag in i
 ranks see the sum in the same round and leave their loops after it. Because every rank performs the
 same sequence of collectives up to and including that round, nobody is left waiting in a collective
 that its peers will never enter.
+
+The same collective carries, after the stop flag, one *status* element per rank, written by that
+rank alone (so the sum is exact): whether its contribution was left out of the round because it
+held NaN / Inf (`NONFINITE`), or because the rank is aborting (`ABORTED`, always with its stop
+flag). The non-finite rule lives here, once: each rank checks its own contribution before it is
+sent, a bad one is sent as zeros, and the average / centre / block update uses only the counted
+ranks (`n_good` in place of `n`; no counted rank: the round changes nothing). A rank whose own
+contribution was left out takes nothing from the round (`RoundResult.kept_local`): no value from
+it reaches a peer and no peer's reaches it. Every rank sees the same statuses in the same round, so
+what to do about them (skip or fail, leave after an abort) is decided alike everywhere.
 """
 
 from __future__ import annotations
@@ -23,6 +33,17 @@ import torch
 import torch.distributed as dist
 
 
+NONFINITE = 1
+"""Status bit: this rank's contribution held NaN / Inf and was sent as zeros."""
+ABORTED = 2
+"""Status bit: this rank is aborting (its user's loop raised); it contributed nothing and stops."""
+
+
+def is_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of `tensor` is finite (no NaN, no +-Inf): the test every contribution passes."""
+    return bool(torch.isfinite(tensor).all())
+
+
 @dataclasses.dataclass(frozen=True)
 class RoundResult:
     """What one round produced."""
@@ -32,30 +53,80 @@ class RoundResult:
     stop: bool
     """True when some rank raised its stop flag in this round: every rank leaves after it."""
     bytes_moved: int
-    """Bytes this rank sent in the round's collective (payload plus flag)."""
+    """Bytes this rank sent in the round's collective (payload plus flags)."""
+    nonfinite_ranks: tuple[int, ...] = ()
+    """Ranks (in the algorithm's group) whose contribution held NaN / Inf and was left out."""
+    aborted_ranks: tuple[int, ...] = ()
+    """Ranks that aborted in this round (contributed nothing, raised their stop flag)."""
+    kept_local: bool = False
+    """True when this rank takes nothing from the round (its own contribution was left out, or no
+    rank's counted): `target` is a copy of the snapshot and there is nothing to write back."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduced:
+    """One flagged all-reduce, decoded: the sum over the counted ranks and every rank's status."""
+
+    total: torch.Tensor
+    """Sum of the counted ranks' payloads (a view the next call overwrites)."""
+    stop: bool
+    """Whether any rank raised its stop flag."""
+    counted: int
+    """How many ranks' payloads are in `total` (n_good)."""
+    own_counted: bool
+    """Whether this rank's payload is one of them."""
+    nonfinite_ranks: tuple[int, ...]
+    aborted_ranks: tuple[int, ...]
+
+    def mean(self) -> torch.Tensor | None:
+        """`total / n_good`, or None when no rank's payload counted (the round must change nothing)."""
+        return self.total / self.counted if self.counted else None
 
 
 class FlaggedAllReduce:
-    """A sum all-reduce of a flat payload with the stop flag riding in one extra element.
+    """A sum all-reduce of a flat payload with the round's flags riding in a trailer:
+    `[payload | stop | status of rank 0 ... status of rank n-1]` (see the module docstring).
 
-    The buffer is allocated once; `sum` returns a view into it that the next call overwrites, so
-    callers copy what they keep.
+    The buffer is allocated once; `Reduced.total` is a view into it that the next call overwrites,
+    so callers copy what they keep.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, like: torch.Tensor) -> None:
         self._group = group
-        self._buffer = torch.empty(like.numel() + 1, dtype=like.dtype, device=like.device)
+        self.rank = dist.get_rank(group)
+        self._size = like.numel()
+        self._buffer = torch.empty(self._size + 1 + dist.get_world_size(group), dtype=like.dtype, device=like.device)
 
     @property
     def bytes_per_call(self) -> int:
         return self._buffer.numel() * self._buffer.element_size()
 
-    def sum(self, payload: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
-        """All-reduce (sum) `payload` over the group; return the sum and whether any rank stopped."""
-        self._buffer[:-1].copy_(payload)
-        self._buffer[-1] = 1.0 if stop else 0.0
+    def sum(self, payload: torch.Tensor | None, stop: bool, aborted: bool = False) -> Reduced:
+        """All-reduce (sum) `payload` over the group, unless it holds NaN / Inf: then zeros go in its
+        place and this rank is flagged. `payload=None` (with `aborted`) contributes nothing."""
+        if payload is None and not aborted:
+            raise ValueError("only an aborting rank may contribute no payload")
+        body, trailer = self._buffer[: self._size], self._buffer[self._size :]
+        status = ABORTED if aborted else 0
+        if payload is not None and is_finite(payload):
+            body.copy_(payload)
+        else:
+            body.zero_()
+            if payload is not None:
+                status |= NONFINITE
+        trailer.zero_()
+        trailer[0] = 1.0 if stop or aborted else 0.0
+        trailer[1 + self.rank] = float(status)
         dist.all_reduce(self._buffer, op=dist.ReduceOp.SUM, group=self._group)
-        return self._buffer[:-1], bool(self._buffer[-1].item() > 0)
+        any_stop, *statuses = (int(value) for value in trailer.tolist())
+        return Reduced(
+            total=body,
+            stop=any_stop > 0,
+            counted=sum(1 for value in statuses if value == 0),
+            own_counted=statuses[self.rank] == 0,
+            nonfinite_ranks=tuple(r for r, value in enumerate(statuses) if value & NONFINITE),
+            aborted_ranks=tuple(r for r, value in enumerate(statuses) if value & ABORTED),
+        )
 
 
 class SyncAlgorithm(abc.ABC):
@@ -78,6 +149,7 @@ class SyncAlgorithm(abc.ABC):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.allreduce = FlaggedAllReduce(group, initial)
+        self.rank = self.allreduce.rank
         self.started = False  # until the first round (or a restored state) has placed the state
 
     def sync(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
@@ -95,10 +167,11 @@ class SyncAlgorithm(abc.ABC):
         """
         if self.started or not self.uses_collectives:
             return self.round(snapshot, stop)
-        result = self.averaging_round(snapshot, stop)
-        self.start_at(result.target)
-        self.started = True
-        return result
+        average, reduced = self.average(snapshot, stop)
+        if average is not None:  # a round in which no rank counted places nothing
+            self.start_at(average)
+            self.started = True
+        return self.result(snapshot, average, reduced)
 
     @abc.abstractmethod
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
@@ -107,22 +180,42 @@ class SyncAlgorithm(abc.ABC):
     def start_at(self, consensus: torch.Tensor) -> None:
         """Place the algorithm's state at `consensus`, the replicas' average (nothing to place for MA)."""
 
-    def average(self, snapshot: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
-        """`allreduce(s) / n` with the stop flag: the building block of MA and BMUF."""
-        total, any_stop = self.allreduce.sum(snapshot, stop)
-        return total / self.world_size, any_stop
+    def average(self, snapshot: torch.Tensor, stop: bool) -> tuple[torch.Tensor | None, Reduced]:
+        """The average of the finite snapshots, `allreduce(s) / n_good` (None if none was finite),
+        with the round's flags: the building block of MA and BMUF."""
+        reduced = self.allreduce.sum(snapshot, stop)
+        return reduced.mean(), reduced
 
     def averaging_round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
         """A round whose target is the replicas' average: MA's every round, every algorithm's first."""
-        average, any_stop = self.average(snapshot, stop)
-        return RoundResult(average.clone(), any_stop, self.allreduce.bytes_per_call)
+        average, reduced = self.average(snapshot, stop)
+        return self.result(snapshot, average, reduced)
+
+    def result(self, snapshot: torch.Tensor, target: torch.Tensor | None, reduced: Reduced) -> RoundResult:
+        """This rank's `RoundResult`: `target`, unless its own contribution was left out or `target`
+        is None (no rank counted); then it keeps its snapshot and takes nothing from the round."""
+        kept_local = target is None or not reduced.own_counted
+        return RoundResult(
+            snapshot.clone() if kept_local else target, reduced.stop, self.allreduce.bytes_per_call,
+            reduced.nonfinite_ranks, reduced.aborted_ranks, kept_local,
+        )
+
+    def abort_round(self) -> None:
+        """This rank's last round when it aborts: no payload, the stop flag with the aborted marker.
+        It pairs with its peers' next round, so they leave after it knowing who aborted. Nothing to
+        tell without collectives (S-EASGD): each trainer's rounds are its own."""
+        if self.uses_collectives:
+            self.allreduce.sum(None, stop=True, aborted=True)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The algorithm's state (centre, global model, momentum ...) as cloned flat tensors."""
         return {name: getattr(self, name).clone() for name in self.state_names}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore state saved by `state_dict`; refuse, touching nothing, if it does not fit."""
+        """Restore state saved by `state_dict`; refuse, touching nothing, if it does not fit or holds
+        NaN / Inf (a replicated centre or global model would spread it to every replica)."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"{self.name} state must be a mapping of {list(self.state_names)}, got {type(state).__name__}")
         missing = set(self.state_names) - set(state)
         unexpected = set(state) - set(self.state_names)
         if missing or unexpected:
@@ -139,6 +232,8 @@ class SyncAlgorithm(abc.ABC):
                     f"{self.name} state '{name}' has shape {shape}, expected "
                     f"{tuple(current.shape)} (was the checkpoint made for another model?)"
                 )
+            if not is_finite(value):
+                raise ValueError(f"{self.name} state '{name}' holds NaN or Inf values")
         for name in self.state_names:
             getattr(self, name).copy_(state[name])
         self.started = True

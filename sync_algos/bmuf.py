@@ -12,6 +12,9 @@ default eta = 1 - 1/n for n = 2 and diverges beyond (observed: Hogwild training 
 Measured from the block's start, G is the replicas' own progress, as in fairseq's BMUF; for
 classic BMUF the two forms are the same.
 
+`a` averages the finite snapshots only (`sync_algos.base`): every rank still updates `Wg` and `D`
+alike, so they stay identical, but a rank whose snapshot held NaN / Inf keeps its own weights.
+
 The first round places `Wg` at the replicas' average with `D = 0` (`SyncAlgorithm.sync`), so the
 block momentum starts from the first synchronized block, not from the unsynchronized warm-up.
 """
@@ -65,11 +68,13 @@ class BlockMomentum(SyncAlgorithm):
         self.momentum = torch.zeros_like(initial)
 
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
-        average, any_stop = self.average(snapshot, stop)
+        average, reduced = self.average(snapshot, stop)
+        if average is None:  # no finite snapshot this round: the block update waits for the next
+            return self.result(snapshot, None, reduced)
         block_update = average - self._block_start()
         self.momentum.mul_(self.eta).add_(block_update, alpha=self.zeta)
         self.global_model += self.momentum
-        return RoundResult(self._block_start(), any_stop, self.allreduce.bytes_per_call)
+        return self.result(snapshot, self._block_start(), reduced)
 
     def start_at(self, consensus: torch.Tensor) -> None:
         self.global_model.copy_(consensus)

@@ -4,7 +4,9 @@ Same maths as `easgd` (`d = alpha * (s - c)`, `t = s - d`, `c <- c + d`, `elasti
 centre is not replicated: it sits behind the `Centre` interface (in shadowgba, on the parameter
 servers), and each trainer exchanges with it on its own. A round has no collective, so a slow
 trainer slows nobody and the stop flag needs no agreement (each trainer simply leaves its own loop).
-The algorithm is built with its centre as a resource: `build_algorithm("easgd_ps", ..., centre=...)`.
+A snapshot holding NaN / Inf is not sent to the centre: the round keeps the trainer's own weights
+and reports the trainer in `nonfinite_ranks` (only to itself: there is no collective to tell the
+others, and no other trainer's weights were at risk). The algorithm is built with its centre as a resource: `build_algorithm("easgd_ps", ..., centre=...)`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from sync_algos.base import RoundResult, SyncAlgorithm
+from sync_algos.base import RoundResult, SyncAlgorithm, is_finite
 from sync_algos.easgd import EASGDConfig
 from sync_algos.registry import register
 
@@ -55,5 +57,7 @@ class ElasticAveragingPS(SyncAlgorithm):
         self.centre.init(initial)
 
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
+        if not is_finite(snapshot):  # never sent: the shared centre would pass it to every trainer
+            return RoundResult(snapshot.clone(), stop, 0, nonfinite_ranks=(self.rank,), kept_local=True)
         pull = self.centre.exchange(snapshot, self.alpha)
         return RoundResult(snapshot - pull, stop, 2 * pull.numel() * pull.element_size())

@@ -1,4 +1,5 @@
-"""Model averaging (MA): every round replaces each replica's snapshot by the average of all snapshots."""
+"""Model averaging (MA): every round replaces each replica's snapshot by the average of all snapshots
+(of the finite ones: a snapshot holding NaN / Inf is left out, see `sync_algos.base`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from sync_algos.registry import register
 
 @dataclasses.dataclass
 class MAConfig:
-    """MA has no knobs: `t = allreduce(s) / n`."""
+    """MA has no knobs: `t = allreduce(s) / n` (n: the ranks whose snapshot is finite)."""
 
 
 @register

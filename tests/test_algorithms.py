@@ -262,3 +262,111 @@ def test_every_entry_has_a_kind_and_only_model_algorithms_are_built_here() -> No
     assert kinds == {"bmuf": "model", "easgd": "model", "easgd_ps": "model", "gba": "gradient", "ma": "model"}
     with pytest.raises(ValueError, match="'gba' is a gradient algorithm: no round to build; its rule runs on the"):
         sync_algos.build_algorithm("gba", {}, None, INITIAL.clone())
+
+
+def poisoned(rank: int, round_index: int) -> torch.Tensor:
+    """`snapshot_of` with NaN / Inf in two places: what a diverged replica sends."""
+    snapshot = snapshot_of(rank, round_index)
+    snapshot[1], snapshot[4] = float("nan"), float("inf")
+    return snapshot
+
+
+NONFINITE_SCRIPT = [  # per round: which ranks send a poisoned snapshot; rank 2 aborts in round 3
+    {1},
+    {0, 1, 2},
+    {1},
+    set(),
+]
+
+
+def nonfinite_and_aborted_rounds(rank: int, world_size: int, names: list[str]) -> dict:
+    """Every algorithm of `names` through NONFINITE_SCRIPT, the way the runtime runs rounds (`sync`)."""
+    out = {}
+    for name in names:
+        algorithm = sync_algos.build_algorithm(name, {}, None, INITIAL.clone())
+        rounds = []
+        for r, bad in enumerate(NONFINITE_SCRIPT):
+            if r == 3 and rank == 2:
+                algorithm.abort_round()
+                rounds.append(None)
+                continue
+            snapshot = poisoned(rank, r) if rank in bad else snapshot_of(rank, r)
+            rounds.append({"result": algorithm.sync(snapshot, stop=False), "state": algorithm.state_dict()})
+        out[name] = rounds
+    return out
+
+
+def test_a_nonfinite_contribution_is_left_out_and_an_aborting_rank_stops_its_peers() -> None:
+    """3 ranks: rank 1's snapshot holds NaN / Inf in rounds 0 and 2, every rank's in round 1, and rank 2
+    aborts in round 3. Good ranks follow each formula over the good ranks only (n_good for n); the bad
+    rank keeps its own snapshot; a round with no good rank changes nothing; the abort round stops
+    everyone and names rank 2, its peers averaging without it. Nothing non-finite reaches any state."""
+    names = ["ma", "easgd", "bmuf"]
+    results = run_ranks(nonfinite_and_aborted_rounds, 3, names)
+    for name in names:
+        runs = [result[name] for result in results]
+        for r, bad in enumerate(NONFINITE_SCRIPT[:3]):
+            for rank in range(3):
+                result = runs[rank][r]["result"]
+                assert result.nonfinite_ranks == tuple(sorted(bad)) and not result.stop and result.aborted_ranks == ()
+                assert result.kept_local == (rank in bad)
+                if rank in bad:  # its own weights, untouched (NaN where they were NaN)
+                    torch.testing.assert_close(result.target, poisoned(rank, r), equal_nan=True)
+                for value in runs[rank][r]["state"].values():
+                    assert torch.isfinite(value).all(), (name, r, rank)
+            states = [runs[rank][r]["state"] for rank in range(3)]
+            for state in states[1:]:
+                for key, value in state.items():
+                    torch.testing.assert_close(value, states[0][key])
+        good = [0, 2]
+        first_average = snapshots(3, 0)[good].mean(0)
+        for rank in good:  # round 0: the consensus start over ranks 0 and 2
+            torch.testing.assert_close(runs[rank][0]["result"].target, first_average)
+        for key, value in runs[0][1]["state"].items():  # round 1: nobody good, nothing changed
+            torch.testing.assert_close(value, runs[0][0]["state"][key])
+        second = snapshots(3, 2)
+        if name == "ma":
+            expected = {rank: second[good].mean(0) for rank in good}
+        elif name == "easgd":
+            alpha = 0.9 / 3
+            pulls = alpha * (second - first_average)
+            expected = {rank: second[rank] - pulls[rank] for rank in good}
+            torch.testing.assert_close(runs[0][2]["state"]["center"], first_average + pulls[good].sum(0))
+        else:  # bmuf: eta = 1 - 1/3, the block measured over the good ranks only
+            block = second[good].mean(0) - first_average
+            expected = {rank: first_average + block + (2 / 3) * block for rank in good}
+        for rank in good:
+            torch.testing.assert_close(runs[rank][2]["result"].target, expected[rank])
+        for rank in (0, 1):  # round 3: rank 2 aborted; ranks 0 and 1 stop, and average without it
+            result = runs[rank][3]["result"]
+            assert result.stop and result.aborted_ranks == (2,) and result.nonfinite_ranks == () and not result.kept_local
+        if name == "ma":
+            torch.testing.assert_close(runs[0][3]["result"].target, snapshots(3, 3)[:2].mean(0))
+
+
+def test_easgd_ps_never_sends_a_nonfinite_snapshot_to_its_centre() -> None:
+    (result,) = run_ranks(easgd_ps_poisoned_round, 1)
+    assert result["exchanges"] == 1  # only the finite snapshot reached the centre
+    bad = result["bad"]
+    assert bad.kept_local and bad.nonfinite_ranks == (0,) and bad.bytes_moved == 0
+    torch.testing.assert_close(bad.target, poisoned(0, 0), equal_nan=True)
+
+
+def easgd_ps_poisoned_round(rank: int, world_size: int) -> dict:
+    centre = ScriptedCentre([torch.zeros(SIZE, dtype=torch.float64)])
+    algorithm = sync_algos.build_algorithm("easgd_ps", {}, None, INITIAL.clone(), centre=centre)
+    bad = algorithm.sync(poisoned(rank, 0), stop=False)
+    algorithm.sync(snapshot_of(rank, 1), stop=False)
+    return {"bad": bad, "exchanges": len(centre.exchanges)}
+
+
+def test_algorithm_state_holding_nan_is_refused_and_changes_nothing() -> None:
+    cls = sync_algos.get_algorithm("easgd")
+    algorithm = cls.__new__(cls)
+    algorithm.center, algorithm.started = torch.ones(4), False
+    with pytest.raises(ValueError, match="easgd state 'center' holds NaN or Inf values"):
+        algorithm.load_state_dict({"center": torch.tensor([0.0, float("nan"), 0.0, 0.0])})
+    with pytest.raises(ValueError, match="easgd state must be a mapping"):
+        algorithm.load_state_dict([torch.zeros(4)])  # type: ignore[arg-type]
+    torch.testing.assert_close(algorithm.center, torch.ones(4))
+    assert not algorithm.started
