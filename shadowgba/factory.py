@@ -195,7 +195,7 @@ def dense_sync(
             if lockstep_every is None and torchrec_integration.has_sharded_tables(model):
                 lockstep_every = LOCKSTEP_EVERY
         sync: DenseSync = GBASync(model, dense_optimizer, config.gba, job.roles, local_batch_size, named,
-                                  lockstep_every=lockstep_every or 0)
+                                  lockstep_every=lockstep_every or 0, on_nonfinite=config.on_nonfinite)
     else:
         resources = {"centre": CenterClient(job.roles.num_servers)} if config.algo == "easgd_ps" else None
         sync = ShadowSync(model, optimizer, config, process_group=job.trainer_group, params=named,

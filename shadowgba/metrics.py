@@ -90,6 +90,9 @@ class GBAMetrics(SyncMetrics):
         self.push_weights = StalenessCounts()
         """The decay weights this trainer's pushes got back from the shards (decayed / dropped)."""
         self.mode_switches = 0
+        self.nonfinite_skipped = 0
+        """Non-finite (NaN / Inf) gradients left out under on_nonfinite skip: in sync mode every
+        trainer counts every trainer's; in GBA and local mode each counts its own."""
 
     def record_push(self, weight: float) -> None:
         """A shard answered a push with the decay weight it gave the gradient (0: dropped)."""
@@ -104,11 +107,16 @@ class GBAMetrics(SyncMetrics):
         with self._lock:
             self.mode_switches += 1
 
+    def record_nonfinite_skipped(self, count: int = 1) -> None:
+        with self._lock:
+            self.nonfinite_skipped += count
+
     def summary(self) -> dict[str, float]:
         summary = super().summary()
         with self._lock:
             summary.update(
                 queue_dropped=self.queue_dropped, decayed=self.push_weights.decayed,
                 stale_dropped=self.push_weights.dropped, mode_switches=self.mode_switches,
+                nonfinite_skipped=self.nonfinite_skipped,
             )
         return summary

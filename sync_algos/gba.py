@@ -15,6 +15,10 @@ embedding shards a sparse buffer of rows):
 - dropped gradients (w = 0) do not fill the global batch; decayed ones count fully, so their
   smaller weight lowers the mean.
 
+A push to a dense vector split over several shards is decided once, by shard 0's rule
+(`GlobalBatchAggregator.decide`); the other shards `follow` that decision in shard 0's order, so
+every shard counts the same samples and advances the same global step k.
+
 With zero staleness and equal-speed trainers each global step is the sample-weighted mean of one
 gradient per trainer: exactly synchronous all-reduce training with the same optimizer.
 """
@@ -99,6 +103,22 @@ class GlobalBatchRule:
             self.global_step += 1
         return Admission(staleness, weight, weight * num_samples, completed)
 
+    def follow(self, admission: Admission, num_samples: int) -> None:
+        """Take a decision another server's rule made about the same push (`admit` there), so
+        that every server holding a part of one push counts the same samples and the same global
+        step k. Raises `RuntimeError` when the decision cannot be this rule's (the two diverged)."""
+        if admission.dropped:
+            return
+        buffered = self.buffered_samples + num_samples
+        if admission.completed_samples and admission.completed_samples != buffered:
+            raise RuntimeError(f"a decision completing a global batch of {admission.completed_samples} samples "
+                               f"arrived with {buffered} samples counted here: the servers' global steps diverged")
+        if admission.completed_samples:
+            self.buffered_samples = 0
+            self.global_step += 1
+        else:
+            self.buffered_samples = buffered
+
     def discard(self) -> int:
         """Forget a partly counted global batch; returns its samples."""
         dropped, self.buffered_samples = self.buffered_samples, 0
@@ -132,14 +152,30 @@ class GlobalBatchAggregator:
 
     def add(self, gradient: torch.Tensor, token: int, num_samples: int) -> tuple[int, float, torch.Tensor | None]:
         """Buffer one gradient; returns (staleness, weight, mean gradient to apply or None)."""
+        admission, mean = self.decide(gradient, token, num_samples)
+        return admission.staleness, admission.weight, mean
+
+    def decide(self, gradient: torch.Tensor, token: int, num_samples: int) -> tuple[Admission, torch.Tensor | None]:
+        """`add`, returning the whole decision (to be `follow`ed by the other shards of the push)."""
         admission = self.rule.admit(token, num_samples)
-        if not admission.dropped:
+        return admission, self._take(gradient, admission)
+
+    def follow(self, gradient: torch.Tensor | None, admission: Admission, num_samples: int) -> torch.Tensor | None:
+        """Buffer one gradient under a decision taken by another shard's rule (`GlobalBatchRule.follow`);
+        returns the mean gradient to apply or None. `gradient` None contributes nothing but still
+        counts the decision's samples (a part refused here: k must stay the deciding shard's)."""
+        self.rule.follow(admission, num_samples)
+        return self._take(gradient, admission)
+
+    def _take(self, gradient: torch.Tensor | None, admission: Admission) -> torch.Tensor | None:
+        """Add the admitted gradient to the buffer; the mean when the decision completes a global step."""
+        if not admission.dropped and gradient is not None:
             self.buffer.add_(gradient, alpha=admission.scale)
         if not admission.completed_samples:
-            return admission.staleness, admission.weight, None
+            return None
         mean = self.buffer / admission.completed_samples
         self.buffer.zero_()
-        return admission.staleness, admission.weight, mean
+        return mean
 
     def discard(self) -> int:
         """Drop a partly filled global batch (at a mode switch); returns the samples dropped."""

@@ -97,7 +97,8 @@ def test_gba_with_zero_staleness_equals_sync_allreduce_training() -> None:
 
 
 def test_switching_sync_gba_sync_carries_parameters_optimizer_state_and_global_step() -> None:
-    switched = run_ranks(gba_job, 3, 1, sync_then_state, 30, {9: "gba", 19: "sync"}, timeout_s=180)
+    """Over 2 dense shards, which must both hand back the same global step at the switch to sync."""
+    switched = run_ranks(gba_job, 4, 2, sync_then_state, 30, {9: "gba", 19: "sync"}, timeout_s=180)
     reference = run_ranks(gba_job, 3, 1, sync_then_state, 30, {}, timeout_s=180)
     for trainer in (0, 1):
         got, want = switched[trainer]["state"], reference[trainer]["state"]
@@ -197,17 +198,22 @@ def gba_threads() -> list[str]:
 
 
 def fail_then_close_and_abort(roles: transport.Roles) -> dict:
-    """One trainer in GBA: a NaN gradient is refused by the shard, so close()'s drain raises; then a
-    second run leaves its `with` block by the user's exception (abort)."""
+    """One trainer in GBA over 2 shards, `on_nonfinite: fail`: a NaN gradient raises at once, and
+    shard 0 then refuses every push, so close()'s drain raises; then a second run leaves its `with`
+    block by the user's exception (abort)."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     config = from_dict(GBAConfig, {"initial_mode": "gba"})
-    gba = GBASync(model, optimizer, config, roles, local_batch_size=BATCH)
+    gba = GBASync(model, optimizer, config, roles, local_batch_size=BATCH, on_nonfinite="fail")
     gba.start()
     running = gba_threads()
     (loss_on(model, 0, 0) * float("nan")).backward()
-    optimizer.step()
-    with pytest.raises(SyncError, match="NaN or inf"):
+    with pytest.raises(SyncError, match=r"non-finite \(NaN / Inf\) gradient from trainer 0 \(rank 0\)"):
+        optimizer.step()
+    optimizer.zero_grad()
+    loss_on(model, 0, 1).backward()
+    optimizer.step()  # queued; shard 0 refuses it: the job has failed
+    with pytest.raises(SyncError, match=r"the job failed: non-finite .* trainer 0 \(rank 0\)"):
         gba.close()
     after_close = gba_threads()
     with pytest.raises(KeyError, match="the user's error"):
@@ -219,6 +225,6 @@ def fail_then_close_and_abort(roles: transport.Roles) -> dict:
 
 
 def test_close_and_abort_stop_and_join_the_threads_whatever_raises() -> None:
-    trainer, _ = run_ranks(gba_job, 2, 1, fail_then_close_and_abort, timeout_s=60)
+    trainer, _, _ = run_ranks(gba_job, 3, 2, fail_then_close_and_abort, timeout_s=60)
     assert sorted(trainer["running"]) == ["shadowgba-gba", "shadowgba-gba-watch"], trainer
     assert trainer["after_close"] == [] and trainer["after_abort"] == [], trainer

@@ -128,8 +128,12 @@ def configured_shard(numel: int = 4) -> DenseShard:
         ((0, 4, 8, torch.ones(4), 0, 1, 0.0), r"unknown parameter slice \[4, 8\)"),
         ((5, 0, 4, torch.ones(4), 0, 1, 0.0), "unknown trainer 5"),
         ((0, 0, 4, torch.ones(4), 7, 1, 0.0), "token 7 is from the future"),
-        ((0, 0, 4, torch.ones(4), 0, 0, 0.0), "num_samples must be >= 1"),
-        ((0, 0, 4, torch.full((4,), float("nan")), 0, 1, 0.0), "NaN or inf"),
+        ((0, 0, 4, torch.ones(4), 0, 0, 0.0), "num_samples must be an integer >= 1, got 0"),
+        ((0, 0, 4, torch.ones(4), 0, 1.5, 0.0), "num_samples must be an integer >= 1, got 1.5"),
+        ((0, 0, 4, torch.ones(4), 0, True, 0.0), "num_samples must be an integer >= 1, got True"),
+        ((0, 0, 4, torch.ones(4), 0, -3, 0.0), "num_samples must be an integer >= 1, got -3"),
+        ((0, 0, 4, torch.full((4,), float("nan")), 0, 1, 0.0), "trainer 0's gradient has NaN or inf"),
+        ((0, 0, 4, torch.ones(4), 0, 1, 0.0, False), "trainer 0's gradient has NaN or inf"),
     ],
 )
 def test_malformed_pushes_are_refused_and_leave_the_shard_untouched(args: tuple, message: str) -> None:
@@ -199,3 +203,103 @@ def test_watch_answers_once_the_global_step_passes_the_token_and_none_once_expor
     shard.export()
     waiter.join(timeout=2.0)
     assert not waiter.is_alive() and answered[-1] is None
+
+
+def sharded(numel: int = 4, num_trainers: int = 2, global_batch: int = 2, on_nonfinite: str = "fail",
+            **decay: object) -> list[DenseShard]:
+    """The dense vector over two in-process shards, configured as `DenseShardClient.configure` does."""
+    spec = OptimizerSpec.of(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), LRSchedule())
+    initial = FlatOptimizer(spec, torch.zeros(numel)).export()
+    config = GBAConfig(decay=StalenessDecayConfig(**decay))
+    shards = []
+    for index, (start, end) in enumerate(shard_bounds(numel, 2)):
+        shard = DenseShard()
+        shard.configure(start, end, num_trainers, spec, slice_export(initial, start, end), config, global_batch,
+                        index=index, on_nonfinite=on_nonfinite)
+        shards.append(shard)
+    return shards
+
+
+def test_the_other_shards_apply_shard_0s_decisions_in_its_order_whatever_order_they_arrive_in() -> None:
+    """Shard 0 decides each push once; shard 1 gets the parts of two pushes in the opposite order
+    and still applies them as decided (the second completes the global batch), so both shards
+    advance k together and hold the values one shard over the whole vector would."""
+    leader, follower = sharded()
+    reference = configured_shard()
+    g_a, g_b = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([3.0, 2.0, 1.0, 0.0])
+    for trainer, gradient in ((0, g_a), (1, g_b)):
+        reference.push(PushRequest(trainer, 0, 4, gradient, 0, 1, 0.0))
+    first = leader.push(PushRequest(0, 0, 2, g_a[:2], 0, 1, 0.0))
+    second = leader.push(PushRequest(1, 0, 2, g_b[:2], 0, 1, 0.0))
+    assert (first.decision.seq, second.decision.seq) == (0, 1) and second.token == 1
+    early = follower.push(PushRequest(1, 2, 4, g_b[2:], 0, 1, 0.0, True, second.decision))
+    assert early.token == 0 and follower.stats()["pending_pushes"] == 1  # waits for decision 0, no thread does
+    late = follower.push(PushRequest(0, 2, 4, g_a[2:], 0, 1, 0.0, True, first.decision))
+    assert late.token == 1 and follower.stats()["pending_pushes"] == 0
+    torch.testing.assert_close(torch.cat([leader.pull().params, follower.pull().params]), reference.pull().params)
+    assert [shard.stats()["global_step"] for shard in (leader, follower)] == [1, 1]
+    with pytest.raises(ValueError, match="decision 0 was already applied"):
+        follower.push(PushRequest(0, 2, 4, g_a[2:], 0, 1, 0.0, True, first.decision))
+    with pytest.raises(ValueError, match="only shard 0 decides"):
+        follower.push(PushRequest(0, 2, 4, g_a[2:], 0, 1, 0.0))
+    with pytest.raises(ValueError, match="shard 0: it decides pushes"):
+        leader.push(PushRequest(0, 0, 2, g_a[:2], 0, 1, 0.0, True, first.decision))
+    exported = concat_exports([shard.export() for shard in (leader, follower)])
+    assert exported["global_step"] == 1
+
+
+def test_a_dropped_push_has_no_decision_and_a_broken_part_keeps_k_in_step() -> None:
+    leader, follower = sharded(kind="drop", threshold=0, max_staleness=4)
+    ones = torch.ones(2)
+    for trainer in (0, 1):
+        decision = leader.push(PushRequest(trainer, 0, 2, ones, 0, 1, 0.0)).decision
+        follower.push(PushRequest(trainer, 2, 4, ones, 0, 1, 0.0, True, decision))
+    stale = leader.push(PushRequest(0, 0, 2, ones, 0, 1, 0.0))  # staleness 1 > threshold 0
+    assert stale.weight == 0.0 and stale.decision is None  # nothing for shard 1 to apply
+    kept = leader.push(PushRequest(0, 0, 2, ones, 1, 1, 0.0)).decision
+    nan = torch.full((2,), float("nan"))
+    with pytest.raises(ValueError, match="NaN or inf values here .* k stays shard 0's"):
+        follower.push(PushRequest(0, 2, 4, nan, 1, 1, 0.0, True, kept))  # a client that lied about `finite`
+    completing = leader.push(PushRequest(1, 0, 2, ones, 1, 1, 0.0)).decision
+    follower.push(PushRequest(1, 2, 4, ones, 1, 1, 0.0, True, completing))
+    assert [shard.stats()["global_step"] for shard in (leader, follower)] == [2, 2]
+    assert torch.isfinite(follower.pull().params).all()
+
+
+def test_non_finite_pushes_are_dropped_and_counted_under_skip_and_end_the_job_under_fail() -> None:
+    leader, _ = sharded(on_nonfinite="skip")
+    leader.push(PushRequest(1, 0, 2, torch.ones(2), 0, 1, 0.0))
+    nan = torch.tensor([1.0, float("inf")])
+    reply = leader.push(PushRequest(0, 0, 2, nan, 0, 1, 0.0))
+    marked = leader.push(PushRequest(0, 0, 2, torch.ones(2), 0, 1, 0.0, False))  # NaN in another shard's part
+    assert (reply.weight, reply.decision, marked.weight, marked.decision) == (0.0, None, 0.0, None)
+    stats = leader.stats()
+    assert (stats["nonfinite_dropped"], stats["buffered_samples"], stats["global_step"]) == (2, 1, 0)
+    torch.testing.assert_close(leader.pull().params, torch.zeros(2))
+    failing, _ = sharded(on_nonfinite="fail")
+    with pytest.raises(ValueError, match="trainer 1's gradient has NaN or inf values .*on_nonfinite: fail"):
+        failing.push(PushRequest(1, 0, 2, nan, 0, 1, 0.0))
+    with pytest.raises(ValueError, match="the job failed: trainer 1's gradient"):
+        failing.push(PushRequest(0, 0, 2, torch.ones(2), 0, 1, 0.0))  # any trainer's later push
+    failing.configure(0, 2, 2, *sharded_args())  # a new GBA phase starts clean
+    failing.push(PushRequest(0, 0, 2, torch.ones(2), 0, 1, 0.0))
+    reported, _ = sharded(on_nonfinite="fail")
+    reported.fail("trainer 0 (rank 0): non-finite gradient")
+    with pytest.raises(ValueError, match=r"the job failed: trainer 0 \(rank 0\)"):
+        reported.push(PushRequest(1, 0, 2, torch.ones(2), 0, 1, 0.0))
+
+
+def sharded_args() -> tuple:
+    spec = OptimizerSpec.of(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), LRSchedule())
+    return spec, FlatOptimizer(spec, torch.zeros(2)).export(), GBAConfig(), 2
+
+
+def test_snapshot_keeps_the_shard_serving() -> None:
+    shard = configured_shard()
+    for trainer in (0, 1):
+        shard.push(PushRequest(trainer, 0, 4, torch.ones(4), 0, 1, 0.0))
+    shard.push(PushRequest(0, 0, 4, torch.ones(4), 1, 1, 0.0))  # half of the next global batch
+    snapshot = shard.snapshot()
+    assert snapshot["global_step"] == 1 and shard.stats()["buffered_samples"] == 1
+    torch.testing.assert_close(snapshot["param"], -torch.ones(4))
+    assert shard.push(PushRequest(1, 0, 4, torch.ones(4), 1, 1, 0.0)).token == 2

@@ -3,13 +3,17 @@
 Each trainer step in sync mode is exactly one `all_reduce` (SUM) over the trainer group of one flat
 buffer, laid out as
 
-    [ gradient (numel) | contributors (1) | stop (1) | switch (1) | compute time (1 per trainer) ]
+    [ gradient (numel) | contributors (1) | stop (1) | switch (1) | compute time (1 per trainer)
+      | non-finite (1 per trainer) ]
 
-- gradient: this trainer's gradient, or zeros when it does not contribute (its closing round);
+- gradient: this trainer's gradient, or zeros when it does not contribute (its closing round, or
+  a gradient with NaN / Inf values: those never enter the sum);
 - contributors: 1 from each trainer that contributed, so the sum is the divisor of the mean;
 - stop: 1 from a trainer that is closing: its peers stop issuing collectives (`runtime.Mode.LOCAL`);
 - switch: 1 from a trainer that was asked (`switch_mode("gba")`) to switch to GBA;
-- compute time: each trainer writes only its own slot, so the sum is every trainer's time.
+- compute time: each trainer writes only its own slot, so the sum is every trainer's time;
+- non-finite: 1 in its own slot from a trainer whose gradient was not finite, so every trainer
+  learns who, after the same step, and applies the same rule (`runtime`: skip or fail).
 
 Folding the flags and the times into the gradient's all-reduce is what makes sync mode need no
 agreement round: every trainer receives the same sums after the same step, so every trainer takes
@@ -39,6 +43,8 @@ class SyncRound:
     """A trainer was asked to switch to GBA."""
     compute_times: list[float]
     """Every trainer's compute time of this step, in trainer order (for the switch policy)."""
+    nonfinite: list[int]
+    """The trainers (indices) whose gradient of this step was not finite and was left out."""
 
 
 class SyncAllReduce:
@@ -46,28 +52,37 @@ class SyncAllReduce:
 
     def __init__(self, numel: int, num_trainers: int, trainer_index: int, group: dist.ProcessGroup | None,
                  dtype: torch.dtype, device: torch.device) -> None:
-        self._buffer = torch.zeros(numel + 3 + num_trainers, dtype=dtype, device=device)
-        self._gradient, self._control = self._buffer.split([numel, 3 + num_trainers])
+        self._buffer = torch.zeros(numel + 3 + 2 * num_trainers, dtype=dtype, device=device)
+        self._gradient, self._control = self._buffer.split([numel, 3 + 2 * num_trainers])
         """The gradient field, and everything after it (read back in one device-to-host copy)."""
-        self._contributors, self._stop, self._switch, self._compute_times = self._control.split([1, 1, 1, num_trainers])
+        self._contributors, self._stop, self._switch, self._compute_times, self._nonfinite = self._control.split(
+            [1, 1, 1, num_trainers, num_trainers])
+        self._num_trainers = num_trainers
         self._trainer_index = trainer_index
         self._group = group
 
-    def round(self, gradient: torch.Tensor | None, stop: bool, switch_to_gba: bool, compute_s: float) -> SyncRound:
-        """All-reduce this trainer's `gradient` (None: contribute nothing) and flags; blocking, collective."""
+    def round(self, gradient: torch.Tensor | None, stop: bool, switch_to_gba: bool, compute_s: float,
+              finite: bool = True) -> SyncRound:
+        """All-reduce this trainer's `gradient` (None: contribute nothing and apply nothing) and flags;
+        blocking, collective. `finite` False: the gradient is left out and flagged, and this trainer
+        still gets the mean of the others' (the replicas stay identical)."""
         self._buffer.zero_()
-        if gradient is not None:
+        if gradient is not None and finite:
             self._gradient.copy_(gradient)
             self._contributors.fill_(1.0)
+        elif gradient is not None:
+            self._nonfinite[self._trainer_index] = 1.0
         self._stop.fill_(float(stop))
         self._switch.fill_(float(switch_to_gba))
         self._compute_times[self._trainer_index] = compute_s
         dist.all_reduce(self._buffer, group=self._group)
-        contributors, stopped, switch, *compute_times = self._control.tolist()
-        contributed = gradient is not None and contributors > 0
+        contributors, stopped, switch, *per_trainer = self._control.tolist()
+        compute_times, nonfinite = per_trainer[:self._num_trainers], per_trainer[self._num_trainers:]
+        takes_part = gradient is not None and contributors > 0
         return SyncRound(
-            mean_gradient=self._gradient / contributors if contributed else None,
+            mean_gradient=self._gradient / contributors if takes_part else None,
             stopped=stopped > 0,
             switch_to_gba=switch > 0,
             compute_times=compute_times,
+            nonfinite=[index for index, flag in enumerate(nonfinite) if flag > 0],
         )

@@ -7,9 +7,11 @@
 
 - The queue holds at most `queue_size` gradients; when it is full the oldest is dropped (counted
   in `metrics.queue_dropped`), so the training thread never blocks on the network.
-- The pusher thread pushes each queued gradient to every shard (`DenseShardClient.push`) with the
-  tokens of the parameters it was computed on; a reply is the shard's fresh slice and token, and
-  may carry a request to switch to sync (`sync_requested`).
+- The pusher thread pushes each queued gradient (`DenseShardClient.push`: shard 0 decides it for
+  every shard) with the one token of the parameters it was computed on, the oldest installed
+  slice's; a reply is each shard's fresh slice and token, and shard 0's may carry a request to
+  switch to sync (`sync_requested`). A gradient the training thread found non-finite is pushed
+  marked so (`finite`): shard 0 drops and counts it, and no other shard sees it.
 - Under global-batch aggregation the watcher thread keeps one long poll (`DenseShard.watch`) per
   shard open, which answers as soon as the shard's global step advances. Without it the newest
   parameters at the end of step n would be the reply to the push of step n-1, fetched a whole
@@ -60,9 +62,10 @@ class _Queued:
     """A gradient waiting for the pusher thread."""
 
     gradient: torch.Tensor
-    tokens: list[int]
-    """The tokens of the parameters the gradient was computed on, one per shard."""
+    token: int
+    """The global step of the parameters the gradient was computed on (the oldest slice's)."""
     compute_s: float
+    finite: bool
 
 
 class GBAClient:
@@ -82,6 +85,9 @@ class GBAClient:
         """Per shard, the token of the installed parameters (training thread only)."""
         self._sync_requested = threading.Event()
         """Set by the pusher when a reply carries a request to switch to sync; cleared by `leave`."""
+        self._epoch = 0
+        """Bumped by `leave`: a watch answered before it (parameters of before a switch or a
+        checkpoint load, whose k may be higher than the new one) is not offered after it."""
         self._queue: collections.deque[_Queued] = collections.deque()
         self._queue_ready = threading.Condition()
         self._pushing = False
@@ -132,6 +138,7 @@ class GBAClient:
         self.drain()
         with self._replies_lock:
             self._fresh = [None] * len(self._shards.bounds)
+            self._epoch += 1
         self._sync_requested.clear()
 
     @property
@@ -141,17 +148,19 @@ class GBAClient:
 
     @property
     def global_step(self) -> int:
-        """The oldest shard's token of the installed parameters (shards advance independently)."""
+        """The global step of the installed parameters: the oldest slice's token (the shards share one
+        k, but one slice can be installed before the next shard has applied the same push)."""
         return min(self.tokens)
 
     # ------------------------------------------------------------------------- training thread
-    def submit(self, gradient: torch.Tensor, compute_s: float) -> None:
-        """Queue a copy of `gradient` (computed on the installed parameters); drop the oldest if full."""
+    def submit(self, gradient: torch.Tensor, compute_s: float, finite: bool = True) -> None:
+        """Queue a copy of `gradient` (computed on the installed parameters); drop the oldest if full.
+        `finite` False: the training thread found NaN / Inf in it; shard 0 only counts it."""
         with self._queue_ready:
             if len(self._queue) >= self._queue_size:
                 self._queue.popleft()
                 self._metrics.record_queue_drop()
-            self._queue.append(_Queued(gradient.clone(), list(self.tokens), compute_s))
+            self._queue.append(_Queued(gradient.clone(), self.global_step, compute_s, finite))
             self._queue_ready.notify()
 
     def install_fresh(self) -> None:
@@ -241,10 +250,10 @@ class GBAClient:
     def _push(self, queued: _Queued) -> None:
         started = time.perf_counter()
         gradient = queued.gradient
-        replies = self._shards.push(self._trainer_index, gradient, queued.tokens, self._local_batch_size,
-                                    queued.compute_s)
-        for reply in replies:
-            self._metrics.record_push(reply.weight)
+        replies = self._shards.push(self._trainer_index, gradient, queued.token, self._local_batch_size,
+                                    queued.compute_s, queued.finite)
+        if queued.finite:
+            self._metrics.record_push(replies[0].weight)  # one decision for the whole push (shard 0's)
         self._metrics.record_round(time.perf_counter() - started, 2 * gradient.numel() * gradient.element_size())
         self._offer(replies)
         if replies[0].requested_mode == "sync":
@@ -257,6 +266,7 @@ class GBAClient:
             if not self._watching.wait(timeout=WATCH_TIMEOUT_S):
                 continue
             with self._replies_lock:
+                epoch = self._epoch
                 known = [
                     max(token, reply.token if reply is not None else token)
                     for token, reply in zip(self._live_tokens, self._fresh)
@@ -265,13 +275,16 @@ class GBAClient:
             if len(replies) < len(known):  # a shard answered None: the shards are leaving GBA (switch to sync)
                 time.sleep(WATCH_TIMEOUT_S)
                 continue
-            self._offer(replies)
+            self._offer(replies, epoch)
             if all(reply.token <= token for reply, token in zip(replies, known)):
                 time.sleep(WATCH_IDLE_S)  # timed out, or answered at once by a shard with all waiters taken
 
-    def _offer(self, replies: list[ShardReply]) -> None:
-        """Keep, per shard, the newest of the replies received so far (both background threads)."""
+    def _offer(self, replies: list[ShardReply], epoch: int | None = None) -> None:
+        """Keep, per shard, the newest of the replies received so far (both background threads);
+        a watch's replies only if no `leave` came between its call and now (`epoch`)."""
         with self._replies_lock:
+            if epoch is not None and epoch != self._epoch:
+                return
             for index, reply in enumerate(replies):
                 kept = self._fresh[index]
                 if kept is None or reply.token > kept.token:

@@ -40,6 +40,27 @@ same order):
   switch barrier.
 - A trainer that closes in sync mode raises the stop flag in one last all-reduce; every peer then
   stops issuing collectives (`Mode.LOCAL`), and every trainer ends with the same one average.
+- What trainer 0 alone does inside a switch (configure or export the shards, load a checkpoint into
+  them) ends in a broadcast of its outcome (`_on_trainer0`): if it failed, every trainer raises the
+  same `SyncError`, none is left waiting in the next collective.
+
+One global step: the dense shards apply every push as shard 0 decided it (`dense_server`), so at
+every switch and at close every shard holds the same k, and a push's single token is the oldest
+of the installed slices' (`GBAClient.global_step`).
+
+NaN / Inf never spreads (`on_nonfinite`, `sync.on_nonfinite`): a trainer checks its gradient every
+step. Sync mode: a non-finite one contributes nothing to the all-reduce (not counted among the
+contributors) and sets this trainer's flag in it, so every trainer learns who, at the same step;
+`skip`: every trainer applies the mean of the others' and counts it (`metrics.nonfinite_skipped`),
+replicas stay identical; `fail`: every trainer raises `SyncError` naming the trainer and its rank,
+before applying anything. GBA mode: `skip`: the push is marked non-finite, shard 0 drops and counts
+it (`nonfinite_dropped`), training goes on; `fail`: this trainer raises `SyncError` at once and
+shard 0 refuses every later push, naming it. Local mode: the gradient is skipped or raised on.
+
+Checkpoints (`state_dict`): mode, dense parameter names, the optimizer export (parameters,
+optimizer state, global step: this trainer's in sync mode, reassembled from the shards in GBA
+mode, at a cut where every shard is at the same k) and the switch policy's state. Any mode loads
+any of them; a state that does not fit is refused with `CheckpointError` before anything changes.
 """
 
 from __future__ import annotations
@@ -47,14 +68,14 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from typing import Any, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from shadowgba.dense import DenseParams, trainable_named_parameters
-from shadowgba.errors import CheckpointError, ConfigError
+from shadowgba.errors import CheckpointError, ConfigError, SetupError, SyncError
 from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec
 from shadowgba.gba.allreduce import SyncAllReduce, SyncRound
 from shadowgba.gba.client import GBAClient
@@ -115,16 +136,24 @@ class GBASync(DenseSync):
         local_batch_size: int,
         params: Iterable[tuple[str, nn.Parameter]] | None = None,
         lockstep_every: int = 0,
+        on_nonfinite: str = "skip",
     ) -> None:
         """`lockstep_every` > 0 says the trainers take every step together anyway (TorchRec-sharded
         tables: each step's all-to-all pairs them); GBA -> sync is then agreed every that many steps
-        in a one-element all-reduce (see `_leave_gba_due`). 0: trainers step independently (PS tables)."""
+        in a one-element all-reduce (see `_leave_gba_due`). 0: trainers step independently (PS tables).
+        `on_nonfinite` (`sync.on_nonfinite`): skip or fail on a NaN / Inf gradient (module docstring)."""
         if roles.is_server:
             raise ValueError("GBASync runs on trainer ranks; server ranks call serve_dense_shard()")
         if config.initial_mode == Mode.GBA and roles.num_servers < 1:
             raise ConfigError("sync.gba.initial_mode is 'gba' but the job has no parameter-server ranks")
         if lockstep_every < 0:
             raise ValueError(f"lockstep_every must be >= 0, got {lockstep_every}")
+        if on_nonfinite not in ("skip", "fail"):
+            raise ConfigError(f"sync.on_nonfinite must be 'skip' or 'fail', got {on_nonfinite!r}")
+        if isinstance(local_batch_size, bool) or not isinstance(local_batch_size, int) or local_batch_size < 1:
+            raise SetupError(f"local_batch_size must be an integer >= 1 (samples per trainer step), "
+                             f"got {local_batch_size!r}")
+        self.on_nonfinite = on_nonfinite
         self.config = config
         self.roles = roles
         self.dense = DenseParams(list(params if params is not None else trainable_named_parameters(model)))
@@ -143,6 +172,8 @@ class GBASync(DenseSync):
         self._step_hook = StepHook([optimizer], self._on_step, replace_step=True)
         self._flat: FlatOptimizer | None = None
         """The trainer's optimizer: set by start(), None before and after (closed)."""
+        self._loaded: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+        """A checkpoint loaded before start() (optimizer export, policy state): start() takes it."""
         self._grad = self.dense.empty()
         self._allreduce = SyncAllReduce(self.dense.numel, self.num_trainers, roles.trainer_index, roles.trainer_group,
                                         self.dense.dtype, self.dense.device)
@@ -160,6 +191,9 @@ class GBASync(DenseSync):
         dist.broadcast(initial, src=self.roles.trainer_ranks[0], group=self.roles.trainer_group)
         self.dense.copy_from(initial)
         self._flat = FlatOptimizer(self.spec, initial)
+        if self._loaded is not None:
+            (exported, policy), self._loaded = self._loaded, None
+            self._load(exported, policy)
         try:
             self._step_hook.install()
             if self.roles.num_servers:
@@ -234,8 +268,8 @@ class GBASync(DenseSync):
 
     @property
     def global_step(self) -> int:
-        """The global step k of the parameters this trainer holds (in GBA: the oldest shard's token;
-        shards advance independently)."""
+        """The global step k of the parameters this trainer holds (in GBA: the oldest installed
+        slice's; the shards share one k, but a slice may be installed before another catches up)."""
         return self._client.global_step if self.mode == Mode.GBA else self._flat.global_step
 
     def wait_for_global_step(self, global_step: int, timeout_s: float = 60.0) -> None:
@@ -251,19 +285,47 @@ class GBASync(DenseSync):
             self._client.wait_for_global_step(global_step, timeout_s)
 
     def state_dict(self) -> dict[str, Any]:
-        """Mode, parameters, optimizer state and global step: this trainer's in sync mode, the dense
-        shards' (reassembled) in GBA mode, where the state lives on the servers."""
-        exported = self._shards.export() if self.mode == Mode.GBA else self._flat.export()
-        return {"mode": str(self.mode), "param_names": list(self.dense.names), "optimizer": exported}
+        """Everything needed to resume, in any mode:
+
+        - `mode`: the mode it was taken in ('sync', 'gba' or 'local'; informative, any mode loads it);
+        - `param_names`: the dense parameters' names, in flat-vector order;
+        - `optimizer`: `{"param", "state", "global_step"}`, the flat optimizer's export: this
+          trainer's in sync / local mode; in GBA mode the shards', reassembled at a cut where every
+          shard is at the same k (they keep serving; a partly filled global batch is not included);
+        - `switch_policy`: the trainer-side policy's state (its streak of observations).
+
+        Before start(): the checkpoint loaded so far, else the live weights at global step 0."""
+        if self._flat is None:
+            exported, policy = self._loaded or (FlatOptimizer(self.spec, self._live()).export(), None)
+            policy = policy or self._policy.state_dict()
+        else:
+            exported = self._shards.snapshot() if self.mode == Mode.GBA else self._flat.export()
+            policy = self._policy.state_dict()
+        return {"mode": str(self.mode), "param_names": list(self.dense.names), "optimizer": exported,
+                "switch_policy": policy}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()` output into this trainer's optimizer (sync mode: every trainer loads
-        the same state; a later switch to GBA carries it to the servers)."""
-        if not isinstance(state, dict) or state.get("param_names") != self.dense.names:
-            raise CheckpointError("GBA checkpoint was made for other dense parameters (or is not a GBA state_dict)")
-        if self.mode != Mode.SYNC:
-            raise CheckpointError("GBA state loads in sync mode (initial_mode: sync), before switching to GBA")
-        self._load(state["optimizer"])
+        """Restore `state_dict()` output (taken in any mode) in any mode; every trainer loads the same
+        state. Sync / local mode: into this trainer's optimizer and weights. GBA mode (collective over
+        the trainers): each drains its pushes, trainer 0 configures the shards with it, so every shard
+        gets its slice and the same global step, and everyone installs it; a pending switch request
+        is forgotten. Before start(): kept, and start() begins from it.
+
+        Refused with `CheckpointError`, before anything changes: not a dict, missing keys, other
+        parameter names, another number of values or dtype, optimizer state of another optimizer,
+        a negative or non-integer global step, NaN / Inf anywhere."""
+        exported, policy = self._checked_state(state)
+        if self._flat is None:
+            self._loaded = (exported, policy)
+        elif self.mode == Mode.GBA:
+            self._client.leave()
+            dist.barrier(group=self.roles.trainer_group)  # every trainer's pushes have landed
+            self._on_trainer0(lambda: self._configure_shards(exported), "loading the checkpoint into the dense shards")
+            self._policy.load_state_dict(policy)
+            self._gba_steps = 0
+            self._client.enter()
+        else:
+            self._load(exported, policy)
 
     def server_stats(self) -> list[dict[str, Any]]:
         """Each dense shard's metrics: staleness histogram, decayed/dropped, global steps/s, queue depth."""
@@ -275,18 +337,22 @@ class GBASync(DenseSync):
         compute_s = started - self._last_step_end
         self._client.raise_error()
         self.dense.copy_grads_to(self._grad)
+        finite = bool(torch.isfinite(self._grad).all())
         if self.mode == Mode.SYNC:
             self._after_sync_round(self._allreduce.round(self._grad, stop=False, switch_to_gba=self._gba_requested,
-                                                   compute_s=compute_s))
+                                                   compute_s=compute_s, finite=finite))
         elif self.mode == Mode.GBA:
-            self._gba_step(compute_s)
+            self._gba_step(compute_s, finite)
         else:
-            self._local_step()
+            self._local_step(finite)
         self._last_step_end = time.perf_counter()
         self.metrics.record_step(self._last_step_end - started)
 
     def _after_sync_round(self, result: SyncRound) -> None:
-        """Act on a sync all-reduce's result: apply the mean gradient, then stop, switch or stay."""
+        """Act on a sync all-reduce's result: the non-finite rule, apply the mean gradient, then stop,
+        switch or stay."""
+        if result.nonfinite:
+            self._nonfinite([self._trainer_name(index) for index in result.nonfinite])
         if result.mean_gradient is not None:
             self._apply(result.mean_gradient)
             self.metrics.record_applied(self._flat.global_step)
@@ -297,12 +363,18 @@ class GBASync(DenseSync):
         if result.switch_to_gba or target == Mode.GBA:
             self._enter_gba()
 
-    def _local_step(self) -> None:
-        """After a peer closed in sync mode: keep training with the same optimizer, alone."""
+    def _local_step(self, finite: bool) -> None:
+        """After a peer closed in sync mode: keep training with the same optimizer, alone (a
+        non-finite gradient is skipped or raised on: the closing average would spread it)."""
+        if not finite:
+            self._nonfinite([self._trainer_name(self.roles.trainer_index)])
+            return
         self._apply(self._grad.clone())
 
-    def _gba_step(self, compute_s: float) -> None:
-        self._client.submit(self._grad, compute_s)
+    def _gba_step(self, compute_s: float, finite: bool) -> None:
+        if not finite:
+            self._nonfinite([self._trainer_name(self.roles.trainer_index)], self._shards.fail)
+        self._client.submit(self._grad, compute_s, finite)
         self._client.install_fresh()
         self._gba_steps += 1
         if self._leave_gba_due():
@@ -326,12 +398,49 @@ class GBASync(DenseSync):
         dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.roles.trainer_group)
         return seen.item() > 0
 
+    def _nonfinite(self, trainers: list[str], report: Callable[[str], None] | None = None) -> None:
+        """The non-finite rule for `trainers`' gradients of this step: count and warn (skip), or raise
+        `SyncError` naming them (fail), after `report`ing the reason (GBA: to shard 0, for the peers)."""
+        where = f"non-finite (NaN / Inf) gradient from {', '.join(trainers)} at global step {self.global_step}"
+        if self.on_nonfinite == "fail":
+            if report is not None:
+                try:
+                    report(where)
+                except Exception:  # the local error below is the one that matters
+                    logger.exception("shadowgba: could not report the non-finite gradient to the dense shards")
+            raise SyncError(f"{where} (sync.on_nonfinite: fail)")
+        self.metrics.record_nonfinite_skipped(len(trainers))
+        logger.warning("shadowgba: %s left out (sync.on_nonfinite: skip)", where)
+
+    def _trainer_name(self, index: int) -> str:
+        return f"trainer {index} (rank {self.roles.trainer_ranks[index]})"
+
     # ------------------------------------------------------------------------------- switching
+    def _on_trainer0(self, action: Callable[[], Any], what: str) -> Any:
+        """Run `action` on trainer 0 and give every trainer its result (one broadcast, collective).
+        If it raised there, every trainer raises the same `SyncError`: no peer is left waiting in a
+        collective trainer 0 will not reach."""
+        outcome: list[Any] = [None]
+        error: BaseException | None = None
+        if self.roles.trainer_index == 0:
+            try:
+                outcome = [(True, action())]
+            except Exception as failure:
+                error, outcome = failure, [(False, f"{what} failed on trainer 0: {failure!r}")]
+        dist.broadcast_object_list(outcome, src=self.roles.trainer_ranks[0], group=self.roles.trainer_group)
+        ok, value = outcome[0]
+        if not ok:
+            raise SyncError(value) from error
+        return value
+
+    def _configure_shards(self, exported: dict[str, Any]) -> None:
+        """Trainer 0: every dense shard takes its slice of `exported`, all at its global step."""
+        self._shards.configure(self.num_trainers, self.spec, exported, self.config, self.global_batch,
+                               self.on_nonfinite)
+
     def _enter_gba(self, initial: bool = False) -> None:
         """sync -> GBA at the same step on every trainer (at start when `initial`: not a switch)."""
-        if self.roles.trainer_index == 0:
-            self._shards.configure(self.num_trainers, self.spec, self._flat.export(), self.config, self.global_batch)
-        dist.barrier(group=self.roles.trainer_group)
+        self._on_trainer0(lambda: self._configure_shards(self._flat.export()), "configuring the dense shards")
         self._gba_requested = False
         self._gba_steps = 0
         self._client.enter()
@@ -340,10 +449,8 @@ class GBASync(DenseSync):
     def _leave_gba(self) -> None:
         """GBA -> sync: quiesce this trainer's pushes, agree, take the servers' state."""
         self._client.leave()
-        dist.barrier(group=self.roles.trainer_group)
-        exported: list[Any] = [self._shards.export() if self.roles.trainer_index == 0 else None]
-        dist.broadcast_object_list(exported, src=self.roles.trainer_ranks[0], group=self.roles.trainer_group)
-        self._load(exported[0])
+        dist.barrier(group=self.roles.trainer_group)  # every trainer's pushes have reached every shard
+        self._load(self._on_trainer0(self._shards.export, "taking the dense shards' state back"))
         self._switch_to(Mode.SYNC)
 
     def _switch_to(self, mode: Mode, counted: bool = True) -> None:
@@ -359,7 +466,73 @@ class GBASync(DenseSync):
         self._flat.step(gradient)
         self.dense.copy_from(self._flat.param.detach())
 
-    def _load(self, exported: dict[str, Any]) -> None:
-        """Load a whole-vector optimizer export into this trainer's optimizer and the live weights."""
+    def _load(self, exported: dict[str, Any], policy: dict[str, Any] | None = None) -> None:
+        """Load a whole-vector optimizer export (and a policy state) into this trainer's optimizer
+        and the live weights."""
         self._flat.load(exported)
         self.dense.copy_from(self._flat.param.detach())
+        if policy is not None:
+            self._policy.load_state_dict(policy)
+
+    def _live(self) -> torch.Tensor:
+        live = self.dense.empty()
+        self.dense.copy_to(live)
+        return live
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def _checked_state(self, state: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """`state` as (optimizer export on this trainer's device, policy state or None), or
+        `CheckpointError` saying what does not fit. Reads only: nothing is changed here."""
+        if not isinstance(state, dict):
+            raise CheckpointError(f"a GBA checkpoint is the dict GBASync.state_dict() returns, got {type(state).__name__}")
+        missing = [key for key in ("mode", "param_names", "optimizer") if key not in state]
+        if missing:
+            raise CheckpointError(f"GBA checkpoint lacks {missing} (keys: {sorted(map(str, state))})")
+        if state["mode"] not in (*Mode,):
+            raise CheckpointError(f"GBA checkpoint has unknown mode {state['mode']!r}; allowed: {[str(m) for m in Mode]}")
+        names = list(state["param_names"]) if isinstance(state["param_names"], (list, tuple)) else None
+        if names != list(self.dense.names):
+            raise CheckpointError(f"GBA checkpoint was made for other dense parameters: {state['param_names']!r}, "
+                                  f"this model has {list(self.dense.names)}")
+        optimizer = state["optimizer"]
+        if not isinstance(optimizer, dict) or not {"param", "state", "global_step"} <= set(optimizer):
+            raise CheckpointError("GBA checkpoint's 'optimizer' must be a dict of param, state, global_step")
+        param, opt_state, step = optimizer["param"], optimizer["state"], optimizer["global_step"]
+        numel = self.dense.numel
+        if not torch.is_tensor(param) or param.shape != (numel,) or param.dtype != self.dense.dtype:
+            got = f"{tuple(param.shape)} {param.dtype}" if torch.is_tensor(param) else type(param).__name__
+            raise CheckpointError(f"GBA checkpoint holds {got} parameter values; this model's dense parameters "
+                                  f"are ({numel},) {self.dense.dtype}")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"GBA checkpoint's global_step must be an integer >= 0, got {step!r}")
+        if not isinstance(opt_state, dict) or (opt_state and set(opt_state) != self._state_keys()):
+            keys = sorted(opt_state) if isinstance(opt_state, dict) else type(opt_state).__name__
+            raise CheckpointError(f"GBA checkpoint's optimizer state {keys} is not {self.spec.name}'s "
+                                  f"{sorted(self._state_keys())}")
+        tensors = {"param": param, **{key: value for key, value in opt_state.items() if torch.is_tensor(value)}}
+        for key, value in tensors.items():
+            if value.dim() > 0 and value.shape != (numel,):
+                raise CheckpointError(f"GBA checkpoint's optimizer state '{key}' has shape {tuple(value.shape)}, "
+                                      f"expected ({numel},)")
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise CheckpointError(f"GBA checkpoint's '{key}' has NaN or Inf values")
+        policy = state.get("switch_policy")
+        if policy is not None:
+            try:
+                SwitchPolicy(self.config.switch_policy).load_state_dict(policy)
+            except (TypeError, ValueError) as error:
+                raise CheckpointError(f"GBA checkpoint's switch_policy does not load: {error}") from None
+        device = self.dense.device
+        exported = {
+            "param": param.detach().to(device).clone(),
+            "state": {key: value.detach().to(device).clone() if torch.is_tensor(value) and value.dim() > 0
+                      else value for key, value in opt_state.items()},
+            "global_step": step,
+        }
+        return exported, policy
+
+    def _state_keys(self) -> set[str]:
+        """The keys of this optimizer's state once it has stepped (e.g. Adam: step, exp_avg, exp_avg_sq)."""
+        probe = FlatOptimizer(self.spec, torch.zeros(1, dtype=self.dense.dtype))
+        probe.step(torch.zeros(1, dtype=self.dense.dtype))
+        return set(probe.export()["state"])

@@ -49,6 +49,17 @@ class SwitchPolicy:
         self.config = config
         self._streak = 0
 
+    def state_dict(self) -> dict[str, int]:
+        """What the policy has seen so far: the current streak of out-of-band observations."""
+        return {"streak": self._streak}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore `state_dict()` output; `ValueError` on anything else, with nothing changed."""
+        streak = state.get("streak") if isinstance(state, dict) else None
+        if isinstance(streak, bool) or not isinstance(streak, int) or streak < 0:
+            raise ValueError(f"switch policy state must be {{'streak': integer >= 0}}, got {state!r}")
+        self._streak = streak
+
     def observe(self, mode: str, compute_times: Sequence[float]) -> str | None:
         """One global step's compute times (one per trainer) in `mode`; a new mode or None."""
         if not self.config.enabled or len(compute_times) < 2:

@@ -9,9 +9,22 @@ Invariants:
 - One lock guards everything; RPC threads call concurrently. Memory is bounded: one parameter
   slice, its optimizer state and one buffer of the same size, whatever the number of trainers.
 - A malformed push (wrong shape or dtype, a slice this shard does not own, a token from the future,
-  no samples) is refused with a `ValueError` *before* anything changes.
-- Each shard advances k on its own; a trainer keeps one token per shard. With equal-speed
-  trainers and no staleness every shard steps on the same gradients, which is sync training.
+  a `num_samples` that is not an integer >= 1) is refused with a `ValueError` *before* anything
+  changes.
+- **One global step for all shards.** A push is one decision, taken once, by shard 0 (the
+  leader) with GBA's rule from the push's single token: kept or dropped, its decay weight, and
+  whether it completes a global batch. Shard 0 numbers its kept decisions (`Decision.seq`); the
+  trainer then sends each other shard its slice with that decision, and every shard applies the
+  decisions in that order (`_follow`: one arriving early waits in `_pending`, an RPC thread never
+  does). So every shard applies the same pushes with the same weights and advances k together:
+  once every push has reached every shard (a switch or close, after the trainers' drains), all
+  shards hold the same k, and a shard's k never runs ahead of shard 0's. A dropped push changes
+  nothing anywhere and is not sent to the other shards.
+- **NaN / Inf never lands.** Shard 0 keeps a push whose gradient (the trainer's whole-vector
+  check, `PushRequest.finite`, or its own slice) is not finite out of every shard: under
+  `on_nonfinite: skip` it is dropped and counted (`nonfinite_dropped`); under `fail` it is refused
+  with a `ValueError` naming the trainer, and every later push (any trainer's) is refused with the
+  same message, so every trainer's job ends naming the one that failed.
 - The shard also relays mode switches: a request (API or policy) is stored here and carried in
   every reply until the trainers have switched.
 - `watch(token)` is a long poll: it answers once k has passed `token` (or after a timeout), so a
@@ -38,7 +51,7 @@ from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, concat_export
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy
 from shadowgba.ps import transport
-from sync_algos.gba import GlobalBatchAggregator
+from sync_algos.gba import Admission, GlobalBatchAggregator
 from sync_algos.staleness import StalenessCounts
 
 WATCHERS = 8
@@ -48,6 +61,18 @@ WATCH_MAX_S = 1.0
 """Longest one `watch` call may wait, whatever timeout it asks for."""
 DENSE_SERVICE = "dense"
 """The transport service name the dense shards are served under."""
+SNAPSHOT_TIMEOUT_S = 30.0
+"""Longest `DenseShardClient.snapshot` retries for a cut in which every shard is at the same k."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Shard 0's decision about one kept push, which every other shard applies in `seq` order."""
+
+    seq: int
+    """How many kept pushes shard 0 decided before this one since it was configured."""
+    admission: Admission
+    """GBA's rule's verdict (staleness, weight, whether it completes a global batch)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +87,16 @@ class PushRequest:
     gradient: torch.Tensor
     """The trainer's mean gradient over its local batch, for that slice."""
     token: int
-    """The shard's global step the trainer's parameters came from (staleness = k - token)."""
+    """The global step the trainer's parameters came from (the oldest of its slices'; the same for
+    every shard of one push: staleness = k - token, decided by shard 0)."""
     num_samples: int
-    """Samples the gradient was computed on (its weight in the global batch)."""
+    """Samples the gradient was computed on (its weight in the global batch): an integer >= 1."""
     compute_s: float
     """The trainer's last compute time, seen by the shard's switch policy."""
+    finite: bool = True
+    """The trainer's check of its whole gradient (every shard's slice): False keeps it out of all."""
+    decision: Decision | None = None
+    """None for shard 0, which decides; shard 0's decision for every other shard."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +108,8 @@ class ShardReply:
     requested_mode: str | None
     weight: float = 1.0
     """Decay weight the pushed gradient got (0: dropped); 1 for pulls."""
+    decision: Decision | None = None
+    """Shard 0's reply to a kept push: the decision the other shards must follow."""
 
 
 class DenseShard:
@@ -85,7 +117,7 @@ class DenseShard:
 
     def __init__(self) -> None:
         """Empty until a trainer `configure`s it: a server rank does not know the model."""
-        self.start = self.end = self.num_trainers = 0
+        self.start = self.end = self.num_trainers = self.index = 0
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         """Notified when k advances or the shard stops serving GBA (wakes `watch`)."""
@@ -104,12 +136,24 @@ class DenseShard:
         self._pushes = 0
         self._steps_at_configure = 0
         self._configured_at = time.monotonic()
+        self._on_nonfinite = "fail"
+        self._nonfinite_dropped = 0
+        self._failure: str | None = None
+        """Under on_nonfinite fail, why the job failed: every later push is refused with it."""
+        self._decided = 0
+        """Shard 0: kept decisions handed out since configure (the next `Decision.seq`)."""
+        self._next_seq = 0
+        """The other shards: the `Decision.seq` to apply next."""
+        self._pending: dict[int, tuple[PushRequest, bool]] = {}
+        """The other shards: pushes that arrived before their predecessors, by seq (with finiteness)."""
 
     # -------------------------------------------------------------------------------- mode changes
     def configure(self, start: int, end: int, num_trainers: int, spec: OptimizerSpec, exported: dict[str, Any],
-                  config: GBAConfig, global_batch: int) -> None:
-        """Own slice [start, end): take over its parameters, optimizer state and global step
-        (at start, or at a switch to GBA)."""
+                  config: GBAConfig, global_batch: int, index: int = 0, on_nonfinite: str = "fail") -> None:
+        """Own slice [start, end) as shard `index` (0 decides every push): take over its parameters,
+        optimizer state and global step (at start, at a switch to GBA, or loading a checkpoint)."""
+        if on_nonfinite not in ("skip", "fail"):
+            raise ValueError(f"on_nonfinite must be 'skip' or 'fail', got {on_nonfinite!r}")
         numel = end - start
         if exported["param"].shape != (numel,):
             raise ValueError(f"shard [{start}, {end}) cannot load {tuple(exported['param'].shape)} values")
@@ -126,6 +170,9 @@ class DenseShard:
             self._closing = False
             self._steps_at_configure = optimizer.global_step
             self._configured_at = time.monotonic()
+            self.index, self._on_nonfinite, self._failure = index, on_nonfinite, None
+            self._decided = self._next_seq = 0
+            self._pending = {}
             self._changed.notify_all()
 
     def export(self) -> dict[str, Any]:
@@ -136,11 +183,21 @@ class DenseShard:
         """
         with self._lock:
             optimizer, aggregator = self._require_configured()
+            if self._pending:
+                raise RuntimeError(f"dense shard {self.index} cannot export: pushes {sorted(self._pending)} still "
+                                   f"wait for their predecessors (a trainer left GBA without draining)")
             self._dropped_samples_at_switch = aggregator.discard()
             exported = optimizer.export()
             self._optimizer = self._aggregator = None
             self._changed.notify_all()
             return exported
+
+    def snapshot(self) -> dict[str, Any]:
+        """Parameters, optimizer state and k, as `export` gives them, but the shard keeps serving
+        (a checkpoint in GBA mode); the partly filled global batch is not part of it."""
+        with self._lock:
+            optimizer, _ = self._require_configured()
+            return optimizer.export()
 
     def request_mode(self, mode: str) -> bool:
         """Ask every trainer to switch to `mode`, carried in replies until they do. Refused (False)
@@ -152,6 +209,12 @@ class DenseShard:
                 return False
             self._requested_mode = mode
             return True
+
+    def fail(self, reason: str) -> None:
+        """A trainer's job failed (`reason` names it, e.g. a non-finite gradient under
+        on_nonfinite fail): every later push, any trainer's, is refused with it."""
+        with self._lock:
+            self._failure = reason
 
     def begin_close(self) -> bool:
         """A trainer wants to finish in GBA mode. True: no switch can start from now on. False: a
@@ -188,29 +251,89 @@ class DenseShard:
             return None if self._aggregator is None else self._reply()
 
     def push(self, request: PushRequest) -> ShardReply:
-        """Add one trainer's gradient slice; step the optimizer when a global batch is complete."""
+        """Add one trainer's gradient slice; step the optimizer when a global batch is complete.
+        Shard 0 decides (`_decide`), the others follow its decision (`_follow`)."""
         with self._lock:
             self._in_flight += 1
             self._max_in_flight = max(self._max_in_flight, self._in_flight)
         try:
             with self._lock:
-                optimizer, aggregator = self._require_configured()
+                self._require_configured()
+                if self._failure is not None:
+                    raise ValueError(f"push refused by dense shard {self.index}: the job failed: {self._failure}")
                 self._validate(request)
-                staleness, weight, mean = aggregator.add(request.gradient, request.token, request.num_samples)
-                self._pushes += 1
-                self._pushes_by_trainer[request.trainer] += 1
-                self._staleness.add(staleness, weight)
-                self._compute_s[request.trainer] = request.compute_s
-                if mean is not None:
-                    optimizer.step(mean)
-                    self._changed.notify_all()
-                    target = self._policy.observe("gba", self._compute_s)
-                    if target is not None and not self._closing:
-                        self._requested_mode = target
-                return self._reply(weight)
+                return self._decide(request) if request.decision is None else self._follow(request)
         finally:
             with self._lock:
                 self._in_flight -= 1
+
+    def _decide(self, request: PushRequest) -> ShardReply:
+        """Shard 0: GBA's rule decides the push for every shard (the lock held, validated)."""
+        if self.index != 0:
+            raise ValueError(f"push refused by dense shard {self.index}: only shard 0 decides a push; "
+                             "the others need its decision")
+        if not request.finite or not bool(torch.isfinite(request.gradient).all()):
+            return self._nonfinite(request)
+        admission, mean = self._aggregator.decide(request.gradient, request.token, request.num_samples)
+        decision = None
+        if not admission.dropped:
+            decision, self._decided = Decision(self._decided, admission), self._decided + 1
+        self._count(request, admission)
+        if mean is not None:
+            self._step(mean)
+        return self._reply(admission.weight, decision)
+
+    def _follow(self, request: PushRequest) -> ShardReply:
+        """Every other shard: apply shard 0's decisions in its order (the lock held, validated).
+
+        A part whose gradient is not finite here although the trainer said it was (a broken
+        client) contributes nothing, but its decision still counts its samples, so that k stays
+        shard 0's; then it is refused."""
+        decision = request.decision
+        if self.index == 0:
+            raise ValueError("push refused by dense shard 0: it decides pushes, it does not follow decisions")
+        if decision.seq < self._next_seq or decision.seq in self._pending:
+            raise ValueError(f"push refused by dense shard {self.index}: decision {decision.seq} was already applied")
+        finite = bool(torch.isfinite(request.gradient).all())
+        self._pending[decision.seq] = (request, finite)
+        while self._next_seq in self._pending:
+            ready, ready_finite = self._pending.pop(self._next_seq)
+            self._next_seq += 1
+            admission = ready.decision.admission
+            mean = self._aggregator.follow(ready.gradient if ready_finite else None, admission, ready.num_samples)
+            self._count(ready, admission)
+            if mean is not None:
+                self._step(mean)
+        if not finite:
+            raise ValueError(f"push refused by dense shard {self.index}: trainer {request.trainer}'s gradient has "
+                             "NaN or inf values here (its decision was kept without it, so k stays shard 0's)")
+        return self._reply(decision.admission.weight)
+
+    def _nonfinite(self, request: PushRequest) -> ShardReply:
+        """Shard 0 and a non-finite gradient: dropped and counted (skip) or the job fails (fail)."""
+        message = f"trainer {request.trainer}'s gradient has NaN or inf values"
+        if self._on_nonfinite == "fail":
+            self._failure = f"{message} (sync.on_nonfinite: fail)"
+            raise ValueError(f"push refused by dense shard {self.index}: {self._failure}")
+        self._nonfinite_dropped += 1
+        self._pushes += 1
+        self._pushes_by_trainer[request.trainer] += 1
+        return self._reply(0.0)
+
+    def _count(self, request: PushRequest, admission: Admission) -> None:
+        self._pushes += 1
+        self._pushes_by_trainer[request.trainer] += 1
+        self._staleness.add(admission.staleness, admission.weight)
+        self._compute_s[request.trainer] = request.compute_s
+
+    def _step(self, mean: torch.Tensor) -> None:
+        """Apply one global batch's mean gradient: k advances; shard 0's policy may ask for sync."""
+        self._optimizer.step(mean)
+        self._changed.notify_all()
+        if self.index == 0:
+            target = self._policy.observe("gba", self._compute_s)
+            if target is not None and not self._closing:
+                self._requested_mode = target
 
     # ---------------------------------------------------------------------------------- metrics
     def stats(self) -> dict[str, Any]:
@@ -229,12 +352,16 @@ class DenseShard:
                 "queue_depth_max": self._max_in_flight,
                 "buffered_samples": self._aggregator.buffered_samples if self._aggregator else 0,
                 "dropped_samples_at_switch": self._dropped_samples_at_switch,
+                "nonfinite_dropped": self._nonfinite_dropped,
+                "pending_pushes": len(self._pending),
+                "failure": self._failure,
             }
 
     # --------------------------------------------------------------------------------- internals
-    def _reply(self, weight: float = 1.0) -> ShardReply:
+    def _reply(self, weight: float = 1.0, decision: Decision | None = None) -> ShardReply:
         """The shard's parameters, token and pending mode request (the lock held, configured)."""
-        return ShardReply(self._optimizer.param.detach().clone(), self._aggregator.global_step, self._requested_mode, weight)
+        return ShardReply(self._optimizer.param.detach().clone(), self._aggregator.global_step, self._requested_mode,
+                          weight, decision)
 
     def _require_configured(self) -> tuple[FlatOptimizer, GlobalBatchAggregator]:
         if self._optimizer is None or self._aggregator is None:
@@ -256,10 +383,10 @@ class DenseShard:
             raise ValueError(f"{prefix}: gradient dtype {gradient.dtype}, expected {param.dtype}")
         if gradient.shape != param.shape:
             raise ValueError(f"{prefix}: gradient shape {tuple(gradient.shape)}, expected {tuple(param.shape)}")
-        if num_samples < 1:
-            raise ValueError(f"{prefix}: num_samples must be >= 1, got {num_samples}")
-        if not torch.isfinite(gradient).all():
-            raise ValueError(f"{prefix}: gradient has NaN or inf values")
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"{prefix}: num_samples must be an integer >= 1, got {num_samples!r}")
+        if request.decision is not None and not isinstance(request.decision, Decision):
+            raise ValueError(f"{prefix}: decision must be shard 0's Decision, got {type(request.decision).__name__}")
 
 
 def serve_dense_shard() -> None:
@@ -273,8 +400,9 @@ class DenseShardClient:
     The flat dense vector of `numel` elements is split over `num_shards` shards by `shard_bounds`
     (shard i on server i). Each method calls every shard that has a part in it, in parallel, and
     returns the replies in shard order; a shard's exception is raised here with its own type and
-    message (`transport.call_async`). Switch and close requests go to shard 0 alone: one place
-    decides them, under one lock (`DenseShard.begin_close`). With no shards (a job without servers)
+    message (`transport.call_async`). A push goes to shard 0 first, which decides it for all
+    (module docstring). Switch and close requests go to shard 0 alone: one place decides them,
+    under one lock (`DenseShard.begin_close`). With no shards (a job without servers)
     the client is empty and every fan-out returns nothing.
     """
 
@@ -283,20 +411,33 @@ class DenseShardClient:
         """The [start, end) slice of each shard, in shard order."""
 
     def configure(self, num_trainers: int, spec: OptimizerSpec, exported: dict[str, Any], config: GBAConfig,
-                  global_batch: int) -> None:
-        """Load a whole-vector optimizer `export()`, sliced, into the shards (they start serving GBA)."""
+                  global_batch: int, on_nonfinite: str = "fail") -> None:
+        """Load a whole-vector optimizer `export()`, sliced, into the shards (they start serving GBA),
+        every shard at the export's global step."""
         self._fan_out("configure", [
-            (start, end, num_trainers, spec, slice_export(exported, start, end), config, global_batch)
-            for start, end in self.bounds
+            (start, end, num_trainers, spec, slice_export(exported, start, end), config, global_batch, index,
+             on_nonfinite)
+            for index, (start, end) in enumerate(self.bounds)
         ])
 
-    def push(self, trainer: int, gradient: torch.Tensor, tokens: list[int], num_samples: int,
-             compute_s: float) -> list[ShardReply]:
-        """Push each shard its slice of the whole-vector `gradient`, with that shard's token."""
-        return self._fan_out("push", [
-            (PushRequest(trainer, start, end, gradient[start:end], token, num_samples, compute_s),)
-            for (start, end), token in zip(self.bounds, tokens)
-        ])
+    def push(self, trainer: int, gradient: torch.Tensor, token: int, num_samples: int, compute_s: float,
+             finite: bool = True) -> list[ShardReply]:
+        """Push the whole-vector `gradient`, computed on parameters of global step `token`: shard 0
+        decides, then every other shard gets its slice with that decision (in parallel). A push
+        shard 0 dropped goes no further: the other shards' replies are then pulls."""
+        (start, end), *others = self.bounds
+        first = transport.call(0, DENSE_SERVICE, "push",
+                               PushRequest(trainer, start, end, gradient[start:end], token, num_samples, compute_s,
+                                           finite))
+        if not others:
+            return [first]
+        if first.decision is None:
+            return [first, *self._fan_out("pull", first_shard=1)]
+        return [first, *self._fan_out("push", [
+            (PushRequest(trainer, start, end, gradient[start:end], token, num_samples, compute_s, True,
+                         first.decision),)
+            for start, end in others
+        ], first_shard=1)]
 
     def pull(self) -> list[ShardReply]:
         """Every shard's parameters and token, now."""
@@ -310,9 +451,26 @@ class DenseShardClient:
         """Take the shards' optimizer state back as one whole-vector export; the shards go idle."""
         return concat_exports(self._fan_out("export"))
 
+    def snapshot(self, timeout_s: float = SNAPSHOT_TIMEOUT_S) -> dict[str, Any]:
+        """The shards' state as one whole-vector export while they keep serving: retried until every
+        shard is at the same global step (a push's parts can be on their way between shards)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            parts = self._fan_out("snapshot")
+            steps = sorted({part["global_step"] for part in parts})
+            if len(steps) == 1:
+                return concat_exports(parts)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"dense shards stayed at different global steps {steps} for {timeout_s}s")
+            time.sleep(0.002)
+
     def begin_close(self) -> bool:
         """Ask shard 0 to close in GBA mode (`DenseShard.begin_close`): False while a switch is pending."""
         return transport.call(0, DENSE_SERVICE, "begin_close")
+
+    def fail(self, reason: str) -> None:
+        """Tell shard 0 this trainer's job failed: it refuses every later push with `reason`."""
+        transport.call(0, DENSE_SERVICE, "fail", reason)
 
     def request_mode(self, mode: str) -> bool:
         """Ask shard 0 to carry a switch to `mode` to every trainer; False once a trainer is closing."""
@@ -322,11 +480,13 @@ class DenseShardClient:
         """Each shard's `DenseShard.stats()`."""
         return self._fan_out("stats")
 
-    def _fan_out(self, method: str, args_by_shard: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
-        """Call `method` on shard i with `args_by_shard[i]` (default: no arguments), all at once;
-        the results in shard order."""
+    def _fan_out(self, method: str, args_by_shard: Sequence[tuple[Any, ...]] | None = None,
+                 first_shard: int = 0) -> list[Any]:
+        """Call `method` on shard `first_shard + i` with `args_by_shard[i]` (default: no arguments),
+        on every shard from `first_shard` on, all at once; the results in shard order."""
         if args_by_shard is None:
-            args_by_shard = [()] * len(self.bounds)
+            args_by_shard = [()] * (len(self.bounds) - first_shard)
         return torch.futures.wait_all([
-            transport.call_async(index, DENSE_SERVICE, method, *args) for index, args in enumerate(args_by_shard)
+            transport.call_async(first_shard + index, DENSE_SERVICE, method, *args)
+            for index, args in enumerate(args_by_shard)
         ])
