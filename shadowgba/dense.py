@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sync_algos.base import FlaggedAllReduce
+
 
 def trainable_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """Every parameter of `model` that requires grad (nothing trains the others, so nothing syncs them)."""
@@ -62,13 +64,18 @@ class DenseParams:
             else:
                 view.copy_(param.grad)
 
-    def average_(self, group: dist.ProcessGroup | None) -> None:
-        """w <- mean of w over the ranks of `group` (blocking collective)."""
+    def average_(self, group: dist.ProcessGroup | None) -> tuple[int, ...]:
+        """w <- mean of the finite w over the ranks of `group` (blocking collective).
+
+        The rounds' rule (`sync_algos.base`): a rank whose w holds NaN / Inf contributes nothing
+        and keeps its own w; the others average without it. Returns those ranks (group ranks, the
+        same on every rank), for the caller to warn about or fail on."""
         flat = self.empty()
         self.copy_to(flat)
-        dist.all_reduce(flat, group=group)
-        flat /= dist.get_world_size(group)
-        self.copy_from(flat)
+        reduced = FlaggedAllReduce(group, flat).sum(flat, stop=False)
+        if reduced.own_counted:
+            self.copy_from(reduced.mean())
+        return reduced.nonfinite_ranks
 
     def add_(self, flat_delta: torch.Tensor) -> None:
         """w <- w + delta."""

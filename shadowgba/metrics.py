@@ -27,6 +27,9 @@ class SyncMetrics:
         self.sync_gap_total_steps = 0
         self.sync_gap_max_steps = 0
         self.training_sync_s = 0.0
+        self.nonfinite_rounds_skipped = 0
+        """Rounds (and final averages) that left some rank's NaN / Inf contribution out
+        (`sync.on_nonfinite: skip`); counted on every rank, the bad one included."""
         self._last_applied_step = 0
 
     def record_round(self, seconds: float, bytes_moved: int) -> None:
@@ -45,6 +48,11 @@ class SyncMetrics:
             self.applied_rounds += 1
             self.sync_gap_total_steps += gap
             self.sync_gap_max_steps = max(self.sync_gap_max_steps, gap)
+
+    def record_nonfinite_skip(self) -> None:
+        """A round or final average left a rank's NaN / Inf contribution out."""
+        with self._lock:
+            self.nonfinite_rounds_skipped += 1
 
     def record_step(self, sync_seconds: float) -> None:
         """A training step ended; `sync_seconds` of it were spent in shadowgba code."""
@@ -67,6 +75,7 @@ class SyncMetrics:
                 "sync_gap_steps_mean": self.sync_gap_total_steps / max(self.applied_rounds, 1),
                 "sync_gap_steps_max": self.sync_gap_max_steps,
                 "training_sync_s": self.training_sync_s,
+                "nonfinite_rounds_skipped": self.nonfinite_rounds_skipped,
                 "elapsed_s": elapsed,
             }
 
@@ -78,6 +87,7 @@ class SyncMetrics:
             f"{s['round_latency_ms_max']:.1f} ms max) steps={s['steps']} "
             f"sync_gap={s['sync_gap_steps_mean']:.1f} steps (max {s['sync_gap_steps_max']}) "
             f"moved={s['bytes_moved'] / 2**20:.1f} MiB training_sync={s['training_sync_s']:.3f}s"
+            + (f" nonfinite_skipped={s['nonfinite_rounds_skipped']}" if s["nonfinite_rounds_skipped"] else "")
         )
 
 

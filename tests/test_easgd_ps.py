@@ -65,7 +65,10 @@ def test_centre_refuses_mismatched_slices_and_snapshots() -> None:
         centre.init(3, 6, torch.zeros(3))
     with pytest.raises(ValueError, match="does not match the centre"):
         centre.pull(0, 3, torch.zeros(4), 0.1)
+    with pytest.raises(ValueError, match=r"snapshot for slice \[0, 3\) holds NaN or Inf values"):
+        centre.pull(0, 3, torch.tensor([0.0, float("nan"), 1.0]), 0.1)
     torch.testing.assert_close(centre.center(), torch.zeros(3))
+    assert centre.round_count() == 0
 
 
 def shadow_job(rank: int, world_size: int, steps: list[int]) -> dict | None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from shadowgba import SyncConfig, SyncError
 from shadowgba.shadow.runtime import ShadowSync
+from sync_algos.bmuf import BMUFConfig
 from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(180)

@@ -17,6 +17,7 @@ import torch
 
 from shadowgba.flat_optimizer import shard_bounds
 from shadowgba.ps import transport
+from sync_algos.base import is_finite
 from sync_algos.easgd import elastic_pull
 from sync_algos.easgd_ps import Centre
 
@@ -53,6 +54,8 @@ class ElasticCenter:
                     f"snapshot {tuple(snapshot.shape)} {snapshot.dtype} does not match the centre "
                     f"{tuple(self._center.shape)} {self._center.dtype}"
                 )
+            if not is_finite(snapshot):  # trainers never send one (easgd_ps); a centre shared by all never takes one
+                raise ValueError(f"snapshot for slice [{start}, {end}) holds NaN or Inf values; the centre refuses it")
             pull = elastic_pull(snapshot, self._center, alpha)
             self._center += pull
             self.rounds += 1

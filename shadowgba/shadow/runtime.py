@@ -24,6 +24,11 @@ Threads and invariants:
   steps never wait in a collective their peers will not enter. Ranks still training then continue
   locally; `close()` on every rank ends with one blocking average (`final_sync`) so all replicas end
   identical.
+- The same collective carries every rank's status (`sync_algos.base`): a NaN / Inf contribution is
+  left out of the round on every rank alike, then skipped with a warning or raised as `SyncError`
+  per `sync.on_nonfinite`; an aborting rank (`abort()`, the user's exception) sends its last round
+  with an aborted marker, and its peers leave after that round and raise `SyncError` naming it,
+  instead of waiting `timeout_s` in a collective it will never enter.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,6 +92,8 @@ class ShadowSync(DenseSync):
         self._step_counter = itertools.count(1)
         self._step = 0
         self._stop_requested = threading.Event()
+        self._aborting = threading.Event()  # abort(): the next round is this rank's aborted one
+        self._nonfinite_seen: tuple[int, ...] = ()  # the last round's bad ranks, to warn once per change
         self._first_round_due = threading.Event()  # set after `first_round_after` steps or at close
         self._rounds_finished = False
         self._round_lock = threading.Lock()  # algorithm state: rounds vs state_dict()
@@ -146,44 +153,59 @@ class ShadowSync(DenseSync):
         """Stop rounds on every rank together, then (optionally) average the replicas once, blocking.
 
         Every rank must call `close()`; a rank that calls it early waits in the final average for
-        the others. Raises `SyncError` if the shadow thread failed and that was not yet raised.
+        the others. Raises `SyncError` if the rounds failed (the shadow thread, a peer that aborted,
+        NaN / Inf under `on_nonfinite: fail`) and that was not yet raised; the final average is then
+        skipped, as every rank skips it alike.
         """
         if self._group is None:
             return
         final_sync = self.config.final_sync if final_sync is None else final_sync
         self._stop_requested.set()
         self._first_round_due.set()
-        if self._thread is not None:
-            while self._thread.is_alive():
+        try:
+            if self._thread is not None:
+                while self._thread.is_alive():
+                    self._writeback.on_step_boundary()
+                    self._thread.join(timeout=0.002)
                 self._writeback.on_step_boundary()
-                self._thread.join(timeout=0.002)
-            self._writeback.on_step_boundary()
-        elif not self._rounds_finished and self._error is None:
-            self._foreground_round()
-        self._step_hook.remove()
-        group, self._group = self._group, None
-        if self._error is not None:
+            elif not self._rounds_finished and self._error is None:
+                self._foreground_round()
+        finally:
+            self._step_hook.remove()
+            group, self._group = self._group, None
+        try:
+            if self._error is None and final_sync:
+                self._check_flags(self._global_ranks(self.dense.average_(group), group), (), "the final average")
+        finally:
             self._release(group)
-            self._raise_unreported_error()
-            return
-        if final_sync:
-            self.dense.average_(group)
+        self._raise_unreported_error()
         logger.info("shadowgba closed: %s", self.metrics.format())
-        self._release(group)
 
     def abort(self) -> None:
-        """Stop this rank's rounds with no final average: the shadow thread raises its stop flag in
-        its next round (which its peers' threads meet) and is joined; the group is released."""
+        """End this rank's part with no final average, telling the peers: its last round (the shadow
+        thread's next one, or in foreground mode one the training thread runs now) contributes
+        nothing and raises the stop flag with the aborted marker, so the peers leave after that round
+        and raise `SyncError` naming this rank. The thread is joined and the group released."""
         if self._group is None:
             return
+        self._aborting.set()
         self._stop_requested.set()
         self._first_round_due.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.config.timeout_s)
-        self._step_hook.remove()
-        group, self._group = self._group, None
-        self._error_reported = True  # the caller's exception is the one that matters
-        self._release(group)
+        try:
+            if self._thread is not None:
+                self._writeback.cancel()  # a snapshot request would wait for a step that never comes
+                self._thread.join(timeout=self.config.timeout_s)
+            elif not self._rounds_finished and self._error is None:
+                with self._foreground_lock:
+                    try:
+                        self._run_round()
+                    finally:
+                        self._rounds_finished = True
+        finally:
+            self._step_hook.remove()
+            group, self._group = self._group, None
+            self._error_reported = True  # the caller's exception is the one that matters
+            self._release(group)
 
     def _release(self, group: dist.ProcessGroup) -> None:
         if self._owns_group:
@@ -218,17 +240,31 @@ class ShadowSync(DenseSync):
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()` output; refuses (changing nothing) a checkpoint of another setup."""
+        """Restore `state_dict()` output; refuses (`CheckpointError`, changing nothing) a state that
+        is not one, or one of another algorithm, other dense parameters or shapes, or holding NaN / Inf."""
         algorithm = self._require_started()
-        if state.get("algo") != self.config.algo:
-            raise CheckpointError(f"checkpoint is for sync algo '{state.get('algo')}', this job runs '{self.config.algo}'")
-        if state.get("param_names") != self.dense.names:
+        expected = ("algo", "param_names", "algorithm")
+        if not isinstance(state, Mapping):
+            raise CheckpointError(f"a ShadowSync state is a mapping with keys {list(expected)}, got {type(state).__name__}")
+        missing = [key for key in expected if key not in state]
+        if missing:
+            raise CheckpointError(f"ShadowSync state lacks {missing}; it has {sorted(map(str, state))} "
+                                  "(is it the output of ShadowSync.state_dict()?)")
+        if state["algo"] != self.config.algo:
+            raise CheckpointError(f"checkpoint is for sync algo '{state['algo']}', this job runs '{self.config.algo}'")
+        names = state["param_names"]
+        if not isinstance(names, (list, tuple)) or list(names) != self.dense.names:
+            other = sorted(set(names) ^ set(self.dense.names)) if isinstance(names, (list, tuple)) else names
             raise CheckpointError(
                 "checkpoint was made for different dense parameters: "
-                f"{len(state.get('param_names') or [])} names vs {len(self.dense.names)} here"
+                f"{len(names) if isinstance(names, (list, tuple)) else type(names).__name__} names vs "
+                f"{len(self.dense.names)} here; differing: {other!r:.200}"
             )
         with self._round_lock:
-            algorithm.load_state_dict(state["algorithm"])
+            try:
+                algorithm.load_state_dict(state["algorithm"])
+            except ValueError as error:  # the algorithm refused it before changing anything
+                raise CheckpointError(f"checkpoint refused: {error}") from None
 
     # ---------------------------------------------------------------------------------- internals
     def _require_started(self) -> sync_algos.SyncAlgorithm:
@@ -250,31 +286,78 @@ class ShadowSync(DenseSync):
             self._writeback.on_step_boundary()
         elif not self._rounds_finished and self._step % self._foreground_every == 0:
             self._foreground_round()
+            self._raise_unreported_error()
             self._maybe_log()
         self.metrics.record_step(time.perf_counter() - started)
 
     def _raise_unreported_error(self) -> None:
-        """Raise the shadow thread's failure once, in the calling training thread."""
+        """Raise the rounds' failure once, in the calling training thread: a `SyncError` of ours
+        as it is (it names the rank), anything else as the cause of one."""
         if self._error is not None and not self._error_reported:
             self._error_reported = True
-            raise SyncError(f"shadow thread failed: {self._error!r}") from self._error
+            if isinstance(self._error, SyncError):
+                raise self._error
+            where = "shadow thread" if self._thread is not None else "foreground sync round"
+            raise SyncError(f"{where} failed: {self._error!r}") from self._error
 
     def _record_applied(self) -> None:
         self.metrics.record_applied(self._step)
 
     def _run_round(self) -> bool:
-        """One round: snapshot, communicate, write back. Returns True when every rank must stop."""
+        """One round: snapshot, communicate, write back. Returns True when every rank must stop
+        (a stop flag, or the round's flags call for an error: stored in `_error`, alike on every rank).
+        An aborting rank's round is the aborted one (no snapshot, no write-back)."""
         started = time.perf_counter()
         self._poll_control()
-        self._writeback.snapshot(self._snapshot)
+        if self._aborting.is_set() or not self._writeback.snapshot(self._snapshot):
+            with self._round_lock:
+                self._algorithm.abort_round()
+            return True
         with self._round_lock:
             result = self._algorithm.sync(self._snapshot, self._stop_requested.is_set())
         self.metrics.record_round(time.perf_counter() - started, result.bytes_moved)
-        self._writeback.apply(result.target - self._snapshot)
-        return result.stop
+        if not result.kept_local:  # a rank left out of the round keeps its own weights
+            self._writeback.apply(result.target - self._snapshot)
+        failed = self._check_flags(
+            self._global_ranks(result.nonfinite_ranks), self._global_ranks(result.aborted_ranks), "a round"
+        )
+        return result.stop or failed
+
+    def _check_flags(self, nonfinite: Sequence[int], aborted: Sequence[int], where: str) -> bool:
+        """Act on a collective's flags, as every rank does alike: a peer that aborted, or NaN / Inf
+        under `on_nonfinite: fail`, becomes `_error` (returns True: leave the rounds); NaN / Inf
+        under `skip` is counted and warned about."""
+        if aborted:
+            self._error = SyncError(
+                f"rank {', '.join(map(str, aborted))} aborted: its training loop raised (see that rank's log); "
+                f"{where} left it out and this rank's rounds ended with it"
+            )
+            return True
+        if nonfinite and self.config.on_nonfinite == "fail":
+            self._error = SyncError(
+                f"rank {', '.join(map(str, nonfinite))} sent NaN / Inf weights to {where} (sync.on_nonfinite: fail); "
+                "they were left out, so no other replica took them"
+            )
+            return True
+        if nonfinite:
+            self.metrics.record_nonfinite_skip()
+            if tuple(nonfinite) != self._nonfinite_seen:
+                logger.warning("shadowgba: %s left out rank %s: its weights hold NaN / Inf (sync.on_nonfinite: skip); "
+                               "it keeps its own weights and no other replica takes them", where,
+                               ", ".join(map(str, nonfinite)))
+        self._nonfinite_seen = tuple(nonfinite)
+        return False
+
+    def _global_ranks(self, ranks: Sequence[int], group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
+        """Group ranks of the sync group as the job's (global) ranks, which the logs name."""
+        group = self._group if group is None else group
+        if self._parent_group is None or not ranks:
+            return tuple(ranks)
+        return tuple(dist.get_global_rank(group, rank) for rank in ranks)
 
     def _foreground_round(self) -> None:
-        """A synchronous round in the calling training thread; one at a time across Hogwild threads."""
+        """A synchronous round in the calling training thread; one at a time across Hogwild threads.
+        A failure is stored in `_error`; the caller raises it (`_raise_unreported_error`)."""
         with self._foreground_lock:
             if self._rounds_finished:
                 return
@@ -282,8 +365,7 @@ class ShadowSync(DenseSync):
                 self._rounds_finished = self._run_round()
             except Exception as error:
                 self._error = error
-                self._error_reported = True
-                raise SyncError(f"foreground sync round failed: {error!r}") from error
+                self._rounds_finished = True
 
     def _shadow_loop(self) -> None:
         stream = torch.cuda.Stream(self.dense.device) if self.dense.device.type == "cuda" else None

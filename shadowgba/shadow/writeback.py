@@ -41,8 +41,9 @@ class WriteBack(abc.ABC):
         self._on_applied = on_applied
 
     @abc.abstractmethod
-    def snapshot(self, out: torch.Tensor) -> None:
-        """Fill `out` with a snapshot `s` of the live parameters (may wait for a step boundary)."""
+    def snapshot(self, out: torch.Tensor) -> bool:
+        """Fill `out` with a snapshot `s` of the live parameters (may wait for a step boundary);
+        False when `cancel()` ended the wait first (`out` is then not a snapshot)."""
 
     @abc.abstractmethod
     def apply(self, delta: torch.Tensor) -> None:
@@ -51,12 +52,16 @@ class WriteBack(abc.ABC):
     def on_step_boundary(self) -> None:
         """Called by a training thread after each optimizer step; serves pending requests."""
 
+    def cancel(self) -> None:
+        """No step boundary will come any more (the rank is aborting): end any wait for one."""
+
 
 class DirectWriteBack(WriteBack):
     """Read and write the parameters immediately, from whichever thread calls."""
 
-    def snapshot(self, out: torch.Tensor) -> None:
+    def snapshot(self, out: torch.Tensor) -> bool:
         self.params.copy_to(out)
+        return True
 
     def apply(self, delta: torch.Tensor) -> None:
         self.params.add_(delta)
@@ -72,12 +77,22 @@ class HandoffWriteBack(WriteBack):
         self._pending_delta: torch.Tensor | None = None
         self._snapshot_request: torch.Tensor | None = None
         self._snapshot_served = threading.Event()
+        self._cancelled = False
 
-    def snapshot(self, out: torch.Tensor) -> None:
+    def snapshot(self, out: torch.Tensor) -> bool:
         with self._lock:
+            if self._cancelled:
+                return False
             self._snapshot_request = out
             self._snapshot_served.clear()
         self._snapshot_served.wait()
+        with self._lock:
+            return self._snapshot_request is None  # served, not cancelled
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            self._snapshot_served.set()
 
     def apply(self, delta: torch.Tensor) -> None:
         wait_for_device(self.params.device)

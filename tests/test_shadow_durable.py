@@ -1,0 +1,186 @@
+"""Durable jobs under the shadow runtime: NaN / Inf never spreads, bad checkpoints change nothing,
+and a user's exception on one trainer wins there and ends its peers' rounds within seconds."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shadowgba import SyncConfig, SyncError
+from shadowgba.errors import CheckpointError
+from shadowgba.shadow.runtime import ShadowSync
+from tests.multiprocess import free_port, run_ranks
+from tests.test_runtime import ConstantStep, flat, vector_model
+
+pytestmark = pytest.mark.timeout(120)
+
+NONFINITE_CASES = [(algo, mode, "skip") for algo in ("ma", "easgd", "bmuf") for mode in ("shadow", "foreground")] + [
+    ("ma", "shadow", "fail"),
+    ("bmuf", "foreground", "fail"),
+]
+INJECT_AT = 20
+
+
+def poison(model: torch.nn.Module) -> None:
+    """Fault injection: NaN in 5 dense weights, as a diverged batch would leave them."""
+    with torch.no_grad():
+        model.weight.view(-1)[:5] = float("nan")
+
+
+def nonfinite_cases(rank: int, world_size: int, cases: list[tuple[str, str, str]]) -> list[dict]:
+    """Every case in turn on the same two ranks: rank 1's weights get NaN at step INJECT_AT."""
+    records = []
+    for algo, mode, policy in cases:
+        model = vector_model(rank)
+        optimizer = ConstantStep(list(model.parameters()), increment=0.01 * (rank + 1))
+        config = SyncConfig(algo=algo, mode=mode, on_nonfinite=policy, interval_ms=1.0, foreground_every=5,
+                            first_round_after=5, log_interval_s=0.0, timeout_s=60.0)
+        sync = ShadowSync(model, optimizer, config)
+        record: dict = {"error": None, "rank0_nonfinite_at": None}
+        try:
+            with sync:
+                for step in range(1, 3000):
+                    optimizer.step()
+                    if rank == 1 and step == INJECT_AT:
+                        poison(model)
+                    if rank == 0 and record["rank0_nonfinite_at"] is None and not torch.isfinite(flat(model)).all():
+                        record["rank0_nonfinite_at"] = step
+                    if step >= 3 * INJECT_AT and sync.metrics.nonfinite_rounds_skipped >= 2:
+                        break
+                    time.sleep(0.001)
+        except SyncError as error:
+            record["error"] = str(error)
+        record.update(final=flat(model), skipped=sync.metrics.nonfinite_rounds_skipped, steps=sync.metrics.steps)
+        records.append(record)
+    return records
+
+
+def test_nan_in_one_replica_never_reaches_another_under_any_algorithm_or_mode() -> None:
+    """ma / easgd / bmuf x shadow / foreground under skip, then ma-shadow and bmuf-foreground under fail,
+    in one job. skip: rank 0 stays finite at every step and after the final average, rank 1 keeps its
+    own NaN weights, both count the skipped rounds. fail: both ranks raise SyncError naming rank 1."""
+    results = run_ranks(nonfinite_cases, 2, NONFINITE_CASES, timeout_s=110)
+    for index, (algo, mode, policy) in enumerate(NONFINITE_CASES):
+        case = f"{algo}-{mode}-{policy}"
+        rank0, rank1 = results[0][index], results[1][index]
+        assert rank0["rank0_nonfinite_at"] is None, (case, rank0)
+        assert torch.isfinite(rank0["final"]).all(), case
+        if policy == "skip":
+            assert rank0["error"] is None and rank1["error"] is None, (case, rank0["error"], rank1["error"])
+            assert torch.isnan(rank1["final"]).sum() == 5, case  # its own weights: nobody fixed or spread them
+            # at least one round and the final average left rank 1 out, on both ranks alike
+            assert rank0["skipped"] >= 2 and rank1["skipped"] >= 2, (case, rank0["skipped"], rank1["skipped"])
+        else:
+            for record in (rank0, rank1):
+                assert record["error"] is not None and "rank 1 sent NaN / Inf" in record["error"], (case, record)
+                assert INJECT_AT <= record["steps"] < 3000 and record["skipped"] == 0, (case, record)
+
+
+ABORT_CASES = [("ma", "shadow"), ("bmuf", "foreground")]
+
+
+def user_bug_on_rank_1(rank: int, world_size: int, cases: list[tuple[str, str]]) -> list[dict]:
+    """Rank 1's loop raises ValueError at step 30; rank 0 would train 60 s. timeout_s stays 300."""
+    records = []
+    for algo, mode in cases:
+        model = vector_model(rank)
+        optimizer = ConstantStep(list(model.parameters()), increment=1.0)
+        config = SyncConfig(algo=algo, mode=mode, interval_ms=1.0, foreground_every=5, log_interval_s=0.0,
+                            timeout_s=300.0)
+        started = time.monotonic()
+        try:
+            with ShadowSync(model, optimizer, config):
+                step = 0
+                while time.monotonic() - started < 60:
+                    optimizer.step()
+                    step += 1
+                    if rank == 1 and step == 30:
+                        raise ValueError("user bug")
+                    time.sleep(0.001)
+            records.append({"error": None})
+        except Exception as error:  # noqa: BLE001 (recorded for the test's assertions)
+            records.append({"type": type(error).__name__, "message": str(error), "notes": getattr(error, "__notes__", []),
+                            "elapsed_s": time.monotonic() - started})
+    return records
+
+
+def test_a_user_exception_wins_on_its_rank_and_ends_the_peers_rounds_within_seconds() -> None:
+    """ma in shadow mode and bmuf in foreground mode, timeout_s=300: rank 1's ValueError propagates as
+    itself (no note of a failed abort), rank 0 gets SyncError naming rank 1, both well within 20 s."""
+    results = run_ranks(user_bug_on_rank_1, 2, ABORT_CASES, timeout_s=110)
+    for index, (algo, mode) in enumerate(ABORT_CASES):
+        rank0, rank1 = results[0][index], results[1][index]
+        assert (rank1["type"], rank1["message"], rank1["notes"]) == ("ValueError", "user bug", []), (algo, mode, rank1)
+        assert rank0["type"] == "SyncError" and rank0["message"].startswith("rank 1 aborted"), (algo, mode, rank0)
+        assert rank0["elapsed_s"] < 20 and rank1["elapsed_s"] < 20, (algo, mode, rank0, rank1)
+
+
+# ------------------------------------------------------------------------------- checkpoints (1 rank)
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A gloo world of one in this process: ShadowSync starts without spawning a job."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def started_sync(algo: str) -> ShadowSync:
+    model = vector_model(0)
+    optimizer = ConstantStep(list(model.parameters()), increment=1.0)
+    sync = ShadowSync(model, optimizer, SyncConfig(algo=algo, mode="foreground", foreground_every=10**6,
+                                                   log_interval_s=0.0))
+    sync.start()
+    return sync
+
+
+def nan_like(state: dict) -> dict:
+    poisoned = {key: value.clone() for key, value in state["algorithm"].items()}
+    next(iter(poisoned.values()))[2] = float("nan")
+    return {**state, "algorithm": poisoned}
+
+
+def resized(state: dict) -> dict:
+    return {**state, "algorithm": {key: torch.zeros(value.numel() + 1, dtype=value.dtype)
+                                   for key, value in state["algorithm"].items()}}
+
+
+BAD_STATES = {
+    "none": (lambda state: None, r"a ShadowSync state is a mapping .*got NoneType"),
+    "list": (lambda state: [state], r"a ShadowSync state is a mapping .*got list"),
+    "no keys": (lambda state: {"step": 3}, r"ShadowSync state lacks \['algo', 'param_names', 'algorithm'\]"),
+    "other algorithm": (lambda state: {**state, "algo": "ma" if state["algo"] != "ma" else "bmuf"},
+                        r"checkpoint is for sync algo '\w+', this job runs"),
+    "other names": (lambda state: {**state, "param_names": ["weight", "head.bias"]},
+                    r"different dense parameters: 2 names vs 2 here; differing: \['bias', 'head\.bias'\]"),
+    "not a mapping": (lambda state: {**state, "algorithm": None}, r"checkpoint refused: \w+ state must be a mapping"),
+    "other shapes": (resized, r"checkpoint refused: \w+ state '\w+' has shape \(16,\), expected \(15,\)"),
+    "nan": (nan_like, r"checkpoint refused: \w+ state '\w+' holds NaN or Inf values"),
+}
+
+
+@pytest.mark.parametrize("algo", ["ma", "easgd", "bmuf"])
+def test_a_checkpoint_that_does_not_fit_is_refused_naming_why_and_changes_nothing(one_rank_group, algo: str) -> None:  # noqa: ANN001
+    sync = started_sync(algo)
+    try:
+        with torch.no_grad():
+            for value in sync._algorithm.state_dict():
+                getattr(sync._algorithm, value).add_(0.5)  # a live state that is not the initial one
+        live = sync.state_dict()
+        for name, (make, message) in BAD_STATES.items():
+            if not live["algorithm"] and name in ("other shapes", "nan"):
+                continue  # MA keeps no state to resize or poison
+            with pytest.raises(CheckpointError, match=message):
+                sync.load_state_dict(make(live))
+            after = sync.state_dict()
+            assert after["algo"] == live["algo"] and after["param_names"] == live["param_names"], name
+            for key, value in live["algorithm"].items():
+                torch.testing.assert_close(after["algorithm"][key], value, rtol=0, atol=0, msg=name)
+        sync.load_state_dict(live)  # its own state still loads
+    finally:
+        sync.close()
