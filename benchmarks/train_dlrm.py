@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc_per_node=2 benchmarks/train_dlrm.py --config examples/configs/bmuf.yaml \
         [--sync.interval_ms 20 ...] [--output results.json]
+    torchrun --standalone --max-restarts=3 --nproc_per_node=2 benchmarks/train_dlrm.py --config examples/configs/ma.yaml \
+        --checkpoint-dir ckpt --checkpoint-every 500 --resume     # a restarted attempt resumes by itself
     torchrun --standalone --nproc_per_node=3 benchmarks/train_dlrm.py --config examples/configs/gba_ps_embeddings.yaml
 
 `sync.algo` picks how the dense replicas meet, through `shadowgba.dense_sync`: ma / easgd / bmuf /
@@ -16,7 +18,9 @@ samples seen. One torch thread per rank, gloo on CPU, NCCL on GPUs.
 
 Modules: `dlrm.config` (the config tree), `dlrm.model` (building the DLRM), `dlrm.job` (trainer and
 server roles, which sync), `dlrm.pma` (the pma baseline), `dlrm.loop` (training loop, stopping,
-timing, evaluation), `dlrm.curve` (the held-out curve during training).
+timing, evaluation), `dlrm.curve` (the held-out curve during training), `dlrm.checkpoints`
+(`--checkpoint-dir`, `--checkpoint-every`, `--resume`: atomic checkpoints and exact resume),
+`dlrm.faults` (test-only fault injection).
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from dlrm.checkpoints import CheckpointOptions, JobCheckpoints
 from dlrm.config import ExperimentConfig
+from dlrm.faults import KillAt, restart_count
 from dlrm.curve import heldout_curve
 from dlrm.job import applied_samples, dense_sync, join
 from dlrm.loop import (
@@ -48,7 +54,9 @@ from ctrkit.datasets import open_dataset
 from ctrkit.synthetic import SyntheticCTR
 
 
-def run(config: ExperimentConfig, device: torch.device, backend: str) -> dict[str, Any] | None:
+def run(
+    config: ExperimentConfig, device: torch.device, backend: str, checkpoints: CheckpointOptions | None = None
+) -> dict[str, Any] | None:
     """Every rank: join the job, serve or train; trainers return every number of the run."""
     wall_start = time.perf_counter()
     data = open_dataset(config.data)
@@ -56,13 +64,16 @@ def run(config: ExperimentConfig, device: torch.device, backend: str) -> dict[st
     if job.is_server:
         return None
     try:
-        return {**run_trainer(config, data, job, device), "wall_s": time.perf_counter() - wall_start}
+        return {**run_trainer(config, data, job, device, checkpoints or CheckpointOptions()),
+                "wall_s": time.perf_counter() - wall_start}
     finally:
         job.close()
 
 
-def run_trainer(config: ExperimentConfig, data: CTRData, job: shadowgba.Job, device: torch.device) -> dict[str, Any]:
-    """Build, train, close the sync, evaluate."""
+def run_trainer(
+    config: ExperimentConfig, data: CTRData, job: shadowgba.Job, device: torch.device, options: CheckpointOptions
+) -> dict[str, Any]:
+    """Build, train (from the latest checkpoint with --resume), close the sync, evaluate."""
     roles = job.roles
     torch.manual_seed(config.train.seed)
     model = build_model(config, data, job, device)
@@ -71,11 +82,26 @@ def run_trainer(config: ExperimentConfig, data: CTRData, job: shadowgba.Job, dev
     gba = sync if config.algo == "gba" else None
     num_trainers = len(roles.trainer_ranks)
     stop = StopRule(config.train, config.lockstep, roles, device, applied_samples(gba, config) if gba else None)
-    batches = data.train_batches(roles.trainer_index, num_trainers)
     curve = heldout_curve(config, model.module, data, roles, device, sync)
+    checkpoints = JobCheckpoints(options, config, model, optimizer, sync, job) if options.directory else None
+    fault = KillAt(roles.trainer_index)
+
+    def between_steps(step: int, elapsed_s: float) -> float:
+        paused = curve.after_step(step, elapsed_s)
+        if checkpoints is not None:  # left out of the training clock, as evaluation; see "checkpoint"
+            paused += checkpoints.after_step(step)
+        fault.after_step(step)
+        return paused
+
     with sync or contextlib.nullcontext():
+        start_step = checkpoints.resume() if checkpoints is not None else 0  # after start(): its broadcast
+        batches = data.train_batches(roles.trainer_index, num_trainers,
+                                     checkpoints.data_position if checkpoints is not None else 0)
         stats = train(model, optimizer, batches, config.train, stop, config.straggler,
-                      (lambda: gba.global_step) if gba else None, device, curve.after_step)
+                      (lambda: gba.global_step) if gba else None, device, between_steps, start_step)
+        if checkpoints is not None:
+            checkpoints.close()  # the last async save is committed
+        fault.check_fired(stats.steps)
         # read before close(): closing in sync mode moves every trainer to "local"
         training_mode = {"mode": gba.mode, "mode_switches": gba.metrics.summary()["mode_switches"]} if gba else {}
     if model.ps_embeddings is not None:
@@ -90,7 +116,10 @@ def run_trainer(config: ExperimentConfig, data: CTRData, job: shadowgba.Job, dev
         "world_size": dist.get_world_size(),
         "trainers": num_trainers,
         "servers": roles.num_servers,
-        "steps": stats.steps,  # trainer 0's
+        "steps": stats.steps,  # trainer 0's, since the job's start (before a resume included)
+        "steps_this_run": stats.steps - start_step,
+        "restart_count": restart_count(),
+        "checkpoint": checkpoints.summary() if checkpoints is not None else None,
         **window,
         "samples_per_s_per_trainer": window["samples_per_s_total"] / num_trainers,
         **quality,
@@ -121,6 +150,21 @@ def _device() -> tuple[torch.device, str]:
         torch.cuda.set_device(device)
         return device, "nccl"
     return torch.device("cpu"), "gloo"
+
+
+def _init_process_group(backend: str) -> None:
+    """`init_process_group` from torchrun's environment. In a restarted attempt (torchrun
+    `--max-restarts`) the store torchrun's agent hosts still holds the previous attempt's keys, among
+    them the dead workers' gloo addresses, and gloo's full-mesh connect of the new attempt reads
+    those ("Connection refused"; torch 2.13, reproduced with a two-line script): the new attempt's
+    keys get a prefix of their own."""
+    attempt = restart_count()
+    if not attempt:
+        dist.init_process_group(backend)
+        return
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"restart_{attempt}", store), rank=rank,
+                            world_size=world_size)
 
 
 def _summary(results: dict[str, Any], output: Path) -> str:
@@ -156,9 +200,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--config", type=Path, help="YAML file; keys mirror ExperimentConfig (benchmarks/dlrm/config.py)")
     parser.add_argument("--output", type=Path, default=Path("runs/train_dlrm.json"),
                         help="where rank 0 writes every number and the config as JSON (default: %(default)s)")
+    parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (step_00000NNN folders)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
+                        help="steps between checkpoints (default: none)")
+    parser.add_argument("--checkpoint-keep", type=int, default=2, metavar="K", help="keep the last K (default: 2)")
+    parser.add_argument("--checkpoint-async", action="store_true", help="write checkpoints in the background")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest good checkpoint in --checkpoint-dir, if there is one")
     args, overrides = parser.parse_known_args(argv)
+    checkpoints = CheckpointOptions(args.checkpoint_dir, args.checkpoint_every, args.resume, args.checkpoint_keep,
+                                    args.checkpoint_async)
     try:
         config = load_config(ExperimentConfig, args.config, overrides)
+        checkpoints.check(config)
     except ConfigError as error:
         raise SystemExit(f"config error: {error}") from None
     try:  # torchrun's WORLD_SIZE: refused before any process group exists
@@ -167,9 +221,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"config error: straggler.{error}") from None
     torch.set_num_threads(1)
     device, backend = _device()
-    dist.init_process_group(backend)
+    _init_process_group(backend)
     try:
-        results = run(config, device, backend)
+        results = run(config, device, backend, checkpoints)
         if dist.get_rank() == 0:
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps(results, indent=2) + "\n")

@@ -43,7 +43,8 @@ class TrainStats:
     """What the training loop measured on this trainer (times in seconds since the common start)."""
 
     steps: int
-    """Training steps taken, warm-up included."""
+    """The step the loop ended at: steps since the job's start, warm-up included (a resumed run
+    counts the steps before its checkpoint too)."""
     warmup_end_s: float
     """When the warm-up steps were done."""
     step_end_s: list[float]
@@ -103,19 +104,22 @@ def train(
     global_step: Callable[[], int] | None,
     device: torch.device,
     between_steps: Callable[[int, float], float],
+    start_step: int = 0,
 ) -> TrainStats:
     """Local training steps until `stop` says so. `between_steps(step, elapsed_s)` runs after each step
-    (the last included) and returns the seconds it spent, which are left out of the step times."""
+    (the last included) and returns the seconds it spent, which are left out of the step times.
+    `start_step`: the step a resumed run continues from (steps count from the job's start; a run
+    resumed past its warm-up times every step it takes)."""
     roles = stop.roles
     model.module.train()
     bar = tqdm(
-        total=None if config.duration_s or config.global_samples else config.steps,
+        total=None if config.duration_s or config.global_samples else config.steps, initial=start_step,
         unit="step", disable=roles.trainer_index != 0 or not config.progress,
     )
     dist.barrier(group=roles.trainer_group)  # the common start
     origin = time.perf_counter()
     straggler = Straggler(straggler_config, roles.trainer_index, len(roles.trainer_ranks))
-    step, warmup_end, step_ends = 0, 0.0, []
+    step, warmup_end, step_ends = start_step, 0.0, []
     warmup_global_step = global_step() if global_step else 0
     while True:
         straggler.begin_step()

@@ -48,7 +48,9 @@ the problem), so a refused request leaves the shard untouched, across all its ta
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
+import io
 import threading
 import zlib
 from typing import Literal, Mapping, Sequence
@@ -133,7 +135,8 @@ class _ShardTable:
 class EmbeddingShard:
     """The rows that server `server_index` of `num_servers` owns, of every table (an RPC service).
 
-    Public methods are the service: `lookup`, `lookup_with_token`, `push`, `load_rows`, `stats`. Ids are global row ids;
+    Public methods are the service: `lookup`, `lookup_with_token`, `push`, `load_rows`, `export_state`,
+    `import_state`, `stats`. Ids are global row ids;
     each must belong to this shard (`id % num_servers == server_index`).
     """
 
@@ -201,6 +204,62 @@ class EmbeddingShard:
         with self._lock:
             for table, rows, values in checked:
                 table.weight[rows] = values
+
+    def export_state(self) -> dict[str, object]:
+        """A consistent copy of everything this shard holds (a checkpoint's part): per table its rows,
+        row-wise Adagrad accumulators and aggregate-mode buffer, plus the counters, GBA's global step
+        and buffered samples, and the staleness counts; with the layout it was made for."""
+        with self._lock:
+            return {
+                "layout": self._layout(),
+                "tables": {
+                    name: {"weight": table.weight.clone(), "accumulator": table.accumulator.clone(),
+                           "pending_rows": table.pending_rows.clone(), "pending_grads": table.pending_grads.clone()}
+                    for name, table in self._tables.items()
+                },
+                "counters": {"pushes": self._pushes, "hogwild_updates": self._hogwild_updates,
+                             "rows_applied": self._rows_applied},
+                "rule": None if self._rule is None else {
+                    "global_step": self._rule.global_step, "buffered_samples": self._rule.buffered_samples},
+                "staleness": copy.deepcopy(self._staleness),
+            }
+
+    def import_state(self, state: Mapping[str, object]) -> None:
+        """Replace everything with `export_state()` output of a shard of the same layout (same server
+        index and count, tables, optimizer and mode); anything else is refused (ValueError
+        "import refused: ...") before anything changes."""
+        if not isinstance(state, Mapping) or state.get("layout") != self._layout():
+            theirs = state.get("layout") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"import refused: state of shard layout {theirs}, this shard is {self._layout()}")
+        tables = state["tables"]
+        for name, table in self._tables.items():
+            entry = tables[name]
+            for key, like in (("weight", table.weight), ("accumulator", table.accumulator)):
+                value = entry[key]
+                if not isinstance(value, torch.Tensor) or value.shape != like.shape or value.dtype != like.dtype:
+                    raise _refused("import", name, f"{key} must be a {like.dtype} tensor of shape "
+                                                   f"{tuple(like.shape)}, got {_describe(value)}")
+        with self._lock:
+            for name, table in self._tables.items():
+                entry = tables[name]
+                table.weight.copy_(entry["weight"])
+                table.accumulator.copy_(entry["accumulator"])
+                table.pending_rows, table.pending_grads = entry["pending_rows"].clone(), entry["pending_grads"].clone()
+            counters = state["counters"]
+            self._pushes, self._hogwild_updates = counters["pushes"], counters["hogwild_updates"]
+            self._rows_applied = counters["rows_applied"]
+            if self._rule is not None:
+                self._rule.global_step = state["rule"]["global_step"]
+                self._rule.buffered_samples = state["rule"]["buffered_samples"]
+            self._staleness = copy.deepcopy(state["staleness"])
+
+    def _layout(self) -> dict[str, object]:
+        return {
+            "server_index": self.server_index, "num_servers": self.num_servers,
+            "optimizer": self.config.optimizer, "mode": self.config.mode,
+            "tables": [[name, table.config.num_embeddings, table.config.embedding_dim]
+                       for name, table in self._tables.items()],
+        }
 
     def stats(self) -> dict[str, object]:
         """Counters: pushes, updates (optimizer applications; the global step in aggregate mode),
@@ -411,6 +470,77 @@ class PSEmbeddingBagCollection(nn.Module):
         for future in futures:
             future.wait()
 
+    # ----------------------------------------------------------------------------- checkpoints
+    # Stateful (torch.distributed.checkpoint): trainer 0 alone gathers and saves every shard's state;
+    # the other trainers' state_dict() is empty. The rows live on the servers, so every trainer
+    # would save the same thing: one copy is written once, and it is one consistent snapshot (taken
+    # after the checkpointer's barrier, when every trainer has flushed its pushes). Rows and
+    # accumulators are reassembled into whole tables in global row order (plain tensors under
+    # "tables.<name>.weight" / ".accumulator"); what is per shard (aggregate-mode buffers, global
+    # step, counters) rides along serialized per server ("shards.server<s>").
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):  # type: ignore[override]
+        """Called by a parent module's `state_dict()` (with a prefix or destination): nothing, as
+        an `EmbeddingBagCollection` without parameters. Called on its own (a checkpoint): on
+        trainer 0 every shard's state, gathered (collective with the servers only); {} elsewhere."""
+        if args or destination is not None or prefix:
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        self.flush()
+        if not self._saving_trainer():
+            return {}
+        exported = [
+            future.wait() for future in
+            [transport.call_async(server, self.service, "export_state") for server in range(self.num_servers)]
+        ]
+        tables: dict[str, dict[str, torch.Tensor]] = {}
+        for table in self._tables:
+            weight = torch.empty(table.num_embeddings, table.embedding_dim, dtype=torch.float32)
+            entry = {"weight": weight}
+            if self.config.optimizer == "rowwise_adagrad":
+                entry["accumulator"] = torch.empty(table.num_embeddings, dtype=torch.float32)
+            for server, shard in enumerate(exported):
+                for key, value in entry.items():
+                    value[server::self.num_servers] = shard["tables"][table.name][key]
+            tables[table.name] = entry
+        shards = {}
+        for server, shard in enumerate(exported):
+            rest = {**shard, "tables": {
+                name: {key: value for key, value in entry.items() if key.startswith("pending")}
+                for name, entry in shard["tables"].items()
+            }}
+            shards[f"server{server}"] = _to_bytes(rest)
+        return {"tables": tables, "shards": shards}
+
+    def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True, assign: bool = False):  # type: ignore[override]
+        """Restore `state_dict()` output onto the servers (trainer 0; the others have nothing to do).
+        A shard refuses a state of another layout (ValueError "import refused: ...")."""
+        if not self._saving_trainer():
+            return None
+        self.flush()
+        tables, shards = state_dict["tables"], state_dict["shards"]
+        if sorted(shards) != [f"server{server}" for server in range(self.num_servers)]:
+            raise ValueError(f"import refused: state of {len(shards)} servers, this job has {self.num_servers}")
+        futures = []
+        for server in range(self.num_servers):
+            shard = _from_bytes(shards[f"server{server}"])
+            for table in self._tables:
+                entry = shard["tables"][table.name]
+                entry["weight"] = tables[table.name]["weight"][server::self.num_servers].clone()
+                accumulator = tables[table.name].get("accumulator")
+                entry["accumulator"] = (accumulator[server::self.num_servers].clone() if accumulator is not None
+                                        else torch.zeros(0, dtype=torch.float32))
+            futures.append(transport.call_async(server, self.service, "import_state", shard))
+        for future in futures:
+            future.wait()
+        return None
+
+    def prepare_checkpoint(self) -> None:
+        """Before a checkpoint's barrier (`shadowgba.checkpoint.Checkpointer`): this trainer's pushes land."""
+        self.flush()
+
+    def _saving_trainer(self) -> bool:
+        return transport.roles().trainer_index == 0
+
     def _table(self, name: str) -> EmbeddingBagConfig:
         for table in self._tables:
             if table.name == name:
@@ -484,3 +614,15 @@ def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"{value.dtype} tensor of shape {tuple(value.shape)}"
     return type(value).__name__
+
+
+def _to_bytes(value: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(blob: object) -> dict:
+    if not isinstance(blob, (bytes, bytearray)):
+        raise ValueError(f"import refused: a shard's state must be serialized bytes, got {type(blob).__name__}")
+    return torch.load(io.BytesIO(blob), weights_only=False)

@@ -1,0 +1,228 @@
+"""Checkpoints and exact resume (shadowgba.checkpoint, the harness's --checkpoint-dir / --resume).
+
+Spawned jobs are shared where the assertions are independent: one 2-rank job runs every exact-resume
+case (uninterrupted vs stopped-and-resumed, per algorithm) and then the refusal cases, and the tests
+assert on its results; one torchrun job with a trainer killed mid-run covers restart and resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.multiprocess import run_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, STOP_AT = 8, 4
+SMALL = [
+    "--train.warmup_steps", "0", "--train.progress", "false", "--sync.foreground_every", "2",
+    "--data.synthetic.num_tables", "3", "--data.synthetic.num_embeddings", "100",
+    "--data.synthetic.batch_size", "32", "--data.synthetic.eval_batches", "2",
+    "--data.synthetic.calibration_samples", "2048",
+]
+EXACT_CASES = {
+    "ma": ["--config", "examples/configs/ma.yaml", "--sync.mode", "foreground"],
+    "easgd": ["--config", "examples/configs/easgd.yaml", "--sync.mode", "foreground"],
+    "bmuf": ["--config", "examples/configs/bmuf.yaml", "--sync.mode", "foreground"],
+    "gba_sync": ["--config", "examples/configs/sync_allreduce.yaml"],
+}
+
+
+def _config(args: list[str], steps: int) -> Any:
+    from dlrm.config import ExperimentConfig
+    from shadowgba.config import load_config
+
+    path = Path(args[1])
+    return load_config(ExperimentConfig, REPO / path, [*args[2:], *SMALL, "--train.steps", str(steps)])
+
+
+def _trainer_entries(path: Path, world_size: int) -> dict[str, Any]:
+    """Every trainer's own blobs of one checkpoint (replica, optimizers, runtime), read with DCP alone."""
+    import torch.distributed.checkpoint as dcp
+
+    from shadowgba.checkpoint import _from_bytes
+
+    template = {
+        part: {f"trainer{rank}": b"" for rank in range(world_size)} for part in ("model", "dense_optimizer", "sync")
+    }
+    dcp.load(template, checkpoint_id=str(path), no_dist=True)
+    return {part: {key: _from_bytes(blob, key) for key, blob in blobs.items()} for part, blobs in template.items()}
+
+
+def _max_abs_diff(first: Any, second: Any) -> float:
+    if isinstance(first, torch.Tensor):
+        if not first.is_floating_point():
+            return 0.0 if torch.equal(first, second) else float("inf")
+        return (first - second).abs().max().item() if first.numel() else 0.0
+    if isinstance(first, dict):
+        assert sorted(map(str, first)) == sorted(map(str, second))
+        return max((_max_abs_diff(first[key], second[key]) for key in first), default=0.0)
+    if isinstance(first, (list, tuple)):
+        assert len(first) == len(second)
+        return max((_max_abs_diff(a, b) for a, b in zip(first, second)), default=0.0)
+    return 0.0 if first == second else float("inf")
+
+
+def _shared_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Rank body: every exact-resume case, then the refusal cases."""
+    import torch.distributed as dist
+    from train_dlrm import run
+
+    from dlrm.checkpoints import CheckpointOptions
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"exact": {}}
+    for name, args in EXACT_CASES.items():
+        whole, split = Path(root, name, "whole"), Path(root, name, "split")
+        full = run(_config(args, STEPS), torch.device("cpu"), "gloo", CheckpointOptions(whole, STOP_AT))
+        run(_config(args, STOP_AT), torch.device("cpu"), "gloo", CheckpointOptions(split, STOP_AT))
+        resumed = run(_config(args, STEPS), torch.device("cpu"), "gloo",
+                      CheckpointOptions(split, STOP_AT, resume=True))
+        case = {"full": full, "resumed": resumed}
+        if rank == 0:
+            a = _trainer_entries(whole / f"step_{STEPS:08d}", world_size)
+            b = _trainer_entries(split / f"step_{STEPS:08d}", world_size)
+            case["diff"] = {part: _max_abs_diff(a[part], b[part]) for part in a}
+            case["moved"] = _max_abs_diff(a["model"], _trainer_entries(whole / f"step_{STOP_AT:08d}", world_size)["model"])
+        out["exact"][name] = {key: value for key, value in case.items() if key not in ("full", "resumed")}
+        out["exact"][name]["results"] = {
+            key: {field: value[field] for field in ("steps", "steps_this_run", "log_loss", "samples_computed_total")}
+            | {"resumed_from": value["checkpoint"]["resumed_from_step"]}
+            for key, value in (("full", full), ("resumed", resumed))
+        }
+        dist.barrier()
+    out["refusals"] = _refusals(rank, Path(root, "refusals"))
+    return out
+
+
+def _refusals(rank: int, directory: Path) -> dict[str, Any]:
+    """Corrupted, truncated, other-setup and half-written checkpoints: refused, the previous one loads."""
+    import torch.distributed as dist
+
+    from shadowgba.checkpoint import Checkpointer, PerTrainer, Setup, TrainState
+    from shadowgba.errors import CheckpointError
+
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(4, 3)
+    setup = Setup.of("ma", model.named_parameters(), 2, 0)
+    checkpointer = Checkpointer(directory, setup, keep_last=3, process_group=dist.group.WORLD)
+    train = TrainState(rank)
+    state = {"model": PerTrainer(model, rank), "train": train}
+    saved = {}
+    for step in (2, 4, 6):
+        with torch.no_grad():
+            model.weight.fill_(step + rank)
+        train.step = step
+        checkpointer.save(step, state)
+        saved[step] = model.weight.clone()
+    out: dict[str, Any] = {"kept": [step for step, _ in checkpointer.checkpoints()]}
+    # corrupt step 6 (one flipped byte), truncate step 4: load_latest falls back to step 2
+    if rank == 0:
+        data_file = sorted(checkpointer.path_of(6).glob("*.distcp"))[0]
+        raw = bytearray(data_file.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data_file.write_bytes(bytes(raw))
+        truncated = sorted(checkpointer.path_of(4).glob("*.distcp"))[-1]
+        truncated.write_bytes(truncated.read_bytes()[:-7])
+        # a crashed save leaves a temporary folder; it is never loaded
+        (directory / ".tmp-step_00000008").mkdir()
+    dist.barrier()
+    for step in (6, 4):
+        try:
+            checkpointer.load(checkpointer.path_of(step), state)
+            out[f"load_{step}"] = "loaded"
+        except CheckpointError as error:
+            out[f"load_{step}"] = str(error)
+    with torch.no_grad():
+        model.weight.zero_()
+    out["latest"] = checkpointer.load_latest(state)
+    out["restored"] = torch.equal(model.weight, saved[2]) and train.step == 2
+    # a checkpoint of another setup: refused naming the difference, by load and load_latest
+    for label, other in {
+        "algo": Setup.of("bmuf", model.named_parameters(), 2, 0),
+        "trainers": Setup("ma", setup.dense, 4, 0),
+        "servers": Setup("ma", setup.dense, 2, 1),
+        "dense": Setup("ma", (("weight", 12), ("bias", 4)), 2, 0),
+    }.items():
+        foreign = Checkpointer(directory, other, process_group=dist.group.WORLD)
+        try:
+            foreign.load_latest(state)
+            out[f"setup_{label}"] = "loaded"
+        except CheckpointError as error:
+            out[f"setup_{label}"] = str(error)
+    out["still_loads"] = checkpointer.load(checkpointer.path_of(2), state)
+    out["tmp_left"] = sorted(path.name for path in directory.glob(".tmp-*"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_ranks(_shared_job, 2, str(tmp_path_factory.mktemp("ckpt")), timeout_s=150)[0]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("algo", list(EXACT_CASES))
+def test_a_run_stopped_and_resumed_ends_exactly_where_an_uninterrupted_one_does(shared: dict, algo: str) -> None:
+    case = shared["exact"][algo]
+    full, resumed = case["results"]["full"], case["results"]["resumed"]
+    assert resumed["resumed_from"] == STOP_AT and full["resumed_from"] is None
+    assert full["steps"] == resumed["steps"] == STEPS and resumed["steps_this_run"] == STEPS - STOP_AT
+    assert resumed["samples_computed_total"] == full["samples_computed_total"]
+    assert case["moved"] > 1e-4  # the steps after the checkpoint did change the replicas
+    for part, diff in case["diff"].items():  # every trainer's replica, dense optimizer and runtime state
+        assert diff <= 1e-6, f"{algo}: {part} differs by {diff}"
+    assert resumed["log_loss"] == pytest.approx(full["log_loss"], abs=1e-6)
+
+
+@pytest.mark.timeout(180)
+def test_corrupted_and_truncated_checkpoints_are_refused_and_the_previous_one_loads(shared: dict) -> None:
+    refusals = shared["refusals"]
+    assert refusals["kept"] == [2, 4, 6]
+    assert "step_00000006 is corrupted" in refusals["load_6"] and "CRC-32" in refusals["load_6"]
+    assert "step_00000004 is truncated" in refusals["load_4"]
+    assert refusals["latest"] == 2 and refusals["restored"]
+    assert refusals["still_loads"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_a_checkpoint_of_another_setup_is_refused_naming_the_difference(shared: dict) -> None:
+    refusals = shared["refusals"]
+    assert "sync algo 'ma', this job runs 'bmuf'" in refusals["setup_algo"]
+    assert "made by 2 trainers, this job has 4" in refusals["setup_trainers"]
+    assert "0 parameter servers, this job has 1" in refusals["setup_servers"]
+    assert "dense parameter 1 is bias (3 elements) there, bias (4 elements) here" in refusals["setup_dense"]
+    assert refusals["tmp_left"] == []  # a new Checkpointer removes what a crashed save left
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_trainer_restarts_under_torchrun_and_finishes_from_its_checkpoint(tmp_path: Path) -> None:
+    from tests.multiprocess import free_port
+
+    output, fault_log, directory = tmp_path / "results.json", tmp_path / "faults.jsonl", tmp_path / "ckpt"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--max-restarts=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.5",
+        "benchmarks/train_dlrm.py", "--config", "examples/configs/bmuf.yaml", *SMALL, "--sync.mode", "foreground",
+        "--train.steps", "30", "--checkpoint-dir", str(directory), "--checkpoint-every", "10", "--resume",
+        "--output", str(output),
+    ]
+    env = {**os.environ, "SHADOWGBA_TEST_KILL_AT_STEP": "1:15", "SHADOWGBA_TEST_FAULT_LOG": str(fault_log),
+           "OMP_NUM_THREADS": "1"}
+    process = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=130)
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    fired = [json.loads(line) for line in fault_log.read_text().splitlines()]
+    assert fired == [{"trainer": 1, "step": 15, "restart_count": 0, "pid": fired[0]["pid"]}]
+    results = json.loads(output.read_text())
+    assert results["restart_count"] == 1
+    assert results["checkpoint"]["resumed_from_step"] == 10
+    assert results["steps"] == 30 and results["steps_this_run"] == 20
+    assert results["samples_computed_total"] == 30 * 32 * 2
+    assert results["dense_replica_max_abs_diff"] == 0.0
+    assert sorted(path.name for path in directory.iterdir()) == ["step_00000020", "step_00000030"]
