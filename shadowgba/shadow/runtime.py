@@ -188,7 +188,7 @@ class ShadowSync(DenseSync):
         and raise `SyncError` naming this rank. The thread is joined and the group released."""
         if self._group is None:
             return
-        self._aborting.set()
+        self._aborting.set()  # before _stop_requested: see _run_round
         self._stop_requested.set()
         self._first_round_due.set()
         try:
@@ -309,12 +309,17 @@ class ShadowSync(DenseSync):
         An aborting rank's round is the aborted one (no snapshot, no write-back)."""
         started = time.perf_counter()
         self._poll_control()
-        if self._aborting.is_set() or not self._writeback.snapshot(self._snapshot):
+        snapshot_taken = not self._aborting.is_set() and self._writeback.snapshot(self._snapshot)
+        stop = self._stop_requested.is_set()
+        # abort() sets _aborting before _stop_requested: a stop read above that came from an abort
+        # is seen here, and goes out as the aborted round, not as a plain stop the peers would obey
+        # without knowing why
+        if not snapshot_taken or self._aborting.is_set():
             with self._round_lock:
                 self._algorithm.abort_round()
             return True
         with self._round_lock:
-            result = self._algorithm.sync(self._snapshot, self._stop_requested.is_set())
+            result = self._algorithm.sync(self._snapshot, stop)
         self.metrics.record_round(time.perf_counter() - started, result.bytes_moved)
         if not result.kept_local:  # a rank left out of the round keeps its own weights
             self._writeback.apply(result.target - self._snapshot)
