@@ -64,6 +64,7 @@ is the job's `sync.timeout_s`) or, for async saves, on the dedicated group with 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import io
@@ -85,6 +86,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
 
 from shadowgba.errors import CheckpointError
@@ -96,6 +98,7 @@ META_FILE = "shadowgba.json"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp-"
+_ASYNC_GROUPS: dict[tuple[Any, ...], dist.ProcessGroup] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +232,6 @@ class Checkpointer:
         self.timeout_s = timeout_s
         self.save_s: list[float] = []
         """Seconds each save blocked the caller (for async saves: the staging copy only)."""
-        self._async_group: dist.ProcessGroup | None = None
         self._pending: tuple[int, Path, Future] | None = None
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -256,7 +258,9 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         self._barrier()
         if self.async_save:
-            future = dcp.async_save(dict(state), checkpoint_id=str(tmp), process_group=self._dcp_async_group())
+            snapshot = _snapshot(_stateful_to_state_dict(dict(state)))  # in this thread: consistent
+            future = dcp.async_save(snapshot, checkpoint_id=str(tmp), process_group=self._dcp_async_group(),
+                                    async_stager=_Staged())
             self._pending = (step, tmp, future)
         else:
             dcp.save(dict(state), checkpoint_id=str(tmp), process_group=self.group)
@@ -285,13 +289,8 @@ class Checkpointer:
             self._commit(step, tmp)
 
     def close(self) -> None:
-        """Wait for (and commit) the last async save; release the async group."""
-        try:
-            self.wait()
-        finally:
-            if self._async_group is not None:
-                dist.destroy_process_group(self._async_group)
-                self._async_group = None
+        """Wait for (and commit) the last async save."""
+        self.wait()
 
     # ------------------------------------------------------------------------------------ loading
     def checkpoints(self) -> list[tuple[int, Path]]:
@@ -421,12 +420,17 @@ class Checkpointer:
         dist.barrier(group=self.group)
 
     def _dcp_async_group(self) -> dist.ProcessGroup:
-        if self._async_group is None:
-            self._async_group = dist.new_group(
-                ranks=dist.get_process_group_ranks(self.group), backend="gloo",
-                timeout=datetime.timedelta(seconds=self.timeout_s), use_local_synchronization=True,
+        """The dedicated gloo group of async saves: one per trainer set and timeout for the life of the
+        default group (re-creating local-synchronization groups of the same ranks can hang in
+        torch 2.13's `new_group`), shared by every Checkpointer of this process."""
+        ranks = tuple(dist.get_process_group_ranks(self.group))
+        key = (id(dist.group.WORLD), ranks, self.timeout_s)
+        if key not in _ASYNC_GROUPS:
+            _ASYNC_GROUPS[key] = dist.new_group(
+                ranks=list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s),
+                use_local_synchronization=True,
             )
-        return self._async_group
+        return _ASYNC_GROUPS[key]
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -437,6 +441,65 @@ class _LoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+
+
+class _Staged(AsyncStager):
+    """The state is already a CPU snapshot (`_snapshot`): DCP's default stager cannot copy a
+    `ShardedTensor` (torch 2.13: `new_empty` is not implemented for it)."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _stateful_to_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    return {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of `value` whose tensors (ShardedTensor shards and DTensor locals included) are CPU clones."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, ShardedTensor):
+        metadata = copy.deepcopy(value.metadata())
+        for shard_metadata in metadata.shards_metadata:
+            shard_metadata.placement = _cpu_placement(shard_metadata.placement)
+        metadata.tensor_properties.pin_memory = False
+        shards = [
+            Shard(shard.tensor.detach().to("cpu", copy=True),
+                  dataclasses.replace(shard.metadata, placement=_cpu_placement(shard.metadata.placement)))
+            for shard in value.local_shards()
+        ]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata,
+                                                                         process_group=value._process_group)
+    if isinstance(value, DTensor):
+        return DTensor.from_local(value.to_local().detach().to("cpu", copy=True), value.device_mesh, value.placements,
+                                  run_check=False, shape=value.shape, stride=value.stride())
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Mapping):
+        return {key: _snapshot(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_snapshot(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_snapshot(item) for item in value)
+    return copy.deepcopy(value)
+
+
+def _cpu_placement(placement: Any) -> Any:
+    from torch.distributed.remote_device import _remote_device
+
+    if placement is None:
+        return None
+    return _remote_device(f"rank:{placement.rank()}/cpu")
 
 
 def _is_sharded(value: Any) -> bool:
