@@ -76,7 +76,8 @@ def test_nan_in_one_replica_never_reaches_another_under_any_algorithm_or_mode() 
         else:
             for record in (rank0, rank1):
                 assert record["error"] is not None and "rank 1 sent NaN / Inf" in record["error"], (case, record)
-                assert INJECT_AT <= record["steps"] < 3000 and record["skipped"] == 0, (case, record)
+                assert record["steps"] < 3000 and record["skipped"] == 0, (case, record)
+            assert rank1["steps"] >= INJECT_AT, (case, rank1)  # rank 0 may be a few steps behind it in shadow mode
 
 
 ABORT_CASES = [("ma", "shadow"), ("bmuf", "foreground")]
