@@ -79,3 +79,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     if failures:
         raise AssertionError("\n".join(failures))
     return [torch.load(io.BytesIO(outcomes[rank][1]), weights_only=False) for rank in range(world_size)]
+
+
+def _run_jobs(rank: int, world_size: int, jobs: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
+    return [fn(rank, world_size, *args) for fn, args in jobs]
+
+
+def run_shared(world_size: int, jobs: dict[str, tuple[Callable[..., Any], tuple]], timeout_s: float = 90.0) -> dict[str, list[Any]]:
+    """Run several independent jobs one after another in ONE spawned group of `world_size` ranks
+    (process start-up is most of a small job's cost); returns each job's per-rank results by name.
+    Every rank runs the jobs in the same order, so their collectives pair up job by job."""
+    per_rank = run_ranks(_run_jobs, world_size, list(jobs.values()), timeout_s=timeout_s)
+    return {name: [results[index] for results in per_rank] for index, name in enumerate(jobs)}

@@ -11,7 +11,7 @@ from sync_algos.easgd import elastic_pull
 from sync_algos.easgd_ps import Centre
 from sync_algos.gba import Admission, AggregationConfig, GlobalBatchRule
 from sync_algos.staleness import StalenessCounts, StalenessDecayConfig
-from tests.multiprocess import run_ranks
+from tests.multiprocess import run_ranks, run_shared
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,17 +37,42 @@ def snapshots(world_size: int, round_index: int) -> torch.Tensor:
     return torch.stack([snapshot_of(rank, round_index) for rank in range(world_size)])
 
 
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list]:
+    """Every 2-rank job of this file in one spawned group (see `run_shared`)."""
+    return run_shared(2, {
+        "ma": (run_rounds, ("ma", {}, 2)),
+        "bmuf-nesterov": (run_rounds, ("bmuf", {"nesterov": True}, 3)),
+        "bmuf-classic": (run_rounds, ("bmuf", {"nesterov": False}, 3)),
+        **{f"synced-{name}": (run_synced_rounds, (name, None)) for name in ("ma", "easgd", "bmuf")},
+        "restored-easgd": (run_synced_rounds, ("easgd", {"center": torch.full((SIZE,), 3.0, dtype=torch.float64)})),
+        "easgd_ps": (easgd_ps_rounds, ([False, True],)),
+    }, timeout_s=150)
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> dict[str, list]:
+    """Every 3-rank job of this file in one spawned group; the abort job runs last."""
+    return run_shared(3, {
+        "ma": (run_rounds, ("ma", {}, 2)),
+        "bmuf-zero-momentum": (run_rounds, ("bmuf", {"block_momentum": 0.0, "block_lr": 1.0}, 3)),
+        "easgd": (run_rounds, ("easgd", {}, 1)),
+        **{f"stop-{name}": (stop_at, (name, {0: 99, 1: 2, 2: 5})) for name in COLLECTIVE_ALGORITHMS},
+        "nonfinite-and-abort": (nonfinite_and_aborted_rounds, (["ma", "easgd", "bmuf"],)),
+    }, timeout_s=150)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ma_round_is_the_average(world_size: int) -> None:
-    results = run_ranks(run_rounds, world_size, "ma", {}, 2)
+def test_ma_round_is_the_average(world_size: int, two_ranks: dict, three_ranks: dict) -> None:
+    results = (two_ranks if world_size == 2 else three_ranks)["ma"]
     for round_index in range(2):
         expected = snapshots(world_size, round_index).mean(0)
         for result in results:
             torch.testing.assert_close(result["targets"][round_index], expected)
 
 
-def test_bmuf_with_zero_momentum_and_unit_block_lr_is_ma() -> None:
-    results = run_ranks(run_rounds, 3, "bmuf", {"block_momentum": 0.0, "block_lr": 1.0}, 3)
+def test_bmuf_with_zero_momentum_and_unit_block_lr_is_ma(three_ranks: dict) -> None:
+    results = three_ranks["bmuf-zero-momentum"]
     for round_index in range(3):
         expected = snapshots(3, round_index).mean(0)
         for result in results:
@@ -55,9 +80,9 @@ def test_bmuf_with_zero_momentum_and_unit_block_lr_is_ma() -> None:
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_bmuf_matches_block_momentum_formula(nesterov: bool) -> None:
+def test_bmuf_matches_block_momentum_formula(nesterov: bool, two_ranks: dict) -> None:
     world_size, rounds = 2, 3
-    results = run_ranks(run_rounds, world_size, "bmuf", {"nesterov": nesterov}, rounds)
+    results = two_ranks["bmuf-nesterov" if nesterov else "bmuf-classic"]
     eta, zeta = 1.0 - 1.0 / world_size, 1.0
     global_model, momentum = INITIAL.clone(), torch.zeros(SIZE, dtype=torch.float64)
     start = INITIAL.clone()
@@ -74,9 +99,9 @@ def test_bmuf_matches_block_momentum_formula(nesterov: bool) -> None:
         torch.testing.assert_close(result["state"]["momentum"], momentum)
 
 
-def test_easgd_round_conserves_replicas_plus_centre_and_follows_formula() -> None:
+def test_easgd_round_conserves_replicas_plus_centre_and_follows_formula(three_ranks: dict) -> None:
     world_size = 3
-    results = run_ranks(run_rounds, world_size, "easgd", {}, 1)
+    results = three_ranks["easgd"]
     alpha = 0.9 / world_size
     s = snapshots(world_size, 0)
     pulls = alpha * (s - INITIAL)
@@ -101,9 +126,9 @@ def run_synced_rounds(rank: int, world_size: int, name: str, restored: dict | No
 
 
 @pytest.mark.parametrize("name", ["ma", "easgd", "bmuf"])
-def test_the_first_synced_round_averages_and_starts_the_state_there(name: str) -> None:
+def test_the_first_synced_round_averages_and_starts_the_state_there(name: str, two_ranks: dict) -> None:
     world_size = 2
-    results = run_ranks(run_synced_rounds, world_size, name, None)
+    results = two_ranks[f"synced-{name}"]
     average = snapshots(world_size, 0).mean(0)
     second = snapshots(world_size, 1)
     for rank, result in enumerate(results):
@@ -119,9 +144,8 @@ def test_the_first_synced_round_averages_and_starts_the_state_there(name: str) -
             torch.testing.assert_close(result["targets"][1], average + block + 0.5 * block)
 
 
-def test_a_restored_state_is_kept_by_the_first_synced_round() -> None:
-    restored = {"center": torch.full((SIZE,), 3.0, dtype=torch.float64)}
-    results = run_ranks(run_synced_rounds, 2, "easgd", restored)
+def test_a_restored_state_is_kept_by_the_first_synced_round(two_ranks: dict) -> None:
+    results = two_ranks["restored-easgd"]  # restored centre: 3.0 everywhere
     s = snapshots(2, 0)
     pulls = 0.45 * (s - 3.0)
     for rank, result in enumerate(results):
@@ -148,8 +172,8 @@ COLLECTIVE_ALGORITHMS = [
 
 
 @pytest.mark.parametrize("name", COLLECTIVE_ALGORITHMS)
-def test_one_rank_raising_the_stop_flag_stops_every_rank_in_the_same_round(name: str) -> None:
-    seen = run_ranks(stop_at, 3, name, {0: 99, 1: 2, 2: 5})
+def test_one_rank_raising_the_stop_flag_stops_every_rank_in_the_same_round(name: str, three_ranks: dict) -> None:
+    seen = three_ranks[f"stop-{name}"]  # rank 1 stops from round 2, rank 2 from round 5, rank 0 never
     assert seen == [[False, False, True]] * 3
 
 
@@ -203,9 +227,9 @@ def easgd_ps_rounds(rank: int, world_size: int, stops: list[bool]) -> dict:
     return {"results": results, "pulls": pulls, "initial": centre.initial, "exchanges": centre.exchanges}
 
 
-def test_easgd_ps_targets_its_centres_pull_with_alpha_beta_over_n_and_no_agreement_on_stop() -> None:
+def test_easgd_ps_targets_its_centres_pull_with_alpha_beta_over_n_and_no_agreement_on_stop(two_ranks: dict) -> None:
     stops = [False, True]
-    for rank, result in enumerate(run_ranks(easgd_ps_rounds, 2, stops)):
+    for rank, result in enumerate(two_ranks["easgd_ps"]):
         torch.testing.assert_close(result["initial"], INITIAL)
         for r, (round_result, pull) in enumerate(zip(result["results"], result["pulls"])):
             snapshot, alpha = result["exchanges"][r]
@@ -296,13 +320,13 @@ def nonfinite_and_aborted_rounds(rank: int, world_size: int, names: list[str]) -
     return out
 
 
-def test_a_nonfinite_contribution_is_left_out_and_an_aborting_rank_stops_its_peers() -> None:
+def test_a_nonfinite_contribution_is_left_out_and_an_aborting_rank_stops_its_peers(three_ranks: dict) -> None:
     """3 ranks: rank 1's snapshot holds NaN / Inf in rounds 0 and 2, every rank's in round 1, and rank 2
     aborts in round 3. Good ranks follow each formula over the good ranks only (n_good for n); the bad
     rank keeps its own snapshot; a round with no good rank changes nothing; the abort round stops
     everyone and names rank 2, its peers averaging without it. Nothing non-finite reaches any state."""
     names = ["ma", "easgd", "bmuf"]
-    results = run_ranks(nonfinite_and_aborted_rounds, 3, names)
+    results = three_ranks["nonfinite-and-abort"]
     for name in names:
         runs = [result[name] for result in results]
         for r, bad in enumerate(NONFINITE_SCRIPT[:3]):

@@ -12,7 +12,7 @@ from torch import nn
 from shadowgba import SyncConfig, SyncError
 from shadowgba.shadow.runtime import ShadowSync
 from sync_algos.bmuf import BMUFConfig
-from tests.multiprocess import run_ranks
+from tests.multiprocess import run_ranks, run_shared
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -119,18 +119,26 @@ def final_weights_after_unequal_training(rank: int, world_size: int, steps: list
     return {"weights": flat(model), "metrics": sync.metrics.summary()}
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"algo": "ma"},
-        {"algo": "easgd"},
-        {"algo": "bmuf", "writeback": "hogwild"},
-        {"algo": "bmuf", "mode": "foreground", "foreground_every": 7},
-    ],
-    ids=["ma-handoff", "easgd-handoff", "bmuf-hogwild", "bmuf-foreground"],
-)
-def test_ranks_that_stop_at_different_steps_all_exit_with_identical_weights(options: dict) -> None:
-    results = run_ranks(final_weights_after_unequal_training, 3, [20, 300, 90], options, timeout_s=120)
+UNEQUAL_STOP_CASES = {
+    "ma-handoff": {"algo": "ma"},
+    "easgd-handoff": {"algo": "easgd"},
+    "bmuf-hogwild": {"algo": "bmuf", "writeback": "hogwild"},
+    "bmuf-foreground": {"algo": "bmuf", "mode": "foreground", "foreground_every": 7},
+}
+
+
+@pytest.fixture(scope="module")
+def unequal_stops() -> dict[str, list]:
+    """Every case on the same 3 ranks, one after another (one spawned group: see `run_shared`)."""
+    return run_shared(3, {
+        label: (final_weights_after_unequal_training, ([20, 300, 90], options))
+        for label, options in UNEQUAL_STOP_CASES.items()
+    }, timeout_s=180)
+
+
+@pytest.mark.parametrize("label", list(UNEQUAL_STOP_CASES))
+def test_ranks_that_stop_at_different_steps_all_exit_with_identical_weights(label: str, unequal_stops: dict) -> None:
+    results = unequal_stops[label]
     for result in results[1:]:
         torch.testing.assert_close(result["weights"], results[0]["weights"])
     assert [r["metrics"]["steps"] for r in results] == [20, 300, 90]

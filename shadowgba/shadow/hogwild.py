@@ -2,7 +2,7 @@
 
 One module shared by several threads fails: its parameters' autograd version counters and `.grad`
 are shared, so one thread's optimizer step invalidates another's saved tensors mid-backward
-("modified by an inplace operation"). What works (DESIGN.md §3): one module *replica* per thread
+("modified by an inplace operation"). What works (docs/design.md, "Write-back"): one module *replica* per thread
 whose parameters share storage with the original (`nn.Parameter(p.data)` shares the memory but has
 its own version counter and its own `.grad`), and one optimizer per thread. Updates then race on
 the shared memory, which is Hogwild's contract. The shadow runtime syncs the original module's

@@ -1,7 +1,7 @@
 """How a round's snapshot leaves, and its result reaches, the live dense parameters.
 
 The delta rule `w <- w + (t - s)` keeps the local progress made while a round was in flight. Where
-it is applied matters (DESIGN.md §3): an in-place write while the training thread sits between
+it is applied matters (docs/design.md, "Write-back"): an in-place write while the training thread sits between
 forward and backward breaks autograd ("... modified by an inplace operation"). Two strategies:
 
 - `HandoffWriteBack` (default): the shadow thread never touches the parameters. It asks for a
