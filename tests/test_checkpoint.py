@@ -28,9 +28,9 @@ SMALL = [
     "--data.synthetic.calibration_samples", "2048",
 ]
 EXACT_CASES = {
-    "ma": ["--config", "examples/configs/ma.yaml", "--sync.mode", "foreground"],
-    "easgd": ["--config", "examples/configs/easgd.yaml", "--sync.mode", "foreground"],
-    "bmuf": ["--config", "examples/configs/bmuf.yaml", "--sync.mode", "foreground"],
+    "ma": ["--config", "examples/configs/ma.yaml", "--sync.mode", "foreground", "--sync.foreground_every", "3"],
+    "easgd": ["--config", "examples/configs/easgd.yaml", "--sync.mode", "foreground", "--sync.foreground_every", "3"],
+    "bmuf": ["--config", "examples/configs/bmuf.yaml", "--sync.mode", "foreground", "--sync.foreground_every", "3"],
     "gba_sync": ["--config", "examples/configs/sync_allreduce.yaml"],
 }
 ASYNC_CASES = {"ma", "gba_sync"}

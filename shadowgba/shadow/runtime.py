@@ -230,13 +230,15 @@ class ShadowSync(DenseSync):
 
     # ---------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """Algorithm state plus what identifies it (algorithm, parameter names) for a safe reload."""
+        """Algorithm state plus what identifies it (algorithm, parameter names) for a safe reload,
+        and the step count (foreground rounds fall every `foreground_every` steps of it)."""
         algorithm = self._require_started()
         with self._round_lock:
             return {
                 "algo": self.config.algo,
                 "param_names": list(self.dense.names),
                 "algorithm": algorithm.state_dict(),
+                "step": self._step,
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -260,11 +262,16 @@ class ShadowSync(DenseSync):
                 f"{len(names) if isinstance(names, (list, tuple)) else type(names).__name__} names vs "
                 f"{len(self.dense.names)} here; differing: {other!r:.200}"
             )
+        step = state.get("step", 0)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"ShadowSync state's step must be an integer >= 0, got {step!r}")
         with self._round_lock:
             try:
                 algorithm.load_state_dict(state["algorithm"])
             except ValueError as error:  # the algorithm refused it before changing anything
                 raise CheckpointError(f"checkpoint refused: {error}") from None
+            self._step = step
+            self._step_counter = itertools.count(step + 1)
 
     # ---------------------------------------------------------------------------------- internals
     def _require_started(self) -> sync_algos.SyncAlgorithm:
