@@ -68,8 +68,11 @@ class SyncConfig:
     """On close, average the dense replicas once more (blocking) so every rank ends identical.
     Ignored by gba, whose trainers always end identical."""
     timeout_s: float = 300.0
-    """Timeout of every collective the library issues (the shadow group, GBA's trainer group): a
-    dead peer fails the round after this."""
+    """Timeout of every collective the library issues (the shadow group, GBA's trainer group, which
+    TorchRec's all-to-all shares in a job with servers): a dead peer fails the round after this.
+    With servers, the order the timeouts must respect is rpc_timeout_s <= timeout_s <=
+    trainer_timeout_s (`sync.ps`): a call fails before a collective gives up on a peer, and both
+    before a server gives up on a trainer, so the error a user sees names the cause."""
     on_nonfinite: Literal["skip", "fail"] = "skip"
     """A round, all-reduce or push that would bring NaN / Inf into other replicas or the servers is
     refused either way. skip: leave that rank's contribution out, warn and count it in the metrics
@@ -108,6 +111,11 @@ class SyncConfig:
             raise ConfigError("ps.num_servers: sync.algo easgd_ps keeps the EASGD centre on the servers; needs >= 1")
         if self.algo == "gba" and self.gba.initial_mode == "gba" and not self.ps.num_servers:
             raise ConfigError("ps.num_servers: sync.gba.initial_mode gba needs at least one parameter server")
+        if self.ps.num_servers and not self.ps.rpc_timeout_s <= self.timeout_s <= self.ps.trainer_timeout_s:
+            raise ConfigError(
+                f"timeout_s: with parameter servers need ps.rpc_timeout_s ({self.ps.rpc_timeout_s:g}) <= timeout_s "
+                f"({self.timeout_s:g}) <= ps.trainer_timeout_s ({self.ps.trainer_timeout_s:g})"
+            )
         if self.ps.num_servers and self.algo not in PS_ALGOS:
             raise ConfigError(
                 f"ps.num_servers: parameter servers need sync.algo gba or easgd_ps, not '{self.algo}' "

@@ -104,7 +104,7 @@ class Job:
         if self.sharding_guard is not None:
             self.sharding_guard.remove()
         if self.roles.num_servers:
-            transport.stop()
+            transport.stop(trainer_timeout_s=self.config.ps.trainer_timeout_s)
 
 
 def join(
@@ -127,7 +127,8 @@ def join(
             dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
         roles = transport.Roles.assign(dist.get_rank(), dist.get_world_size(), num_servers=0)
         return Job(config, dataclasses.replace(roles, trainer_group=dist.group.WORLD))
-    roles = transport.start(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s)
+    roles = transport.start(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s,
+                            rpc_timeout_s=config.ps.rpc_timeout_s)
     job = Job(config, roles, tables, table_options)
     if roles.is_server:
         _serve(job)

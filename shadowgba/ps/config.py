@@ -14,8 +14,20 @@ class PSConfig:
     on the servers, the embedding shards. 0: every rank trains."""
     max_in_flight: int = 2
     """PS-hosted tables: steps of row-gradient pushes a trainer may have in flight before it waits."""
+    rpc_timeout_s: float = 60.0
+    """How long one RPC (a push, pull, lookup ...) may take before it fails with an error (TensorPipe's
+    default is 60 s, with no knob of its own). A trainer stalled for longer makes its calls fail and
+    the job end cleanly instead of hanging. Must not exceed `trainer_timeout_s`."""
+    trainer_timeout_s: float = 300.0
+    """How long a server at the end of the job waits for a trainer that has neither finished nor
+    answered a ping before it gives up on it, naming it (`PeerLost`). Must be at least
+    `rpc_timeout_s`, so that a call still in flight fails before its server gives up."""
 
     def __post_init__(self) -> None:
+        if not 0 < self.rpc_timeout_s <= self.trainer_timeout_s:
+            raise ValueError(
+                f"rpc_timeout_s must be > 0 and <= trainer_timeout_s ({self.trainer_timeout_s:g}), got {self.rpc_timeout_s:g}"
+            )
         if self.num_servers < 0:
             raise ValueError(f"num_servers must be >= 0, got {self.num_servers}")
         if self.max_in_flight < 1:

@@ -160,12 +160,15 @@ def server_name(server_index: int) -> str:
     return f"ps{server_index}"
 
 
-def start(num_servers: int, backend: str = "gloo", timeout_s: float | None = None) -> Roles:
+def start(
+    num_servers: int, backend: str = "gloo", timeout_s: float | None = None, rpc_timeout_s: float | None = None
+) -> Roles:
     """Join the job as trainer or server (collective: every rank calls it, in the same order).
 
     Reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; initialises the default process
     group (with `backend`) unless it exists, creates the trainer group (its collectives time out
-    after `timeout_s`; None: torch's default) and starts RPC.
+    after `timeout_s`; None: torch's default) and starts RPC (a call fails after `rpc_timeout_s`;
+    None: TensorPipe's default of 60 s).
     """
     global _started
     if _started is not None:
@@ -201,7 +204,10 @@ def start(num_servers: int, backend: str = "gloo", timeout_s: float | None = Non
             # TCP (libuv) only: TensorPipe's default shared-memory transport busy-polls in a reactor
             # thread per process, which on few cores halves PS throughput (measured: 2 trainers + 1
             # server on 2 cores, 33K -> 58K samples/s; lookups 10-30 ms -> 6 ms).
-            rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method="env://", _transports=["uv"]),
+            rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                init_method="env://", _transports=["uv"],
+                **({} if rpc_timeout_s is None else {"rpc_timeout": rpc_timeout_s}),
+            ),
         )
     _started = _Started(roles, owns_default_group)
     return roles
