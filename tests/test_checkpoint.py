@@ -2,7 +2,8 @@
 
 Spawned jobs are shared where the assertions are independent: one 2-rank job runs every exact-resume
 case (uninterrupted vs stopped-and-resumed, per algorithm) and then the refusal cases, and the tests
-assert on its results; one torchrun job with a trainer killed mid-run covers restart and resume.
+assert on its results; two torchrun jobs with a trainer killed mid-run (one with a parameter server)
+cover restart and resume.
 """
 
 from __future__ import annotations
@@ -205,30 +206,50 @@ def test_a_checkpoint_of_another_setup_is_refused_naming_the_difference(shared: 
     assert refusals["tmp_left"] == []  # a new Checkpointer removes what a crashed save left
 
 
-@pytest.mark.timeout(150)
-def test_a_killed_trainer_restarts_under_torchrun_and_finishes_from_its_checkpoint(tmp_path: Path) -> None:
+def _killed_and_restarted(tmp_path: Path, nproc: int, config: list[str], kill: str) -> tuple[list, dict, Path]:
+    """A torchrun job (`--max-restarts=1`, checkpoints every 10 of 30 steps, `--resume`) whose trainer
+    `kill` names SIGKILLs itself: the fault records and rank 0's results of the restarted attempt."""
     from tests.multiprocess import free_port
 
     output, fault_log, directory = tmp_path / "results.json", tmp_path / "faults.jsonl", tmp_path / "ckpt"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--max-restarts=1",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}", "--max-restarts=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.5",
-        "benchmarks/train_dlrm.py", "--config", "examples/configs/bmuf.yaml", *SMALL, "--sync.mode", "foreground",
+        "benchmarks/train_dlrm.py", *config, *SMALL,
         "--train.steps", "30", "--checkpoint-dir", str(directory), "--checkpoint-every", "10", "--resume",
         "--output", str(output),
     ]
-    env = {**os.environ, "SHADOWGBA_TEST_KILL_AT_STEP": "1:15", "SHADOWGBA_TEST_FAULT_LOG": str(fault_log),
+    env = {**os.environ, "SHADOWGBA_TEST_KILL_AT_STEP": kill, "SHADOWGBA_TEST_FAULT_LOG": str(fault_log),
            "OMP_NUM_THREADS": "1"}
     process = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=130)
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
     fired = [json.loads(line) for line in fault_log.read_text().splitlines()]
+    return fired, json.loads(output.read_text()), directory
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_trainer_restarts_under_torchrun_and_finishes_from_its_checkpoint(tmp_path: Path) -> None:
+    fired, results, directory = _killed_and_restarted(
+        tmp_path, 2, ["--config", "examples/configs/bmuf.yaml", "--sync.mode", "foreground"], "1:15")
     assert fired == [{"trainer": 1, "step": 15, "restart_count": 0, "pid": fired[0]["pid"]}]
-    results = json.loads(output.read_text())
     assert results["restart_count"] == 1
     assert results["checkpoint"]["resumed_from_step"] == 10
     assert results["steps"] == 30 and results["steps_this_run"] == 20
     assert results["samples_computed_total"] == 30 * 32 * 2
     assert results["dense_replica_max_abs_diff"] == 0.0
+    assert sorted(path.name for path in directory.iterdir()) == ["step_00000020", "step_00000030"]
+
+
+@pytest.mark.timeout(150)
+def test_a_parameter_server_job_restarts_under_torchrun_and_finishes_from_its_checkpoint(tmp_path: Path) -> None:
+    """GBA with PS-hosted tables, 2 trainers + 1 server: the restarted attempt's RPC rendezvous must not
+    read the dead attempt's addresses in torchrun's agent store (`transport.attempt_store`)."""
+    fired, results, directory = _killed_and_restarted(
+        tmp_path, 3, ["--config", "examples/configs/gba_ps_embeddings.yaml"], "0:15")
+    assert fired == [{"trainer": 0, "step": 15, "restart_count": 0, "pid": fired[0]["pid"]}]
+    assert results["restart_count"] == 1 and (results["trainers"], results["servers"]) == (2, 1)
+    assert results["checkpoint"]["resumed_from_step"] == 10
+    assert results["steps"] == 30 and results["steps_this_run"] == 20
     assert sorted(path.name for path in directory.iterdir()) == ["step_00000020", "step_00000030"]
 
 

@@ -16,13 +16,10 @@ import os
 import signal
 import sys
 
+from shadowgba.ps.transport import restart_count  # re-exported: the harness reads it here
+
 KILL_ENV = "SHADOWGBA_TEST_KILL_AT_STEP"
 LOG_ENV = "SHADOWGBA_TEST_FAULT_LOG"
-
-
-def restart_count() -> int:
-    """Which attempt of a torchrun job this is (0: the first; 0 outside torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class KillAt:

@@ -15,11 +15,17 @@ Roles: the last `num_servers` ranks are servers (RPC names "ps0", "ps1", ...), t
 collectives never involve a server.
 
 Rendezvous and listening (tested under torchrun and under a plain spawn harness):
-- RPC rendezvous uses `init_method="env://"`, i.e. the store that MASTER_ADDR:MASTER_PORT already
-  names; no second port is taken. Under torchrun (TORCHELASTIC_USE_AGENT_STORE) that is a client of
-  the agent's store. Without an agent, rank 0's default-group TCPStore is multi-tenant, so the RPC
-  rendezvous in the same process shares its server instead of binding the port again. RPC keeps its
-  keys under its own prefix, apart from the process groups' keys.
+- RPC rendezvous uses the store that MASTER_ADDR:MASTER_PORT already names (`env://`); no second
+  port is taken. Under torchrun (TORCHELASTIC_USE_AGENT_STORE) that is a client of the agent's store.
+  Without an agent, rank 0's default-group TCPStore is multi-tenant, so the RPC rendezvous in the
+  same process shares its server instead of binding the port again. RPC keeps its keys under its own
+  prefix, apart from the process groups' keys.
+- Restarts (`torchrun --max-restarts`): the agent's store outlives an attempt, and RPC's own prefix
+  (`rpc_prefix_0`, a per-process counter) is the same in every attempt, so a restarted attempt would
+  read the dead one's worker names and TensorPipe/gloo addresses and fail or hang connecting to them.
+  Every key of the transport's rendezvous (RPC's, and the default group's when `start()` creates it)
+  therefore lives under `attempt_{TORCHELASTIC_RESTART_COUNT}/` (`attempt_store()`, the `shadowgba-
+  attempt://` rendezvous).
 - TensorPipe listens on ephemeral ports of one address: the interface named by TP_SOCKET_IFNAME,
   else whatever the host name resolves to (on many hosts a public address); gloo groups, including
   the one RPC creates for itself, do the same with GLOO_SOCKET_IFNAME. `start()` sets both, for the
@@ -67,6 +73,9 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from shadowgba.errors import PeerLost
+
+ATTEMPT_RENDEZVOUS = "shadowgba-attempt"
+"""The rendezvous scheme of RPC's init_method: `env://` under this torchrun attempt's prefix."""
 
 SERVE_WAIT_S = 30.0
 """How long a call for a service name that is not served (yet) waits for `serve()` on its server."""
@@ -190,7 +199,7 @@ def start(
         os.environ.setdefault("TP_SOCKET_IFNAME", interface)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     if owns_default_group:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, store=attempt_store(rank, world_size), rank=rank, world_size=world_size)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     trainer_group = dist.new_group(list(roles.trainer_ranks), backend=backend, timeout=timeout)
     roles = dataclasses.replace(roles, trainer_group=None if roles.is_server else trainer_group)
@@ -205,12 +214,36 @@ def start(
             # thread per process, which on few cores halves PS throughput (measured: 2 trainers + 1
             # server on 2 cores, 33K -> 58K samples/s; lookups 10-30 ms -> 6 ms).
             rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
-                init_method="env://", _transports=["uv"],
+                init_method=f"{ATTEMPT_RENDEZVOUS}://", _transports=["uv"],
                 **({} if rpc_timeout_s is None else {"rpc_timeout": rpc_timeout_s}),
             ),
         )
     _started = _Started(roles, owns_default_group)
     return roles
+
+
+def restart_count() -> int:
+    """Which attempt of a torchrun job this is (0: the first; 0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def attempt_store(rank: int, world_size: int, timeout_s: float | None = None) -> dist.Store:
+    """The `env://` store (MASTER_ADDR:MASTER_PORT; torchrun's agent store under torchrun) under a
+    prefix of this attempt's own, `attempt_{TORCHELASTIC_RESTART_COUNT}/`: keys written by an
+    earlier attempt of a restarted torchrun job (dead workers' addresses) are not read."""
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, **timeout))
+    return dist.PrefixStore(f"attempt_{restart_count()}", store)
+
+
+def _attempt_rendezvous(url: str, timeout: datetime.timedelta | None = None, **_: Any):
+    """Rendezvous handler of `shadowgba-attempt://?rank=R&world_size=N` (what `init_rpc` passes)."""
+    query = dict(part.split("=", 1) for part in url.partition("?")[2].split("&") if part)
+    rank, world_size = int(query["rank"]), int(query["world_size"])
+    yield attempt_store(rank, world_size, None if timeout is None else timeout.total_seconds()), rank, world_size
+
+
+dist.register_rendezvous_handler(ATTEMPT_RENDEZVOUS, _attempt_rendezvous)
 
 
 def roles() -> Roles:
