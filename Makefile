@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 NPROC ?= 2
 CONFIG ?= examples/configs/bmuf.yaml
 
-.PHONY: setup run test bench bench-quick bench-quality bench-scaling bench-gba clean
+.PHONY: setup run test bench bench-quick bench-quality bench-scaling bench-gba soak clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,13 @@ bench-scaling: $(BENCH_STAMP)
 bench-gba: $(STAMP)
 	$(PY) benchmarks/bench_gba.py --compute simulated --global-samples 4000000
 	$(PY) benchmarks/bench_gba.py --compute real --global-samples 2000000
+
+# Soak (not in `make test`): random configurations as torchrun jobs with faults, restarts and resumes,
+# for SOAK_MINUTES; the report goes to runs/soak.json (benchmarks/soak.py).
+SOAK_MINUTES ?= 6
+
+soak: $(STAMP)
+	$(PY) benchmarks/soak.py --minutes $(SOAK_MINUTES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,209 @@
+"""Soak: torchrun jobs of randomly chosen configurations, faults injected, restarted and resumed, for M minutes.
+
+    python benchmarks/soak.py --minutes 6 [--seed 0] [--job-timeout-s 180] [--output runs/soak.json]
+    make soak [SOAK_MINUTES=6]
+
+Not part of `make test`. Each job is one `torchrun --standalone --max-restarts=1` run of
+`benchmarks/train_dlrm.py`, one after the other (the development machines have 2 cores), drawn at random:
+- the configuration: ma / easgd / bmuf in shadow or foreground mode (2 trainers), easgd_ps, gba with
+  TorchRec-sharded tables, gba with PS-hosted tables (2 trainers + 1 server), sync all-reduce;
+- pacing `--sync.interval_ms`; for gba either the switch policy (short window, trainer 1 slowed
+  3x, so that it has something to switch on) or a plain `--sync.gba.initial_mode` choice;
+- the step count and `--checkpoint-every`, always with `--resume`;
+- in about half the jobs a fault: `SHADOWGBA_TEST_KILL_AT_STEP` on a random trainer and step
+  (`dlrm.faults`), which torchrun answers by restarting the job, which resumes from its checkpoint.
+A job that runs past `--job-timeout-s` is a hang: its process group is killed. A job that exits
+non-zero is an error; so is a finished job whose results contradict its schedule (no restart after
+a fault that fired, a fault that did not fire, a resume from another step than the last checkpoint
+before the fault, or a step count other than the one asked for).
+
+"Samples lost" counts the work a restarted job had done past its last checkpoint and did again:
+(fault step - resumed_from_step) x batch size x trainers; with a checkpoint at the fault step it is 0.
+The report (a table, and every job's record in the JSON file) sums over the jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 32
+SMALL = [  # the tests' small model and data: a job takes seconds
+    "--train.warmup_steps", "0", "--train.progress", "false",
+    "--data.synthetic.num_tables", "3", "--data.synthetic.num_embeddings", "100",
+    "--data.synthetic.batch_size", str(BATCH), "--data.synthetic.eval_batches", "2",
+    "--data.synthetic.calibration_samples", "2048",
+]
+CONFIGS: dict[str, tuple[str, int, list[str]]] = {  # name: (config file, ranks, extra arguments)
+    **{f"{algo}_{mode}": (f"{algo}.yaml", 2, ["--sync.mode", mode])
+       for algo in ("ma", "easgd", "bmuf") for mode in ("shadow", "foreground")},
+    "easgd_ps": ("easgd_ps.yaml", 3, []),
+    "gba_torchrec": ("gba.yaml", 3, []),
+    "gba_ps_tables": ("gba_ps_embeddings.yaml", 3, []),
+    "sync_allreduce": ("sync_allreduce.yaml", 2, []),
+}
+
+
+def draw_job(rng: random.Random, index: int) -> dict[str, Any]:
+    """One job's configuration, pacing, schedule and fault."""
+    name = rng.choice(sorted(CONFIGS))
+    config, ranks, extra = CONFIGS[name]
+    trainers = ranks - (1 if ranks == 3 else 0)
+    steps = rng.randrange(40, 101, 10)
+    every = rng.choice([5, 10, 15, 20])
+    args = ["--config", f"examples/configs/{config}", *extra, *SMALL, "--train.steps", str(steps),
+            "--train.seed", str(index), "--sync.interval_ms", str(rng.choice([0, 5, 20, 50, 200]))]
+    gba = None
+    if name.startswith("gba"):
+        if rng.random() < 0.5:
+            gba = f"switch_policy from {(initial := rng.choice(['sync', 'gba']))}"
+            args += ["--sync.gba.initial_mode", initial, "--sync.gba.switch_policy.enabled", "true",
+                     "--sync.gba.switch_policy.window", "5", "--straggler.trainers", "[1]",
+                     "--straggler.factor", "3"]
+        else:
+            gba = f"initial_mode {(initial := rng.choice(['sync', 'gba']))}"
+            args += ["--sync.gba.initial_mode", initial]
+    fault = (rng.randrange(trainers), rng.randrange(3, steps - 2)) if rng.random() < 0.5 else None
+    return {"index": index, "name": name, "ranks": ranks, "trainers": trainers, "steps": steps,
+            "checkpoint_every": every, "gba": gba, "fault": fault, "args": args}
+
+
+def run_job(job: dict[str, Any], workdir: Path, timeout_s: float) -> dict[str, Any]:
+    """Run one job under torchrun; its outcome (status ok / error / hang) and the numbers of the report."""
+    here = workdir / f"job_{job['index']:04d}"
+    here.mkdir()
+    output, fault_log = here / "results.json", here / "faults.jsonl"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={job['ranks']}",
+        "--max-restarts=1", "--monitor-interval=0.5", "benchmarks/train_dlrm.py", *job["args"],
+        "--checkpoint-dir", str(here / "ckpt"), "--checkpoint-every", str(job["checkpoint_every"]), "--resume",
+        "--output", str(output),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHADOWGBA_TEST_FAULT_LOG": str(fault_log)}
+    env.pop("SHADOWGBA_TEST_KILL_AT_STEP", None)
+    if job["fault"]:
+        env["SHADOWGBA_TEST_KILL_AT_STEP"] = "{}:{}".format(*job["fault"])
+    started = time.monotonic()
+    with open(here / "log.txt", "w") as log:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # its own process group: a hang is killed whole
+        try:
+            returncode = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            returncode = None
+    outcome = {**{k: v for k, v in job.items() if k != "args"}, "wall_s": round(time.monotonic() - started, 1),
+               "returncode": returncode, "log": str(here / "log.txt"),
+               "rounds": 0, "mode_switches": 0, "checkpoints": 0, "restarts": 0, "samples_lost": 0}
+    if returncode is None:
+        return {**outcome, "status": "hang"}
+    if returncode != 0 or not output.exists():
+        return {**outcome, "status": "error", "why": f"exit status {returncode}"}
+    results = json.loads(output.read_text())
+    fired = [json.loads(line) for line in fault_log.read_text().splitlines()] if fault_log.exists() else []
+    checkpoint = results["checkpoint"] or {}
+    resumed_from = checkpoint.get("resumed_from_step")
+    restarts = results["restart_count"]
+    every = job["checkpoint_every"]
+    outcome.update(
+        rounds=(results["sync"] or {}).get("rounds", 0),
+        mode_switches=(results["gba"] or {}).get("mode_switches", 0),
+        # this attempt's saves, and those of the first attempt up to the fault (saved before it fires)
+        checkpoints=checkpoint.get("saves", 0) + (fired[0]["step"] // every if fired else 0),
+        restarts=restarts, resumed_from=resumed_from, steps_done=results["steps"],
+        steps_this_run=results["steps_this_run"],
+    )
+    problems = []
+    if results["steps"] != job["steps"]:
+        problems.append(f"trained {results['steps']} steps, not {job['steps']}")
+    if job["fault"]:
+        trainer, step = job["fault"]
+        if not fired or fired != [{"trainer": trainer, "step": step, "restart_count": 0, "pid": fired[0]["pid"]}]:
+            problems.append(f"fault {trainer}:{step} armed, fired: {fired}")
+        expected = step // every * every
+        if restarts != 1 or (resumed_from or 0) != expected:
+            problems.append(f"after the fault at step {step}: restart_count {restarts}, resumed from "
+                            f"{resumed_from}, expected 1 and the checkpoint of step {expected}")
+        if results["steps"] - results["steps_this_run"] != (resumed_from or 0):
+            problems.append(f"{results['steps_this_run']} steps this run after resuming from {resumed_from}")
+        outcome["samples_lost"] = (step - (resumed_from or 0)) * BATCH * job["trainers"]
+    elif restarts or fired:
+        problems.append(f"restart_count {restarts} and faults {fired} without an injected fault")
+    if problems:
+        return {**outcome, "status": "error", "why": "; ".join(problems)}
+    return {**outcome, "status": "ok"}
+
+
+def report(outcomes: list[dict[str, Any]], minutes: float) -> dict[str, Any]:
+    total = lambda key: sum(outcome[key] for outcome in outcomes)  # noqa: E731
+    return {
+        "minutes": round(minutes, 1), "jobs": len(outcomes), "rounds": total("rounds"),
+        "mode_switches": total("mode_switches"), "checkpoints": total("checkpoints"),
+        "restarts": total("restarts"), "errors": sum(o["status"] == "error" for o in outcomes),
+        "hangs": sum(o["status"] == "hang" for o in outcomes), "samples_lost": total("samples_lost"),
+    }
+
+
+def table(summary: dict[str, Any], outcomes: list[dict[str, Any]]) -> str:
+    keys = list(summary)
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---:|" * len(keys),
+             "| " + " | ".join(f"{summary[key]:,}" if isinstance(summary[key], int) else str(summary[key])
+                              for key in keys) + " |", ""]
+    by_config: dict[str, list[dict[str, Any]]] = {}
+    for outcome in outcomes:
+        by_config.setdefault(outcome["name"], []).append(outcome)
+    lines += ["| configuration | jobs | faults | restarts | errors | hangs | wall s mean |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, runs in sorted(by_config.items()):
+        lines.append(f"| {name} | {len(runs)} | {sum(bool(r['fault']) for r in runs)} | "
+                     f"{sum(r['restarts'] for r in runs)} | {sum(r['status'] == 'error' for r in runs)} | "
+                     f"{sum(r['status'] == 'hang' for r in runs)} | {sum(r['wall_s'] for r in runs) / len(runs):.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, required=True, help="start new jobs for this long")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the draws (default: %(default)s)")
+    parser.add_argument("--job-timeout-s", type=float, default=180.0,
+                        help="a job running longer is a hang and is killed (default: %(default)s)")
+    parser.add_argument("--output", type=Path, default=ROOT / "runs" / "soak.json")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    outcomes: list[dict[str, Any]] = []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="soak_") as scratch:
+        while time.monotonic() - started < args.minutes * 60:
+            job = draw_job(rng, len(outcomes))
+            outcome = run_job(job, Path(scratch), args.job_timeout_s)
+            outcomes.append(outcome)
+            fault = "fault {}:{}".format(*job["fault"]) if job["fault"] else "no fault"
+            print(f"job {job['index']:3d} {job['name']:15s} {job['steps']:3d} steps, every {job['checkpoint_every']:2d}, "
+                  f"{fault:12s} {job['gba'] or '':22s} -> {outcome['status']} ({outcome['wall_s']:.1f} s)"
+                  + (f": {outcome.get('why')}; log kept below" if outcome["status"] != "ok" else ""), flush=True)
+            if outcome["status"] != "ok":  # keep the evidence past the scratch folder
+                kept = args.output.parent / "soak_logs" / f"job_{job['index']:04d}.log"
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                kept.write_text(Path(outcome["log"]).read_text())
+                outcome["log"] = str(kept)
+    summary = report(outcomes, (time.monotonic() - started) / 60)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"summary": summary, "seed": args.seed, "jobs": outcomes}, indent=2) + "\n")
+    print(table(summary, outcomes))
+    print(f"full record: {args.output}")
+    sys.exit(1 if summary["errors"] or summary["hangs"] else 0)
+
+
+if __name__ == "__main__":
+    main()
