@@ -12,7 +12,7 @@ Not part of `make test`. Each job is one `torchrun --standalone --max-restarts=1
 - the step count and `--checkpoint-every`, always with `--resume`;
 - in about half the jobs a fault: `SHADOWGBA_TEST_KILL_AT_STEP` on a random trainer and step
   (`dlrm.faults`), which torchrun answers by restarting the job, which resumes from its checkpoint.
-A job that runs past `--job-timeout-s` is a hang: its process group is killed. A job that exits
+A job that runs past `--job-timeout-s` is a hang: torchrun and every worker are killed. A job that exits
 non-zero is an error; so is a finished job whose results contradict its schedule (no restart after
 a fault that fired, a fault that did not fire, a resume from another step than the last checkpoint
 before the fault, or a step count other than the one asked for).
@@ -25,6 +25,7 @@ The report (a table, and every job's record in the JSON file) sums over the jobs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -78,6 +79,21 @@ def draw_job(rng: random.Random, index: int) -> dict[str, Any]:
             "checkpoint_every": every, "gba": gba, "fault": fault, "args": args}
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), children before their parent's siblings."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text()
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def run_job(job: dict[str, Any], workdir: Path, timeout_s: float) -> dict[str, Any]:
     """Run one job under torchrun; its outcome (status ok / error / hang) and the numbers of the report."""
     here = workdir / f"job_{job['index']:04d}"
@@ -96,11 +112,13 @@ def run_job(job: dict[str, Any], workdir: Path, timeout_s: float) -> dict[str, A
     started = time.monotonic()
     with open(here / "log.txt", "w") as log:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # its own process group: a hang is killed whole
+                                   start_new_session=True)
         try:
             returncode = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        except subprocess.TimeoutExpired:  # torchrun's workers run in sessions of their own: kill each
+            for pid in [*_descendants(process.pid), process.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             process.wait()
             returncode = None
     outcome = {**{k: v for k, v in job.items() if k != "args"}, "wall_s": round(time.monotonic() - started, 1),
