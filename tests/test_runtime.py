@@ -269,3 +269,30 @@ def test_control_file_changes_pacing_while_running_and_bad_edits_are_ignored(tmp
     assert result["fast"] > 50, result
     assert result["slow"] <= 1.2 / 0.4 + 2, result
     assert result["still_slow"] <= 1.2 / 0.4 + 2 and result["interval_ms"] == 400.0, result
+
+
+def checkpoint_often(rank: int, world_size: int) -> dict:
+    """What a checkpointer does every few steps: read the state, then meet the peers in a collective
+    of the training thread's own group, while unpaced shadow rounds run on the shadow group."""
+    import torch.distributed as dist
+
+    model = vector_model(rank)
+    optimizer = ConstantStep(list(model.parameters()), increment=1.0)
+    reads = 0
+    with ShadowSync(model, optimizer, SyncConfig(algo="easgd", interval_ms=0.0, first_round_after=0)) as sync:
+        for step in range(1, 301):
+            optimizer.step()
+            if step % 3 == 0:
+                state = sync.state_dict()
+                reads += 1
+                dist.barrier()  # the checkpoint's collective: a peer may be here, or in a round
+    return {"reads": reads, "rounds": sync.metrics.summary()["rounds"], "centre": state["algorithm"]["center"]}
+
+
+def test_reading_the_state_never_waits_for_a_round_that_waits_for_a_peer_in_another_collective() -> None:
+    """Before: state_dict() waited for the round in flight, whose peer's shadow thread waited for a
+    snapshot from a training thread that sat in the checkpoint's barrier waiting for this one."""
+    results = run_ranks(checkpoint_often, 2, timeout_s=90)
+    for result in results:
+        assert result["reads"] == 100 and result["rounds"] > 10, result
+        assert torch.isfinite(result["centre"]).all()

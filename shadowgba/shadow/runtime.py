@@ -96,7 +96,10 @@ class ShadowSync(DenseSync):
         self._nonfinite_seen: tuple[int, ...] = ()  # the last round's bad ranks, to warn once per change
         self._first_round_due = threading.Event()  # set after `first_round_after` steps or at close
         self._rounds_finished = False
-        self._round_lock = threading.Lock()  # algorithm state: rounds vs state_dict()
+        self._round_lock = threading.Lock()  # algorithm state: rounds vs load_state_dict()
+        self._state_lock = threading.Lock()  # the published state: rounds vs state_dict()
+        self._published: dict[str, Any] = {}
+        """The algorithm's state as of the last finished round (what `state_dict()` returns)."""
         self._foreground_lock = threading.Lock()
         self._error: BaseException | None = None
         self._error_reported = False
@@ -135,6 +138,7 @@ class ShadowSync(DenseSync):
         self._algorithm = sync_algos.build_algorithm(
             self.config.algo, self.config.algorithm_config(), self._group, initial, **self._algorithm_kwargs
         )
+        self._publish_state()
         if self.config.mode == "shadow" and self.config.writeback == "handoff":
             self._writeback = HandoffWriteBack(self.dense, self._record_applied)
         else:
@@ -231,15 +235,28 @@ class ShadowSync(DenseSync):
     # ---------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Algorithm state plus what identifies it (algorithm, parameter names) for a safe reload,
-        and the step count (foreground rounds fall every `foreground_every` steps of it)."""
-        algorithm = self._require_started()
-        with self._round_lock:
+        and the step count (foreground rounds fall every `foreground_every` steps of it).
+
+        The algorithm state is the one published at the end of the last finished round, so this
+        never waits for a round in flight. It must not: a checkpoint calls it on every trainer and
+        then meets the others in a collective, while a shadow round here can be waiting for a peer
+        whose shadow thread waits for its training thread's snapshot, and that training thread is
+        already in the checkpoint's collective waiting for this one (a cycle seen in the soak)."""
+        self._require_started()
+        with self._state_lock:
             return {
                 "algo": self.config.algo,
                 "param_names": list(self.dense.names),
-                "algorithm": algorithm.state_dict(),
+                "algorithm": self._published,
                 "step": self._step,
             }
+
+    def _publish_state(self) -> None:
+        """Make the algorithm's current state what `state_dict()` returns (called after each round,
+        by the thread that ran it; the tensors are fresh copies that nothing changes later)."""
+        state = self._algorithm.state_dict()
+        with self._state_lock:
+            self._published = state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output; refuses (`CheckpointError`, changing nothing) a state that
@@ -272,6 +289,7 @@ class ShadowSync(DenseSync):
                 raise CheckpointError(f"checkpoint refused: {error}") from None
             self._step = step
             self._step_counter = itertools.count(step + 1)
+            self._publish_state()
 
     # ---------------------------------------------------------------------------------- internals
     def _require_started(self) -> sync_algos.SyncAlgorithm:
@@ -327,6 +345,7 @@ class ShadowSync(DenseSync):
             return True
         with self._round_lock:
             result = self._algorithm.sync(self._snapshot, stop)
+            self._publish_state()
         self.metrics.record_round(time.perf_counter() - started, result.bytes_moved)
         if not result.kept_local:  # a rank left out of the round keeps its own weights
             self._writeback.apply(result.target - self._snapshot)
