@@ -486,7 +486,4 @@ class DenseShardClient:
         on every shard from `first_shard` on, all at once; the results in shard order."""
         if args_by_shard is None:
             args_by_shard = [()] * (len(self.bounds) - first_shard)
-        return torch.futures.wait_all([
-            transport.call_async(first_shard + index, DENSE_SERVICE, method, *args)
-            for index, args in enumerate(args_by_shard)
-        ])
+        return transport.call_each(DENSE_SERVICE, method, args_by_shard, first_shard)

@@ -95,8 +95,6 @@ class CenterClient(Centre):
     def _call_each_slice(self, method: str, whole: torch.Tensor, *extra: Any) -> list[Any]:
         """`method(start, end, whole[start:end], *extra)` on every server at once; results in slice
         order. Slices are cloned: sending a view would send the whole vector's storage."""
-        futures = [
-            transport.call_async(index, self.service, method, start, end, whole[start:end].clone(), *extra)
-            for index, (start, end) in enumerate(shard_bounds(whole.numel(), self.num_servers))
-        ]
-        return torch.futures.wait_all(futures)
+        return transport.call_each(self.service, method, [
+            (start, end, whole[start:end].clone(), *extra) for start, end in shard_bounds(whole.numel(), self.num_servers)
+        ])

@@ -488,10 +488,7 @@ class PSEmbeddingBagCollection(nn.Module):
         self.flush()
         if not self._saving_trainer():
             return {}
-        exported = [
-            future.wait() for future in
-            [transport.call_async(server, self.service, "export_state") for server in range(self.num_servers)]
-        ]
+        exported = transport.call_each(self.service, "export_state", [()] * self.num_servers)
         tables: dict[str, dict[str, torch.Tensor]] = {}
         for table in self._tables:
             weight = torch.empty(table.num_embeddings, table.embedding_dim, dtype=torch.float32)
@@ -520,7 +517,7 @@ class PSEmbeddingBagCollection(nn.Module):
         tables, shards = state_dict["tables"], state_dict["shards"]
         if sorted(shards) != [f"server{server}" for server in range(self.num_servers)]:
             raise ValueError(f"import refused: state of {len(shards)} servers, this job has {self.num_servers}")
-        futures = []
+        imports = []
         for server in range(self.num_servers):
             shard = _from_bytes(shards[f"server{server}"])
             for table in self._tables:
@@ -529,9 +526,8 @@ class PSEmbeddingBagCollection(nn.Module):
                 accumulator = tables[table.name].get("accumulator")
                 entry["accumulator"] = (accumulator[server::self.num_servers].clone() if accumulator is not None
                                         else torch.zeros(0, dtype=torch.float32))
-            futures.append(transport.call_async(server, self.service, "import_state", shard))
-        for future in futures:
-            future.wait()
+            imports.append((shard,))
+        transport.call_each(self.service, "import_state", imports)
         return None
 
     def prepare_checkpoint(self) -> None:

@@ -66,7 +66,7 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -294,6 +294,14 @@ def call_async(server_index: int, name: str, method: str, *args: Any) -> torch.f
 def call(server_index: int, name: str, method: str, *args: Any) -> Any:
     """Blocking `call_async`: the result, or the service's exception raised here."""
     return call_async(server_index, name, method, *args).wait()
+
+
+def call_each(name: str, method: str, args_by_server: Sequence[tuple[Any, ...]], first_server: int = 0) -> list[Any]:
+    """`method(*args_by_server[i])` of service `name` on server `first_server + i`, all in flight at
+    once; the results in server order (or the first failure raised here)."""
+    return torch.futures.wait_all([
+        call_async(first_server + index, name, method, *args) for index, args in enumerate(args_by_server)
+    ])
 
 
 def stop(trainer_timeout_s: float | None = None) -> None:
