@@ -130,3 +130,12 @@ class GBAMetrics(SyncMetrics):
                 nonfinite_skipped=self.nonfinite_skipped,
             )
         return summary
+
+    def format(self) -> str:
+        """One log line: the common counters, then GBA's (non-finite gradients left out only when any were)."""
+        s = self.summary()
+        return (
+            f"{super().format()} queue_dropped={s['queue_dropped']} decayed={s['decayed']} "
+            f"stale_dropped={s['stale_dropped']} mode_switches={s['mode_switches']}"
+            + (f" nonfinite_skipped={s['nonfinite_skipped']}" if s["nonfinite_skipped"] else "")
+        )
