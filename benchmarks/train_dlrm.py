@@ -5,6 +5,7 @@
     torchrun --standalone --max-restarts=3 --nproc_per_node=2 benchmarks/train_dlrm.py --config examples/configs/ma.yaml \
         --checkpoint-dir ckpt --checkpoint-every 500 --resume     # a restarted attempt resumes by itself
     torchrun --standalone --nproc_per_node=3 benchmarks/train_dlrm.py --config examples/configs/gba_ps_embeddings.yaml
+    torchrun --standalone --nproc_per_node=2 benchmarks/train_dlrm.py --config examples/configs/ma.yaml --preset production
 
 `sync.algo` picks how the dense replicas meet, through `shadowgba.dense_sync`: ma / easgd / bmuf /
 easgd_ps (the shadow runtime) or gba (sync all-reduce or GBA over parameter-server ranks,
@@ -14,7 +15,10 @@ trainers or hosted on the servers (`model.embeddings`); `straggler` slows chosen
 reports held-out AUC and log loss next to the planted teacher's ceiling, all trainers' throughput over
 a common timed window after warm-up, the sync metrics (and the servers' for GBA), and how far the
 dense replicas are apart at the end; with `train.eval_every_samples`, a held-out `curve` against
-samples seen. One torch thread per rank, gloo on CPU, NCCL on GPUs.
+samples seen. Every rank's CPU seconds in that window (per sample trained in it) and peak resident
+memory, servers included, and each trainer's peak above its memory before the sync runtime was built
+(`resources`). `--preset small | production` sets the model's shape and its data
+(`examples/configs/presets/`). One torch thread per rank, gloo on CPU, NCCL on GPUs.
 
 Modules: `dlrm.config` (the config tree), `dlrm.model` (building the DLRM), `dlrm.job` (trainer and
 server roles, which sync), `dlrm.pma` (the pma baseline), `dlrm.loop` (training loop, stopping,
@@ -38,10 +42,13 @@ import torch
 import torch.distributed as dist
 
 from dlrm.checkpoints import CheckpointOptions, JobCheckpoints
-from dlrm.config import ExperimentConfig
+from dlrm.config import ExperimentConfig, preset_names, preset_overrides
 from dlrm.faults import KillAt, restart_count
 from dlrm.curve import heldout_curve
-from dlrm.job import applied_samples, dense_sync, join
+from dlrm.job import (
+    MB, Interval, ResourceMeter, StepWallClock, applied_samples, dense_sync, gather_resources, join, resource_summary,
+    timed_window,
+)
 from dlrm.loop import (
     StopRule, common_window, dense_replica_spread, evaluate, global_steps_per_s, sum_over_trainers, train,
 )
@@ -57,27 +64,36 @@ from ctrkit.synthetic import SyntheticCTR
 def run(
     config: ExperimentConfig, device: torch.device, backend: str, checkpoints: CheckpointOptions | None = None
 ) -> dict[str, Any] | None:
-    """Every rank: join the job, serve or train; trainers return every number of the run."""
+    """Every rank: join the job, serve or train; then every rank's resources over the timed window
+    (collective). Trainer 0 returns every number of the run, the other ranks None."""
     wall_start = time.perf_counter()
+    meter = ResourceMeter()
     data = open_dataset(config.data)
     job = join(config, data, backend)  # a server rank serves in here until every trainer is done
-    if job.is_server:
+    results, window = None, []
+    if not job.is_server:
+        try:
+            results, window = run_trainer(config, data, job, device, checkpoints or CheckpointOptions(), meter)
+            results["wall_s"] = time.perf_counter() - wall_start
+        finally:
+            job.close()
+    by_rank = gather_resources(meter, job.is_server, window)
+    if by_rank is None or results is None:
         return None
-    try:
-        return {**run_trainer(config, data, job, device, checkpoints or CheckpointOptions()),
-                "wall_s": time.perf_counter() - wall_start}
-    finally:
-        job.close()
+    return {**results, "resources": resource_summary(by_rank, results["samples_in_window"], results["dense_mb"])}
 
 
 def run_trainer(
-    config: ExperimentConfig, data: CTRData, job: shadowgba.Job, device: torch.device, options: CheckpointOptions
-) -> dict[str, Any]:
-    """Build, train (from the latest checkpoint with --resume), close the sync, evaluate."""
+    config: ExperimentConfig, data: CTRData, job: shadowgba.Job, device: torch.device, options: CheckpointOptions,
+    meter: ResourceMeter,
+) -> tuple[dict[str, Any], list[Interval]]:
+    """Build, train (from the latest checkpoint with --resume), close the sync, evaluate; the results
+    and the timed window as wall-clock intervals."""
     roles = job.roles
     torch.manual_seed(config.train.seed)
     model = build_model(config, data, job, device)
     optimizer = DENSE_OPTIMIZERS[config.train.dense_optimizer](model.dense_params, lr=config.train.dense_lr)
+    meter.mark_before_sync()
     sync = dense_sync(config, model.module, optimizer, job)
     gba = sync if config.algo == "gba" else None
     num_trainers = len(roles.trainer_ranks)
@@ -85,11 +101,14 @@ def run_trainer(
     curve = heldout_curve(config, model.module, data, roles, device, sync)
     checkpoints = JobCheckpoints(options, config, model, optimizer, sync, job) if options.directory else None
     fault = KillAt(roles.trainer_index)
+    clock = StepWallClock()
 
     def between_steps(step: int, elapsed_s: float) -> float:
+        clock.step_ended(elapsed_s)
         paused = curve.after_step(step, elapsed_s)
         if checkpoints is not None:  # left out of the training clock, as evaluation; see "checkpoint"
             paused += checkpoints.after_step(step)
+        clock.paused(paused)
         fault.after_step(step)
         return paused
 
@@ -108,6 +127,7 @@ def run_trainer(
         model.ps_embeddings.flush()
     dist.barrier(group=roles.trainer_group)  # every trainer's row gradients have landed
     window = common_window(stats, config.data.batch_size, roles, device)
+    wall_window = clock.intervals(*timed_window(stats, roles, device))
     spread = dense_replica_spread(model.dense_params, roles)
     quality = evaluate(model.module, data, roles, device)
     curve.finish(quality, stats.step_end_s[-1])
@@ -127,6 +147,7 @@ def run_trainer(
         "eval_s_during_training": curve.eval_s,  # trainer 0's; left out of window_s and the curve's elapsed_s
         **({"teacher_auc": roc_auc(*ceiling), "teacher_log_loss": log_loss(*ceiling)} if ceiling else {}),
         "dense_params": sum(param.numel() for param in model.dense_params),
+        "dense_mb": sum(param.numel() * param.element_size() for param in model.dense_params) / MB,
         "dense_replica_max_abs_diff": spread,
         "samples_computed_total": sum_over_trainers(stats.steps * config.data.batch_size, roles, device),
         "straggler_sleep_s_total": sum_over_trainers(stats.straggler_sleep_s, roles, device),
@@ -141,7 +162,7 @@ def run_trainer(
             "embedding_shards": model.ps_embeddings.server_stats() if model.ps_embeddings else [],
         } if gba else {},
         "config": to_dict(config),
-    }
+    }, wall_window
 
 
 def _device() -> tuple[torch.device, str]:
@@ -175,7 +196,8 @@ def _summary(results: dict[str, Any], output: Path) -> str:
         f"{results['gba']['mode']} mode" if results["gba"] else "baseline")
     lines = [
         f"{algo} ({how}): {results['trainers']} trainers, {results['servers']} servers, "
-        f"{results['dense_params']:,} dense parameters",
+        f"{results['dense_params']:,} dense parameters ({results['dense_mb']:.1f} MB)"
+        + (f", preset {results['preset']}" if results["preset"] else ""),
         f"  throughput   {results['samples_per_s_total']:,.0f} samples/s "
         f"({results['samples_per_s_per_trainer']:,.0f} per trainer) over a common {results['window_s']:.1f} s window",
     ]
@@ -191,6 +213,16 @@ def _summary(results: dict[str, Any], output: Path) -> str:
             + (f"sync gap {gap:.1f} steps mean, " if gap is not None else "")
             + f"training-thread sync cost {sync['training_sync_s']:.3f} s"
         )
+    resources = results["resources"]
+    per_sample = resources["cpu_s_per_sample"]
+    lines.append(
+        "  resources    "
+        + (f"{1e3 * per_sample:.3f} CPU ms per sample (all ranks), " if per_sample is not None else "")
+        + f"peak RSS {resources['trainer_peak_rss_mb_max']:,.0f} MB per trainer"
+        + (f", {resources['server_peak_rss_mb_max']:,.0f} MB per server" if resources["server_peak_rss_mb_max"] else "")
+        + f", extra {resources['trainer_extra_rss_mb_max']:,.0f} MB per trainer "
+        f"({resources['trainer_extra_x_dense_max']:.1f}x the dense size)"
+    )
     lines.append(f"  full record  {output}")
     return "\n".join(lines)
 
@@ -198,6 +230,9 @@ def _summary(results: dict[str, Any], output: Path) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, help="YAML file; keys mirror ExperimentConfig (benchmarks/dlrm/config.py)")
+    parser.add_argument("--preset", choices=preset_names(),
+                        help="model preset (examples/configs/presets/): its model and data sections go over "
+                             "--config's, under the command line's --dotted.key overrides")
     parser.add_argument("--output", type=Path, default=Path("runs/train_dlrm.json"),
                         help="where rank 0 writes every number and the config as JSON (default: %(default)s)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (step_00000NNN folders)")
@@ -211,7 +246,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     checkpoints = CheckpointOptions(args.checkpoint_dir, args.checkpoint_every, args.resume, args.checkpoint_keep,
                                     args.checkpoint_async)
     try:
-        config = load_config(ExperimentConfig, args.config, overrides)
+        config = load_config(ExperimentConfig, args.config,
+                             [*(preset_overrides(args.preset) if args.preset else []), *overrides])
         checkpoints.check(config)
     except ConfigError as error:
         raise SystemExit(f"config error: {error}") from None
@@ -224,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     _init_process_group(backend)
     try:
         results = run(config, device, backend, checkpoints)
-        if dist.get_rank() == 0:
+        if results is not None:
+            results["preset"] = args.preset
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps(results, indent=2) + "\n")
             print(_summary(results, args.output), flush=True)

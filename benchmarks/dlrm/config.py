@@ -8,12 +8,19 @@ group exists:
 - GBA mode, easgd_ps and PS embeddings need at least one server (`SyncConfig` checks the first two);
 - the PS tables support sgd and rowwise_adagrad, not TorchRec's (element-wise) adagrad;
 - `train.global_samples` counts samples by the GBA global step, so it needs `sync.algo: gba`.
+
+Model presets (`examples/configs/presets/NAME.yaml`, `preset_overrides`) hold only `model` and
+`data` sections, so one preset applies to every algorithm's config and changes no sync setting.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
 
 from shadowgba.config import PS_ALGOS, SyncConfig
 from shadowgba.errors import ConfigError
@@ -131,3 +138,37 @@ class ExperimentConfig:
     def lockstep(self) -> bool:
         """Whether every trainer must take the same number of steps (TorchRec's all-to-all pairs them)."""
         return self.model.embeddings == "torchrec"
+
+
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "examples" / "configs" / "presets"
+"""The model presets: `small` (the benchmarks' throughput model) and `production` (MLPerf DLRM's dense size)."""
+PRESET_SECTIONS = ("model", "data")
+"""The only sections a preset may set: the model's shape and the data it is built for."""
+
+
+def preset_names() -> list[str]:
+    """Every preset shipped in `PRESETS_DIR`."""
+    return sorted(path.stem for path in PRESETS_DIR.glob("*.yaml"))
+
+
+def preset_overrides(name: str) -> list[str]:
+    """Preset `name` as `--dotted.key value` overrides (lists are values, not sections), to go between
+    the `--config` file and the command line's own overrides, which win."""
+    path = PRESETS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"preset: unknown preset '{name}'; allowed: {preset_names()}")
+    loaded = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(loaded, dict) or set(loaded) - set(PRESET_SECTIONS):
+        raise ConfigError(f"preset {name}: may hold only the sections {list(PRESET_SECTIONS)}, not {sorted(loaded)}")
+    return [argument for key, value in _leaves(loaded, "") for argument in (f"--{key}", json.dumps(value))]
+
+
+def _leaves(mapping: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:
+    """Dotted key and value of every non-mapping value under `mapping`."""
+    leaves = []
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            leaves += _leaves(value, f"{prefix}{key}.")
+        else:
+            leaves.append((f"{prefix}{key}", value))
+    return leaves
