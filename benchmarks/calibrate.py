@@ -1,0 +1,443 @@
+"""Measure the throughput model's inputs on this machine, then check its predictions against the benchmarks.
+
+    python benchmarks/calibrate.py measure [--reps 5] [--ranks 2,4,8] [--presets small,production,example]
+    python benchmarks/calibrate.py validate [--scaling runs/bench_scaling.json] [--gba 'runs/bench_gba_*.json']
+
+`measure` writes runs/throughput_calibration.json: every measured point (median of `--reps`
+repetitions, wall and CPU seconds from getrusage beside each) and the model's inputs fitted from
+them (`throughput_model.Calibration`):
+- per-step compute of the harness's model (`dlrm.model.build_model`, TorchRec tables, one torch
+  thread, a world of one rank) for each of `PRESETS`;
+- gloo all-reduce time vs bytes (1 KB - 16 MB) and ranks (spawned processes on loopback), fitted by
+  least squares to the ring formula (bandwidth, per-hop latency);
+- dense-shard ingest per push size and embedding lookups: from runs/bench_ps.json when it exists
+  (the parameter server's own benchmark), else from a stand-in measured here (one rank serving over
+  `torch.distributed.rpc`: a buffer add per push, `index_select` per lookup) -- the JSON says which;
+- memory bandwidth of copying the dense vector, and how much a busy copying thread slows a
+  training step (the shadow thread's steal).
+
+`validate` prints predicted vs measured samples/s and the relative error for every size and variant
+of bench_scaling's JSON (none, ddp, shadow algorithms at 1-8 trainers, all ranks on this machine's
+cores) and every run of bench_gba's JSONs (sync vs GBA under a straggler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import resource
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from example_job import ROOT
+import throughput_model as tm
+
+DEFAULT_OUTPUT = ROOT / "runs" / "throughput_calibration.json"
+BENCH_PS = ROOT / "runs" / "bench_ps.json"
+PRESETS = ("small", "production", "example")
+"""Models whose step is measured: the harness's presets `small` (the benchmarks' throughput model)
+and `production` (MLPerf DLRM's dense size), and `example`, the config defaults that bench_gba trains."""
+
+
+def preset_arguments(preset: str) -> list[str]:
+    """train_dlrm.py overrides that build `preset`'s model."""
+    from dlrm.config import preset_overrides
+
+    return [] if preset == "example" else preset_overrides(preset)
+
+
+ALLREDUCE_BYTES = [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
+PUSH_BYTES = ALLREDUCE_BYTES
+LOOKUP_ROWS = [256, 1024, 4096, 16384]
+TABLE_ROWS, TABLE_DIM = 100_000, 64
+"""The stand-in's embedding table."""
+STEPS_PER_REP = 10
+SHADOW_STEAL_PRESET = "small"
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process (every thread), user plus system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(operation: Callable[[], Any], reps: int, count: int) -> dict[str, float]:
+    """Median over `reps` repetitions of `count` calls of `operation`: wall and CPU seconds per call."""
+    walls, cpus = [], []
+    operation()
+    for _ in range(reps):
+        wall, cpu = time.perf_counter(), cpu_s()
+        for _ in range(count):
+            operation()
+        walls.append((time.perf_counter() - wall) / count)
+        cpus.append((cpu_s() - cpu) / count)
+    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "reps": reps,
+            "wall_s_min": min(walls), "wall_s_max": max(walls)}
+
+
+def free_port() -> int:
+    """A free TCP port on loopback for a process group's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def measure_compute(preset: str, reps: int) -> dict[str, Any]:
+    """One training step of the harness's model for `preset`, alone in a world of one rank."""
+    import torch
+    import torch.distributed as dist
+    from dlrm.config import ExperimentConfig
+    from dlrm.job import join
+    from dlrm.model import DENSE_OPTIMIZERS, build_model
+    from ctrkit.datasets import open_dataset
+    from shadowgba.config import load_config
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        config = load_config(ExperimentConfig, None, [*preset_arguments(preset), "--baseline", "none"])
+        data = open_dataset(config.data)
+        model = build_model(config, data, join(config, data, "gloo"), torch.device("cpu"))
+        optimizer = DENSE_OPTIMIZERS[config.train.dense_optimizer](model.dense_params, lr=config.train.dense_lr)
+        batches = data.train_batches(0, 1)
+
+        def step() -> None:
+            loss, _ = model.module(next(batches))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+
+        step_cost = timed(step, reps, STEPS_PER_REP)
+        stolen = shadow_steal(step, model.dense_params, reps) if preset == SHADOW_STEAL_PRESET else None
+        synthetic = config.data.synthetic
+        return {
+            "preset": preset, **step_cost, "dense_params": sum(param.numel() for param in model.dense_params),
+            "batch_size": config.data.batch_size,
+            "lookup_bytes": synthetic.num_tables * synthetic.ids_per_sample * config.data.batch_size
+            * config.model.embedding_dim * 4,
+            "shadow_steal": stolen,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def shadow_steal(step: Callable[[], None], params: Sequence[Any], reps: int) -> dict[str, float]:
+    """How much a thread copying the dense vector back to back (the shadow thread's work, one core
+    busy) slows `step`: the slowdown per busy core, with the copy bandwidth it reached."""
+    import torch
+
+    flat = torch.cat([param.detach().reshape(-1) for param in params])
+    copies = [torch.empty_like(flat) for _ in range(2)]
+    done = threading.Event()
+    copied = [0]
+
+    def copy_loop() -> None:
+        while not done.is_set():
+            copies[copied[0] % 2].copy_(flat)
+            copied[0] += 1
+
+    alone = timed(step, reps, STEPS_PER_REP)
+    worker = threading.Thread(target=copy_loop, daemon=True)
+    started = time.perf_counter()
+    worker.start()
+    beside = timed(step, reps, STEPS_PER_REP)
+    done.set()
+    worker.join()
+    elapsed = time.perf_counter() - started
+    copy = timed(lambda: copies[0].copy_(flat), reps, 50)
+    return {"step_alone_s": alone["wall_s"], "step_beside_copies_s": beside["wall_s"],
+            "steal_per_busy_core": max(0.0, beside["wall_s"] / alone["wall_s"] - 1.0),
+            "copy_bytes_per_s": flat.numel() * 4 / copy["wall_s"],
+            "background_copy_bytes_per_s": copied[0] * flat.numel() * 4 / elapsed}
+
+
+def _allreduce_rank(rank: int, world_size: int, port: int, reps: int, output: str) -> None:
+    """One rank of the all-reduce measurement; rank 0 writes the points."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    points = []
+    for nbytes in ALLREDUCE_BYTES:
+        tensor = torch.ones(nbytes // 4)
+        count = max(1, (1 << 22) // nbytes)
+        dist.barrier()
+        cost = timed(lambda: dist.all_reduce(tensor), reps, min(count, 50))
+        points.append({"ranks": world_size, "bytes": nbytes, **cost})
+    if rank == 0:
+        Path(output).write_text(json.dumps(points))
+    dist.destroy_process_group()
+
+
+def measure_allreduce(ranks: Sequence[int], reps: int) -> list[dict[str, Any]]:
+    """All-reduce time vs bytes at each rank count, rank 0's clock."""
+    import torch.multiprocessing as mp
+
+    points = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for world_size in ranks:
+            output = str(Path(scratch) / f"allreduce_{world_size}.json")
+            mp.start_processes(_allreduce_rank, (world_size, free_port(), reps, output), nprocs=world_size,
+                               start_method="spawn")
+            points += json.loads(Path(output).read_text())
+    return points
+
+
+_BUFFERS: dict[int, Any] = {}
+_TABLE: list[Any] = []
+
+
+def _ingest(gradient: Any) -> None:
+    """Stand-in server: add a pushed gradient into a buffer of its size."""
+    import torch
+
+    _BUFFERS.setdefault(gradient.numel(), torch.zeros_like(gradient)).add_(gradient)
+
+
+def _lookup(ids: Any) -> Any:
+    """Stand-in server: the rows of `ids`."""
+    import torch
+
+    if not _TABLE:
+        _TABLE.append(torch.randn(TABLE_ROWS, TABLE_DIM))
+    return _TABLE[0].index_select(0, ids)
+
+
+def _stand_in_rank(rank: int, port: int, reps: int, output: str) -> None:
+    """Rank 1 serves; rank 0 pushes gradients and looks up rows with one call in flight."""
+    import torch
+    from torch.distributed import rpc
+
+    torch.set_num_threads(1)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", _transports=["uv"])
+    rpc.init_rpc(f"rank{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+    if rank == 0:
+        pushes = []
+        for nbytes in PUSH_BYTES:
+            gradient = torch.ones(nbytes // 4)
+            cost = timed(lambda: rpc.rpc_sync("rank1", _ingest, args=(gradient,)), reps, min(max(1, (1 << 23) // nbytes), 50))
+            pushes.append({"bytes": nbytes, **cost})
+        lookups = []
+        for rows in LOOKUP_ROWS:
+            ids = torch.randint(0, TABLE_ROWS, (rows,))
+            cost = timed(lambda: rpc.rpc_sync("rank1", _lookup, args=(ids,)), reps, 20)
+            lookups.append({"rows": rows, "bytes": rows * TABLE_DIM * 4, **cost})
+        Path(output).write_text(json.dumps({"pushes": pushes, "lookups": lookups}))
+    rpc.shutdown()
+
+
+def server_row_cost(reps: int) -> dict[str, float]:
+    """A server's work per embedding row byte: serve the rows, then apply their gradient (in-process)."""
+    import torch
+
+    table = torch.randn(TABLE_ROWS, TABLE_DIM)
+    ids = torch.randint(0, TABLE_ROWS, (4096,))
+    gradient = torch.full((4096, TABLE_DIM), 1e-3)
+    cost = timed(lambda: table.index_add_(0, ids, gradient, alpha=-0.1).index_select(0, ids), reps, 50)
+    return {**cost, "bytes": ids.numel() * TABLE_DIM * 4}
+
+
+def measure_stand_in(reps: int) -> dict[str, Any]:
+    """The parameter-server stand-in: pushes and lookups over rpc, plus the server's cost per row."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as scratch:
+        output = str(Path(scratch) / "ps.json")
+        mp.start_processes(_stand_in_rank, (free_port(), reps, output), nprocs=2, start_method="spawn")
+        measured = json.loads(Path(output).read_text())
+    return {"source": "stand-in", **measured, "server_rows": server_row_cost(reps)}
+
+
+def from_bench_ps(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """bench_ps.json's one-shard dense rows (most trainers, most in flight, first tree) and its
+    lookup and row-push rates, in the stand-in's shape; None if it has no one-shard dense row."""
+    rows = [row for row in raw["summary"] if row["kind"] == "dense" and row["shards"] == 1]
+    if not rows:
+        return None
+    first_tree = rows[0]["tree"]
+    rows = [row for row in rows if row["tree"] == first_tree]
+    busiest = max((row["trainers"], row["in_flight"]) for row in rows)
+    pushes = [{"bytes": row["size"], "wall_s": 1.0 / row["pushes_per_s"], "reps": row["reps"]}
+              for row in rows if (row["trainers"], row["in_flight"]) == busiest]
+    rates = {row["kind"]: row for row in raw["summary"] if row["kind"] in ("lookup", "row_push") and row["shards"] == 1
+             and row["tree"] == first_tree}
+    measured: dict[str, Any] = {"source": "bench_ps.json", "trainers_in_flight": busiest, "pushes": pushes}
+    if {"lookup", "row_push"} <= set(rates):
+        ids, row_bytes = raw["settings"].get("embedding_ids", 4096), raw["settings"].get("embedding_dim", 64) * 4
+        lookup = rates["lookup"]
+        measured["lookups"] = [{"rows": ids, "bytes": ids * row_bytes,
+                                "wall_s": lookup["trainers"] * ids / lookup["median"], "reps": lookup["reps"]}]
+        measured["server_rows"] = {"bytes": row_bytes, "reps": lookup["reps"],
+                                   "wall_s": sum(1.0 / rates[kind]["median"] for kind in ("lookup", "row_push"))}
+    return measured
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y = a + b x, both clipped at zero (costs are not negative);
+    one point gives a line through the origin."""
+    if len(set(xs)) < 2:
+        return 0.0, ys[0] / xs[0]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    slope = max(slope, 0.0)
+    return max(mean_y - slope * mean_x, 0.0), slope
+
+
+def fit_allreduce(points: Sequence[dict[str, Any]]) -> tm.AllReduce:
+    """Bandwidth and per-hop latency of the ring formula, least squares over every (bytes, ranks) point
+    with relative weights (each point's error counts as a share of its time)."""
+    rows = [(2 * (p["ranks"] - 1) / p["ranks"] * p["bytes"] / p["wall_s"], 2 * (p["ranks"] - 1) / p["wall_s"])
+            for p in points]
+    # normal equations of min sum (x1 / beta + x2 alpha - 1)^2 in (1 / beta, alpha)
+    a11 = sum(x1 * x1 for x1, _ in rows)
+    a12 = sum(x1 * x2 for x1, x2 in rows)
+    a22 = sum(x2 * x2 for _, x2 in rows)
+    b1, b2 = sum(x1 for x1, _ in rows), sum(x2 for _, x2 in rows)
+    det = a11 * a22 - a12 * a12
+    inverse_bandwidth, latency = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
+    return tm.AllReduce(bandwidth_bytes_per_s=1.0 / max(inverse_bandwidth, 1e-15), latency_s=max(latency, 0.0))
+
+
+def fitted(measured: dict[str, Any], cores: int) -> dict[str, Any]:
+    """The model's inputs (Calibration's "model" section) from the measured points."""
+    compute = {point["preset"]: point for point in measured["compute"]}
+    steal = compute[SHADOW_STEAL_PRESET]["shadow_steal"]
+    ps = measured["ps"]
+    push_fixed, push_per_byte = fit_line([p["bytes"] for p in ps["pushes"]], [p["wall_s"] for p in ps["pushes"]])
+    lookup_fixed, lookup_per_byte = fit_line([p["bytes"] for p in ps["lookups"]], [p["wall_s"] for p in ps["lookups"]])
+    return {
+        "presets": {name: {"compute_s": point["wall_s"], "dense_params": point["dense_params"],
+                           "batch_size": point["batch_size"], "lookup_bytes": point["lookup_bytes"]}
+                    for name, point in compute.items()},
+        "allreduce": dataclasses.asdict(fit_allreduce(measured["allreduce"])),
+        "shard_push": {"fixed_s": push_fixed, "per_unit_s": push_per_byte},
+        "lookup": {"fixed_s": lookup_fixed, "per_unit_s": lookup_per_byte},
+        "server_row_byte_s": ps["server_rows"]["wall_s"] / ps["server_rows"]["bytes"],
+        "copy_bytes_per_s": steal["copy_bytes_per_s"],
+        "shadow_steal": steal["steal_per_busy_core"],
+        "cores": cores,
+    }
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Measure every input, fit the model's, write the JSON, print the fit's error per all-reduce point."""
+    import torch.multiprocessing as mp
+
+    started, cores = time.perf_counter(), os.cpu_count() or 1
+    context = mp.get_context("spawn")
+    with context.Pool(1) as pool:  # each preset in a fresh process: its tables' memory is given back
+        compute = [pool.apply(measure_compute, (name, args.reps)) for name in args.presets.split(",")]
+    for point in compute:
+        print(f"compute {point['preset']}: {point['wall_s'] * 1e3:.1f} ms/step wall, {point['cpu_s'] * 1e3:.1f} ms CPU, "
+              f"{point['dense_params']:,} dense params", flush=True)
+    allreduce = measure_allreduce([int(n) for n in args.ranks.split(",")], args.reps)
+    bench_ps = from_bench_ps(json.loads(BENCH_PS.read_text())) if BENCH_PS.exists() else None
+    ps = bench_ps if bench_ps and "lookups" in bench_ps else {**measure_stand_in(args.reps), **(bench_ps or {})}
+    measured = {"compute": compute, "allreduce": allreduce, "ps": ps}
+    report = {"provisional": not args.quiet_machine, "cores": cores, "load_average": os.getloadavg(),
+              "wall_s": time.perf_counter() - started, "measured": measured, "model": fitted(measured, cores)}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    ring = tm.AllReduce(**report["model"]["allreduce"])
+    print(f"all-reduce fit: {ring.bandwidth_bytes_per_s / 2**30:.3f} GiB/s, {ring.latency_s * 1e6:.1f} us per hop")
+    for point in allreduce:
+        predicted = ring.time_s(point["bytes"], point["ranks"])
+        print(f"  {point['ranks']} ranks {point['bytes']:>9,} B: measured {point['wall_s'] * 1e3:8.3f} ms "
+              f"(CPU {point['cpu_s'] * 1e3:7.3f} ms), fit {predicted * 1e3:8.3f} ms, "
+              f"error {predicted / point['wall_s'] - 1:+.0%}")
+    print(f"PS ingest and lookups from: {ps['source']}; wrote {args.output} in {report['wall_s']:.0f} s")
+
+
+PREDICTED_AS = {"none": "none", "ddp": "sync", "sync": "sync", "gba": "gba"}
+"""bench_scaling's variants and bench_gba's algos as the model's algorithms (shadow variants: "shadow")."""
+
+
+def scaling_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dict[str, Any]]:
+    """bench_scaling's summary rows as (job, algorithm, measured): every rank on this machine's cores."""
+    presets = {preset.dense_params: preset for preset in calibration.presets.values()}
+    points = []
+    for run in raw["runs"]:
+        preset = presets[run["dense_params"]]
+        sync = run["config"]["sync"]
+        job = tm.Job(preset, run["trainers"], tm.Hosts(calibration.cores, run["trainers"]),
+                     interval_s=sync["interval_ms"] / 1e3)
+        points.append({"source": "bench_scaling", "variant": run["variant"], "trainers": run["trainers"],
+                       "rep": run["rep"], "job": job, "algorithm": PREDICTED_AS.get(run["variant"], "shadow"),
+                       "measured": run["samples_per_s_total"]})
+    return points
+
+
+def gba_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dict[str, Any]]:
+    """bench_gba's runs as (job, algorithm, measured): its trainers and servers on this machine's cores,
+    simulated compute at `straggler.step_ms` (a small real share of it busy), or the example's real compute."""
+    example = calibration.presets["example"]
+    points = []
+    for run in raw["runs"]:
+        result, config = run["result"], run["result"]["config"]
+        straggler, servers = config["straggler"], result["servers"]
+        step_s = straggler["step_ms"] / 1e3 or example.compute_s
+        preset = dataclasses.replace(example, compute_s=step_s, dense_params=result["dense_params"])
+        hosts = tm.Hosts(calibration.cores, result["trainers"] + servers, min(1.0, example.compute_s / step_s))
+        stragglers = tm.Stragglers(straggler["factor"], count=len(straggler["trainers"]))
+        job = tm.Job(preset, result["trainers"], hosts, stragglers, shards=servers, ps_tables=True)
+        points.append({"source": "bench_gba", "variant": run["algo"], "trainers": result["trainers"],
+                       "rep": run["rep"], "job": job, "algorithm": PREDICTED_AS[run["algo"]],
+                       "measured": run["metrics"]["samples_per_s"]})
+    return points
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Predicted vs measured samples/s, relative error per point, median absolute error per source."""
+    calibration = tm.Calibration.load(args.calibration)
+    points = scaling_points(json.loads(args.scaling.read_text()), calibration) if args.scaling.exists() else []
+    gba_files = sorted(glob.glob(args.gba))
+    for path in gba_files:
+        points += gba_points(json.loads(Path(path).read_text()), calibration)
+    print(f"calibration {args.calibration} ({'provisional' if calibration.provisional else 'quiet machine'}); "
+          f"{args.scaling if args.scaling.exists() else 'no bench_scaling JSON'}; "
+          f"{', '.join(gba_files) or 'no bench_gba JSON'}")
+    print("| source | variant | trainers | rep | predicted samples/s | measured | error |\n| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    errors: dict[str, list[float]] = {}
+    for point in points:
+        predicted = tm.predict(point["algorithm"], point["job"], calibration).samples_per_s
+        error = predicted / point["measured"] - 1.0
+        errors.setdefault(point["source"], []).append(abs(error))
+        print(f"| {point['source']} | {point['variant']} | {point['trainers']} | {point['rep']} | {predicted:,.0f} | "
+              f"{point['measured']:,.0f} | {error:+.0%} |")
+    for source, values in errors.items():
+        print(f"{source}: median |error| {statistics.median(values):.0%}, max {max(values):.0%} over {len(values)} points")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    measuring = commands.add_parser("measure", help="measure the inputs, write the calibration JSON")
+    measuring.add_argument("--reps", type=int, default=5, help="repetitions per point (the median is kept)")
+    measuring.add_argument("--ranks", default="2,4,8", help="all-reduce rank counts")
+    measuring.add_argument("--presets", default=",".join(PRESETS), help=f"subset of {list(PRESETS)}")
+    measuring.add_argument("--quiet-machine", action="store_true", help="nothing else ran: not provisional")
+    measuring.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    validating = commands.add_parser("validate", help="predicted vs measured samples/s")
+    validating.add_argument("--calibration", type=Path, default=DEFAULT_OUTPUT)
+    validating.add_argument("--scaling", type=Path, default=ROOT / "runs" / "bench_scaling.json")
+    validating.add_argument("--gba", default=str(ROOT / "runs" / "bench_gba_*.json"), help="glob of bench_gba JSONs")
+    args = parser.parse_args(argv)
+    if args.command == "measure":
+        if "small" not in args.presets.split(","):
+            parser.error("--presets must include small (the shadow steal is measured on it)")
+        measure(args)
+    else:
+        validate(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The throughput model's maths (benchmarks/throughput_model.py) and calibrate.py's fits: no processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+import calibrate
+import throughput_model as tm
+
+pytestmark = pytest.mark.timeout(30)
+
+PRESET = tm.Preset("test", compute_s=0.02, dense_params=2_000_000, batch_size=512, lookup_bytes=1_000_000)
+CALIBRATION = tm.Calibration(
+    presets={"test": PRESET},
+    allreduce=tm.AllReduce(bandwidth_bytes_per_s=1e9, latency_s=50e-6),
+    shard_push=tm.LinearCost(fixed_s=1e-5, per_unit_s=1e-9),
+    lookup=tm.LinearCost(fixed_s=2e-4, per_unit_s=5e-10),
+    server_row_byte_s=1e-10,
+    copy_bytes_per_s=5e9,
+    shadow_steal=0.1,
+    cores=2,
+    provisional=True,
+)
+ONE_HOST_EACH = tm.Hosts(cores=2)
+STRAGGLER = tm.Stragglers(factor=3.0, count=1)
+
+
+def test_ring_allreduce_is_the_ring_formula_and_free_on_one_rank() -> None:
+    ring = CALIBRATION.allreduce
+    assert ring.time_s(8e6, 1) == 0.0
+    assert ring.time_s(8e6, 4) == pytest.approx(2 * 3 / 4 * 8e6 / 1e9 + 2 * 3 * 50e-6)
+
+
+def test_sync_pays_the_slowest_trainer_plus_the_allreduce_every_step() -> None:
+    job = tm.Job(PRESET, 64, ONE_HOST_EACH, STRAGGLER)
+    step_s = 3.0 * PRESET.compute_s + CALIBRATION.allreduce.time_s(PRESET.dense_bytes, 64)
+    prediction = tm.predict_sync(job, CALIBRATION)
+    assert prediction.samples_per_s == pytest.approx(64 * 512 / step_s)
+    assert prediction.bound == "slowest trainer"
+
+
+def test_shadow_and_gba_trainers_run_at_their_own_pace() -> None:
+    job = tm.Job(PRESET, 8, ONE_HOST_EACH, STRAGGLER)
+    fast_and_slow = 7 * 512 / PRESET.compute_s + 512 / (3 * PRESET.compute_s)
+    assert tm.predict_gba(job, CALIBRATION).computed_samples_per_s == pytest.approx(fast_and_slow)
+    assert tm.predict_none(job, CALIBRATION).samples_per_s == pytest.approx(fast_and_slow)
+    shadow = tm.predict_shadow(job, CALIBRATION)
+    busy = shadow.detail["shadow_busy"]
+    assert 0 < busy < 1
+    assert shadow.samples_per_s == pytest.approx(fast_and_slow / (1 + CALIBRATION.shadow_steal * busy))
+    assert shadow.samples_per_s > tm.predict_sync(job, CALIBRATION).samples_per_s
+
+
+def test_shadow_rounds_are_bounded_by_the_allreduce() -> None:
+    job = tm.Job(PRESET, 1024, ONE_HOST_EACH, interval_s=1e-6)
+    detail = tm.predict_shadow(job, CALIBRATION).detail
+    assert detail["round_s"] > CALIBRATION.allreduce.time_s(PRESET.dense_bytes, 1024)
+    assert detail["rounds_per_s"] == pytest.approx(1 / detail["round_s"])
+
+
+def test_gba_is_capped_by_the_shards_ingest_and_more_shards_lift_the_cap() -> None:
+    job = tm.Job(PRESET, 1024, ONE_HOST_EACH, ps_tables=True)
+    one = tm.predict_gba(job, CALIBRATION)
+    per_push = CALIBRATION.shard_push.time_s(PRESET.dense_bytes) + PRESET.lookup_bytes * CALIBRATION.server_row_byte_s
+    assert one.bound == "servers"
+    assert one.samples_per_s == pytest.approx(512 / per_push)
+    assert one.computed_samples_per_s > one.samples_per_s
+    four = tm.predict_gba(dataclasses.replace(job, shards=4), CALIBRATION)
+    assert one.samples_per_s < four.samples_per_s < 4 * one.samples_per_s  # the per-push cost does not shrink
+
+
+def test_shards_needed_keeps_up_with_headroom_and_grows_with_trainers() -> None:
+    needed = []
+    for trainers in (8, 64, 256, 1024):
+        job = tm.Job(PRESET, trainers, ONE_HOST_EACH, STRAGGLER, ps_tables=True)
+        shards = tm.shards_needed(job, CALIBRATION, headroom=0.25)
+        assert shards is not None
+        demand = 1.25 * tm.predict_none(job, CALIBRATION).samples_per_s / 512
+        assert tm.server_pushes_per_s(job, CALIBRATION, shards) >= demand
+        assert shards == 1 or tm.server_pushes_per_s(job, CALIBRATION, shards - 1) < demand
+        needed.append(shards)
+    assert needed == sorted(needed) and needed[0] < needed[-1]
+
+
+def test_shards_needed_is_none_when_the_per_push_cost_alone_is_too_high() -> None:
+    job = tm.Job(PRESET, 1024, ONE_HOST_EACH)
+    assert tm.shards_needed(job, dataclasses.replace(CALIBRATION, shard_push=tm.LinearCost(1e-2, 0.0))) is None
+
+
+def test_ranks_sharing_cores_stretch_compute_by_ranks_over_cores() -> None:
+    alone = tm.Job(PRESET, 1, tm.Hosts(cores=2, ranks_per_host=1))
+    crowded = tm.Job(PRESET, 8, tm.Hosts(cores=2, ranks_per_host=8))
+    assert crowded.compute_s() == pytest.approx(4 * PRESET.compute_s)
+    assert tm.predict_none(crowded, CALIBRATION).samples_per_s == pytest.approx(
+        2 * tm.predict_none(alone, CALIBRATION).samples_per_s)
+    simulated = tm.Hosts(cores=2, ranks_per_host=8, busy_share=0.1)
+    assert simulated.stretch() == 1.0 and simulated.stretch(extra_busy=0.2) == pytest.approx(1.2)
+
+
+def test_expected_max_of_lognormal_jitter_matches_sampling() -> None:
+    stragglers = tm.Stragglers(factor=3.0, count=1, jitter_sigma=0.3)
+    draws = random.Random(0)
+    sigma, mu = 0.3, -0.3 ** 2 / 2
+    samples = [max([3.0 * math.exp(draws.gauss(mu, sigma))] + [math.exp(draws.gauss(mu, sigma)) for _ in range(63)])
+               for _ in range(4000)]
+    assert stragglers.expected_max(64) == pytest.approx(sum(samples) / len(samples), rel=0.02)
+    assert tm.Stragglers(jitter_sigma=0.3).expected_max(1) == pytest.approx(1.0, rel=1e-3)
+    assert tm.Stragglers(factor=3.0, fraction=0.1).expected_max(8) == 3.0
+    assert tm.Stragglers(factor=3.0, fraction=0.01).slow(8) == 0
+
+
+def test_fits_recover_the_costs_they_were_made_from() -> None:
+    ring = tm.AllReduce(bandwidth_bytes_per_s=2e9, latency_s=30e-6)
+    points = [{"ranks": n, "bytes": b, "wall_s": ring.time_s(b, n)} for n in (2, 4, 8) for b in calibrate.ALLREDUCE_BYTES]
+    found = calibrate.fit_allreduce(points)
+    assert found.bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)
+    assert found.latency_s == pytest.approx(30e-6, rel=1e-6)
+    assert calibrate.fit_line([1e3, 1e6, 1e7], [1e-3 + 2e-9 * x for x in (1e3, 1e6, 1e7)]) == pytest.approx((1e-3, 2e-9))
+
+
+def test_a_calibration_written_as_calibrate_fits_it_loads_into_the_model(tmp_path: Path) -> None:
+    compute = {"preset": "small", "wall_s": 0.02, "dense_params": 338_241, "batch_size": 512, "lookup_bytes": 1 << 20,
+               "shadow_steal": {"copy_bytes_per_s": 4e9, "steal_per_busy_core": 0.05}}
+    ring = tm.AllReduce(1e9, 1e-5)
+    measured = {
+        "compute": [compute],
+        "allreduce": [{"ranks": n, "bytes": b, "wall_s": ring.time_s(b, n)} for n in (2, 4) for b in (1 << 10, 1 << 20)],
+        "ps": {"pushes": [{"bytes": b, "wall_s": 1e-3 + b * 1e-9} for b in (1 << 10, 1 << 20)],
+               "lookups": [{"bytes": b, "wall_s": 2e-4 + b * 1e-9} for b in (1 << 10, 1 << 20)],
+               "server_rows": {"bytes": 1 << 20, "wall_s": 1e-3}},
+    }
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"provisional": True, "model": calibrate.fitted(measured, cores=2)}))
+    loaded = tm.Calibration.load(path)
+    assert loaded.presets["small"] == tm.Preset("small", 0.02, 338_241, 512, 1 << 20)
+    assert loaded.shard_push.fixed_s == pytest.approx(1e-3) and loaded.shard_push.per_unit_s == pytest.approx(1e-9)
+    assert loaded.allreduce.latency_s == pytest.approx(1e-5) and loaded.shadow_steal == 0.05
