@@ -24,9 +24,10 @@ infers lockstep from TorchRec-sharded tables (their per-step all-to-all pairs th
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,9 @@ from shadowgba.ps import transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from shadowgba.ps.embedding import DEFAULT_SERVICE, EmbeddingShard, PSEmbeddingBagCollection, PSEmbeddingConfig
 from shadowgba.shadow.runtime import ShadowSync
+
+_JOB_NUMBERS = itertools.count()
+"""Numbers the jobs this process joins (`Job.name`)."""
 
 LOCKSTEP_EVERY = 20
 """With TorchRec-sharded tables (trainers step together anyway), how many GBA steps apart the
@@ -63,6 +67,11 @@ class Job:
     closed: bool = False
     sharding_guard: Any = None
     """On trainers of a job with servers: refuses a DMP over the whole world (`ShardingGuard`)."""
+    name: str = dataclasses.field(default_factory=lambda: f"job{next(_JOB_NUMBERS)}")
+    """The same on every rank (every rank joins the jobs of a process group in the same order): the
+    key of this job's notice board, where a failed trainer posts why (`transport.post_abort`)."""
+    failure: str | None = None
+    """Set by `announce_failure`: how this trainer's failure was named to the job."""
 
     @property
     def is_server(self) -> bool:
@@ -98,13 +107,36 @@ class Job:
 
     def close(self) -> None:
         """Leave the job (collective over every rank); with servers, releases them once all trainers have."""
+        self._leave(lambda: transport.stop(trainer_timeout_s=self.config.ps.trainer_timeout_s))
+
+    def announce_failure(self, error: BaseException) -> None:
+        """Tell the job that this trainer's part failed with `error`, waiting for no peer: post it on
+        the notice board (for peers whose collectives fail once this rank is gone) and tell every
+        server (`transport.notify_abort`: they refuse every later call naming this trainer). A peer
+        that had posted first is named in a note on `error`: its failure is likely this one's cause."""
+        if self.closed or self.failure is not None:
+            return
+        peers = [rank for rank in self.roles.trainer_ranks if rank != self.roles.rank]
+        for reason in transport.aborted_peers(self.name, peers).values():
+            error.add_note(f"shadowgba: before this rank failed, {reason}")
+        self.failure = transport.failure_message(self.roles, repr(error))
+        transport.post_abort(self.name, self.roles.rank, self.failure)
+        transport.notify_abort(repr(error))
+
+    def abort(self) -> None:
+        """Leave the job after `announce_failure`, waiting for no peer: with servers, RPC is shut down
+        without draining and the transport's groups destroyed (`transport.abort`)."""
+        self._leave(lambda: transport.abort(self.failure or "its part of the job ended without closing"))
+
+    def _leave(self, end_transport: Callable[[], None]) -> None:
+        """Once: mark the job closed, remove the sharding guard and, with servers, `end_transport()`."""
         if self.closed:
             return
         self.closed = True
         if self.sharding_guard is not None:
             self.sharding_guard.remove()
         if self.roles.num_servers:
-            transport.stop(trainer_timeout_s=self.config.ps.trainer_timeout_s)
+            end_transport()
 
 
 def join(
@@ -174,7 +206,10 @@ def dense_sync(
     (default: all trainable ones minus TorchRec-sharded tables). With `end_job`, a `with` block
     over the sync that ends normally also ends this trainer's part of the job (`job.close()`,
     releasing the servers once every trainer has); pass False to use the servers after it (e.g.
-    evaluating on PS-hosted tables) and call `job.close()` yourself.
+    evaluating on PS-hosted tables) and call `job.close()` yourself. Whatever `end_job` says, a
+    `with` block that ends by an exception (the user's, or the sync's own) announces it to the job
+    and leaves it at once (`Job.announce_failure`, `Job.abort`): the peers and servers end naming
+    this trainer instead of waiting for it.
     """
     if isinstance(job, SyncConfig):
         if job.ps.num_servers:
@@ -196,11 +231,13 @@ def dense_sync(
             if lockstep_every is None and torchrec_integration.has_sharded_tables(model):
                 lockstep_every = LOCKSTEP_EVERY
         sync: DenseSync = GBASync(model, dense_optimizer, config.gba, job.roles, local_batch_size, named,
-                                  lockstep_every=lockstep_every or 0, on_nonfinite=config.on_nonfinite)
+                                  lockstep_every=lockstep_every or 0, on_nonfinite=config.on_nonfinite,
+                                  timeout_s=config.timeout_s)
     else:
         resources = {"centre": CenterClient(job.roles.num_servers)} if config.algo == "easgd_ps" else None
         sync = ShadowSync(model, optimizer, config, process_group=job.trainer_group, params=named,
                           algorithm_kwargs=resources)
+    sync.call_on_failure(job.announce_failure, job.abort)
     if end_job:
         sync.call_after_exit(job.close)
     return sync

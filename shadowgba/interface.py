@@ -19,7 +19,9 @@ Lifecycle and the closing rule:
 - Leaving the `with` block by an exception calls `abort()` instead: no final sync and no collective
   a peer might not meet; this rank's threads are stopped and joined and its groups released. The
   user's exception is what propagates; an error while aborting is logged and attached to it as a
-  note, never raised in its place.
+  note, never raised in its place. A job (`shadowgba.dense_sync`) is told around it
+  (`call_on_failure`): the peers and servers learn which rank failed and why, and this rank leaves
+  the job without waiting for any of them. The same happens when `close()` itself raises.
 - Neither leaves a thread behind, whatever raises.
 
 `state_dict()` / `load_state_dict()` work in every mode and follow torch's `Stateful` protocol, so
@@ -58,20 +60,38 @@ class DenseSync(abc.ABC):
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
         if exc is None:
-            self.close()
+            try:
+                self.close()
+            except BaseException as error:  # close() released this rank's part; the job is told why
+                self._fail(error)
+                raise
             for finish in self.__dict__.pop("_after_exit", ()):
                 finish()
             return
-        try:
-            self.abort()
-        except BaseException as error:  # the user's exception wins; ours rides along as a note
-            logger.exception("shadowgba: abort after %r failed", exc)
-            exc.add_note(f"shadowgba: while aborting the sync after this error: {error!r}")
+        self._fail(exc, abort=True)
 
     def call_after_exit(self, finish: Callable[[], None]) -> None:
         """Run `finish` once a `with` block over this sync has closed it normally (not after an
         exception: then peers may still wait in collectives, and only this rank's part is ended)."""
         self.__dict__.setdefault("_after_exit", []).append(finish)
+
+    def call_on_failure(self, announce: Callable[[BaseException], None], leave: Callable[[], None]) -> None:
+        """When a `with` block over this sync ends by an exception (the user's, or `close()`'s):
+        `announce(error)` before this rank's sync is aborted (tell the peers, while this rank's
+        groups still exist: a peer whose collective fails once they are gone finds the reason
+        posted), then `leave()` after it. Neither may wait for a peer."""
+        self.__dict__.setdefault("_on_failure", []).append((announce, leave))
+
+    def _fail(self, error: BaseException, abort: bool = False) -> None:
+        """The failure path of `__exit__`: announce, abort (when `abort`), leave. Raises nothing: what
+        goes wrong here is logged and attached to `error` as a note."""
+        hooks = self.__dict__.pop("_on_failure", ())
+        for announce, _ in hooks:
+            _attach_failure(error, announce, error)
+        if abort:
+            _attach_failure(error, self.abort)
+        for _, leave in hooks:
+            _attach_failure(error, leave)
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -96,3 +116,13 @@ class DenseSync(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output; refuses (`CheckpointError`) a state of another setup."""
+
+
+def _attach_failure(error: BaseException, action: Callable[..., None], *args: Any) -> None:
+    """Run a clean-up `action` after `error`; a failure of its own is logged and attached to `error`
+    as a note, never raised in its place (the user's exception wins)."""
+    try:
+        action(*args)
+    except BaseException as failure:
+        logger.exception("shadowgba: cleaning up after %r failed", error)
+        error.add_note(f"shadowgba: while aborting the sync after this error: {failure!r}")

@@ -50,8 +50,8 @@ class SyncRound:
 class SyncAllReduce:
     """One trainer's side of the sync-mode all-reduce; see the module docstring for the layout."""
 
-    def __init__(self, numel: int, num_trainers: int, trainer_index: int, group: dist.ProcessGroup | None,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, numel: int, num_trainers: int, trainer_index: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         self._buffer = torch.zeros(numel + 3 + 2 * num_trainers, dtype=dtype, device=device)
         self._gradient, self._control = self._buffer.split([numel, 3 + 2 * num_trainers])
         """The gradient field, and everything after it (read back in one device-to-host copy)."""
@@ -59,13 +59,13 @@ class SyncAllReduce:
             [1, 1, 1, num_trainers, num_trainers])
         self._num_trainers = num_trainers
         self._trainer_index = trainer_index
-        self._group = group
 
-    def round(self, gradient: torch.Tensor | None, stop: bool, switch_to_gba: bool, compute_s: float,
-              finite: bool = True) -> SyncRound:
-        """All-reduce this trainer's `gradient` (None: contribute nothing and apply nothing) and flags;
-        blocking, collective. `finite` False: the gradient is left out and flagged, and this trainer
-        still gets the mean of the others' (the replicas stay identical)."""
+    def round(self, group: dist.ProcessGroup | None, gradient: torch.Tensor | None, stop: bool, switch_to_gba: bool,
+              compute_s: float, finite: bool = True) -> SyncRound:
+        """All-reduce this trainer's `gradient` (None: contribute nothing and apply nothing) and flags
+        over `group`; blocking, collective. `finite` False: the gradient is left out and flagged, and
+        this trainer still gets the mean of the others' (the replicas stay identical). The group is
+        the caller's, not kept here: destroying it must free it."""
         self._buffer.zero_()
         if gradient is not None and finite:
             self._gradient.copy_(gradient)
@@ -75,7 +75,7 @@ class SyncAllReduce:
         self._stop.fill_(float(stop))
         self._switch.fill_(float(switch_to_gba))
         self._compute_times[self._trainer_index] = compute_s
-        dist.all_reduce(self._buffer, group=self._group)
+        dist.all_reduce(self._buffer, group=group)
         contributors, stopped, switch, *per_trainer = self._control.tolist()
         compute_times, nonfinite = per_trainer[:self._num_trainers], per_trainer[self._num_trainers:]
         takes_part = gradient is not None and contributors > 0

@@ -20,29 +20,40 @@ and talks to the shards only through `dense_server.DenseShardClient`.
 
 Switching (carries parameters, optimizer state, global step and global batch; nothing is retuned):
 - sync -> GBA, at the same step on every trainer: trainer 0 loads its flat optimizer, sliced, into
-  the shards; a barrier; everyone pulls.
+  the shards and broadcasts the outcome; everyone pulls.
 - GBA -> sync: a request (API or the policy on shard 0) is carried back in every push reply. Each
   trainer stops feeding the queue, waits for its in-flight pushes, and enters a barrier; trainer 0
-  takes the shards' state, the trainers broadcast it and continue in lockstep. A partly filled
+  takes the shards' state and broadcasts it, and the trainers continue in lockstep. A partly filled
   global batch is dropped (counted on the shard). Trainers whose steps are paired anyway
   (TorchRec-sharded tables) first agree on the step (`lockstep_every`), else one trainer's barrier
   would meet another's embedding all-to-all.
 
-Why the collectives on the trainer group cannot deadlock (every trainer issues the same ones in the
-same order):
-- Collectives run only in the training thread; the client's threads speak RPC only, so the group
-  never has two threads of one rank in it, and an RPC (`transport`) never waits on a collective.
+Groups, barriers and why nothing deadlocks or mis-pairs:
+- Every collective of GBASync runs on its own sync group (created in `start()` over the trainer
+  ranks, destroyed at close or abort), never on `roles.trainer_group`, which TorchRec (its per-step
+  all-to-all, `job.dmp_kwargs()`) and the user use: a library collective can never be paired with
+  one of theirs. Collectives run only in the training thread; the client's threads speak RPC only.
+- Barriers are not collectives: the GBA -> sync switch, a checkpoint load in GBA mode and the close
+  in GBA mode meet the other trainers over RPC on shard 0's server (`transport.barrier`), so a
+  trainer waiting in one never blocks a peer's collective, learns at once that a peer aborted
+  (`PeerLost` with its reason), and gives up on a peer that does not come within `timeout_s`.
 - Sync mode issues one all-reduce per step and every decision (stop, switch, policy) is taken from
   its result, identical on every trainer, after the same step (`allreduce`).
-- GBA -> sync and the close in GBA mode are both a barrier; shard 0 decides between them under one
-  lock (`DenseShard.begin_close`): once a switch is pending a closing trainer takes part in it
-  first, and once a trainer is closing no switch can start, so a close barrier never meets a
-  switch barrier.
-- A trainer that closes in sync mode raises the stop flag in one last all-reduce; every peer then
-  stops issuing collectives (`Mode.LOCAL`), and every trainer ends with the same one average.
+- The remaining collectives cannot meet a peer's TorchRec all-to-all because every trainer issues
+  them at the same point of the same step: the agreement on leaving GBA (`_leave_gba_due`) every
+  `lockstep_every` GBA steps, a count equal on lockstep trainers; the broadcast of trainer 0's
+  outcome (`_on_trainer0`), right after a barrier or inside an agreed switch; the sync close's stop
+  all-reduce, which pairs with the peers' all-reduce of the same step; the closing average of
+  LOCAL mode, which every trainer reaches from `close()` after the stop flag.
+- GBA -> sync and the close in GBA mode: shard 0 decides between them under one lock
+  (`DenseShard.begin_close`): once a switch is pending a closing trainer takes part in it first,
+  and once a trainer is closing no switch can start, so a close barrier never meets a switch.
 - What trainer 0 alone does inside a switch (configure or export the shards, load a checkpoint into
   them) ends in a broadcast of its outcome (`_on_trainer0`): if it failed, every trainer raises the
   same `SyncError`, none is left waiting in the next collective.
+- A trainer that fails (`abort()`) issues nothing peer-dependent: it stops its threads and destroys
+  the sync group, so a peer's pending collective on it fails at once, as `SyncError` (`_collective`);
+  the job (`dense_sync`) tells the servers and the notice board which trainer failed and why.
 
 One global step: the dense shards apply every push as shard 0 decided it (`dense_server`), so at
 every switch and at close every shard holds the same k, and a push's single token is the oldest
@@ -65,10 +76,12 @@ any of them; a state that does not fit is refused with `CheckpointError` before 
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import enum
 import logging
 import time
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -113,8 +126,8 @@ class Mode(enum.StrEnum):
       shard 0's policy): at once, or at the next agreement step with `lockstep_every`; also in
       `close()` when shard 0 refuses to close because such a switch is pending.
     - SYNC -> LOCAL: a sync all-reduce whose stop flag is set (not counted as a switch).
-    - close(): GBA ends with a drain, a barrier and a pull; SYNC goes through LOCAL; LOCAL ends
-      with the average. No transition leaves LOCAL.
+    - close(): GBA ends with a drain, a barrier (over RPC) and a pull; SYNC goes through LOCAL;
+      LOCAL ends with the average. No transition leaves LOCAL.
     """
 
     SYNC = "sync"
@@ -137,11 +150,14 @@ class GBASync(DenseSync):
         params: Iterable[tuple[str, nn.Parameter]] | None = None,
         lockstep_every: int = 0,
         on_nonfinite: str = "skip",
+        timeout_s: float | None = None,
     ) -> None:
         """`lockstep_every` > 0 says the trainers take every step together anyway (TorchRec-sharded
         tables: each step's all-to-all pairs them); GBA -> sync is then agreed every that many steps
         in a one-element all-reduce (see `_leave_gba_due`). 0: trainers step independently (PS tables).
-        `on_nonfinite` (`sync.on_nonfinite`): skip or fail on a NaN / Inf gradient (module docstring)."""
+        `on_nonfinite` (`sync.on_nonfinite`): skip or fail on a NaN / Inf gradient (module docstring).
+        `timeout_s` (`sync.timeout_s`, which `dense_sync` passes): the timeout of the sync group's
+        collectives and the deadline of the barriers (None: torch's default, and the transport's)."""
         if roles.is_server:
             raise ValueError("GBASync runs on trainer ranks; server ranks call serve_dense_shard()")
         if config.initial_mode == Mode.GBA and roles.num_servers < 1:
@@ -154,6 +170,7 @@ class GBASync(DenseSync):
             raise SetupError(f"local_batch_size must be an integer >= 1 (samples per trainer step), "
                              f"got {local_batch_size!r}")
         self.on_nonfinite = on_nonfinite
+        self.timeout_s = timeout_s
         self.config = config
         self.roles = roles
         self.dense = DenseParams(list(params if params is not None else trainable_named_parameters(model)))
@@ -175,7 +192,10 @@ class GBASync(DenseSync):
         self._loaded: tuple[dict[str, Any], dict[str, Any] | None] | None = None
         """A checkpoint loaded before start() (optimizer export, policy state): start() takes it."""
         self._grad = self.dense.empty()
-        self._allreduce = SyncAllReduce(self.dense.numel, self.num_trainers, roles.trainer_index, roles.trainer_group,
+        self._group: dist.ProcessGroup | None = None
+        """The sync group: the library's own over the trainers (start() to close / abort), never the
+        trainer group it shares ranks with, which TorchRec and the user use."""
+        self._allreduce = SyncAllReduce(self.dense.numel, self.num_trainers, roles.trainer_index,
                                         self.dense.dtype, self.dense.device)
         self._shards = DenseShardClient(self.dense.numel, roles.num_servers)
         self._client = GBAClient(self._shards, self.dense, roles.trainer_index, local_batch_size, config.queue_size,
@@ -184,11 +204,16 @@ class GBASync(DenseSync):
 
     # ----------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Collective over the trainers: equal initial weights, the flat optimizer, the initial mode.
-        If it fails, what it started is stopped again (`abort`) before the error propagates."""
+        """Collective over the trainers: the sync group, equal initial weights, the flat optimizer,
+        the initial mode. If it fails, what it started is stopped again (`abort`) before the error
+        propagates."""
+        timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
+        self._group = dist.new_group(list(self.roles.trainer_ranks), timeout=timeout, use_local_synchronization=True,
+                                     backend="nccl" if self.dense.device.type == "cuda" else "gloo")
         initial = self.dense.empty()
         self.dense.copy_to(initial)
-        dist.broadcast(initial, src=self.roles.trainer_ranks[0], group=self.roles.trainer_group)
+        with self._collective("the initial broadcast"):
+            dist.broadcast(initial, src=self.roles.trainer_ranks[0], group=self._group)
         self.dense.copy_from(initial)
         self._flat = FlatOptimizer(self.spec, initial)
         if self._loaded is not None:
@@ -226,7 +251,8 @@ class GBASync(DenseSync):
 
     def abort(self) -> None:
         """Stop this trainer's hook and background threads with no collective and no final pull;
-        queued gradients are dropped."""
+        queued gradients are dropped. Destroying the sync group makes a peer's pending collective on
+        it fail at once, instead of after `timeout_s`."""
         if self._flat is not None:
             self._release(discard_queued=True)
 
@@ -235,22 +261,29 @@ class GBASync(DenseSync):
         if self.mode == Mode.GBA:
             if self._shards.begin_close():
                 self._client.drain()
-                dist.barrier(group=self.roles.trainer_group)  # every trainer's last gradient has landed
+                self._barrier("gba-close")  # every trainer's last gradient has landed
                 self._client.refresh()
             else:
                 self._leave_gba()  # a switch is pending: take part, then close in sync mode
         if self.mode == Mode.SYNC:
-            self._after_sync_round(self._allreduce.round(None, stop=True, switch_to_gba=False, compute_s=0.0))
+            self._after_sync_round(self._sync_round(None, stop=True, compute_s=0.0))
         if self.mode == Mode.LOCAL:
-            self.dense.average_(self.roles.trainer_group)
+            with self._collective("the closing average"):
+                self.dense.average_(self._group)
 
     def _release(self, discard_queued: bool) -> None:
-        """Mark the runtime closed, remove the step hook, stop and join the client's threads (always)."""
+        """Mark the runtime closed, remove the step hook, stop and join the client's threads, destroy
+        the sync group (always)."""
         self._flat = None
         try:
             self._step_hook.remove()
         finally:
-            self._client.stop(discard_queued)
+            try:
+                self._client.stop(discard_queued)
+            finally:
+                group, self._group = self._group, None
+                if group is not None:
+                    dist.destroy_process_group(group)
 
     # ------------------------------------------------------------------------------- public API
     def switch_mode(self, mode: str) -> None:
@@ -319,7 +352,7 @@ class GBASync(DenseSync):
             self._loaded = (exported, policy)
         elif self.mode == Mode.GBA:
             self._client.leave()
-            dist.barrier(group=self.roles.trainer_group)  # every trainer's pushes have landed
+            self._barrier("gba-load")  # every trainer's pushes have landed
             self._on_trainer0(lambda: self._configure_shards(exported), "loading the checkpoint into the dense shards")
             self._policy.load_state_dict(policy)
             self._gba_steps = 0
@@ -339,8 +372,7 @@ class GBASync(DenseSync):
         self.dense.copy_grads_to(self._grad)
         finite = bool(torch.isfinite(self._grad).all())
         if self.mode == Mode.SYNC:
-            self._after_sync_round(self._allreduce.round(self._grad, stop=False, switch_to_gba=self._gba_requested,
-                                                   compute_s=compute_s, finite=finite))
+            self._after_sync_round(self._sync_round(self._grad, stop=False, compute_s=compute_s, finite=finite))
         elif self.mode == Mode.GBA:
             self._gba_step(compute_s, finite)
         else:
@@ -395,7 +427,8 @@ class GBASync(DenseSync):
         if self._gba_steps % self.lockstep_every:
             return False
         seen = torch.tensor([1.0 if requested else 0.0], dtype=self.dense.dtype, device=self.dense.device)
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.roles.trainer_group)
+        with self._collective("the agreement on leaving GBA"):
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self._group)
         return seen.item() > 0
 
     def _nonfinite(self, trainers: list[str], report: Callable[[str], None] | None = None) -> None:
@@ -427,7 +460,8 @@ class GBASync(DenseSync):
                 outcome = [(True, action())]
             except Exception as failure:
                 error, outcome = failure, [(False, f"{what} failed on trainer 0: {failure!r}")]
-        dist.broadcast_object_list(outcome, src=self.roles.trainer_ranks[0], group=self.roles.trainer_group)
+        with self._collective(f"the broadcast of {what}"):
+            dist.broadcast_object_list(outcome, src=self.roles.trainer_ranks[0], group=self._group)
         ok, value = outcome[0]
         if not ok:
             raise SyncError(value) from error
@@ -449,9 +483,33 @@ class GBASync(DenseSync):
     def _leave_gba(self) -> None:
         """GBA -> sync: quiesce this trainer's pushes, agree, take the servers' state."""
         self._client.leave()
-        dist.barrier(group=self.roles.trainer_group)  # every trainer's pushes have reached every shard
+        self._barrier("gba-leave")  # every trainer's pushes have reached every shard
         self._load(self._on_trainer0(self._shards.export, "taking the dense shards' state back"))
         self._switch_to(Mode.SYNC)
+
+    # ------------------------------------------------------------------------- meeting the peers
+    def _sync_round(self, gradient: torch.Tensor | None, stop: bool, compute_s: float,
+                    finite: bool = True) -> SyncRound:
+        """Sync mode's all-reduce on the sync group (`allreduce`), carrying this trainer's switch request."""
+        with self._collective("the sync all-reduce"):
+            return self._allreduce.round(self._group, gradient, stop=stop, switch_to_gba=self._gba_requested,
+                                         compute_s=compute_s, finite=finite)
+
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """A collective on the sync group: its failure (a peer aborted and destroyed the group, died,
+        or did not come within `timeout_s`) is raised as `SyncError` chaining it; the job's notice
+        board then names the peer (`Job.announce_failure`)."""
+        try:
+            yield
+        except RuntimeError as error:
+            raise SyncError(f"{what} failed on {self._trainer_name(self.roles.trainer_index)}: a peer trainer left "
+                            f"the sync group (aborted, died, or did not come within sync.timeout_s)") from error
+
+    def _barrier(self, name: str) -> None:
+        """Meet every trainer with no collective (`transport.barrier`: over RPC on shard 0's server);
+        a peer that aborted, or that does not come within `timeout_s`, raises `PeerLost` naming it."""
+        transport.barrier(name, self.timeout_s)
 
     def _switch_to(self, mode: Mode, counted: bool = True) -> None:
         previous, self.mode = self.mode, mode

@@ -50,12 +50,30 @@ Invariants (why a call cannot deadlock):
   `PeerLost` rather than a hang. Only then does everyone enter the graceful RPC
   shutdown, which drains outstanding calls. A trainer that dies after announcing itself and before
   that shutdown still stalls it: that window is the few milliseconds between the two.
+- `abort(reason)` is the way out of a failed trainer, and waits for no peer: it tells every server
+  why (`notify_abort`: one call each, at most `ABORT_NOTICE_S`), then shuts RPC down without draining. From then
+  on a server refuses every call with `PeerLost` carrying that reason, and its `stop()` ends with
+  it at once, after `ABORT_GRACE_S` for the surviving trainers to read it (their calls, their
+  polls in `stop()` and `barrier()`): every rank ends naming the trainer that failed instead of
+  waiting `trainer_timeout_s`. A process that exits with the transport still started (the user's
+  exception escaped before any `stop()` or `abort()`) aborts at exit, so RPC is never alive at
+  interpreter exit.
+- `barrier(name)` meets every trainer without any collective (the trainer group stays TorchRec's
+  and the user's): each trainer announces itself to server 0 and polls it until all have. A
+  trainer that aborted makes every waiting one raise `PeerLost` with its reason at once; one that
+  neither arrives nor aborts within the transport's `timeout_s` (`sync.timeout_s`: a peer that
+  slow is stuck, e.g. in a collective nobody else will enter) makes them raise `PeerLost` naming it.
+- `post_abort` / `aborted_peers` are the job's notice board for jobs with or without servers: a
+  key in the default group's store per failed rank, so that a peer whose collective fails because
+  that rank left (its group was destroyed or its process exited) can say which rank, and why.
 - An exception raised by a service is raised by the caller's `wait()` with its own type and message
   and the server's traceback as a note (RPC alone would turn most types into RuntimeError).
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import dataclasses
 import datetime
 import fcntl
@@ -82,6 +100,12 @@ SERVE_WAIT_S = 30.0
 TRAINER_TIMEOUT_S = 300.0
 """How long a server in `stop()` waits for a trainer that has neither called `stop()` nor answered a
 ping before it gives up on it (`PeerLost`); `stop(trainer_timeout_s=...)` overrides it."""
+ABORT_NOTICE_S = 5.0
+"""Longest `abort()` waits for each server to take its notice: a server that does not answer that fast
+is gone or stuck, and the failed trainer must not wait for it."""
+ABORT_GRACE_S = 2.0
+"""How long a server whose trainer aborted (or whom it gave up on) keeps answering with the failure
+before its `stop()` raises, so that the surviving trainers read the reason rather than a dead server."""
 PING_INTERVAL_S = 1.0
 """How often a server in `stop()` pings the trainers that have not called `stop()` yet (also each
 ping's RPC timeout), and at most how long a trainer in `stop()` sleeps between two polls."""
@@ -145,16 +169,23 @@ class Roles:
 class _Started:
     roles: Roles
     owns_default_group: bool
+    timeout_s: float
+    """The trainer group's collective timeout, also the deadline of `barrier()`."""
+    barriers: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Per barrier name, how often this trainer has entered it (every trainer counts alike)."""
+    notified: bool = False
+    """Whether `notify_abort` has told the servers this trainer failed."""
 
 
 @dataclasses.dataclass
 class _StopBarrier:
-    """A server's view of the trainers' arrival in `stop()` (guarded by `_stop_changed`)."""
+    """A server's view of the trainers' arrivals in `stop()` and `barrier()` (guarded by `_stop_changed`)."""
 
-    arrived: set[int] = dataclasses.field(default_factory=set)
-    """Trainer indices that called `stop()`."""
+    arrived: dict[str, set[int]] = dataclasses.field(default_factory=lambda: collections.defaultdict(set))
+    """Per barrier key ('stop', or a `barrier()` name and use), the trainer indices that arrived."""
     failure: str | None = None
-    """Set when this server gave up on a trainer: the message every trainer raises."""
+    """Set when a trainer aborted or this server gave up on one: the message every trainer raises,
+    and the reason every later call is refused."""
 
 
 _started: _Started | None = None
@@ -218,7 +249,8 @@ def start(
                 **({} if rpc_timeout_s is None else {"rpc_timeout": rpc_timeout_s}),
             ),
         )
-    _started = _Started(roles, owns_default_group)
+    _started = _Started(roles, owns_default_group,
+                        timeout.total_seconds() if timeout is not None else dist.default_pg_timeout.total_seconds())
     return roles
 
 
@@ -307,24 +339,108 @@ def call_each(name: str, method: str, args_by_server: Sequence[tuple[Any, ...]],
 def stop(trainer_timeout_s: float | None = None) -> None:
     """Leave the job (collective): waits for every rank and every outstanding call, then tears down.
 
-    On a server, raises `PeerLost` once a trainer has neither called `stop()` nor answered a ping
-    for `trainer_timeout_s` (default `TRAINER_TIMEOUT_S`); trainers waiting here raise it as well.
-    Either way this rank's transport is torn down. The default process group is destroyed only if
-    `start()` created it.
+    On a server, raises `PeerLost` once a trainer has aborted (`abort()`: with its reason), or has
+    neither called `stop()` nor answered a ping for `trainer_timeout_s` (default
+    `TRAINER_TIMEOUT_S`); trainers waiting here raise it as well. Either way this rank's transport
+    is torn down. The default process group is destroyed only if `start()` created it.
     """
-    global _started, _stop_barrier
     started = _require_started()
     timeout_s = TRAINER_TIMEOUT_S if trainer_timeout_s is None else trainer_timeout_s
     try:
         if started.roles.is_server:
             _await_trainers(started.roles, timeout_s)
         else:
-            _await_release(started.roles)
+            _await_release(started.roles, "stop", timeout_s=None)
     except BaseException:
-        rpc.shutdown(graceful=False)
+        _tear_down(started, graceful=False)
         raise
-    else:
-        rpc.shutdown(graceful=True)
+    _tear_down(started, graceful=True)
+
+
+def notify_abort(reason: str) -> None:
+    """Tell every server that this trainer failed (`reason`: what failed), waiting for no peer: each
+    notice `"trainer {i} (rank r) aborted: {reason}"` waits at most `ABORT_NOTICE_S`, and a server that
+    is gone is skipped. The servers refuse every later call with it and end their `stop()` with it,
+    so the other trainers end naming this one. Sent once; never raises; a no-op on a server or
+    when the transport is not started. `abort()` follows."""
+    if _started is None or _started.roles.is_server or _started.notified:
+        return
+    _started.notified = True
+    roles = _started.roles
+    message = failure_message(roles, reason)
+    notices = [rpc.rpc_async(server_name(server), _abort, args=(message,), timeout=ABORT_NOTICE_S)
+               for server in range(roles.num_servers)]
+    for notice in notices:
+        try:
+            notice.wait()
+        except RuntimeError:  # that server is gone or stuck: it learns from the lost connection
+            pass
+
+
+def failure_message(roles: Roles, reason: str) -> str:
+    """How a failed trainer is named to its peers and servers: `trainer {i} (rank r) aborted: reason`."""
+    return f"trainer {roles.trainer_index} (rank {roles.rank}) aborted: {reason}"
+
+
+def abort(reason: str) -> None:
+    """Leave the job at once after a failure on this rank, waiting for no peer: `notify_abort(reason)`
+    unless already done, then RPC is shut down without draining and the groups the transport created
+    are destroyed, which makes a peer's pending collective on them fail at once. Never raises; a
+    no-op when the transport is not started."""
+    if _started is None:
+        return
+    notify_abort(reason)
+    _tear_down(_started, graceful=False)
+
+
+def barrier(name: str, timeout_s: float | None = None) -> None:
+    """Wait until every trainer has called `barrier(name)` (as often as this one), with no collective.
+
+    Raises `PeerLost` with its reason as soon as a trainer has aborted, naming the trainers still
+    missing once `timeout_s` has passed (None: the trainer group's timeout given to `start()`; a
+    peer that late is stuck, or too slow to be told from stuck), and naming server 0 if it is gone.
+    Trainers only; server 0 keeps the count."""
+    started = _require_started()
+    if started.roles.is_server:
+        raise RuntimeError(f"barrier() is for trainers; {started.roles.name} is a server")
+    use = started.barriers[name] = started.barriers.get(name, 0) + 1
+    _await_release(started.roles, f"{name}#{use}", started.timeout_s if timeout_s is None else timeout_s, servers=1)
+
+
+def post_abort(job: str, rank: int, reason: str) -> None:
+    """Put `reason` on the notice board of `job` (a name every rank gives the same job) as rank
+    `rank`'s: why it left. Never raises: the board's store may be gone with its host."""
+    try:
+        _notice_store().set(_notice_key(job, rank), reason)
+    except Exception:  # the store's host is gone: the peers learn only that the rank left
+        pass
+
+
+def aborted_peers(job: str, ranks: Sequence[int]) -> dict[int, str]:
+    """The ranks among `ranks` that posted an abort on `job`'s notice board, with their reasons."""
+    try:
+        store = _notice_store()
+        return {rank: store.get(_notice_key(job, rank)).decode() for rank in ranks
+                if store.check([_notice_key(job, rank)])}
+    except Exception:  # the store's host is gone: nothing can be read
+        return {}
+
+
+def _notice_store() -> dist.Store:
+    """The default group's store (the agent's under torchrun, which outlives every rank)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def _notice_key(job: str, rank: int) -> str:
+    return f"shadowgba/attempt_{restart_count()}/{job}/aborted/{rank}"
+
+
+def _tear_down(started: _Started, graceful: bool) -> None:
+    """Shut RPC down (draining outstanding calls when `graceful`), forget this rank's services and
+    arrivals, and destroy the groups `start()` created."""
+    global _started, _stop_barrier
+    try:
+        rpc.shutdown(graceful=graceful)
     finally:
         with _services_changed:
             _services.clear()
@@ -337,15 +453,28 @@ def stop(trainer_timeout_s: float | None = None) -> None:
         _started = None
 
 
+def _abort_at_exit() -> None:
+    """At interpreter exit with the transport still started: nothing stopped it, so abort it."""
+    if _started is not None:
+        abort("its process exited without leaving the job (transport.stop() or abort() never ran)")
+
+
+atexit.register(_abort_at_exit)
+
+
 def _await_trainers(roles: Roles, timeout_s: float) -> None:
-    """Server: return once every trainer has arrived; raise `PeerLost` for one that went silent."""
+    """Server: return once every trainer has arrived; raise `PeerLost` for one that aborted or went silent."""
     trainers = range(len(roles.trainer_ranks))
     last_heard = dict.fromkeys(trainers, time.monotonic())
     last_error: dict[int, str] = {}
     while True:
         with _stop_changed:
-            _stop_changed.wait_for(lambda: len(_stop_barrier.arrived) == len(trainers), timeout=PING_INTERVAL_S)
-            missing = [index for index in trainers if index not in _stop_barrier.arrived]
+            _stop_changed.wait_for(lambda: len(_stop_barrier.arrived["stop"]) == len(trainers)
+                                   or _stop_barrier.failure is not None, timeout=PING_INTERVAL_S)
+            missing = [index for index in trainers if index not in _stop_barrier.arrived["stop"]]
+            failure = _stop_barrier.failure
+        if failure is not None:
+            break
         if not missing:
             return
         pings = {index: rpc.rpc_async(f"trainer{index}", _alive, timeout=PING_INTERVAL_S) for index in missing}
@@ -357,57 +486,75 @@ def _await_trainers(roles: Roles, timeout_s: float) -> None:
                 last_error[index] = str(error).splitlines()[0] if str(error) else type(error).__name__
         now = time.monotonic()
         with _stop_changed:  # one that arrived while we pinged is not lost
-            lost = [i for i in missing if now - last_heard[i] > timeout_s and i not in _stop_barrier.arrived]
-            if lost:
+            lost = [i for i in missing if now - last_heard[i] > timeout_s and i not in _stop_barrier.arrived["stop"]]
+            if lost and _stop_barrier.failure is None:
                 _stop_barrier.failure = (
                     f"{roles.name} gave up on trainer{lost[0]} (rank {roles.trainer_ranks[lost[0]]}): it has not "
                     f"called transport.stop() and has not answered a ping for {timeout_s:g}s (trainer_timeout_s); "
                     f"it probably died (last ping: {last_error.get(lost[0], 'timed out')}). "
-                    f"Trainers that arrived: {sorted(_stop_barrier.arrived)}"
+                    f"Trainers that arrived: {sorted(_stop_barrier.arrived['stop'])}"
                 )
-        if lost:
-            time.sleep(2 * PING_INTERVAL_S)  # let the waiting trainers' polls read the failure
-            raise PeerLost(_stop_barrier.failure)
+    time.sleep(ABORT_GRACE_S)  # let the surviving trainers' calls and polls read the failure
+    raise PeerLost(failure)
 
 
-def _await_release(roles: Roles) -> None:
-    """Trainer: announce this trainer to every server, then poll them until every trainer arrived."""
-    for server in range(roles.num_servers):
-        _call_in_stop(roles, server, _arrive, roles.trainer_index)
-    waiting = list(range(roles.num_servers))
+def _await_release(roles: Roles, key: str, timeout_s: float | None, servers: int | None = None) -> None:
+    """Trainer: announce this trainer under `key` to the first `servers` servers (default: all), then
+    poll them until every trainer has arrived there; `PeerLost` on a failure, or after `timeout_s`
+    (None: no deadline, the servers' own `trainer_timeout_s` decides)."""
+    servers = roles.num_servers if servers is None else servers
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for server in range(servers):
+        _call_in_stop(roles, server, _arrive, key, roles.trainer_index)
+    waiting = list(range(servers))
     pause = 0.005
     while waiting:
         for server in list(waiting):
-            released, failure = _call_in_stop(roles, server, _release_state, len(roles.trainer_ranks))
+            missing, failure = _call_in_stop(roles, server, _release_state, key, len(roles.trainer_ranks))
             if failure is not None:
                 raise PeerLost(failure)
-            if released:
+            if not missing:
                 waiting.remove(server)
+            elif deadline is not None and time.monotonic() > deadline:
+                raise PeerLost(
+                    f"{roles.name} gave up in barrier '{key}' after {timeout_s:g}s (sync.timeout_s): "
+                    + ", ".join(f"trainer{i} (rank {roles.trainer_ranks[i]})" for i in missing)
+                    + " neither arrived nor aborted (stuck, e.g. in a collective no peer will enter, or dead)"
+                )
         time.sleep(pause)
         pause = min(2 * pause, PING_INTERVAL_S / 4)
 
 
 def _call_in_stop(roles: Roles, server: int, function: Callable[..., Any], *args: Any) -> Any:
-    """`function(*args)` on a server from a trainer in `stop()`; a server that is gone is a PeerLost."""
+    """`function(*args)` on a server from a trainer in `stop()` or `barrier()`; a server that is gone is a PeerLost."""
     try:
         return rpc.rpc_sync(server_name(server), function, args=args)
     except RuntimeError as error:
         raise PeerLost(
-            f"{server_name(server)} went away while {roles.name} waited in transport.stop(): {error}"
+            f"{server_name(server)} went away while {roles.name} waited in transport.stop() or barrier(): {error}"
         ) from None
 
 
-def _arrive(trainer_index: int) -> None:
-    """Runs on a server's RPC thread: trainer `trainer_index` has called `stop()`."""
+def _arrive(key: str, trainer_index: int) -> None:
+    """Runs on a server's RPC thread: trainer `trainer_index` has arrived at barrier `key`."""
     with _stop_changed:
-        _stop_barrier.arrived.add(trainer_index)
+        _stop_barrier.arrived[key].add(trainer_index)
         _stop_changed.notify_all()
 
 
-def _release_state(num_trainers: int) -> tuple[bool, str | None]:
-    """Runs on a server's RPC thread: (every trainer arrived, why this server gave up or None)."""
+def _release_state(key: str, num_trainers: int) -> tuple[list[int], str | None]:
+    """Runs on a server's RPC thread: (the trainers not yet arrived at `key`, why this server gave up or None)."""
     with _stop_changed:
-        return len(_stop_barrier.arrived) == num_trainers, _stop_barrier.failure
+        return [i for i in range(num_trainers) if i not in _stop_barrier.arrived[key]], _stop_barrier.failure
+
+
+def _abort(message: str) -> None:
+    """Runs on a server's RPC thread: a trainer aborted (`message` names it and why). The first one
+    is what every later call and every trainer's `stop()` or `barrier()` is refused with."""
+    with _stop_changed:
+        if _stop_barrier.failure is None:
+            _stop_barrier.failure = message
+        _stop_changed.notify_all()
 
 
 def _alive() -> bool:
@@ -461,6 +608,10 @@ class _Failure:
 def _dispatch(name: str, method: str, args: tuple[Any, ...]) -> Any:
     """Runs on the server's RPC thread: look the service up (waiting for serve()) and call it."""
     try:
+        with _stop_changed:
+            failure = _stop_barrier.failure
+        if failure is not None:
+            raise PeerLost(f"{_require_started().roles.name} refuses {name}.{method}: {failure}")
         with _services_changed:
             if not _services_changed.wait_for(lambda: name in _services, timeout=SERVE_WAIT_S):
                 raise LookupError(f"no service '{name}' after {SERVE_WAIT_S:g}s; served: {sorted(_services)}")
