@@ -1,27 +1,30 @@
 """GBA against sync all-reduce and plain async PS training, with one trainer slowed, side by side.
 
-    python benchmarks/bench_gba.py --compute simulated [--seeds 0,1,2] [--global-samples 1000000] \
-        [--step-ms 50] [--slow-trainer 3] [--factor 3] [--algos sync,gba,async] [--dotted.key value ...]
+    python benchmarks/bench_gba.py --compute simulated [--seeds 0,1,2,3,4] [--global-samples 1000000] \
+        [--presets small,production] [--shards 1,2] [--step-ms 50] [--slow-trainer 3] [--factor 3] \
+        [--algos sync,gba,async] [--dotted.key value ...]
     python benchmarks/bench_gba.py --compute real ...
 
 Every run is a `torchrun` job of `benchmarks/train_dlrm.py` with N trainers (`--trainers`, default 4)
-and one parameter-server rank, the tables on the PS (no all-to-all, so nothing but the dense sync can
-hold a fast trainer back), and one trainer slowed `--factor` times by `ctrkit.straggler`:
+and one parameter-server rank per dense shard (`--shards`: `sync.ps.num_servers`; the tables are
+row-sharded over the same servers), the tables on the PS (no all-to-all, so nothing but the dense
+sync can hold a fast trainer back), at each model preset of `--presets` (`example_job.MODEL_PRESETS`),
+and one trainer slowed `--factor` times by `ctrkit.straggler`:
 - sync: `sync_allreduce.yaml` (dense all-reduce every step, GBASync's sync mode);
 - gba: `gba_ps_embeddings.yaml` (global-batch aggregation, staleness decay);
 - async: `async_ps.yaml` (every gradient applied on arrival, no decay).
 All three share the optimizer, learning rates and global batch (N x local batch); the dense
 learning rate is the one tuned for sync (`TUNED_FOR_SYNC`), nothing is tuned per algorithm. The
-algorithms run interleaved (sync gba async sync gba async ...) over one repetition per seed of
-`--seeds` in one invocation, because identical runs differ too much on these machines to compare
+algorithms run interleaved (for each seed, each preset and each shard count: sync gba async) over one
+repetition per seed of `--seeds` in one invocation, because identical runs differ too much on these machines to compare
 invocations (docs/benchmarks.md, "The development machines"). A repetition's seed is both
 `train.seed` (model initialisation) and `data.synthetic.seed` (the planted teacher and the
 streams): held-out AUC varies more from seed to seed than between the algorithms, so quality is
 also reported as each run's AUC minus sync's AUC of the same seed (paired).
 
 Compute: `simulated` makes every trainer's compute (batch, forward with the PS lookup, backward)
-last `--step-ms`, the slowed one's `factor` times as long, by padding the example's small model's
-real work with a sleep (`ctrkit.straggler`), so four trainers and a server fit on two cores
+last `--step-ms` (default: `SIMULATED_STEP_MS` of the preset, above its real work), the slowed one's
+`factor` times as long, by padding the model's real work with a sleep (`ctrkit.straggler`), so four trainers and a server fit on two cores
 without fighting for CPU and the scheduling effect shows cleanly (the table's "step ms fast / slow"
 shows what the steps really took: the padded compute plus the gradient hand-over and optimizer
 step, and in sync mode the wait for the slowest); `real` slows the trainer by `factor` times its
@@ -38,6 +41,11 @@ shared by all trainers of a run: from the moment the last trainer finished its w
 the first trainer stopped. "applied samples/s" counts only what reached the dense model (global
 steps/s x samples per global step), so gradients GBA drops as too stale do not count there. The ideal GBA / sync ratio for N trainers, one s times slower, is
 (N - 1 + 1/s) / (N / s): sync runs at the slow trainer's pace, GBA's fast trainers do not wait.
+With several dense shards every shard holds the same global step k and takes every kept push; shard
+0 decides each push, so staleness and decayed / dropped counts are shard 0's, pushes are per shard.
+Ratios are taken per repetition (same seed, preset and shard count), then summarized: median and
+min-max. Every run also reports its resources: CPU ms per sample of all ranks, servers included, peak
+memory per trainer and per server, a trainer's extra memory as a multiple of the dense size.
 
 Prints a Markdown table and writes every run's numbers as JSON (default runs/bench_gba_<compute>.json).
 """
@@ -51,8 +59,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench_summary import Column, markdown_table, median_or_none, optional, paired, ratios_to, staleness_summary
-from example_job import CONFIGS, ROOT, SYNTHETIC_HELDOUT, run_example
+from bench_summary import (
+    RESOURCE_COLUMNS, Column, Run, markdown_table, merged_histogram, paired, ratio_spread, resource_spreads, select,
+    spread, spread_cell, staleness_summary,
+)
+from example_job import CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, parse_presets, preset_arguments, run_example
 
 ALGOS: dict[str, Path] = {
     "sync": CONFIGS / "sync_allreduce.yaml",
@@ -61,8 +72,8 @@ ALGOS: dict[str, Path] = {
 }
 """Benchmarked algorithms and their configs."""
 
-PS_JOB = ["--sync.ps.num_servers", "1", "--model.embeddings", "ps", "--train.embedding_optimizer", "rowwise_adagrad"]
-"""The same job shape for all three: one server rank holding the tables (and GBA's dense shard)."""
+PS_JOB = ["--model.embeddings", "ps", "--train.embedding_optimizer", "rowwise_adagrad"]
+"""The same job shape for all three: the server ranks hold the tables (and GBA's dense shards)."""
 
 TUNED_FOR_SYNC = ["--train.dense_lr", "0.008"]
 """Sync all-reduce's best dense learning rate (Adam) for this job, from a sweep of sync alone
@@ -77,29 +88,39 @@ SHARED_JOB = [*PS_JOB, *TUNED_FOR_SYNC]
 OVERRUN_WARNING = 0.05
 """Simulated mode warns when more than this share of a fast trainer's steps overran `--step-ms`."""
 
+SIMULATED_STEP_MS = {"small": 50.0, "production": 400.0}
+"""Simulated compute per step of each preset, when `--step-ms` is not given: above what a trainer's
+real work takes with 4 trainers and the servers on 2 cores, so that the sleep pads every step."""
+
 
 def ideal_ratio(trainers: int, factor: float) -> float:
     """GBA / sync throughput when fast trainers never wait and sync runs at the slow one's pace."""
     return (trainers - 1 + 1 / factor) / (trainers / factor)
 
 
-def run_once(algo: str, seed: int, args: argparse.Namespace, extra: Sequence[str], output: Path) -> dict[str, Any]:
-    """One torchrun job of `algo`: N trainers and one server, the slowed trainer, the common stop."""
+def run_once(
+    algo: str, seed: int, preset: str, shards: int, args: argparse.Namespace, extra: Sequence[str], output: Path
+) -> dict[str, Any]:
+    """One torchrun job of `algo` at `preset`: N trainers and `shards` servers, the slowed trainer, the common stop."""
     straggler = ["--straggler.trainers", f"[{args.slow_trainer}]", "--straggler.factor", str(args.factor)]
     if args.compute == "simulated":
-        straggler += ["--straggler.step_ms", str(args.step_ms)]
+        straggler += ["--straggler.step_ms", str(args.step_ms or SIMULATED_STEP_MS[preset])]
     arguments = [
-        "--config", str(ALGOS[algo]), *SHARED_JOB, *straggler,
-        "--train.global_samples", str(args.global_samples), "--train.warmup_steps", str(args.warmup_steps),
+        "--config", str(ALGOS[algo]), *SHARED_JOB, "--sync.ps.num_servers", str(shards), *preset_arguments(preset),
+        *straggler, "--train.global_samples", str(args.global_samples), "--train.warmup_steps", str(args.warmup_steps),
         "--train.seed", str(seed), "--data.synthetic.seed", str(seed), *SYNTHETIC_HELDOUT, *extra,
     ]
-    return run_example(algo, args.trainers + 1, arguments, output)
+    return run_example(f"seed {seed} {preset} {shards} shard(s) {algo}", args.trainers + shards, arguments, output)
 
 
 def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
-    """What the table shows of one run (dense-shard numbers from the server; one shard here)."""
-    (shard,) = run["gba"]["dense_shards"]
-    (rows,) = run["gba"]["embedding_shards"]  # the tables' server: the same rank
+    """What the table shows of one run. Dense shards: shard 0 decides every push for all of them, so
+    its staleness and decayed / dropped counts are the job's, and every shard takes every kept push
+    (pushes are per shard, the queue depth the deepest shard's). Tables: each server decides the
+    pushes of its own rows, so their histograms and drops add up."""
+    shards = run["gba"]["dense_shards"]
+    deciding = shards[0]
+    tables = run["gba"]["embedding_shards"]
     steps = run["steps_in_window_by_trainer"]
     fast_trainers = [index for index in range(len(steps)) if index != slow_trainer]
     fast = [steps[index] for index in fast_trainers]
@@ -114,14 +135,16 @@ def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
         "step_ms_slow": 1e3 * run["window_s"] / max(steps[slow_trainer], 1),
         "auc": run["auc"],
         "log_loss": run["log_loss"],
-        **staleness_summary(shard["staleness_histogram"]),
-        "decayed": shard["decayed"],
-        "dropped": shard["dropped"],
-        "row_staleness_mean": staleness_summary(rows["staleness_histogram"])["staleness_mean"],
-        "rows_dropped": rows["dropped"],
+        **staleness_summary(deciding["staleness_histogram"]),
+        "decayed": deciding["decayed"],
+        "dropped": deciding["dropped"],
+        "pushes_per_shard": statistics.mean(shard["pushes"] for shard in shards),
+        "row_staleness_mean": staleness_summary(
+            merged_histogram(table["staleness_histogram"] for table in tables))["staleness_mean"],
+        "rows_dropped": sum(table["dropped"] for table in tables),
         "queue_dropped": run["sync"]["queue_dropped"],
         "global_steps_per_s": run["gba"]["global_steps_per_s"],
-        "queue_depth": shard["queue_depth_max"],
+        "queue_depth": max(shard["queue_depth_max"] for shard in shards),
         "switches": run["gba"]["mode_switches"],
         "overrun_fast": statistics.mean(overruns[index] for index in fast_trainers),
     }
@@ -139,6 +162,7 @@ SUMMARY: dict[str, tuple[Callable[[list[float]], float], ...]] = {
     "staleness_top": (max,),
     "decayed": (statistics.median,),
     "dropped": (statistics.median,),
+    "pushes_per_shard": (statistics.median,),
     "row_staleness_mean": (statistics.median,),
     "rows_dropped": (statistics.median,),
     "queue_dropped": (statistics.median,),
@@ -150,32 +174,44 @@ SUMMARY: dict[str, tuple[Callable[[list[float]], float], ...]] = {
 """How each run metric is summarized over repetitions; the row key is `<metric>_<function>`."""
 
 
-def summarize(runs: list[dict[str, Any]], algos: Sequence[str]) -> list[dict[str, Any]]:
-    """Per algorithm: each metric summarized over repetitions, and the median per-repetition ratio to sync."""
-    sync = [run for run in runs if run["algo"] == "sync"]
+def repetition(run: Run) -> int:
+    """The repetition (seed) a run belongs to: the runs of one seed, preset and shard count ran side by side."""
+    return run["rep"]
+
+
+def summarize(runs: list[Run], presets: Sequence[str], shard_counts: Sequence[int], algos: Sequence[str]) -> list[dict[str, Any]]:
+    """Per preset, shard count and algorithm: each metric summarized over repetitions, the ratios to
+    sync taken per repetition (median, min-max), AUC minus sync's per seed, and the resources."""
     rows = []
-    for algo in algos:
-        mine = [run for run in runs if run["algo"] == algo]
-        row: dict[str, Any] = {"algo": algo}
-        for key, functions in SUMMARY.items():
-            values = [run["metrics"][key] for run in mine]
-            row.update({f"{key}_{function.__name__}": function(values) for function in functions})
-        for key in ("samples_per_s", "applied_samples_per_s"):
-            ratios = ratios_to(mine, sync, key=lambda run: run["rep"], value=lambda run: run["metrics"][key])
-            row[f"{key}_ratio_to_sync_median"] = median_or_none(ratios)
-        auc_gaps = [run["metrics"]["auc"] - base["metrics"]["auc"] for run, base in paired(mine, sync, lambda run: run["rep"])]
-        row["auc_minus_sync"] = auc_gaps
-        rows.append(row)
+    for preset in presets:
+        for shards in shard_counts:
+            group = select(runs, preset=preset, shards=shards)
+            sync = select(group, algo="sync")
+            for algo in algos:
+                mine = select(group, algo=algo)
+                row: dict[str, Any] = {"preset": preset, "shards": shards, "algo": algo, "reps": len(mine),
+                                       "dense_params": mine[0]["result"]["dense_params"]}
+                for key, functions in SUMMARY.items():
+                    values = [run["metrics"][key] for run in mine]
+                    row.update({f"{key}_{function.__name__}": function(values) for function in functions})
+                for key in ("samples_per_s", "applied_samples_per_s"):
+                    row[key] = spread([run["metrics"][key] for run in mine])
+                    row[f"{key}_ratio_to_sync"] = ratio_spread(mine, sync, repetition, lambda run, key=key: run["metrics"][key])
+                row["auc_minus_sync"] = [run["metrics"]["auc"] - base["metrics"]["auc"]
+                                         for run, base in paired(mine, sync, repetition)]
+                row.update(resource_spreads([run["result"] for run in mine]))
+                rows.append(row)
     return rows
 
 
 COLUMNS: list[Column] = [
+    ("preset (dense params)", lambda row: f"{row['preset']} ({row['dense_params']:,})"),
+    ("shards", lambda row: str(row["shards"])),
     ("algo", lambda row: row["algo"]),
-    ("samples/s (median)", lambda row: f"{row['samples_per_s_median']:,.0f}"),
-    ("min-max", lambda row: f"{row['samples_per_s_min']:,.0f}-{row['samples_per_s_max']:,.0f}"),
-    ("ratio to sync", lambda row: optional(row["samples_per_s_ratio_to_sync_median"], ".2f")),
-    ("applied samples/s (ratio to sync)", lambda row: f"{row['applied_samples_per_s_median']:,.0f} "
-                                                      f"({optional(row['applied_samples_per_s_ratio_to_sync_median'], '.2f')})"),
+    ("samples/s (min-max)", lambda row: spread_cell(row["samples_per_s"], ",.0f")),
+    ("ratio to sync", lambda row: spread_cell(row["samples_per_s_ratio_to_sync"], ".2f")),
+    ("applied samples/s", lambda row: spread_cell(row["applied_samples_per_s"], ",.0f")),
+    ("applied ratio to sync", lambda row: spread_cell(row["applied_samples_per_s_ratio_to_sync"], ".2f")),
     ("step ms fast / slow", lambda row: f"{row['step_ms_fast_median']:.0f} / {row['step_ms_slow_median']:.0f}"),
     ("AUC median (min-max)", lambda row: f"{row['auc_median']:.4f} ({row['auc_min']:.4f}-{row['auc_max']:.4f})"),
     ("AUC - sync, per seed", lambda row: " ".join(f"{gap:+.4f}" for gap in row["auc_minus_sync"]) or "-"),
@@ -185,9 +221,11 @@ COLUMNS: list[Column] = [
      lambda row: f"{row['row_staleness_mean_median']:.2f} / {row['rows_dropped_median']:.0f}"),
     ("decayed / dropped / queue-dropped",
      lambda row: f"{row['decayed_median']:.0f} / {row['dropped_median']:.0f} / {row['queue_dropped_median']:.0f}"),
+    ("pushes per shard", lambda row: f"{row['pushes_per_shard_median']:,.0f}"),
     ("global steps/s", lambda row: f"{row['global_steps_per_s_median']:.1f}"),
     ("PS queue depth max", lambda row: str(row["queue_depth_max"])),
     ("switches", lambda row: str(row["switches_max"])),
+    *RESOURCE_COLUMNS,
 ]
 """The table's columns: header and how a summary row fills the cell."""
 
@@ -196,12 +234,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compute", choices=("simulated", "real"), required=True,
                         help="simulated: fixed per-step sleep; real: the slowed trainer sleeps (factor-1) x its step")
-    parser.add_argument("--seeds", default="0,1,2",
+    parser.add_argument("--seeds", default="0,1,2,3,4",
                         help="comma-separated seeds, one repetition of the interleaved sequence each")
-    parser.add_argument("--trainers", type=int, default=4, help="trainer ranks (one PS rank is added)")
+    parser.add_argument("--presets", default=",".join(MODEL_PRESETS), help=f"comma-separated subset of {MODEL_PRESETS}")
+    parser.add_argument("--shards", default="1,2", help="comma-separated dense shard counts (one server rank each)")
+    parser.add_argument("--trainers", type=int, default=4, help="trainer ranks (the server ranks are added)")
     parser.add_argument("--slow-trainer", type=int, default=3, help="index of the slowed trainer")
     parser.add_argument("--factor", type=float, default=3.0, help="slowdown of the slowed trainer")
-    parser.add_argument("--step-ms", type=float, default=50.0, help="simulated compute per step (simulated mode)")
+    parser.add_argument("--step-ms", type=float, help=f"simulated compute per step (default per preset: {SIMULATED_STEP_MS})")
     parser.add_argument("--global-samples", type=int, default=1_000_000,
                         help="every run stops at this many samples applied")
     parser.add_argument("--warmup-steps", type=int, default=20, help="steps before the timed window")
@@ -211,25 +251,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     algos = args.algos.split(",")
     if sorted(set(algos) - set(ALGOS)) or not algos:
         parser.error(f"--algos must name only {list(ALGOS)}; got {algos}")
+    presets = parse_presets(args.presets)
+    shard_counts = [int(count) for count in args.shards.split(",")]
     output = args.output or ROOT / "runs" / f"bench_gba_{args.compute}.json"
     runs = []
     with tempfile.TemporaryDirectory() as scratch:
         for rep, seed in enumerate(int(seed) for seed in args.seeds.split(",")):
-            for algo in algos:
-                result = run_once(algo, seed, args, extra, Path(scratch) / f"{algo}-{rep}.json")
-                metrics = run_metrics(result, args.slow_trainer)
-                runs.append({"algo": algo, "rep": rep, "seed": seed, "metrics": metrics, "result": result})
-                print(f"seed {seed} {algo}: {metrics['samples_per_s']:,.0f} samples/s over {result['window_s']:.1f} s, "
-                      f"AUC {metrics['auc']:.4f}", flush=True)
+            for preset in presets:
+                for shards in shard_counts:
+                    for algo in algos:
+                        result = run_once(algo, seed, preset, shards, args, extra, Path(scratch) / "result.json")
+                        metrics = run_metrics(result, args.slow_trainer)
+                        runs.append({"algo": algo, "rep": rep, "seed": seed, "preset": preset, "shards": shards,
+                                     "metrics": metrics, "result": result})
+                        print(f"seed {seed} {preset} {shards} shard(s) {algo}: {metrics['samples_per_s']:,.0f} "
+                              f"samples/s over {result['window_s']:.1f} s, AUC {metrics['auc']:.4f}", flush=True)
     ideal = ideal_ratio(args.trainers, args.factor)
-    rows = summarize(runs, algos)
+    rows = summarize(runs, presets, shard_counts, algos)
     print(markdown_table(COLUMNS, rows))
     print(f"ideal ratio to sync: {ideal:.2f} ({args.trainers} trainers, one {args.factor:g}x slower)")
     overrun = max(row["overrun_fast_max"] for row in rows)
     if args.compute == "simulated" and overrun > OVERRUN_WARNING:
-        print(f"WARNING: the fast trainers' real work overran the simulated {args.step_ms:g} ms in up to "
-              f"{overrun:.0%} of their steps, so they ran slower than simulated and the ratios to sync "
-              f"understate the scheduling effect; rerun with a larger --step-ms")
+        print(f"WARNING: the fast trainers' real work overran the simulated step in up to {overrun:.0%} of their "
+              f"steps, so they ran slower than simulated and the ratios to sync understate the scheduling "
+              f"effect; rerun with a larger --step-ms")
     output.parent.mkdir(parents=True, exist_ok=True)
     settings = {key: str(value) for key, value in vars(args).items()} | {"overrides": [*SHARED_JOB, *extra]}
     report = {"settings": settings, "ideal_ratio": ideal, "summary": rows, "runs": runs}

@@ -4,6 +4,8 @@
     python benchmarks/bench_matrix.py --preset full     # the whole matrix, 3 seeds
     python benchmarks/bench_matrix.py --preset quality  # shadow algorithms vs ddp near convergence, 3 seeds
     python benchmarks/bench_matrix.py --report-only     # re-render tables and plots from the JSON
+    python benchmarks/bench_matrix.py --preset quick --model-presets small,production [--model-reps 5] \
+        [--model-duration-s 30]                          # plus throughput cells at the model presets
 
 The matrix: algorithm (none, ddp, pma, ma, easgd, bmuf, gba) x mode (shadow / foreground, for ma,
 easgd and bmuf) x straggler (none / trainer 1 three times slower) x dataset (synthetic, MovieLens-100K)
@@ -32,6 +34,13 @@ even cells.
 The seed sets `train.seed` (model initialization) and the data seed (synthetic: teacher and streams;
 MovieLens: epoch shuffles); differences to ddp are taken per seed, so task-to-task variation cancels.
 
+Throughput at the model presets (`--model-presets`, off by default: `example_job.MODEL_PRESETS`,
+small and production, whose steps take up to 50 times the default model's): after the matrix's own
+cells, `--model-reps` repetitions of, for each preset, both straggler settings of the synthetic
+data with every variant in a row, each a timed window of `--model-duration-s` after warm-up and no
+held-out curve (they measure throughput and resources, not quality); their table has its own rows
+with the ratio to `none` per repetition and the resources (CPU ms per sample, peak memory).
+
 Writes the runs as JSON after every cell (an interrupted benchmark keeps what it measured), then a
 Markdown report (`bench_matrix_report`) and PNG plots (`bench_plots`, needs matplotlib:
 `pip install -e '.[bench]'`).
@@ -48,9 +57,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench_matrix_report import markdown_report
+from bench_matrix_report import markdown_report, matrix_runs
 from bench_summary import plotting
-from example_job import CONFIGS, ROOT, SYNTHETIC_HELDOUT, run_example
+from example_job import CONFIGS, ROOT, SYNTHETIC_HELDOUT, parse_presets, preset_arguments, run_example
 
 TRAINERS = 2
 """Trainer ranks of every cell (variants with servers add one server rank)."""
@@ -63,6 +72,8 @@ CURVE_POINTS = 8
 """Held-out evaluations per run, the final one included."""
 WARMUP_SHARE = 0.1
 """Share of a run's steps before its throughput window opens."""
+MODEL_WARMUP_STEPS = 20
+"""Steps before the timed window of a throughput cell at a model preset."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +117,19 @@ class Cell:
     straggler: bool
     seed: int
     steps: int
-    """Training steps per trainer: the dataset's run length in the preset, a third of it with a straggler."""
+    """Training steps per trainer: the dataset's run length in the preset, a third of it with a straggler
+    (0 for a throughput cell at a model preset, which trains for `duration_s`)."""
+    model: str | None = None
+    """A model preset (examples/configs/presets/) for a throughput cell; None: the example's default
+    model, a cell of the matrix itself."""
+    duration_s: float = 0.0
+    """A throughput cell's timed window after warm-up."""
 
     @property
     def label(self) -> str:
         """Names the cell in progress lines and error messages."""
-        return f"{self.dataset} {'straggler' if self.straggler else 'even'} seed {self.seed} {self.variant}"
+        model = f" {self.model}" if self.model else ""
+        return f"{self.dataset}{model} {'straggler' if self.straggler else 'even'} seed {self.seed} {self.variant}"
 
     @property
     def nproc(self) -> int:
@@ -121,15 +139,21 @@ class Cell:
     def arguments(self) -> list[str]:
         """Every train_dlrm.py argument of this cell."""
         samples = self.steps * BATCH_SIZE * TRAINERS
+        length = [
+            *preset_arguments(self.model), "--train.duration_s", str(self.duration_s),
+            "--train.warmup_steps", str(MODEL_WARMUP_STEPS),
+        ] if self.model else [
+            "--train.steps", str(self.steps),
+            "--train.warmup_steps", str(max(1, int(WARMUP_SHARE * self.steps))),
+            "--train.eval_every_samples", str(samples // CURVE_POINTS),
+        ]
         return [
             *VARIANTS[self.variant].arguments(),
             "--data.source", self.dataset,
             f"--data.{self.dataset}.seed", str(self.seed),
             f"--data.{self.dataset}.batch_size", str(BATCH_SIZE),
             "--train.seed", str(self.seed),
-            "--train.steps", str(self.steps),
-            "--train.warmup_steps", str(max(1, int(WARMUP_SHARE * self.steps))),
-            "--train.eval_every_samples", str(samples // CURVE_POINTS),
+            *length,
             *(SYNTHETIC_HELDOUT if self.dataset == "synthetic" else []),
             *(STRAGGLER if self.straggler else []),
         ]
@@ -137,7 +161,7 @@ class Cell:
 
 def cell_of(run: dict[str, Any]) -> Cell:
     """The cell a saved run was made for (a run holds the cell's fields next to its results)."""
-    return Cell(**{field.name: run[field.name] for field in dataclasses.fields(Cell)})
+    return Cell(**{field.name: run[field.name] for field in dataclasses.fields(Cell) if field.name in run})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,15 +218,35 @@ STEP_S = {"synthetic": 0.010, "movielens": 0.012}
 """Measured seconds per training step of 2 trainers on 2 cores, per dataset."""
 
 
+MODEL_WARMUP_S = 30.0
+"""Upper bound of a model preset's warm-up (`MODEL_WARMUP_STEPS`) on 2 cores, the production preset's."""
+
+
+def model_cells(
+    variants: Sequence[str], models: Sequence[str], reps: int, duration_s: float
+) -> list[Cell]:
+    """The throughput cells at the model presets, interleaved: for each repetition, each preset and
+    each straggler setting, every variant in a row (synthetic data; the repetition is the seed)."""
+    return [
+        Cell(variant, "synthetic", straggler, rep, 0, model, duration_s)
+        for rep in range(reps) for model in models for straggler in (False, True) for variant in variants
+    ]
+
+
 def estimate_s(cells: Sequence[Cell]) -> float:
     """Expected wall time of `cells` on 2 quiet cores (a straggler run is paced by its slow trainer)."""
-    return sum(STARTUP_S + cell.steps * STEP_S[cell.dataset] * (STRAGGLER_FACTOR if cell.straggler else 1) for cell in cells)
+    return sum(
+        STARTUP_S + (cell.duration_s + MODEL_WARMUP_S if cell.model else
+                     cell.steps * STEP_S[cell.dataset] * (STRAGGLER_FACTOR if cell.straggler else 1))
+        for cell in cells
+    )
 
 
 def run_cell(cell: Cell, scratch: Path) -> dict[str, Any]:
-    """Run one cell; its results, which must hold the held-out curve."""
+    """Run one cell; its results, which must hold the held-out curve unless the cell measures throughput
+    at a model preset."""
     result = run_example(cell.label, cell.nproc, cell.arguments(), scratch / "result.json", attempts=2)
-    if not result.get("curve"):
+    if not cell.model and not result.get("curve"):
         raise SystemExit(f"{cell.label}: the results have no held-out curve (train.eval_every_samples)")
     return result
 
@@ -240,7 +284,7 @@ def write_report(output: Path, report_path: Path, plots_dir: Path) -> None:
     """Markdown tables and PNG plots from the JSON at `output`."""
     saved = json.loads(output.read_text())
     plots_module = plotting()
-    plots = plots_module.write_matrix_plots(saved["runs"], plots_dir) if plots_module else []
+    plots = plots_module.write_matrix_plots(matrix_runs(saved["runs"]), plots_dir) if plots_module else []
     links = [Path(os.path.relpath(path, report_path.parent)) for path in plots]
     report = markdown_report(saved["runs"], saved["settings"], links)
     report_path.parent.mkdir(parents=True, exist_ok=True)
@@ -257,17 +301,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--plots", type=Path, help="folder for the PNG plots (default runs/plots_<preset>)")
     parser.add_argument("--report-only", action="store_true", help="only re-render the report from --output")
     parser.add_argument("--resume", action="store_true", help="keep the runs already in --output, run the rest")
+    parser.add_argument("--model-presets", default="",
+                        help="comma-separated model presets (small, production) to add throughput cells at")
+    parser.add_argument("--model-reps", type=int, default=5, help="repetitions of the model presets' cells")
+    parser.add_argument("--model-duration-s", type=float, default=30.0, help="timed window of a model preset's cell")
     args = parser.parse_args(argv)
     args.output = args.output or ROOT / "runs" / f"bench_matrix_{args.preset}.json"
     args.plots = args.plots or ROOT / "runs" / f"plots_{args.preset}"
     report = args.report or args.output.with_suffix(".md")
     if not args.report_only:
         preset = PRESETS[args.preset]
-        cells = preset.cells()
+        models = parse_presets(args.model_presets) if args.model_presets else []
+        cells = [*preset.cells(), *model_cells(preset.variants, models, args.model_reps, args.model_duration_s)]
         print(f"preset {args.preset}: {len(cells)} runs, about {estimate_s(cells) / 60:.0f} min on 2 quiet cores "
               f"(variants with servers: {TRAINERS} trainers + 1 parameter-server rank)", flush=True)
         settings = {"preset": args.preset, **dataclasses.asdict(preset), "trainers": TRAINERS,
-                    "batch_size": BATCH_SIZE, "straggler": STRAGGLER, "curve_points": CURVE_POINTS}
+                    "batch_size": BATCH_SIZE, "straggler": STRAGGLER, "curve_points": CURVE_POINTS,
+                    "model_presets": models, "model_reps": args.model_reps, "model_duration_s": args.model_duration_s}
         done = json.loads(args.output.read_text())["runs"] if args.resume and args.output.exists() else []
         run_matrix(cells, args.output, settings, done)
     write_report(args.output, report, args.plots)

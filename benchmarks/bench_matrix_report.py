@@ -9,6 +9,10 @@ A run is one cell of `bench_matrix`: its fields (variant, dataset, straggler, se
 - Throughput: per dataset, straggler setting and variant, the median over seeds (repetitions) of
   samples/s of all trainers, and the median of per-repetition ratios to `none`; the sync gap
   (training steps between two sync results reaching the weights) and GBA's gradient staleness.
+- Throughput at the model presets (the cells with a `model`, `--model-presets`): per preset,
+  straggler setting and variant, samples/s and the per-repetition ratio to `none`, each as median
+  and min-max, and the resources (CPU ms per sample of all ranks, peak memory, a trainer's extra
+  memory as a multiple of the dense size). Those cells are in no other table.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bench_summary import (
-    Column, Run, distinct, markdown_table, mean_std, median_or_none, optional, paired, ratios_to, select,
-    staleness_summary,
+    EXTRA_OVER_NONE_COLUMN, RESOURCE_COLUMNS, Column, Run, difference_spread, distinct, extra_x_dense, markdown_table,
+    mean_std, median_or_none, merged_histogram, optional, paired, ratio_spread, ratios_to, resource_spreads, select,
+    spread, spread_cell, staleness_summary,
 )
 
 
@@ -27,10 +32,15 @@ def seed_of(run: Run) -> int:
     return run["seed"]
 
 
+def matrix_runs(runs: Sequence[Run]) -> list[Run]:
+    """The matrix's own cells (the example's default model), without the model presets' throughput cells."""
+    return [run for run in runs if not run.get("model")]
+
+
 def quality_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
     """Per dataset and variant (cells without a straggler): AUC and log loss over seeds, AUC minus ddp's."""
     rows = []
-    even = select(runs, straggler=False)
+    even = select(matrix_runs(runs), straggler=False)
     for dataset in distinct(run["dataset"] for run in even):
         mine = select(even, dataset=dataset)
         ddp = select(mine, variant="ddp")
@@ -51,13 +61,11 @@ def quality_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
 
 
 def merged_staleness(runs: Sequence[Run]) -> dict[str, int]:
-    """GBA's staleness histograms of every dense shard of `runs`, added up ({} for non-GBA runs)."""
-    total: dict[str, int] = {}
-    for run in runs:
-        for shard in (run["result"].get("gba") or {}).get("dense_shards", []):
-            for key, count in shard["staleness_histogram"].items():
-                total[key] = total.get(key, 0) + count
-    return total
+    """GBA's staleness histograms of `runs`, added up ({} for non-GBA runs): each run's shard 0's,
+    which decides every push (the other shards follow its decisions)."""
+    return merged_histogram(
+        shards[0]["staleness_histogram"] for run in runs if (shards := (run["result"].get("gba") or {}).get("dense_shards"))
+    )
 
 
 def sync_gap(run: Run) -> float | None:
@@ -73,6 +81,7 @@ def samples_per_s(run: Run) -> float:
 def throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
     """Per dataset, straggler setting and variant: samples/s over seeds, ratio to none, sync gap, staleness."""
     rows = []
+    runs = matrix_runs(runs)
     for dataset in distinct(run["dataset"] for run in runs):
         for straggler in distinct(run["straggler"] for run in select(runs, dataset=dataset)):
             mine = select(runs, dataset=dataset, straggler=straggler)
@@ -88,6 +97,29 @@ def throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
                     "ratio_to_none_median": median_or_none(ratios_to(cells, none, seed_of, samples_per_s)),
                     "sync_gap_median": median_or_none([gap for gap in map(sync_gap, cells) if gap is not None]),
                     **(staleness_summary(histogram) if histogram else {}),
+                })
+    return rows
+
+
+def model_throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """Per model preset, straggler setting and variant (the model presets' cells): samples/s and the
+    per-repetition ratio to none, median and min-max, and the resources."""
+    rows = []
+    cells_of_models = [run for run in runs if run.get("model")]
+    for model in distinct(run["model"] for run in cells_of_models):
+        for straggler in (False, True):
+            mine = select(cells_of_models, model=model, straggler=straggler)
+            none = select(mine, variant="none")
+            for variant in distinct(run["variant"] for run in mine):
+                cells = select(mine, variant=variant)
+                rows.append({
+                    "model": model, "straggler": straggler, "variant": variant, "reps": len(cells),
+                    "dense_params": cells[0]["result"]["dense_params"],
+                    "samples_per_s": spread([samples_per_s(run) for run in cells]),
+                    "ratio_to_none": ratio_spread(cells, none, seed_of, samples_per_s),
+                    **resource_spreads([run["result"] for run in cells]),
+                    "extra_x_dense_over_none": difference_spread(
+                        cells, none, seed_of, lambda run: extra_x_dense(run["result"])),
                 })
     return rows
 
@@ -124,6 +156,19 @@ THROUGHPUT_COLUMNS: list[Column] = [
 """Throughput table: header and cell of each column."""
 
 
+MODEL_THROUGHPUT_COLUMNS: list[Column] = [
+    ("preset (dense params)", lambda row: f"{row['model']} ({row['dense_params']:,})"),
+    ("straggler", lambda row: "trainer 1 3x slow" if row["straggler"] else "none"),
+    ("algorithm", lambda row: row["variant"]),
+    ("samples/s (min-max)", lambda row: spread_cell(row["samples_per_s"], ",.0f")),
+    ("ratio to none", lambda row: spread_cell(row["ratio_to_none"], ".3f")),
+    *RESOURCE_COLUMNS,
+    EXTRA_OVER_NONE_COLUMN,
+    ("reps", lambda row: str(row["reps"])),
+]
+"""Throughput table of the model presets: header and cell of each column."""
+
+
 def markdown_report(runs: Sequence[Run], settings: dict[str, Any], plots: Sequence[Path]) -> str:
     """The whole report: settings, the quality and throughput tables, the teacher ceiling, the plots."""
     quality = quality_rows(runs)
@@ -149,6 +194,12 @@ def markdown_report(runs: Sequence[Run], settings: dict[str, Any], plots: Sequen
         "every algorithm, none included; straggler runs train a third of the steps. The -ps-tables variants",
         "keep the tables on the parameter server: no trainer step is collective, the fast trainer runs ahead.",
     ]
+    model_rows = model_throughput_rows(runs)
+    if model_rows:
+        lines += [
+            "", f"## Throughput at the model presets, {settings['model_duration_s']:g} s windows, "
+            "ratio to none within each repetition", "", markdown_table(MODEL_THROUGHPUT_COLUMNS, model_rows),
+        ]
     if plots:
         lines += ["", "## Plots", "", *(f"![{path.stem}]({path.as_posix()})" for path in plots)]
     return "\n".join(lines)

@@ -3,8 +3,8 @@
     python benchmarks/bench_scaling.py [--trainers 1,2,4,8] [--variants none,ddp,ma-shadow,...] \
         [--reps 2] [--duration-s 10]
 
-Every run is a `torchrun` job of `benchmarks/train_dlrm.py` on N ranks with the throughput model
-(`example_job.THROUGHPUT_MODEL`, as bench_sync), timed for a fixed
+Every run is a `torchrun` job of `benchmarks/train_dlrm.py` on N ranks with the small model preset
+(`--preset small`: 8 tables of 100K x 64, a 338K-parameter dense net), timed for a fixed
 window after warm-up. Runs are interleaved (every variant at every size, then the next repetition),
 and each variant's ratio to `none` is the median of its ratios to the `none` run of the same size
 and repetition. Writes JSON, a Markdown table and a PNG plot (runs/plots/scaling.png).
@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from bench_matrix import VARIANTS
 from bench_summary import Column, Run, markdown_table, median_or_none, optional, plotting, ratios_to, select
-from example_job import ROOT, THROUGHPUT_MODEL, run_example
+from example_job import ROOT, preset_arguments, run_example
 
 DEFAULT_VARIANTS = ("none", "ddp", "ma-shadow", "easgd-shadow", "bmuf-shadow")
 STARTUP_S = 10.0
@@ -47,7 +47,7 @@ def note() -> str:
 def run_once(variant: str, trainers: int, args: argparse.Namespace, output: Path) -> dict[str, Any]:
     """One timed run of `variant` on `trainers` ranks."""
     arguments = [
-        *VARIANTS[variant].arguments(), *THROUGHPUT_MODEL,
+        *VARIANTS[variant].arguments(), *preset_arguments("small"),
         "--train.duration_s", str(args.duration_s), "--train.warmup_steps", str(args.warmup_steps),
     ]
     return run_example(f"{variant} on {trainers} trainers", trainers, arguments, output)

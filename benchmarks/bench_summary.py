@@ -3,7 +3,11 @@
 Every benchmark here compares runs that were interleaved in one invocation, so that slow drifts of
 the machine cancel out: a run's throughput is divided by its baseline's from the same repetition
 (`ratios_to`), and only then summarized. Tables are lists of columns, each a header and a function
-that renders one summary row's cell (`markdown_table`).
+that renders one summary row's cell (`markdown_table`). A figure over repetitions is shown as its
+median with the min-max beside it (`Spread`, `spread_cell`); every run's resources (CPU seconds per
+sample of all ranks, peak memory per trainer and server, a trainer's extra memory as a multiple of
+the dense size) are summarized and rendered alike by every benchmark (`resource_spreads`,
+`RESOURCE_COLUMNS`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 Run = dict[str, Any]
 Column = tuple[str, Callable[[dict[str, Any]], str]]
 """A table column: its header and how a summary row fills the cell."""
+Spread = tuple[float, float, float]
+"""Median, min and max of a figure over repetitions."""
 
 
 def markdown_table(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> str:
@@ -60,9 +66,83 @@ def median_or_none(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def spread(values: Sequence[float | None]) -> Spread | None:
+    """Median, min and max of the values that apply (None where none does)."""
+    present = [value for value in values if value is not None]
+    return (statistics.median(present), min(present), max(present)) if present else None
+
+
+def spread_cell(figure: Spread | None, spec: str) -> str:
+    """`median (min-max)`, or `-` where the figure does not apply."""
+    if figure is None:
+        return "-"
+    median, low, high = (format(value, spec) for value in figure)
+    return f"{median} ({low}-{high})"
+
+
+def difference_spread(
+    runs: Sequence[Run], baselines: Sequence[Run], key: Callable[[Run], Hashable], value: Callable[[Run], float]
+) -> Spread | None:
+    """`spread` of `value(run) - value(baseline)` over the runs paired with their baseline by `key`."""
+    return spread([value(run) - value(baseline) for run, baseline in paired(runs, baselines, key)])
+
+
+def ratio_spread(
+    runs: Sequence[Run], baselines: Sequence[Run], key: Callable[[Run], Hashable], value: Callable[[Run], float]
+) -> Spread | None:
+    """`spread` of the per-repetition ratios `ratios_to` takes (None without a baseline)."""
+    return spread(ratios_to(runs, baselines, key, value))
+
+
+RESOURCE_FIGURES: dict[str, Callable[[dict[str, Any]], float | None]] = {
+    "cpu_ms_per_sample": lambda resources: (
+        None if resources["cpu_s_per_sample"] is None else 1e3 * resources["cpu_s_per_sample"]),
+    "trainer_peak_rss_mib": lambda resources: resources["trainer_peak_rss_mib_max"],
+    "server_peak_rss_mib": lambda resources: resources["server_peak_rss_mib_max"],
+    "extra_x_dense": lambda resources: resources["trainer_extra_x_dense_max"],
+}
+"""The resource figures of one run, from the harness's `resources` (benchmarks/dlrm/job.py): CPU
+milliseconds of all ranks per sample trained in the timed window, the largest trainer's and
+server's peak resident memory, the largest trainer's peak above its memory before the sync runtime
+was built, as a multiple of the dense parameters' size."""
+
+
+def extra_x_dense(result: dict[str, Any]) -> float:
+    """A run's largest trainer peak memory above its memory before the sync runtime, in dense sizes."""
+    return RESOURCE_FIGURES["extra_x_dense"](result["resources"])
+
+
+def resource_spreads(results: Sequence[dict[str, Any]]) -> dict[str, Spread | None]:
+    """Every `RESOURCE_FIGURES` figure over the runs whose harness results are `results`."""
+    return {name: spread([figure(result["resources"]) for result in results]) for name, figure in RESOURCE_FIGURES.items()}
+
+
+RESOURCE_COLUMNS: list[Column] = [
+    ("CPU ms/sample", lambda row: spread_cell(row["cpu_ms_per_sample"], ".3f")),
+    ("peak RSS MiB per trainer", lambda row: spread_cell(row["trainer_peak_rss_mib"], ",.0f")),
+    ("per server", lambda row: spread_cell(row["server_peak_rss_mib"], ",.0f")),
+    ("extra per trainer (x dense)", lambda row: spread_cell(row["extra_x_dense"], ".1f")),
+]
+"""The resource columns every benchmark table ends with (a row holds `resource_spreads`)."""
+
+EXTRA_OVER_NONE_COLUMN: Column = (
+    "extra over none (x dense)", lambda row: spread_cell(row["extra_x_dense_over_none"], ".1f"))
+"""Where a table has a `none` baseline: a trainer's extra memory minus none's in the same repetition,
+what the sync itself holds beyond local training (optimizer state and activations cancel)."""
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for a single value)."""
     return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def merged_histogram(histograms: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Staleness histograms (of several shards or runs) added up bucket by bucket."""
+    total: dict[str, int] = {}
+    for histogram in histograms:
+        for key, count in histogram.items():
+            total[key] = total.get(key, 0) + count
+    return total
 
 
 def staleness_summary(histogram: dict[str, int]) -> dict[str, float]:

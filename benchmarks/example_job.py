@@ -17,14 +17,26 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = ROOT / "benchmarks" / "train_dlrm.py"
 CONFIGS = ROOT / "examples" / "configs"
 
-THROUGHPUT_MODEL = [
-    "--model.embedding_dim", "64",
-    "--model.dense_arch_layer_sizes", "[512, 256, 64]",
-    "--model.over_arch_layer_sizes", "[512, 256, 1]",
-    "--data.synthetic.num_embeddings", "100000",
-]
-"""The throughput model of bench_sync and bench_scaling: 8 tables of 100K x 64 and a 338K-parameter
-dense net, large enough that syncing it costs real time (docs/benchmarks.md, "The development machines")."""
+MODEL_PRESETS = ("small", "production")
+"""The model presets the throughput benchmarks run side by side (examples/configs/presets/): small, 8
+tables of 100K x 64 and a 338K-parameter dense net, large enough that syncing it costs real time
+(docs/benchmarks.md, "The development machines"); production, MLPerf DLRM's 2.4M-parameter dense
+and over arch over 26 tables of 100K x 128."""
+
+
+def preset_arguments(preset: str) -> list[str]:
+    """The train_dlrm.py arguments that select a model preset."""
+    return ["--preset", preset]
+
+
+def parse_presets(text: str) -> list[str]:
+    """`--presets small,production` as a list, refused (SystemExit) if it names an unknown preset."""
+    presets = text.split(",")
+    unknown = sorted(set(presets) - set(MODEL_PRESETS))
+    if unknown or not presets:
+        raise SystemExit(f"--presets must name only {list(MODEL_PRESETS)}; got {presets}")
+    return presets
+
 
 SYNTHETIC_HELDOUT = ["--data.synthetic.eval_batches", "128"]
 """Held-out synthetic set of the quality benchmarks: 128 x 512 = 65,536 samples, 4x the example's

@@ -46,7 +46,7 @@ from dlrm.config import ExperimentConfig, preset_names, preset_overrides
 from dlrm.faults import KillAt, restart_count
 from dlrm.curve import heldout_curve
 from dlrm.job import (
-    MB, Interval, ResourceMeter, StepWallClock, applied_samples, dense_sync, gather_resources, join, resource_summary,
+    MiB, Interval, ResourceMeter, StepWallClock, applied_samples, dense_sync, gather_resources, join, resource_summary,
     timed_window,
 )
 from dlrm.loop import (
@@ -80,7 +80,7 @@ def run(
     by_rank = gather_resources(meter, job.is_server, window)
     if by_rank is None or results is None:
         return None
-    return {**results, "resources": resource_summary(by_rank, results["samples_in_window"], results["dense_mb"])}
+    return {**results, "resources": resource_summary(by_rank, results["samples_in_window"], results["dense_mib"])}
 
 
 def run_trainer(
@@ -147,7 +147,7 @@ def run_trainer(
         "eval_s_during_training": curve.eval_s,  # trainer 0's; left out of window_s and the curve's elapsed_s
         **({"teacher_auc": roc_auc(*ceiling), "teacher_log_loss": log_loss(*ceiling)} if ceiling else {}),
         "dense_params": sum(param.numel() for param in model.dense_params),
-        "dense_mb": sum(param.numel() * param.element_size() for param in model.dense_params) / MB,
+        "dense_mib": sum(param.numel() * param.element_size() for param in model.dense_params) / MiB,
         "dense_replica_max_abs_diff": spread,
         "samples_computed_total": sum_over_trainers(stats.steps * config.data.batch_size, roles, device),
         "straggler_sleep_s_total": sum_over_trainers(stats.straggler_sleep_s, roles, device),
@@ -196,7 +196,7 @@ def _summary(results: dict[str, Any], output: Path) -> str:
         f"{results['gba']['mode']} mode" if results["gba"] else "baseline")
     lines = [
         f"{algo} ({how}): {results['trainers']} trainers, {results['servers']} servers, "
-        f"{results['dense_params']:,} dense parameters ({results['dense_mb']:.1f} MB)"
+        f"{results['dense_params']:,} dense parameters ({results['dense_mib']:.1f} MiB)"
         + (f", preset {results['preset']}" if results["preset"] else ""),
         f"  throughput   {results['samples_per_s_total']:,.0f} samples/s "
         f"({results['samples_per_s_per_trainer']:,.0f} per trainer) over a common {results['window_s']:.1f} s window",
@@ -218,9 +218,9 @@ def _summary(results: dict[str, Any], output: Path) -> str:
     lines.append(
         "  resources    "
         + (f"{1e3 * per_sample:.3f} CPU ms per sample (all ranks), " if per_sample is not None else "")
-        + f"peak RSS {resources['trainer_peak_rss_mb_max']:,.0f} MB per trainer"
-        + (f", {resources['server_peak_rss_mb_max']:,.0f} MB per server" if resources["server_peak_rss_mb_max"] else "")
-        + f", extra {resources['trainer_extra_rss_mb_max']:,.0f} MB per trainer "
+        + f"peak RSS {resources['trainer_peak_rss_mib_max']:,.0f} MiB per trainer"
+        + (f", {resources['server_peak_rss_mib_max']:,.0f} MiB per server" if resources["server_peak_rss_mib_max"] else "")
+        + f", extra {resources['trainer_extra_rss_mib_max']:,.0f} MiB per trainer "
         f"({resources['trainer_extra_x_dense_max']:.1f}x the dense size)"
     )
     lines.append(f"  full record  {output}")

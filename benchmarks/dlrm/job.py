@@ -74,7 +74,7 @@ def applied_samples(sync: Any, config: ExperimentConfig) -> Callable[[], int]:
     return count
 
 
-MB = 2**20
+MiB = 2**20
 Interval = tuple[float, float]
 """Wall-clock seconds (`time.time()`: comparable across the ranks' machines, unlike a monotonic clock)."""
 
@@ -85,15 +85,15 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def peak_rss_mb() -> float:
+def peak_rss_mib() -> float:
     """This process's peak resident memory so far (Linux reports `ru_maxrss` in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MiB
 
 
-def rss_mb() -> float:
+def rss_mib() -> float:
     """This process's resident memory now."""
     resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return resident_pages * resource.getpagesize() / MB
+    return resident_pages * resource.getpagesize() / MiB
 
 
 class ResourceMeter:
@@ -110,12 +110,12 @@ class ResourceMeter:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(period_s,), name="resource-meter", daemon=True)
         self._thread.start()
-        self.rss_before_sync_mb: float | None = None
+        self.rss_before_sync_mib: float | None = None
         """A trainer's resident memory just before its sync runtime is built (`mark_before_sync`)."""
 
     def mark_before_sync(self) -> None:
         """Trainers: remember the resident memory before the sync runtime exists."""
-        self.rss_before_sync_mb = rss_mb()
+        self.rss_before_sync_mib = rss_mib()
 
     def stop(self) -> None:
         """Take the last sample and end the sampling thread."""
@@ -193,28 +193,28 @@ def gather_resources(meter: ResourceMeter, is_server: bool, window: Sequence[Int
     dist.broadcast_object_list(shared, src=0)
     mine = {
         "rank": dist.get_rank(), "role": "server" if is_server else "trainer",
-        "cpu_s_in_window": meter.cpu_s(shared[0]), "peak_rss_mb": peak_rss_mb(),
-        "rss_before_sync_mb": meter.rss_before_sync_mb,
+        "cpu_s_in_window": meter.cpu_s(shared[0]), "peak_rss_mib": peak_rss_mib(),
+        "rss_before_sync_mib": meter.rss_before_sync_mib,
     }
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     return gathered
 
 
-def resource_summary(by_rank: list[dict[str, Any]], samples: int, dense_mb: float) -> dict[str, Any]:
+def resource_summary(by_rank: list[dict[str, Any]], samples: int, dense_mib: float) -> dict[str, Any]:
     """CPU seconds of every rank in the window per sample trained in it, peak memory per trainer and
     server, and each trainer's peak memory above what it held before its sync runtime was built (the
     "extra"), also as a multiple of the dense parameters' size."""
     trainers = [rank for rank in by_rank if rank["role"] == "trainer"]
     servers = [rank for rank in by_rank if rank["role"] == "server"]
-    extra = [rank["peak_rss_mb"] - rank["rss_before_sync_mb"] for rank in trainers]
+    extra = [rank["peak_rss_mib"] - rank["rss_before_sync_mib"] for rank in trainers]
     cpu_s = sum(rank["cpu_s_in_window"] for rank in by_rank)
     return {
         "by_rank": by_rank,
         "cpu_s_in_window": cpu_s,
         "cpu_s_per_sample": cpu_s / samples if samples else None,
-        "trainer_peak_rss_mb_max": max(rank["peak_rss_mb"] for rank in trainers),
-        "server_peak_rss_mb_max": max((rank["peak_rss_mb"] for rank in servers), default=None),
-        "trainer_extra_rss_mb_max": max(extra),
-        "trainer_extra_x_dense_max": max(extra) / dense_mb,
+        "trainer_peak_rss_mib_max": max(rank["peak_rss_mib"] for rank in trainers),
+        "server_peak_rss_mib_max": max((rank["peak_rss_mib"] for rank in servers), default=None),
+        "trainer_extra_rss_mib_max": max(extra),
+        "trainer_extra_x_dense_max": max(extra) / dense_mib,
     }
