@@ -10,8 +10,9 @@ Not part of `make test`. Each job is one `torchrun --standalone --max-restarts=1
 - pacing `--sync.interval_ms`; for gba either the switch policy (short window, trainer 1 slowed
   3x, so that it has something to switch on) or a plain `--sync.gba.initial_mode` choice;
 - the step count and `--checkpoint-every`, always with `--resume`;
-- in about half the jobs a fault: `SHADOWGBA_TEST_KILL_AT_STEP` on a random trainer and step
-  (`dlrm.faults`), which torchrun answers by restarting the job, which resumes from its checkpoint.
+- in about half the jobs a fault on a random trainer and step (`dlrm.faults`, armed through
+  `SHADOWGBA_TEST_FAULTS`): the trainer SIGKILLs itself (`kill`) or its loop raises (`fail`);
+  torchrun answers either by restarting the job, which resumes from its checkpoint.
 A job that runs past `--job-timeout-s` is a hang: torchrun and every worker are killed. A job that exits
 non-zero is an error; so is a finished job whose results contradict its schedule (no restart after
 a fault that fired, a fault that did not fire, a resume from another step than the last checkpoint
@@ -36,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from dlrm.faults import FAULTS_ENV, KILL_ENV  # benchmarks/ is this script's folder: its modules import as scripts do
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 32
@@ -74,7 +77,7 @@ def draw_job(rng: random.Random, index: int) -> dict[str, Any]:
         else:
             gba = f"initial_mode {(initial := rng.choice(['sync', 'gba']))}"
             args += ["--sync.gba.initial_mode", initial]
-    fault = (rng.randrange(trainers), rng.randrange(3, steps - 2)) if rng.random() < 0.5 else None
+    fault = (rng.choice(["kill", "fail"]), rng.randrange(trainers), rng.randrange(3, steps - 2)) if rng.random() < 0.5 else None
     return {"index": index, "name": name, "ranks": ranks, "trainers": trainers, "steps": steps,
             "checkpoint_every": every, "gba": gba, "fault": fault, "args": args}
 
@@ -106,9 +109,10 @@ def run_job(job: dict[str, Any], workdir: Path, timeout_s: float) -> dict[str, A
         "--output", str(output),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHADOWGBA_TEST_FAULT_LOG": str(fault_log)}
-    env.pop("SHADOWGBA_TEST_KILL_AT_STEP", None)
+    for armed in (KILL_ENV, FAULTS_ENV):
+        env.pop(armed, None)
     if job["fault"]:
-        env["SHADOWGBA_TEST_KILL_AT_STEP"] = "{}:{}".format(*job["fault"])
+        env[FAULTS_ENV] = "{}:{}:{}".format(*job["fault"])
     started = time.monotonic()
     with open(here / "log.txt", "w") as log:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -146,9 +150,9 @@ def run_job(job: dict[str, Any], workdir: Path, timeout_s: float) -> dict[str, A
     if results["steps"] != job["steps"]:
         problems.append(f"trained {results['steps']} steps, not {job['steps']}")
     if job["fault"]:
-        trainer, step = job["fault"]
-        if not fired or fired != [{"trainer": trainer, "step": step, "restart_count": 0, "pid": fired[0]["pid"]}]:
-            problems.append(f"fault {trainer}:{step} armed, fired: {fired}")
+        kind, trainer, step = job["fault"]
+        if [(f["kind"], f["trainer"], f["step"], f["restart_count"]) for f in fired] != [(kind, trainer, step, 0)]:
+            problems.append(f"fault {kind}:{trainer}:{step} armed, fired: {fired}")
         expected = step // every * every
         if restarts != 1 or (resumed_from or 0) != expected:
             problems.append(f"after the fault at step {step}: restart_count {restarts}, resumed from "
@@ -206,7 +210,7 @@ def main() -> None:
             job = draw_job(rng, len(outcomes))
             outcome = run_job(job, Path(scratch), args.job_timeout_s)
             outcomes.append(outcome)
-            fault = "fault {}:{}".format(*job["fault"]) if job["fault"] else "no fault"
+            fault = "{}:{}:{}".format(*job["fault"]) if job["fault"] else "no fault"
             print(f"job {job['index']:3d} {job['name']:15s} {job['steps']:3d} steps, every {job['checkpoint_every']:2d}, "
                   f"{fault:12s} {job['gba'] or '':22s} -> {outcome['status']} ({outcome['wall_s']:.1f} s)"
                   + (f": {outcome.get('why')}; log kept below" if outcome["status"] != "ok" else ""), flush=True)

@@ -4,13 +4,20 @@ Each rank runs `fn(rank, world_size, *args)` after `init_process_group("gloo")` 
 return value (serialised with torch.save) or its formatted traceback. `run_ranks` returns the per-rank results in rank order,
 or raises with every failing rank's traceback; ranks still alive at the deadline are killed and
 reported as hung. Processes are spawned (not forked) so no torch thread pool is inherited.
+
+`run_ranks_outcomes` is the same harness for fault-injection tests: it never raises for a rank,
+and returns each rank's `RankOutcome` instead, so that a rank killed on purpose (SIGKILL) reads as
+killed, and a test can report every rank's message and end time, hung ranks included.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import dataclasses
+import datetime
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -28,11 +35,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any,
+           group_timeout_s: float | None = None) -> None:
     try:
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        timeout = {} if group_timeout_s is None else {"timeout": datetime.timedelta(seconds=group_timeout_s)}
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, **timeout)
         value = fn(rank, world_size, *args)
         encoded = io.BytesIO()
         torch.save(value, encoded)  # bytes, not shared-memory tensors that die with this process
@@ -42,23 +51,47 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0) -> list[Any]:
-    """Run `fn` on `world_size` ranks; return their results or raise with the failures."""
+@dataclasses.dataclass
+class RankOutcome:
+    """How one rank of `run_ranks_outcomes` ended: exactly one of returned, raised, killed, hung."""
+
+    value: Any = None
+    """What `fn` returned (when it returned)."""
+    traceback: str | None = None
+    """The formatted traceback of what `fn` raised (when it raised)."""
+    killed: bool = False
+    """The process died by SIGKILL before sending a result."""
+    hung: bool = False
+    """Still alive at the deadline (then killed by the harness), or gone without a result otherwise."""
+    exitcode: int | None = None
+    """The process's exit code (negative: the signal that ended it)."""
+
+    @property
+    def returned(self) -> bool:
+        return not (self.traceback is not None or self.killed or self.hung)
+
+
+def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0,
+                       group_timeout_s: float | None = None) -> list[RankOutcome]:
+    """Run `fn` on `world_size` ranks; every rank's `RankOutcome`, in rank order. `group_timeout_s`:
+    the default group's collective timeout (None: torch's default)."""
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_entry, args=(fn, rank, world_size, port, args, results), daemon=True)
+        context.Process(target=_entry, args=(fn, rank, world_size, port, args, results, group_timeout_s), daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:
         process.start()
-    outcomes: dict[int, tuple[bool, Any]] = {}
+    received: dict[int, tuple[bool, Any]] = {}
+    alive_at_deadline: set[int] = set()
     try:
         deadline = time.monotonic() + timeout_s
-        while len(outcomes) < world_size:
+        while len(received) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                alive_at_deadline = {rank for rank, process in enumerate(processes) if process.is_alive()}
                 break
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
@@ -66,19 +99,38 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                 if all(not p.is_alive() for p in processes) and results.empty():
                     break
                 continue
-            outcomes[rank] = (ok, value)
+            received[rank] = (ok, value)
     finally:
-        for process in processes:
-            process.join(timeout=5)
+        for rank, process in enumerate(processes):
+            process.join(timeout=0 if rank in alive_at_deadline else 5)
             if process.is_alive():
                 process.kill()
-    failures = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(outcomes.items()) if not ok]
-    missing = [rank for rank in range(world_size) if rank not in outcomes]
+                process.join()
+    outcomes = []
+    for rank, process in enumerate(processes):
+        exitcode = process.exitcode
+        if rank in received:
+            ok, value = received[rank]
+            outcomes.append(RankOutcome(value=torch.load(io.BytesIO(value), weights_only=False), exitcode=exitcode)
+                            if ok else RankOutcome(traceback=value, exitcode=exitcode))
+        elif rank not in alive_at_deadline and exitcode == -signal.SIGKILL:
+            outcomes.append(RankOutcome(killed=True, exitcode=exitcode))
+        else:
+            outcomes.append(RankOutcome(hung=True, exitcode=exitcode))
+    return outcomes
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0) -> list[Any]:
+    """Run `fn` on `world_size` ranks; return their results or raise with the failures."""
+    outcomes = run_ranks_outcomes(fn, world_size, *args, timeout_s=timeout_s)
+    failures = [f"rank {rank}:\n{outcome.traceback}" for rank, outcome in enumerate(outcomes)
+                if outcome.traceback is not None]
+    missing = [rank for rank, outcome in enumerate(outcomes) if outcome.killed or outcome.hung]
     if missing:
         failures.append(f"ranks {missing} hung or died without a result (deadline {timeout_s}s)")
     if failures:
         raise AssertionError("\n".join(failures))
-    return [torch.load(io.BytesIO(outcomes[rank][1]), weights_only=False) for rank in range(world_size)]
+    return [outcome.value for outcome in outcomes]
 
 
 def _run_jobs(rank: int, world_size: int, jobs: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:

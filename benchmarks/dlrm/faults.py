@@ -1,59 +1,193 @@
-"""Test-only fault injection: one place where the harness kills one of its own trainers on purpose.
+"""Test-only fault injection, for the tests' spawned jobs and the harness alike: faults armed on every
+rank the same way, each fired by the trainer it names, right after its training step N.
 
-    SHADOWGBA_TEST_KILL_AT_STEP=1:15   # trainer 1 SIGKILLs itself right after step 15 (and its checkpoint)
+    faults = FaultInjector(job.trainer_index, log=path, pids=pids)
+    faults.fail_at(1, step=20)                   # trainer 1 raises InjectedFailure after step 20
+    faults.kill_at(1, step=20)                   # trainer 1 SIGKILLs itself (no clean-up of any kind)
+    faults.stall_at(1, step=20, seconds=3)       # trainer 1's training thread sleeps 3 s
+    faults.stall_at(1, step=20, seconds=3, freeze=True)  # its whole process is stopped (SIGSTOP) for 3 s
+    faults.kill_server_at(0, step=20, trainer=0)  # trainer 0 SIGKILLs server 0's process
+    for step in ...:
+        ...; optimizer.step()
+        faults.after_step(step)
 
-It fires only in a job's first attempt (`TORCHELASTIC_RESTART_COUNT`, 0 when unset), so the job
-that torchrun restarts (`--max-restarts`) runs through. Before dying it appends one JSON line
-`{"trainer", "step", "restart_count", "pid"}` to `SHADOWGBA_TEST_FAULT_LOG` (when set) and prints
-it to stderr, so a test can assert that the fault fired and where; and a run that was armed but
-ended before the step raises instead of passing silently.
+A plain sleep stalls only the training thread: the shadow thread, RPC threads and the pings a
+server sends still run, as under a slow batch. `freeze` stops every thread of the process, as a
+descheduled or swapped-out host would: a helper process (started before the stop) continues it.
+
+Every fault that fires is recorded before it acts (`FaultInjector.fired`, and one JSON line
+`{"kind", "trainer", "step", "restart_count", "pid", "at"}` appended to `log`, flushed and synced
+so that it outlives a kill, and printed to stderr), so a test asserts that it fired, where and when
+(`at`: wall-clock time, comparable across the job's processes). `check_fired` raises for an armed
+fault the run ended before, instead of letting it pass silently. Faults fire only in a job's first
+attempt (`TORCHELASTIC_RESTART_COUNT`, 0 when unset): the attempt torchrun restarts runs through.
+
+The harness arms the injector from the environment (`FaultInjector.from_env`):
+
+    SHADOWGBA_TEST_KILL_AT_STEP=1:15          # trainer 1 is killed right after step 15 (and its checkpoint)
+    SHADOWGBA_TEST_FAULTS="fail:0:20,stall:1:10:2.5,freeze:1:30:4,kill:1:40"
+    SHADOWGBA_TEST_FAULT_LOG=faults.jsonl     # where fired faults are recorded
+
+Killing a server needs its pid, which only a collective can tell a trainer (`exchange_pids`), so
+the harness's environment cannot arm it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch.distributed as dist
 
 from shadowgba.ps.transport import restart_count  # re-exported: the harness reads it here
 
 KILL_ENV = "SHADOWGBA_TEST_KILL_AT_STEP"
+FAULTS_ENV = "SHADOWGBA_TEST_FAULTS"
 LOG_ENV = "SHADOWGBA_TEST_FAULT_LOG"
 
 
-class KillAt:
-    """The armed fault of trainer `trainer_index`, if `SHADOWGBA_TEST_KILL_AT_STEP` names it."""
+class InjectedFailure(RuntimeError):
+    """The exception a `fail_at` fault raises in the training loop (a user's bug, on purpose)."""
 
-    def __init__(self, trainer_index: int) -> None:
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One armed fault: `trainer` fires it right after its step `step`."""
+
+    kind: str
+    """fail | kill | stall | freeze | kill_server."""
+    trainer: int
+    step: int
+    seconds: float = 0.0
+    """stall / freeze: how long."""
+    rank: int | None = None
+    """kill_server: the global rank of the server process to kill."""
+
+
+class FaultInjector:
+    """The faults of a job, armed alike on every rank; `after_step` fires this trainer's own."""
+
+    def __init__(self, trainer_index: int | None, log: str | os.PathLike[str] | None = None,
+                 pids: Sequence[int] | None = None) -> None:
+        """`trainer_index`: this rank's index among the trainers (None on a server: nothing fires
+        there). `log`: a file each fired fault is appended to. `pids`: every rank's process id by
+        global rank (`exchange_pids`), needed by `kill_server_at`."""
         self.trainer_index = trainer_index
-        self.step: int | None = None
-        spec = os.environ.get(KILL_ENV)
-        if not spec:
-            return
-        try:
-            trainer, step = (int(part) for part in spec.split(":"))
-        except ValueError:
-            raise ValueError(f"{KILL_ENV} must be TRAINER:STEP (two integers), got {spec!r}") from None
-        if trainer == trainer_index and restart_count() == 0:
-            self.step = step
+        self.log = Path(log) if log is not None else None
+        self.pids = list(pids) if pids is not None else None
+        self.faults: list[Fault] = []
+        self.fired: list[dict[str, object]] = []
+        self._actions: dict[str, Callable[[Fault], None]] = {
+            "fail": self._fail, "kill": self._kill, "stall": self._stall, "freeze": self._freeze,
+            "kill_server": self._kill_server,
+        }
+
+    @classmethod
+    def from_env(cls, trainer_index: int) -> "FaultInjector":
+        """The harness's injector: faults from `SHADOWGBA_TEST_KILL_AT_STEP` (TRAINER:STEP, a kill)
+        and `SHADOWGBA_TEST_FAULTS` (comma-separated KIND:TRAINER:STEP[:SECONDS]), logged to
+        `SHADOWGBA_TEST_FAULT_LOG`."""
+        injector = cls(trainer_index, os.environ.get(LOG_ENV) or None)
+        specs = [f"kill:{spec}" for spec in [os.environ.get(KILL_ENV, "")] if spec]
+        specs += [spec for spec in os.environ.get(FAULTS_ENV, "").split(",") if spec]
+        for spec in specs:
+            kind, *numbers = spec.strip().split(":")
+            try:
+                trainer, step, *seconds = (float(number) for number in numbers)
+                if kind not in ("fail", "kill", "stall", "freeze") or len(seconds) != (kind in ("stall", "freeze")):
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"{KILL_ENV} must be TRAINER:STEP and {FAULTS_ENV} a list of fail|kill:TRAINER:STEP "
+                                 f"or stall|freeze:TRAINER:STEP:SECONDS, got {spec!r}") from None
+            injector._arm(Fault(kind, int(trainer), int(step), *seconds))
+        return injector
+
+    def fail_at(self, trainer: int, step: int) -> "FaultInjector":
+        """Trainer `trainer` raises `InjectedFailure` in its loop right after step `step`."""
+        return self._arm(Fault("fail", trainer, step))
+
+    def kill_at(self, trainer: int, step: int) -> "FaultInjector":
+        """Trainer `trainer` SIGKILLs its own process right after step `step`."""
+        return self._arm(Fault("kill", trainer, step))
+
+    def stall_at(self, trainer: int, step: int, seconds: float, freeze: bool = False) -> "FaultInjector":
+        """Trainer `trainer` stalls for `seconds` after step `step`: its training thread sleeps, or
+        with `freeze` its whole process is stopped (SIGSTOP) and continued (SIGCONT) by a helper."""
+        return self._arm(Fault("freeze" if freeze else "stall", trainer, step, seconds))
+
+    def kill_server_at(self, server_rank: int, step: int, trainer: int = 0) -> "FaultInjector":
+        """Trainer `trainer` SIGKILLs the process of global rank `server_rank` after step `step`."""
+        if self.pids is None:
+            raise ValueError("kill_server_at needs FaultInjector(..., pids=exchange_pids())")
+        return self._arm(Fault("kill_server", trainer, step, rank=server_rank))
 
     def after_step(self, step: int) -> None:
-        """Kill this process (SIGKILL, no clean-up of any kind) if the fault is due at `step`."""
-        if self.step is None or step != self.step:
-            return
-        record = {"trainer": self.trainer_index, "step": step, "restart_count": restart_count(), "pid": os.getpid()}
+        """Fire this trainer's faults due at `step` (call it right after each training step)."""
+        for fault in self.faults:
+            if fault.trainer == self.trainer_index and fault.step == step:
+                self._record(fault)
+                self._actions[fault.kind](fault)
+
+    def check_fired(self, last_step: int) -> None:
+        """Raise if a fault armed for this trainer was never fired: the run ended at `last_step` first."""
+        fired = {(record["kind"], record["step"]) for record in self.fired}
+        for fault in self.faults:
+            if fault.trainer == self.trainer_index and (fault.kind, fault.step) not in fired:
+                raise RuntimeError(f"a {fault.kind} fault was armed for trainer {fault.trainer} at step {fault.step}, "
+                                   f"but the run ended at step {last_step} without firing it")
+
+    def _arm(self, fault: Fault) -> "FaultInjector":
+        if restart_count() == 0:
+            self.faults.append(fault)
+        return self
+
+    def _record(self, fault: Fault) -> None:
+        record: dict[str, object] = {"kind": fault.kind, "trainer": fault.trainer, "step": fault.step,
+                                     "restart_count": restart_count(), "pid": os.getpid(), "at": time.time()}
+        if fault.kind in ("stall", "freeze"):
+            record["seconds"] = fault.seconds
+        if fault.rank is not None:
+            record["rank"] = fault.rank
+        self.fired.append(record)
         line = json.dumps(record)
-        if os.environ.get(LOG_ENV):
-            with open(os.environ[LOG_ENV], "a") as log:
+        if self.log is not None:
+            with open(self.log, "a") as log:
                 log.write(line + "\n")
                 log.flush()
                 os.fsync(log.fileno())
         print(f"fault injection: {line}", file=sys.stderr, flush=True)
+
+    def _fail(self, fault: Fault) -> None:
+        raise InjectedFailure(f"injected failure on trainer {fault.trainer} at step {fault.step}")
+
+    def _kill(self, fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def check_fired(self, last_step: int) -> None:
-        """Raise if the fault was armed for this attempt but the run ended before reaching it."""
-        if self.step is not None:
-            raise RuntimeError(f"{KILL_ENV} armed trainer {self.trainer_index} at step {self.step}, "
-                               f"but the run ended at step {last_step} without firing")
+    def _stall(self, fault: Fault) -> None:
+        time.sleep(fault.seconds)
+
+    def _freeze(self, fault: Fault) -> None:
+        subprocess.Popen(["sh", "-c", f"sleep {fault.seconds}; kill -CONT {os.getpid()}"], start_new_session=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    def _kill_server(self, fault: Fault) -> None:
+        assert self.pids is not None and fault.rank is not None  # kill_server_at checked both
+        os.kill(self.pids[fault.rank], signal.SIGKILL)
+
+
+KillAt = FaultInjector.from_env
+"""The harness's name for its injector (`benchmarks/train_dlrm.py`)."""
+
+
+def exchange_pids() -> list[int]:
+    """Every rank's process id by global rank (collective over the default group, every rank)."""
+    pids: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    return pids

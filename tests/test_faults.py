@@ -1,0 +1,380 @@
+"""The fault matrix (issue 12, point 3): no fault hangs a job; every rank ends with a clear error.
+
+Cells: every algorithm under both table placements where the configuration exists. TorchRec-sharded
+tables over the trainers: ma, easgd, bmuf (shadow mode, 2 trainers), gba in GBA mode (2 trainers +
+1 server), gba in sync all-reduce mode (2 trainers), easgd_ps (2 trainers + 1 server). PS-hosted
+tables: gba, sync all-reduce and easgd_ps (2 trainers + 1 server hosting the tables); ma, easgd and
+bmuf cannot have them (no server to host them: `benchmarks/dlrm/config.py` refuses
+`model.embeddings: ps` without `sync.ps.num_servers`, and `SyncConfig` refuses servers for them).
+The model is `tests.tiny_dmp`'s (its tables sharded by TorchRec or hosted on the server), wired as a user does:
+`shadowgba.join` + `shadowgba.dense_sync`, the faults from `dlrm.faults.FaultInjector`.
+
+Faults, all on trainer 1 (global rank 1) unless said otherwise:
+- `fail`: `InjectedFailure` raised in the loop after step FAULT_STEP. Trainer 1 must report its own
+  exception (type and message, no library error in its place); every other rank an error naming
+  trainer 1 / rank 1; every rank ends within END_WITHIN_S of the fault (`sync.timeout_s` is
+  TIMEOUT_S: a fault must be noticed, not waited out). Every cell.
+- `stall` (a short freeze: the whole process SIGSTOPped for SHORT_STALL_S, under a timeout
+  more than twice as long): the job carries on, every trainer takes steps after the stall and the
+  job finishes normally. Every cell; run first in the cell's group, which it leaves as it found it.
+- `kill` (SIGKILL trainer 1): survivors end within END_WITHIN_S naming rank 1. Only the cells whose
+  path differs: one shadow algorithm (ma; easgd and bmuf share its rounds, its group and its abort
+  rule), gba over TorchRec tables (lockstep, close on the trainer group), gba over PS tables (pushes
+  only) and easgd_ps over PS tables (centre and tables over RPC only; over TorchRec tables it adds
+  the all-to-all that gba-TorchRec covers). Sync all-reduce is covered by the ma and gba-TorchRec
+  cells' collectives on the trainer group.
+- `kill_server` (trainer 0 SIGKILLs the server): trainers end within END_WITHIN_S naming the
+  server. gba and easgd_ps over PS tables (the dense shard and the centre each sit on the server
+  with the tables; over TorchRec tables the server holds one of the two services only).
+- `freeze` longer than the timeout (LONG_STALL_S under LONG_TIMEOUT_S): ends as a kill does, the
+  survivors before the frozen rank comes back, naming rank 1; the frozen rank ends too once
+  continued. ma (collective timeout), gba over TorchRec tables (the all-to-all and close) and gba
+  over PS tables (RPC timeouts and the servers' trainer timeout).
+
+Every fault is asserted to have fired, on the rank and step it was armed for. A case that kills
+or leaves a rank stuck in a collective ends its spawned group, so each of those gets a group of its
+own (the `fail` case runs last in its cell's group, after the short stall); the stall, which
+finishes normally, shares it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import shadowgba
+from dlrm.faults import Fault, FaultInjector, InjectedFailure, exchange_pids
+from shadowgba.config import from_dict
+from tests import tiny_dmp
+from tests.multiprocess import RankOutcome, run_ranks_outcomes
+
+TIMEOUT_S = 30.0
+"""`sync.timeout_s` (and the RPC and server timeouts) of every case but the long freeze."""
+END_WITHIN_S = TIMEOUT_S / 2
+"""Every rank must end this soon after the fault: well before any timeout would have fired."""
+FAULT_STEP = 12
+SHORT_STALL_S = 4.0
+LONG_TIMEOUT_S = 5.0
+"""`sync.timeout_s` (and the RPC and server timeouts) of the long freeze."""
+LONG_STALL_S = 14.0
+STALL_RUN_STEPS = 40
+"""The short-stall run's steps, on every trainer (lockstep cells need equal counts)."""
+RUN_CAP_S = TIMEOUT_S + 10
+"""A survivor that no fault stops trains at most this long, then leaves its loop as if done."""
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One configuration of the matrix."""
+
+    algo: str
+    """ma | easgd | bmuf | gba (GBA mode) | sync (gba in sync all-reduce mode) | easgd_ps."""
+    tables: str
+    """torchrec (sharded over the trainers) | ps (hosted on the server)."""
+
+    @property
+    def servers(self) -> int:
+        return 1 if self.algo in ("gba", "easgd_ps") or self.tables == "ps" else 0
+
+    @property
+    def world_size(self) -> int:
+        return 2 + self.servers
+
+    @property
+    def name(self) -> str:
+        return f"{self.algo}-{self.tables}"
+
+    def sync_config(self, timeout_s: float) -> shadowgba.SyncConfig:
+        return from_dict(shadowgba.SyncConfig, {
+            "algo": "gba" if self.algo == "sync" else self.algo, "mode": "shadow", "interval_ms": 5.0,
+            "first_round_after": 2, "log_interval_s": 0.0, "timeout_s": timeout_s,
+            "ps": {"num_servers": self.servers, "rpc_timeout_s": timeout_s, "trainer_timeout_s": timeout_s},
+            "gba": {"initial_mode": "sync" if self.algo == "sync" else "gba", "switch_policy": {"enabled": False}},
+        })
+
+
+CELLS = [Cell(algo, "torchrec") for algo in ("ma", "easgd", "bmuf", "gba", "sync", "easgd_ps")] + [
+    Cell(algo, "ps") for algo in ("gba", "sync", "easgd_ps")]
+MA, GBA_TORCHREC, GBA_PS, EASGD_PS_PS = Cell("ma", "torchrec"), Cell("gba", "torchrec"), Cell("gba", "ps"), Cell("easgd_ps", "ps")
+
+
+def describe(error: BaseException) -> dict[str, Any]:
+    """Type, message, notes, and every message of its chain (causes and contexts)."""
+    chain, seen, current = [], set(), error.__cause__ or error.__context__
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        chain.append(f"{type(current).__name__}: {current}")
+        current = current.__cause__ or current.__context__
+    return {"type": type(error).__name__, "message": str(error), "notes": list(getattr(error, "__notes__", [])),
+            "chain": chain, "traceback": traceback.format_exc(limit=-6)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One job in a spawned group: `cell` under the faults `arm(injector)` arms, logged to `log`."""
+
+    name: str
+    cell: Cell
+    arm: Callable[[FaultInjector], Any]
+    log: str
+    timeout_s: float = TIMEOUT_S
+    steps: int | None = None
+    """Steps every trainer takes; None: until a fault stops it, or RUN_CAP_S."""
+
+
+def run_case(rank: int, case: Case, pids: list[int]) -> dict[str, Any]:
+    """One job of `case` on this rank: join, train, close. Returns what this rank saw; never raises."""
+    cell = case.cell
+    record: dict[str, Any] = {"rank": rank, "error": None, "steps": 0, "step_end": []}
+    started = time.time()
+    try:
+        config = cell.sync_config(case.timeout_s)
+        tables = options = None
+        if cell.tables == "ps":
+            tables, options = tiny_dmp.table_configs(), shadowgba.ps_table_options(config, 2, tiny_dmp.BATCH)
+        job = shadowgba.join(config, tables, options)
+        record["role"] = "server" if job.is_server else f"trainer {job.trainer_index}"
+        if not job.is_server:
+            faults = FaultInjector(job.trainer_index, log=case.log, pids=pids)
+            case.arm(faults)
+            train(cell, job, faults, case.steps, record)
+    except BaseException as error:  # noqa: BLE001 (what the rank saw is the test's evidence)
+        record["error"] = describe(error)
+    record["ended_at"] = time.time()
+    record["elapsed_s"] = record["ended_at"] - started
+    return record
+
+
+def train(cell: Cell, job: shadowgba.Job, faults: FaultInjector, steps: int | None, record: dict[str, Any]) -> None:
+    """The user's loop inside `dense_sync`'s `with` block, with the injector after every step."""
+    if cell.tables == "ps":
+        model: nn.Module = tiny_dmp.TinyRec(job.ps_embeddings())
+        optimizer: Any = torch.optim.SGD(model.mlp.parameters(), lr=0.05)
+    else:
+        model, optimizer = tiny_dmp.build(dmp_kwargs=job.dmp_kwargs())
+    started = time.monotonic()
+    with shadowgba.dense_sync(model, optimizer, job, local_batch_size=tiny_dmp.BATCH):
+        step = 0
+        while (step < steps) if steps is not None else (time.monotonic() - started < RUN_CAP_S):
+            loss, _ = model(tiny_dmp.batch(job.trainer_index, step))
+            optimizer.zero_grad()
+            loss.backward()
+            if cell.tables == "ps":
+                model.ebc.push_gradients()
+            optimizer.step()
+            step += 1
+            record["steps"] = step
+            record["step_end"].append(time.time())
+            faults.after_step(step)
+
+
+def cell_group(rank: int, world_size: int, cases: list[Case]) -> dict[str, Any]:
+    """Several cases one after another in this spawned group (each but the last must leave it usable)."""
+    pids = exchange_pids()
+    return {case.name: run_case(rank, case, pids) for case in cases}
+
+
+# ------------------------------------------------------------------------------------ the arming
+def fail_trainer_1(faults: FaultInjector) -> None:
+    faults.fail_at(1, FAULT_STEP)
+
+
+def kill_trainer_1(faults: FaultInjector) -> None:
+    faults.kill_at(1, FAULT_STEP)
+
+
+def kill_the_server(faults: FaultInjector) -> None:
+    faults.kill_server_at(2, FAULT_STEP, trainer=0)  # 2 trainers + 1 server: the server is global rank 2
+
+
+def short_freeze_trainer_1(faults: FaultInjector) -> None:
+    faults.stall_at(1, FAULT_STEP, SHORT_STALL_S, freeze=True)
+
+
+def long_freeze_trainer_1(faults: FaultInjector) -> None:
+    faults.stall_at(1, FAULT_STEP, LONG_STALL_S, freeze=True)
+
+
+# ---------------------------------------------------------------------------------- the assertions
+@dataclasses.dataclass(repr=False)
+class Ran:
+    """One case of a spawned group, as the test sees it: every rank's outcome and the fault log."""
+
+    case: Case
+    outcomes: list[RankOutcome]
+
+    @property
+    def records(self) -> list[dict[str, Any] | None]:
+        """Each rank's record of the case; None for a rank that was killed, hung or never ran it."""
+        return [outcome.value.get(self.case.name) if outcome.returned else None for outcome in self.outcomes]
+
+    def fired(self) -> dict[str, Any]:
+        """The one fault of the case (asserting exactly one fired), from the log: it outlives a kill."""
+        log = Path(self.case.log)
+        lines = log.read_text().splitlines() if log.exists() else []
+        assert len(lines) == 1, f"fault log {lines}\n{self}"
+        return json.loads(lines[0])
+
+    def __str__(self) -> str:
+        """Every rank's role, error, steps and end, for assertion messages and the report."""
+        lines = []
+        for rank, (outcome, record) in enumerate(zip(self.outcomes, self.records)):
+            if record is None:
+                what = ("killed" if outcome.killed else "hung (alive at the deadline)" if outcome.hung
+                        else outcome.traceback if outcome.traceback else "never ran it")
+                lines.append(f"rank {rank}: {what}")
+                continue
+            error = record["error"]
+            said = "no error" if error is None else f"{error['type']}: {error['message'][:300]} chain={error['chain'][:3]}"
+            lines.append(f"rank {rank} ({record.get('role')}): {said}; {record['steps']} steps, "
+                         f"ended {record['elapsed_s']:.1f} s after its start")
+        return f"{self.case.cell.name} {self.case.name}:\n  " + "\n  ".join(lines)
+
+    __repr__ = __str__  # what an assertion message shows
+
+
+def names(error: dict[str, Any], rank: int, role: str) -> bool:
+    """Whether an error (its message, notes or chain) names global rank `rank` or its `role`."""
+    text = " ".join([error["message"], *error["notes"], *error["chain"]])
+    return f"rank {rank}" in text or role in text
+
+
+def assert_fired(ran: Ran, kind: str, trainer: int) -> dict[str, Any]:
+    fault = ran.fired()
+    assert (fault["kind"], fault["trainer"], fault["step"]) == (kind, trainer, FAULT_STEP), f"{fault}\n{ran}"
+    return fault
+
+
+def assert_others_end_naming(ran: Ran, lost_rank: int, role: str, fault_at: float, within_s: float) -> None:
+    """Every rank but `lost_rank` ended by itself with an error naming it, within `within_s` of the fault."""
+    for rank, record in enumerate(ran.records):
+        if rank == lost_rank:
+            continue
+        assert record is not None, f"rank {rank} did not end by itself\n{ran}"
+        assert record["error"] is not None, f"rank {rank} ended without an error\n{ran}"
+        assert names(record["error"], lost_rank, role), f"rank {rank}'s error does not name {role} / rank {lost_rank}\n{ran}"
+        late = record["ended_at"] - fault_at
+        assert late < within_s, f"rank {rank} ended {late:.1f} s after the fault\n{ran}"
+
+
+# ---------------------------------------------------------------------------------------- the tests
+@pytest.fixture(scope="module", params=CELLS, ids=lambda cell: cell.name)
+def stall_then_fail(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ran]:
+    """One group per cell: the short freeze (which finishes normally), then the failure on trainer 1."""
+    cell: Cell = request.param
+    logs = tmp_path_factory.mktemp(cell.name)
+    cases = [Case("stall", cell, short_freeze_trainer_1, str(logs / "stall.jsonl"), steps=STALL_RUN_STEPS),
+             Case("fail", cell, fail_trainer_1, str(logs / "fail.jsonl"))]
+    outcomes = run_ranks_outcomes(cell_group, cell.world_size, cases, timeout_s=SHORT_STALL_S + RUN_CAP_S + 40,
+                                  group_timeout_s=TIMEOUT_S)
+    return {case.name: Ran(case, outcomes) for case in cases}
+
+
+def test_a_trainer_stalled_for_less_than_the_timeout_lets_the_job_carry_on(stall_then_fail: dict[str, Ran]) -> None:
+    ran = stall_then_fail["stall"]
+    stall = assert_fired(ran, "freeze", 1)
+    for rank, record in enumerate(ran.records):
+        assert record is not None and record["error"] is None, ran
+        if record["role"].startswith("trainer"):
+            assert record["steps"] == STALL_RUN_STEPS, ran
+            assert record["step_end"][-1] > stall["at"] + SHORT_STALL_S, f"rank {rank}: no step after the stall\n{ran}"
+
+
+def test_an_exception_in_the_loop_ends_every_rank_and_is_what_its_own_rank_reports(
+        stall_then_fail: dict[str, Ran]) -> None:
+    ran = stall_then_fail["fail"]
+    fault = assert_fired(ran, "fail", 1)
+    own = ran.records[1]
+    assert own is not None and own["error"] is not None, ran
+    assert (own["error"]["type"], own["error"]["message"]) == (
+        InjectedFailure.__name__, f"injected failure on trainer 1 at step {FAULT_STEP}"), ran
+    assert own["error"]["notes"] == [], ran  # aborting the sync after it raised nothing of its own
+    assert own["ended_at"] - fault["at"] < END_WITHIN_S, ran
+    assert_others_end_naming(ran, 1, "trainer 1", fault["at"], END_WITHIN_S)
+
+
+def single_case(cell: Cell, arm: Callable[[FaultInjector], Any], log: Path, timeout_s: float = TIMEOUT_S) -> Ran:
+    """`cell` under one fault that ends its group (a kill, a long freeze), in a group of its own."""
+    case = Case("case", cell, arm, str(log), timeout_s)
+    return Ran(case, run_ranks_outcomes(cell_group, cell.world_size, [case], timeout_s=RUN_CAP_S + LONG_STALL_S + 30,
+                                        group_timeout_s=timeout_s))
+
+
+@pytest.mark.parametrize("cell", [MA, GBA_TORCHREC, GBA_PS, EASGD_PS_PS], ids=lambda cell: cell.name)
+def test_a_killed_trainer_ends_every_survivor_naming_it(cell: Cell, tmp_path: Path) -> None:
+    ran = single_case(cell, kill_trainer_1, tmp_path / "faults.jsonl")
+    fault = assert_fired(ran, "kill", 1)
+    assert ran.outcomes[1].killed, ran
+    assert_others_end_naming(ran, 1, "trainer 1", fault["at"], END_WITHIN_S)
+
+
+@pytest.mark.parametrize("cell", [GBA_PS, EASGD_PS_PS], ids=lambda cell: cell.name)
+def test_a_killed_server_ends_every_trainer_naming_it(cell: Cell, tmp_path: Path) -> None:
+    ran = single_case(cell, kill_the_server, tmp_path / "faults.jsonl")
+    fault = assert_fired(ran, "kill_server", 0)
+    assert fault["rank"] == 2 and ran.outcomes[2].killed, ran
+    assert_others_end_naming(ran, 2, "ps0", fault["at"], END_WITHIN_S)
+
+
+@pytest.mark.parametrize("cell", [MA, GBA_TORCHREC, GBA_PS], ids=lambda cell: cell.name)
+def test_a_trainer_stalled_for_longer_than_the_timeout_ends_the_job_as_a_kill_does(cell: Cell, tmp_path: Path) -> None:
+    """The survivors give up on the frozen trainer before it comes back, naming it; once continued,
+    it ends too, with an error of its own."""
+    ran = single_case(cell, long_freeze_trainer_1, tmp_path / "faults.jsonl", LONG_TIMEOUT_S)
+    fault = assert_fired(ran, "freeze", 1)
+    assert_others_end_naming(ran, 1, "trainer 1", fault["at"], LONG_STALL_S)
+    frozen = ran.records[1]
+    assert frozen is not None and frozen["error"] is not None, ran
+    assert frozen["ended_at"] - fault["at"] < LONG_STALL_S + END_WITHIN_S, ran
+
+
+# ------------------------------------------------------------------------- the injector, in-process
+def test_the_harness_arms_faults_from_the_environment_and_refuses_a_malformed_spec(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SHADOWGBA_TEST_KILL_AT_STEP", "1:15")
+    monkeypatch.setenv("SHADOWGBA_TEST_FAULTS", "fail:0:20, stall:1:10:2.5,freeze:1:30:4")
+    monkeypatch.setenv("SHADOWGBA_TEST_FAULT_LOG", str(tmp_path / "faults.jsonl"))
+    injector = FaultInjector.from_env(1)
+    assert injector.faults == [Fault("kill", 1, 15), Fault("fail", 0, 20), Fault("stall", 1, 10, 2.5),
+                               Fault("freeze", 1, 30, 4.0)]
+    assert injector.log == tmp_path / "faults.jsonl"
+    for spec in ("kill:1", "stall:1:10", "fail:1:10:3", "explode:1:10", "fail:one:10"):
+        monkeypatch.setenv("SHADOWGBA_TEST_FAULTS", spec)
+        with pytest.raises(ValueError, match="SHADOWGBA_TEST_FAULTS a list of"):
+            FaultInjector.from_env(0)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted attempt runs through
+    monkeypatch.setenv("SHADOWGBA_TEST_FAULTS", "fail:1:3")
+    assert FaultInjector.from_env(1).faults == []
+
+
+def test_a_fault_fires_only_on_its_trainer_and_step_is_logged_before_it_acts_and_is_checked(tmp_path: Path) -> None:
+    log = tmp_path / "faults.jsonl"
+    on_0, on_1 = (FaultInjector(trainer, log=log).fail_at(1, 3).stall_at(1, 4, 0.2) for trainer in (0, 1))
+    for step in range(1, 6):
+        on_0.after_step(step)
+    assert on_0.fired == [] and not log.exists()
+    on_0.check_fired(5)  # trainer 0 was armed with nothing of its own
+    with pytest.raises(RuntimeError, match="a fail fault was armed for trainer 1 at step 3, but the run ended at step 2"):
+        on_1.check_fired(2)
+    on_1.after_step(2)
+    with pytest.raises(InjectedFailure, match="injected failure on trainer 1 at step 3"):
+        on_1.after_step(3)
+    started = time.monotonic()
+    on_1.after_step(4)
+    assert time.monotonic() - started >= 0.2
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert logged == on_1.fired and [(f["kind"], f["trainer"], f["step"]) for f in logged] == [("fail", 1, 3), ("stall", 1, 4)]
+    assert logged[1]["seconds"] == 0.2 and logged[0]["restart_count"] == 0
+    on_1.check_fired(5)
+    with pytest.raises(ValueError, match="kill_server_at needs"):
+        on_1.kill_server_at(2, 3)
