@@ -281,46 +281,57 @@ def from_bench_ps(raw: dict[str, Any]) -> dict[str, Any] | None:
     return measured
 
 
-def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of y = a + b x, both clipped at zero (costs are not negative);
-    one point gives a line through the origin."""
-    if len(set(xs)) < 2:
-        return 0.0, ys[0] / xs[0]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    slope = max(slope, 0.0)
-    return max(mean_y - slope * mean_x, 0.0), slope
+def least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
+    """Coefficients c minimising sum (row . c - target)^2, by the normal equations (a few unknowns);
+    each clipped at zero, as every cost here is."""
+    size = len(rows[0])
+    matrix = [[sum(row[i] * row[j] for row in rows) for j in range(size)]
+              + [sum(row[i] * target for row, target in zip(rows, targets))] for i in range(size)]
+    for column in range(size):  # Gauss-Jordan with partial pivoting
+        pivot = max(range(column, size), key=lambda index: abs(matrix[index][column]))
+        matrix[column], matrix[pivot] = matrix[pivot], matrix[column]
+        for other in range(size):
+            if other != column:
+                factor = matrix[other][column] / matrix[column][column]
+                matrix[other] = [a - factor * b for a, b in zip(matrix[other], matrix[column])]
+    return [max(matrix[index][size] / matrix[index][index], 0.0) for index in range(size)]
 
 
-def fit_allreduce(points: Sequence[dict[str, Any]]) -> tm.AllReduce:
-    """Bandwidth and per-hop latency of the ring formula, least squares over every (bytes, ranks) point
-    with relative weights (each point's error counts as a share of its time)."""
-    rows = [(2 * (p["ranks"] - 1) / p["ranks"] * p["bytes"] / p["wall_s"], 2 * (p["ranks"] - 1) / p["wall_s"])
-            for p in points]
-    # normal equations of min sum (x1 / beta + x2 alpha - 1)^2 in (1 / beta, alpha)
-    a11 = sum(x1 * x1 for x1, _ in rows)
-    a12 = sum(x1 * x2 for x1, x2 in rows)
-    a22 = sum(x2 * x2 for _, x2 in rows)
-    b1, b2 = sum(x1 for x1, _ in rows), sum(x2 for _, x2 in rows)
-    det = a11 * a22 - a12 * a12
-    inverse_bandwidth, latency = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
-    return tm.AllReduce(bandwidth_bytes_per_s=1.0 / max(inverse_bandwidth, 1e-15), latency_s=max(latency, 0.0))
+def fit_linear_cost(points: Sequence[dict[str, Any]]) -> tm.LinearCost:
+    """`fixed + per byte x bytes` through the points' wall times, each point's error relative to its
+    time; a single point gives a line through the origin."""
+    if len({point["bytes"] for point in points}) < 2:
+        return tm.LinearCost(0.0, points[0]["wall_s"] / points[0]["bytes"])
+    fixed, per_byte = least_squares([(1 / p["wall_s"], p["bytes"] / p["wall_s"]) for p in points], [1.0] * len(points))
+    return tm.LinearCost(fixed, per_byte)
+
+
+def fit_allreduce(points: Sequence[dict[str, Any]], cores: int) -> tm.AllReduce:
+    """Bandwidth, per-hop latency and per-hop scheduling wait of `AllReduce`, least squares over every
+    (bytes, ranks) point with each point's error relative to its time."""
+    rows = []
+    for point in points:
+        crowding, hops = max(1.0, point["ranks"] / cores), 2 * (point["ranks"] - 1)
+        rows.append((hops / point["ranks"] * point["bytes"] / point["wall_s"], hops / point["wall_s"],
+                     hops * (crowding - 1.0) / point["wall_s"]))
+    inverse_bandwidth, latency, switch = least_squares(rows, [1.0] * len(rows))
+    return tm.AllReduce(1.0 / max(inverse_bandwidth, 1e-15), latency, switch)
 
 
 def fitted(measured: dict[str, Any], cores: int) -> dict[str, Any]:
-    """The model's inputs (Calibration's "model" section) from the measured points."""
+    """The model's inputs (Calibration's "model" section) from the measured points. A step's compute
+    is its CPU seconds: what it costs a core of its own. Its wall time includes waiting for a core
+    whenever anything else runs; on a quiet machine the two agree (one torch thread)."""
     compute = {point["preset"]: point for point in measured["compute"]}
     steal = compute[SHADOW_STEAL_PRESET]["shadow_steal"]
     ps = measured["ps"]
-    push_fixed, push_per_byte = fit_line([p["bytes"] for p in ps["pushes"]], [p["wall_s"] for p in ps["pushes"]])
-    lookup_fixed, lookup_per_byte = fit_line([p["bytes"] for p in ps["lookups"]], [p["wall_s"] for p in ps["lookups"]])
     return {
-        "presets": {name: {"compute_s": point["wall_s"], "dense_params": point["dense_params"],
+        "presets": {name: {"compute_s": point["cpu_s"], "dense_params": point["dense_params"],
                            "batch_size": point["batch_size"], "lookup_bytes": point["lookup_bytes"]}
                     for name, point in compute.items()},
-        "allreduce": dataclasses.asdict(fit_allreduce(measured["allreduce"])),
-        "shard_push": {"fixed_s": push_fixed, "per_unit_s": push_per_byte},
-        "lookup": {"fixed_s": lookup_fixed, "per_unit_s": lookup_per_byte},
+        "allreduce": dataclasses.asdict(fit_allreduce(measured["allreduce"], cores)),
+        "shard_push": dataclasses.asdict(fit_linear_cost(ps["pushes"])),
+        "lookup": dataclasses.asdict(fit_linear_cost(ps["lookups"])),
         "server_row_byte_s": ps["server_rows"]["wall_s"] / ps["server_rows"]["bytes"],
         "copy_bytes_per_s": steal["copy_bytes_per_s"],
         "shadow_steal": steal["steal_per_busy_core"],
@@ -348,9 +359,10 @@ def measure(args: argparse.Namespace) -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     ring = tm.AllReduce(**report["model"]["allreduce"])
-    print(f"all-reduce fit: {ring.bandwidth_bytes_per_s / 2**30:.3f} GiB/s, {ring.latency_s * 1e6:.1f} us per hop")
+    print(f"all-reduce fit: {ring.bandwidth_bytes_per_s / 2**30:.3f} GiB/s, {ring.latency_s * 1e6:.1f} us per hop, "
+          f"{ring.switch_s * 1e6:.1f} us per hop and rank beyond a core")
     for point in allreduce:
-        predicted = ring.time_s(point["bytes"], point["ranks"])
+        predicted = ring.time_s(point["bytes"], point["ranks"], max(1.0, point["ranks"] / cores))
         print(f"  {point['ranks']} ranks {point['bytes']:>9,} B: measured {point['wall_s'] * 1e3:8.3f} ms "
               f"(CPU {point['cpu_s'] * 1e3:7.3f} ms), fit {predicted * 1e3:8.3f} ms, "
               f"error {predicted / point['wall_s'] - 1:+.0%}")

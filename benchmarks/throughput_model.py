@@ -13,7 +13,8 @@ trainer i and a per-step jitter J (lognormal, mean 1):
   simulated by sleeping). Past this machine a host runs one trainer (R = 1); on this one all ranks
   of a job share its cores, which is what the validation at 1, 2, 4 and 8 trainers measures.
 - Ring all-reduce of b bytes over N ranks: A(b, N) = 2 (N - 1) / N * b / beta + 2 (N - 1) * alpha
-  (beta: bandwidth, alpha: per-hop latency; both fitted by calibrate.py).
+  (beta: bandwidth, alpha: per-hop latency; fitted by calibrate.py), with a third term where ranks
+  share cores (`AllReduce`).
 - Sync all-reduce (DDP-like): every step waits for the slowest trainer and then all-reduces the
   dense gradient: samples/s = N B / (t E[max_i m_i J_i] + lookups + A(dense bytes, N)).
 - Shadow MA / EASGD / BMUF: no trainer waits for another; trainer i runs at B / (t m_i (1 + s)),
@@ -49,16 +50,21 @@ the maths of a round, not in its cost: one all-reduce of the dense vector), GBA.
 
 @dataclasses.dataclass(frozen=True)
 class AllReduce:
-    """Ring all-reduce cost: A(b, N) = 2 (N - 1) / N * b / bandwidth + 2 (N - 1) * latency."""
+    """Ring all-reduce cost: A(b, N) = 2 (N - 1) / N * b / bandwidth + 2 (N - 1) * (latency +
+    (k - 1) * switch), k >= 1 being how crowded the ranks' cores are (ranks / cores on one host).
+    Where ranks share cores each hop also waits for its receiver to be scheduled (`switch_s` per
+    rank beyond a core each); past this machine, one rank a host, k = 1 and that term is gone."""
 
     bandwidth_bytes_per_s: float
     latency_s: float
+    switch_s: float = 0.0
 
-    def time_s(self, nbytes: float, ranks: int) -> float:
+    def time_s(self, nbytes: float, ranks: int, crowding: float = 1.0) -> float:
         """Seconds for one all-reduce of `nbytes` over `ranks` (zero on one rank)."""
         if ranks <= 1:
             return 0.0
-        return 2 * (ranks - 1) / ranks * nbytes / self.bandwidth_bytes_per_s + 2 * (ranks - 1) * self.latency_s
+        hops = 2 * (ranks - 1)
+        return hops / ranks * nbytes / self.bandwidth_bytes_per_s + hops * (self.latency_s + (crowding - 1.0) * self.switch_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +109,11 @@ class Hosts:
     ranks_per_host: int = 1
     busy_share: float = 1.0
     """Cores one rank keeps busy while it computes: 1 for real compute, less for sleep-simulated compute."""
+
+    @property
+    def crowding(self) -> float:
+        """Ranks per core on a host, at least 1: what an all-reduce among them waits for (`AllReduce`)."""
+        return max(1.0, self.ranks_per_host / self.cores)
 
     def stretch(self, extra_busy: float = 0.0) -> float:
         """Factor by which sharing the host's cores stretches a rank's compute, `extra_busy` cores per
@@ -223,6 +234,10 @@ class Job:
         """A trainer's per-step wait for its embedding rows (zero with local tables)."""
         return calibration.lookup.time_s(self.preset.lookup_bytes) if self.ps_tables else 0.0
 
+    def allreduce_s(self, calibration: Calibration) -> float:
+        """One all-reduce of the dense vector over the trainers."""
+        return calibration.allreduce.time_s(self.preset.dense_bytes, self.trainers, self.hosts.crowding)
+
     def compute_s(self, extra_busy: float = 0.0) -> float:
         """One step's compute on its host, CPU sharing included."""
         return self.preset.compute_s * self.hosts.stretch(extra_busy)
@@ -245,7 +260,7 @@ class Prediction:
 def predict_sync(job: Job, calibration: Calibration) -> Prediction:
     """Every step waits for the slowest trainer, then all-reduces the dense gradient."""
     compute = job.compute_s() * job.stragglers.expected_max(job.trainers) + job.lookup_s(calibration)
-    allreduce = calibration.allreduce.time_s(job.preset.dense_bytes, job.trainers)
+    allreduce = job.allreduce_s(calibration)
     rate = job.trainers * job.preset.batch_size / (compute + allreduce)
     bound = "all-reduce" if allreduce > compute else "slowest trainer"
     return Prediction("sync", rate, rate, bound, {"step_s": compute + allreduce, "allreduce_s": allreduce})
@@ -269,7 +284,7 @@ def predict_shadow(job: Job, calibration: Calibration) -> Prediction:
     taken, the thread's busy share stretches compute as one more busy rank would; with a spare core
     it costs only `shadow_steal` per busy core."""
     copy_s = SHADOW_COPIES * job.preset.dense_bytes / calibration.copy_bytes_per_s
-    round_s = calibration.allreduce.time_s(job.preset.dense_bytes, job.trainers) + copy_s
+    round_s = job.allreduce_s(calibration) + copy_s
     rounds_per_s = min(1.0 / job.interval_s, 1.0 / round_s)
     busy = rounds_per_s * copy_s
     shared = job.hosts.stretch(busy) / job.hosts.stretch()

@@ -115,22 +115,36 @@ def test_expected_max_of_lognormal_jitter_matches_sampling() -> None:
     assert tm.Stragglers(factor=3.0, fraction=0.01).slow(8) == 0
 
 
+def test_ring_allreduce_waits_for_scheduling_only_where_ranks_share_cores() -> None:
+    ring = tm.AllReduce(bandwidth_bytes_per_s=1e9, latency_s=50e-6, switch_s=1e-3)
+    assert ring.time_s(8e6, 8) == pytest.approx(CALIBRATION.allreduce.time_s(8e6, 8))
+    assert ring.time_s(8e6, 8, crowding=4.0) == pytest.approx(2 * 7 / 8 * 8e6 / 1e9 + 14 * (50e-6 + 3 * 1e-3))
+    crowded = tm.Job(PRESET, 8, tm.Hosts(cores=2, ranks_per_host=8))
+    assert crowded.allreduce_s(dataclasses.replace(CALIBRATION, allreduce=ring)) == pytest.approx(
+        ring.time_s(PRESET.dense_bytes, 8, crowding=4.0))
+
+
 def test_fits_recover_the_costs_they_were_made_from() -> None:
-    ring = tm.AllReduce(bandwidth_bytes_per_s=2e9, latency_s=30e-6)
-    points = [{"ranks": n, "bytes": b, "wall_s": ring.time_s(b, n)} for n in (2, 4, 8) for b in calibrate.ALLREDUCE_BYTES]
-    found = calibrate.fit_allreduce(points)
+    ring = tm.AllReduce(bandwidth_bytes_per_s=2e9, latency_s=30e-6, switch_s=800e-6)
+    points = [{"ranks": n, "bytes": b, "wall_s": ring.time_s(b, n, max(1.0, n / 2))}
+              for n in (2, 4, 8) for b in calibrate.ALLREDUCE_BYTES]
+    found = calibrate.fit_allreduce(points, cores=2)
     assert found.bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)
     assert found.latency_s == pytest.approx(30e-6, rel=1e-6)
-    assert calibrate.fit_line([1e3, 1e6, 1e7], [1e-3 + 2e-9 * x for x in (1e3, 1e6, 1e7)]) == pytest.approx((1e-3, 2e-9))
+    assert found.switch_s == pytest.approx(800e-6, rel=1e-6)
+    pushes = [{"bytes": b, "wall_s": 1e-3 + 2e-9 * b} for b in (1e3, 1e6, 1e7)]
+    fit = calibrate.fit_linear_cost(pushes)
+    assert (fit.fixed_s, fit.per_unit_s) == pytest.approx((1e-3, 2e-9))
+    assert calibrate.fit_linear_cost(pushes[1:2]) == tm.LinearCost(0.0, pushes[1]["wall_s"] / 1e6)
 
 
 def test_a_calibration_written_as_calibrate_fits_it_loads_into_the_model(tmp_path: Path) -> None:
-    compute = {"preset": "small", "wall_s": 0.02, "dense_params": 338_241, "batch_size": 512, "lookup_bytes": 1 << 20,
+    compute = {"preset": "small", "wall_s": 0.05, "cpu_s": 0.02, "dense_params": 338_241, "batch_size": 512, "lookup_bytes": 1 << 20,
                "shadow_steal": {"copy_bytes_per_s": 4e9, "steal_per_busy_core": 0.05}}
-    ring = tm.AllReduce(1e9, 1e-5)
+    ring = tm.AllReduce(1e9, 1e-5, 1e-4)
     measured = {
         "compute": [compute],
-        "allreduce": [{"ranks": n, "bytes": b, "wall_s": ring.time_s(b, n)} for n in (2, 4) for b in (1 << 10, 1 << 20)],
+        "allreduce": [{"ranks": n, "bytes": b, "wall_s": ring.time_s(b, n, n / 2)} for n in (2, 4) for b in (1 << 10, 1 << 20)],
         "ps": {"pushes": [{"bytes": b, "wall_s": 1e-3 + b * 1e-9} for b in (1 << 10, 1 << 20)],
                "lookups": [{"bytes": b, "wall_s": 2e-4 + b * 1e-9} for b in (1 << 10, 1 << 20)],
                "server_rows": {"bytes": 1 << 20, "wall_s": 1e-3}},
