@@ -373,15 +373,20 @@ PREDICTED_AS = {"none": "none", "ddp": "sync", "sync": "sync", "gba": "gba"}
 """bench_scaling's variants and bench_gba's algos as the model's algorithms (shadow variants: "shadow")."""
 
 
-def scaling_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dict[str, Any]]:
-    """bench_scaling's summary rows as (job, algorithm, measured): every rank on this machine's cores."""
+def preset_of(run: dict[str, Any], calibration: tm.Calibration) -> tm.Preset:
+    """The calibrated preset a benchmark run trained (known by its dense parameter count)."""
     presets = {preset.dense_params: preset for preset in calibration.presets.values()}
+    if run["dense_params"] not in presets:
+        raise SystemExit(f"no calibrated preset has {run['dense_params']:,} dense parameters; measure it first")
+    return presets[run["dense_params"]]
+
+
+def scaling_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dict[str, Any]]:
+    """bench_scaling's runs as (job, algorithm, measured): every rank on this machine's cores."""
     points = []
     for run in raw["runs"]:
-        preset = presets[run["dense_params"]]
-        sync = run["config"]["sync"]
-        job = tm.Job(preset, run["trainers"], tm.Hosts(calibration.cores, run["trainers"]),
-                     interval_s=sync["interval_ms"] / 1e3)
+        job = tm.Job(preset_of(run, calibration), run["trainers"], tm.Hosts(calibration.cores, run["trainers"]),
+                     interval_s=run["config"]["sync"]["interval_ms"] / 1e3)
         points.append({"source": "bench_scaling", "variant": run["variant"], "trainers": run["trainers"],
                        "rep": run["rep"], "job": job, "algorithm": PREDICTED_AS.get(run["variant"], "shadow"),
                        "measured": run["samples_per_s_total"]})
@@ -390,18 +395,18 @@ def scaling_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dic
 
 def gba_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dict[str, Any]]:
     """bench_gba's runs as (job, algorithm, measured): its trainers and servers on this machine's cores,
-    simulated compute at `straggler.step_ms` (a small real share of it busy), or the example's real compute."""
-    example = calibration.presets["example"]
+    simulated compute lasting `straggler.step_ms` (of which the preset's real compute keeps a core
+    busy), or the preset's real compute."""
     points = []
     for run in raw["runs"]:
-        result, config = run["result"], run["result"]["config"]
-        straggler, servers = config["straggler"], result["servers"]
-        step_s = straggler["step_ms"] / 1e3 or example.compute_s
-        preset = dataclasses.replace(example, compute_s=step_s, dense_params=result["dense_params"])
-        hosts = tm.Hosts(calibration.cores, result["trainers"] + servers, min(1.0, example.compute_s / step_s))
-        stragglers = tm.Stragglers(straggler["factor"], count=len(straggler["trainers"]))
-        job = tm.Job(preset, result["trainers"], hosts, stragglers, shards=servers, ps_tables=True)
-        points.append({"source": "bench_gba", "variant": run["algo"], "trainers": result["trainers"],
+        result = run["result"]
+        preset = preset_of(result, calibration)
+        straggler, servers = result["config"]["straggler"], result["servers"]
+        step_s = straggler["step_ms"] / 1e3 or preset.compute_s
+        hosts = tm.Hosts(calibration.cores, result["trainers"] + servers, min(1.0, preset.compute_s / step_s))
+        job = tm.Job(dataclasses.replace(preset, compute_s=step_s), result["trainers"], hosts,
+                     tm.Stragglers(straggler["factor"], count=len(straggler["trainers"])), shards=servers, ps_tables=True)
+        points.append({"source": "bench_gba", "variant": f"{run['algo']} {servers} shard(s)", "trainers": result["trainers"],
                        "rep": run["rep"], "job": job, "algorithm": PREDICTED_AS[run["algo"]],
                        "measured": run["metrics"]["samples_per_s"]})
     return points
