@@ -8,6 +8,7 @@ cover restart and resume.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.multiprocess import run_ranks
+from tests.multiprocess import run_ranks, run_shared
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, STOP_AT = 8, 4
@@ -330,10 +331,215 @@ def _ps_job(rank: int, world_size: int, directory: str) -> dict[str, Any] | None
     return out
 
 
-@pytest.mark.timeout(120)
-def test_ps_tables_and_their_optimizer_state_come_back_from_a_checkpoint(tmp_path: Path) -> None:
-    out = run_ranks(_ps_job, 3, str(tmp_path), timeout_s=100)[0]
+
+# ------------------------------------------------------------ exact resume in jobs with parameter servers
+SERVER_STEPS, SERVER_STOP_AT = 6, 3
+SERVER_CASES: dict[str, dict[str, Any]] = {
+    "gba_torchrec": {"algo": "gba", "gba": {"initial_mode": "gba", "aggregation": "global_batch"},
+                     "ps": {"num_servers": 1}},
+    "gba_ps": {"algo": "gba", "gba": {"initial_mode": "gba", "aggregation": "global_batch"}, "ps": {"num_servers": 1}},
+    "easgd_ps": {"algo": "easgd_ps", "mode": "foreground", "foreground_every": 2, "ps": {"num_servers": 2}},
+}
+"""gba in GBA mode over TorchRec-sharded tables and over PS tables (2 trainers + 1 server), and easgd_ps
+over PS tables (1 trainer + 2 servers), each on the 3 ranks of the shared group."""
+PS_TABLE_CASES = {"gba_ps", "easgd_ps"}
+
+
+def _plain(value: Any) -> Any:
+    """`value` with sharded tensors as their local shards, serialized shard states decoded and objects
+    as their fields: what this trainer holds, comparable with `_max_abs_diff`."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        return [shard.tensor.detach().clone() for shard in value.local_shards()]
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (bytes, bytearray)):
+        return _plain(torch.load(io.BytesIO(value), weights_only=False))
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if hasattr(value, "__dict__"):  # a shard's counters (e.g. StalenessCounts): compared by their fields
+        return {"type": type(value).__name__, **_plain(vars(value))}
+    return value
+
+
+def _held_state(model: Any, optimizer: Any, sync: Any, tables: Any) -> dict[str, Any]:
+    """Everything a resume must restore, as this trainer sees it: dense weights and its shards of the
+    TorchRec tables, their fused optimizer state, the dense optimizer, the sync runtime's state (GBA:
+    the dense shards' parameters, optimizer state and global step) and the PS tables with their
+    accumulators, buffers and counters (gathered by trainer 0)."""
+    state = {"model": _plain(model.state_dict()), "dense_optimizer": _plain(optimizer.state_dict()),
+             "sync": _plain(sync.state_dict())}
+    if hasattr(model, "fused_optimizer"):
+        state["table_optimizer"] = _plain(model.fused_optimizer.state_dict())
+    if tables is not None:
+        state["ps_tables"] = _plain(tables.state_dict())
+    return state
+
+
+def _server_run(case: str, directory: Path, last: int, resume: bool) -> dict[str, Any] | None:
+    """One run of `case` up to step `last`, checkpointing every SERVER_STOP_AT steps (from the latest
+    checkpoint with `resume`); what the trainer held at the checkpoint it resumed from, at step
+    SERVER_STOP_AT and at the end. Deterministic (module docstring): each step ends when every trainer
+    holds the parameters of that step's global step, and, with PS tables, when every row push has landed."""
+    import torch.distributed as dist
+
+    import shadowgba
+    from shadowgba.checkpoint import Checkpointer, ModelState, PerTrainer, Setup, TrainState
+    from shadowgba.config import SyncConfig, from_dict
+    from shadowgba.integrations.torchrec import dense_named_parameters
+    from tests import tiny_dmp
+
+    config = from_dict(SyncConfig, SERVER_CASES[case])
+    trainers = dist.get_world_size() - config.ps.num_servers
+    ps = case in PS_TABLE_CASES
+    options = shadowgba.ps_table_options(config, trainers, tiny_dmp.BATCH, "rowwise_adagrad", 0.1) if ps else None
+    job = shadowgba.join(config, tiny_dmp.table_configs() if ps else None, options)
+    if job.is_server:
+        return None
+    try:
+        index = job.trainer_index
+        if ps:
+            tables = job.ps_embeddings()
+            torch.manual_seed(dist.get_rank())
+            model = tiny_dmp.TinyRec(tables)
+            optimizer = tiny_dmp.dense_optimizer(model.parameters(), stateful=True)
+        else:
+            tables = None
+            model, optimizer = tiny_dmp.build(dmp_kwargs=job.dmp_kwargs(), stateful_optimizers=True)
+        sync = shadowgba.dense_sync(model, optimizer, job, local_batch_size=tiny_dmp.BATCH, end_job=False)
+        setup = Setup.of(config.algo, dense_named_parameters(model), trainers, config.ps.num_servers)
+        checkpointer = Checkpointer(directory, setup, keep_last=3, process_group=job.trainer_group)
+        train = TrainState(index)
+        state: dict[str, Any] = {"model": ModelState(model, index), "dense_optimizer": PerTrainer(optimizer, index)}
+        state.update({"embedding_optimizer": model.fused_optimizer} if tables is None else {"ps_embeddings": tables})
+        state.update(sync=PerTrainer(sync, index), train=train)
+        out: dict[str, Any] = {}
+        with sync:
+            if resume:
+                out["resumed_from"] = checkpointer.load_latest(state)
+                out["at_load"] = _held_state(model, optimizer, sync, tables)
+            for step in range(train.step, last):
+                optimizer.zero_grad()
+                loss, _ = model(tiny_dmp.batch(index, step))
+                loss.backward()
+                if tables is not None:
+                    tables.push_gradients()
+                optimizer.step()
+                if tables is not None:
+                    tables.flush()  # this trainer's row gradients have reached the shards
+                    dist.barrier(group=job.trainer_group)  # everyone's: the global batch of rows is applied
+                if config.algo == "gba":
+                    sync.wait_for_global_step(step + 1)  # every trainer holds the parameters of this step
+                train.step = step + 1
+                if train.step % SERVER_STOP_AT == 0:
+                    checkpointer.save(train.step, state)
+                if train.step == SERVER_STOP_AT:
+                    out["at_stop"] = _held_state(model, optimizer, sync, tables)
+            out["final"] = _held_state(model, optimizer, sync, tables)
+            if resume:
+                out |= _fallback(checkpointer, state, directory, setup)
+                out["after_fallback"] = _held_state(model, optimizer, sync, tables)
+        return out
+    finally:
+        job.close()
+
+
+def _fallback(checkpointer: Any, state: dict[str, Any], directory: Path, setup: Any) -> dict[str, Any]:
+    """After the resumed run: its last checkpoint corrupted, `load_latest` restores the one before
+    (tables, servers included); a checkpoint of another server count is refused, naming it."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from shadowgba.checkpoint import Checkpointer
+    from shadowgba.errors import CheckpointError
+
+    if checkpointer.rank == 0:
+        data_file = sorted(checkpointer.path_of(SERVER_STEPS).glob("*.distcp"))[0]
+        raw = bytearray(data_file.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data_file.write_bytes(bytes(raw))
+    dist.barrier(group=checkpointer.group)
+    out = {"fallback_step": checkpointer.load_latest(state)}
+    other = Checkpointer(directory, dataclasses.replace(setup, servers=setup.servers + 1),
+                         process_group=checkpointer.group)
+    try:
+        other.load_latest(state)
+        out["other_servers"] = "loaded"
+    except CheckpointError as error:
+        out["other_servers"] = str(error)
+    return out
+
+
+def _server_case(rank: int, world_size: int, root: str, case: str) -> dict[str, Any] | None:
+    """Rank body of one case: uninterrupted to SERVER_STEPS, stopped at SERVER_STOP_AT, resumed."""
+    whole = _server_run(case, Path(root, case, "whole"), SERVER_STEPS, resume=False)
+    split = _server_run(case, Path(root, case, "split"), SERVER_STOP_AT, resume=False)
+    resumed = _server_run(case, Path(root, case, "split"), SERVER_STEPS, resume=True)
+    return None if resumed is None else {"whole": whole, "split": split, "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def with_servers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """Every job of this file on 3 ranks (with parameter servers), one spawned group (`run_shared`)."""
+    root = str(tmp_path_factory.mktemp("servers"))
+    jobs = {case: (_server_case, (root, case)) for case in SERVER_CASES}
+    return run_shared(3, {**jobs, "ps_state": (_ps_job, (str(Path(root, "ps_state")),))}, timeout_s=200)
+
+
+@pytest.mark.timeout(240)
+def test_ps_tables_and_their_optimizer_state_come_back_from_a_checkpoint(with_servers: dict) -> None:
+    out = with_servers["ps_state"][0]
     assert out["loaded"] == 3 and out["moved"] > 1e-3 and out["restored"] == 0.0
     assert out["stats"] == out["saved_stats"]  # pushes, global step, buffered samples, staleness
     assert any(stats["pending_samples"] for stats in out["stats"])
     assert out["nested"] == []  # inside a parent module's state_dict the tables add nothing
+
+
+def _trainers_of(case: list[Any]) -> list[dict[str, Any]]:
+    return [result for result in case if result is not None]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["gba_torchrec", "gba_ps"])
+def test_gba_mode_stopped_and_resumed_ends_exactly_where_an_uninterrupted_run_does(with_servers: dict,
+                                                                                    case: str) -> None:
+    runs = _trainers_of(with_servers[case])
+    assert len(runs) == 2
+    for trainer, run in enumerate(runs):
+        whole, resumed = run["whole"], run["resumed"]
+        assert resumed["resumed_from"] == SERVER_STOP_AT
+        assert whole["final"]["sync"]["mode"] == resumed["final"]["sync"]["mode"] == "gba"
+        assert whole["final"]["sync"]["optimizer"]["global_step"] == SERVER_STEPS
+        assert resumed["final"]["sync"]["optimizer"]["global_step"] == SERVER_STEPS
+        assert _max_abs_diff(whole["at_stop"]["model"], whole["final"]["model"]) > 1e-4  # the last steps trained
+        assert set(whole["final"]) == set(resumed["final"])
+        for part in whole["final"]:  # dense weights, tables, their optimizer state, the shards' state
+            diff = _max_abs_diff(whole["final"][part], resumed["final"][part])
+            assert diff <= 1e-6, f"{case}: trainer {trainer}'s {part} differs by {diff}"
+    if case == "gba_ps":
+        gathered = runs[0]["resumed"]["final"]["ps_tables"]
+        assert set(gathered["tables"]["t0"]) == {"weight", "accumulator"}
+        assert gathered["shards"]["server0"]["pushes"] == 2 * SERVER_STEPS
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", list(SERVER_CASES))
+def test_with_servers_a_resume_restores_the_saved_state_bit_for_bit_and_a_corrupted_one_falls_back(
+    with_servers: dict, case: str
+) -> None:
+    """The property every case has, easgd_ps included (module docstring: why it is not exact)."""
+    servers = SERVER_CASES[case]["ps"]["num_servers"]
+    for trainer, run in enumerate(_trainers_of(with_servers[case])):
+        saved, resumed = run["split"]["final"], run["resumed"]
+        for part in saved:
+            diff = _max_abs_diff(saved[part], resumed["at_load"][part])
+            assert diff == 0.0, f"{case}: trainer {trainer}'s {part} after loading differs by {diff}"
+        assert _max_abs_diff(resumed["at_load"]["model"], resumed["final"]["model"]) > 1e-4  # training went on
+        assert resumed["fallback_step"] == SERVER_STOP_AT  # step 6 corrupted: step 3 is loaded instead
+        for part in saved:  # the tables on the servers and the shards' state moved back to step 3
+            assert _max_abs_diff(saved[part], resumed["after_fallback"][part]) == 0.0, f"{case}: {part}"
+        assert f"made with {servers} parameter servers, this job has {servers + 1}" in resumed["other_servers"]

@@ -11,6 +11,13 @@
   planner's collectives and all-to-all, so its construction is refused, naming the fix.
 - `dense_optimizer`: the torch optimizer of the dense parameters inside TorchRec's
   `KeyedOptimizerWrapper` / `CombinedOptimizer` (GBA mirrors its type and hyperparameters).
+- `BatchCheck` / `check_batches`: a malformed batch (unknown or missing feature keys, ids outside a
+  table, lengths that do not add up to the values) is refused on the rank that got it, naming the
+  feature, the table and the bad value, before a sharded `EmbeddingBagCollection`'s input
+  distribution sees it. TorchRec validates only the first batch (and an id beyond a table only with
+  a warning); FBGEMM's CPU kernels then read out of bounds silently or crash, and a rank that fails
+  inside the all-to-all leaves its peers waiting in it. `ShardingGuard` installs the check on every
+  DMP the trainers of a job with servers build; `check_batches(model)` installs it on any DMP.
 """
 
 from __future__ import annotations
@@ -22,15 +29,19 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from shadowgba.errors import SetupError
+from shadowgba.ps.embedding import id_out_of_range
 
 __all__ = [
-    "ShadowDataParallelWrapper", "ShardingGuard", "dense_named_parameters", "dense_optimizer",
-    "dmp_kwargs", "has_sharded_tables",
+    "BatchCheck", "ShadowDataParallelWrapper", "ShardingGuard", "check_batches", "dense_named_parameters",
+    "dense_optimizer", "dmp_kwargs", "has_sharded_tables",
 ]
 
 
@@ -65,11 +76,82 @@ def has_sharded_tables(model: nn.Module) -> bool:
     return bool(_sharded_names(model))
 
 
+class BatchCheck:
+    """Refuses a malformed batch of a set of tables with `ValueError` "batch refused: ..." naming the
+    feature, its table and the bad value: keys that are not exactly the tables' features, lengths
+    that are negative, not one per sample and feature, or do not add up to the values, and ids
+    outside their table (`shadowgba.ps.embedding.id_out_of_range`, the rule PS tables apply).
+    Costs a sum per feature and a min / max per feature; reads the batch, never changes it."""
+
+    def __init__(self, tables: Sequence[EmbeddingBagConfig]) -> None:
+        self.table_of = {feature: table for table in tables for feature in (table.feature_names or [table.name])}
+
+    def __call__(self, features: KeyedJaggedTensor) -> None:
+        keys = features.keys()
+        unknown = [key for key in keys if key not in self.table_of]
+        if unknown:
+            raise ValueError(f"batch refused: unknown feature '{unknown[0]}'; the tables' features are "
+                             f"{sorted(self.table_of)}")
+        if len(keys) != len(self.table_of) or len(set(keys)) != len(keys):  # one is missing or repeated
+            missing = [feature for feature in self.table_of if feature not in keys]
+            named, problem = (missing[0], "missing") if missing else (
+                next(key for index, key in enumerate(keys) if key in keys[:index]), "given more than once")
+            raise ValueError(f"{self._refused(named)}: {problem} (keys {list(keys)})")
+        lengths, values = features.lengths(), features.values()
+        strides = features.stride_per_key()
+        if lengths.numel() != sum(strides):
+            raise ValueError(f"batch refused: {lengths.numel()} lengths, not one per sample of each feature "
+                             f"(features {list(keys)}, samples {strides})")
+        parts = lengths.split(strides)
+        if lengths.numel() and int(lengths.min()) < 0:
+            key, part = next((key, part) for key, part in zip(keys, parts) if int(part.min()) < 0)
+            raise ValueError(f"{self._refused(key)}: negative length {int(part.min())}")
+        counts = [int(part.sum()) for part in parts]
+        if sum(counts) != values.numel():
+            per_feature = ", ".join(f"'{key}': {count}" for key, count in zip(keys, counts))
+            raise ValueError(f"batch refused: the lengths count {sum(counts)} ids ({per_feature}) but the batch "
+                             f"holds {values.numel()} values")
+        for key, ids in zip(keys, values.split(counts)):
+            problem = id_out_of_range(ids, self.table_of[key].num_embeddings)
+            if problem:
+                raise ValueError(f"{self._refused(key)}: {problem}")
+
+    def _refused(self, feature: str) -> str:
+        return f"batch refused: feature '{feature}' of table '{self.table_of[feature].name}'"
+
+
+class _CheckedInputDist:
+    """A sharded EBC's `input_dist` that runs a `BatchCheck` on the features first (TrainPipelineSparseDist
+    calls `input_dist` directly, a plain forward through `ShardedModule.forward`: both pass here)."""
+
+    def __init__(self, input_dist: Any, check: BatchCheck) -> None:
+        self.input_dist = input_dist
+        self.check = check
+
+    def __call__(self, ctx: Any, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(features, KeyedJaggedTensor):
+            self.check(features)
+        return self.input_dist(ctx, features, *args, **kwargs)
+
+
+def check_batches(model: nn.Module) -> int:
+    """Give every sharded `EmbeddingBagCollection` in `model` the `BatchCheck` of its tables (once:
+    calling it again changes nothing); returns how many have it."""
+    checked = 0
+    for module in model.modules():
+        if isinstance(module, ShardedEmbeddingBagCollection):
+            if not isinstance(module.__dict__.get("input_dist"), _CheckedInputDist):
+                module.input_dist = _CheckedInputDist(module.input_dist, BatchCheck(module._embedding_bag_configs))
+            checked += 1
+    return checked
+
+
 class ShardingGuard:
     """While installed, a `DistributedModelParallel` that would shard over more ranks than the
     trainers is refused at construction (before its planner's first collective over the world,
-    which the servers never enter), naming the fix. `shadowgba.join` installs it on the trainers of
-    a job with parameter servers and `Job.close()` removes it."""
+    which the servers never enter), naming the fix, and one that is built gets the batch check
+    (`check_batches`). `shadowgba.join` installs it on the trainers of a job with parameter servers
+    and `Job.close()` removes it."""
 
     def __init__(self, trainer_group: dist.ProcessGroup, num_servers: int) -> None:
         self.trainers = dist.get_world_size(trainer_group)
@@ -86,6 +168,7 @@ class ShardingGuard:
             env = signature.bind(dmp, *args, **kwargs).arguments.get("env")
             guard.check(dist.get_world_size() if env is None else env.world_size)
             original(dmp, *args, **kwargs)
+            check_batches(dmp)
 
         self._original = original
         DistributedModelParallel.__init__ = checked_init

@@ -308,10 +308,9 @@ class EmbeddingShard:
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
             raise _refused(request, name, f"ids must be a 1-D int32/int64 tensor, got {_describe(ids)}")
         ids = ids.long()
-        size = table.config.num_embeddings
-        if len(ids) and (ids.min() < 0 or ids.max() >= size):
-            bad = ids[(ids < 0) | (ids >= size)][0].item()
-            raise _refused(request, name, f"id {bad} out of range [0, {size})")
+        problem = id_out_of_range(ids, table.config.num_embeddings)
+        if problem:
+            raise _refused(request, name, problem)
         foreign = ids[ids % self.num_servers != self.server_index].tolist()
         if foreign:
             owner = foreign[0] % self.num_servers
@@ -594,6 +593,20 @@ def checked_tables(tables: Sequence[EmbeddingBagConfig]) -> list[EmbeddingBagCon
             raise ValueError(f"table '{table.name}': only FP32 tables are supported, got {table.data_type}")
         pooling_type_to_str(table.pooling)  # refuses pooling types other than sum and mean
     return checked
+
+
+def id_out_of_range(ids: torch.Tensor, num_embeddings: int) -> str | None:
+    """The rule every table's ids obey, `0 <= id < num_embeddings`: None if all of `ids` do, else the
+    first that does not, in the words of every refusal ("id 7 out of range [0, 5)"). PS shards apply it
+    to each request, and the TorchRec batch check (`shadowgba.integrations.torchrec`) to each feature
+    of a batch; it costs one min / max over the ids, the search for the culprit only on a refusal."""
+    if not ids.numel():
+        return None
+    low, high = torch.aminmax(ids)
+    if low >= 0 and high < num_embeddings:
+        return None
+    bad = ids[(ids < 0) | (ids >= num_embeddings)][0].item()
+    return f"id {bad} out of range [0, {num_embeddings})"
 
 
 def _coalesce(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
