@@ -69,6 +69,9 @@ STALL_RUN_STEPS = 40
 """The short-stall run's steps, on every trainer (lockstep cells need equal counts)."""
 RUN_CAP_S = TIMEOUT_S + 10
 """A survivor that no fault stops trains at most this long, then leaves its loop as if done."""
+GROUP_DEADLINE_S = 60 + RUN_CAP_S + LONG_STALL_S
+"""A spawned group still running after this is killed and its remaining ranks reported as hung:
+start-up on loaded cores, plus a case that only ends on RUN_CAP_S."""
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -121,19 +124,21 @@ def describe(error: BaseException) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One job in a spawned group: `cell` under the faults `arm(injector)` arms, logged to `log`."""
+    """One job in a spawned group: `cell` under the faults `arm(injector)` arms. Each rank writes what
+    it saw to `directory`/rank{r}.json as soon as the case is over, and the injector logs the fault
+    to `directory`/faults.jsonl: both outlive a rank that is killed or hangs in a later case."""
 
     name: str
     cell: Cell
     arm: Callable[[FaultInjector], Any]
-    log: str
+    directory: str
     timeout_s: float = TIMEOUT_S
     steps: int | None = None
     """Steps every trainer takes; None: until a fault stops it, or RUN_CAP_S."""
 
 
-def run_case(rank: int, case: Case, pids: list[int]) -> dict[str, Any]:
-    """One job of `case` on this rank: join, train, close. Returns what this rank saw; never raises."""
+def run_case(rank: int, case: Case, pids: list[int]) -> None:
+    """One job of `case` on this rank: join, train, close; writes what this rank saw, never raises."""
     cell = case.cell
     record: dict[str, Any] = {"rank": rank, "error": None, "steps": 0, "step_end": []}
     started = time.time()
@@ -145,14 +150,14 @@ def run_case(rank: int, case: Case, pids: list[int]) -> dict[str, Any]:
         job = shadowgba.join(config, tables, options)
         record["role"] = "server" if job.is_server else f"trainer {job.trainer_index}"
         if not job.is_server:
-            faults = FaultInjector(job.trainer_index, log=case.log, pids=pids)
+            faults = FaultInjector(job.trainer_index, log=Path(case.directory) / "faults.jsonl", pids=pids)
             case.arm(faults)
             train(cell, job, faults, case.steps, record)
     except BaseException as error:  # noqa: BLE001 (what the rank saw is the test's evidence)
         record["error"] = describe(error)
     record["ended_at"] = time.time()
     record["elapsed_s"] = record["ended_at"] - started
-    return record
+    (Path(case.directory) / f"rank{rank}.json").write_text(json.dumps(record))
 
 
 def train(cell: Cell, job: shadowgba.Job, faults: FaultInjector, steps: int | None, record: dict[str, Any]) -> None:
@@ -178,10 +183,11 @@ def train(cell: Cell, job: shadowgba.Job, faults: FaultInjector, steps: int | No
             faults.after_step(step)
 
 
-def cell_group(rank: int, world_size: int, cases: list[Case]) -> dict[str, Any]:
+def cell_group(rank: int, world_size: int, cases: list[Case]) -> None:
     """Several cases one after another in this spawned group (each but the last must leave it usable)."""
     pids = exchange_pids()
-    return {case.name: run_case(rank, case, pids) for case in cases}
+    for case in cases:
+        run_case(rank, case, pids)
 
 
 # ------------------------------------------------------------------------------------ the arming
@@ -216,11 +222,12 @@ class Ran:
     @property
     def records(self) -> list[dict[str, Any] | None]:
         """Each rank's record of the case; None for a rank that was killed, hung or never ran it."""
-        return [outcome.value.get(self.case.name) if outcome.returned else None for outcome in self.outcomes]
+        paths = [Path(self.case.directory) / f"rank{rank}.json" for rank in range(len(self.outcomes))]
+        return [json.loads(path.read_text()) if path.exists() else None for path in paths]
 
     def fired(self) -> dict[str, Any]:
         """The one fault of the case (asserting exactly one fired), from the log: it outlives a kill."""
-        log = Path(self.case.log)
+        log = Path(self.case.directory) / "faults.jsonl"
         lines = log.read_text().splitlines() if log.exists() else []
         assert len(lines) == 1, f"fault log {lines}\n{self}"
         return json.loads(lines[0])
@@ -231,7 +238,7 @@ class Ran:
         for rank, (outcome, record) in enumerate(zip(self.outcomes, self.records)):
             if record is None:
                 what = ("killed" if outcome.killed else "hung (alive at the deadline)" if outcome.hung
-                        else outcome.traceback if outcome.traceback else "never ran it")
+                        else outcome.traceback or "never ran it")
                 lines.append(f"rank {rank}: {what}")
                 continue
             error = record["error"]
@@ -272,10 +279,10 @@ def assert_others_end_naming(ran: Ran, lost_rank: int, role: str, fault_at: floa
 def stall_then_fail(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ran]:
     """One group per cell: the short freeze (which finishes normally), then the failure on trainer 1."""
     cell: Cell = request.param
-    logs = tmp_path_factory.mktemp(cell.name)
-    cases = [Case("stall", cell, short_freeze_trainer_1, str(logs / "stall.jsonl"), steps=STALL_RUN_STEPS),
-             Case("fail", cell, fail_trainer_1, str(logs / "fail.jsonl"))]
-    outcomes = run_ranks_outcomes(cell_group, cell.world_size, cases, timeout_s=SHORT_STALL_S + RUN_CAP_S + 40,
+    cases = [Case("stall", cell, short_freeze_trainer_1, str(tmp_path_factory.mktemp(f"{cell.name}-stall")),
+                  steps=STALL_RUN_STEPS),
+             Case("fail", cell, fail_trainer_1, str(tmp_path_factory.mktemp(f"{cell.name}-fail")))]
+    outcomes = run_ranks_outcomes(cell_group, cell.world_size, cases, timeout_s=GROUP_DEADLINE_S + RUN_CAP_S,
                                   group_timeout_s=TIMEOUT_S)
     return {case.name: Ran(case, outcomes) for case in cases}
 
@@ -303,16 +310,16 @@ def test_an_exception_in_the_loop_ends_every_rank_and_is_what_its_own_rank_repor
     assert_others_end_naming(ran, 1, "trainer 1", fault["at"], END_WITHIN_S)
 
 
-def single_case(cell: Cell, arm: Callable[[FaultInjector], Any], log: Path, timeout_s: float = TIMEOUT_S) -> Ran:
+def single_case(cell: Cell, arm: Callable[[FaultInjector], Any], directory: Path, timeout_s: float = TIMEOUT_S) -> Ran:
     """`cell` under one fault that ends its group (a kill, a long freeze), in a group of its own."""
-    case = Case("case", cell, arm, str(log), timeout_s)
-    return Ran(case, run_ranks_outcomes(cell_group, cell.world_size, [case], timeout_s=RUN_CAP_S + LONG_STALL_S + 30,
+    case = Case("case", cell, arm, str(directory), timeout_s)
+    return Ran(case, run_ranks_outcomes(cell_group, cell.world_size, [case], timeout_s=GROUP_DEADLINE_S,
                                         group_timeout_s=timeout_s))
 
 
 @pytest.mark.parametrize("cell", [MA, GBA_TORCHREC, GBA_PS, EASGD_PS_PS], ids=lambda cell: cell.name)
 def test_a_killed_trainer_ends_every_survivor_naming_it(cell: Cell, tmp_path: Path) -> None:
-    ran = single_case(cell, kill_trainer_1, tmp_path / "faults.jsonl")
+    ran = single_case(cell, kill_trainer_1, tmp_path)
     fault = assert_fired(ran, "kill", 1)
     assert ran.outcomes[1].killed, ran
     assert_others_end_naming(ran, 1, "trainer 1", fault["at"], END_WITHIN_S)
@@ -320,7 +327,7 @@ def test_a_killed_trainer_ends_every_survivor_naming_it(cell: Cell, tmp_path: Pa
 
 @pytest.mark.parametrize("cell", [GBA_PS, EASGD_PS_PS], ids=lambda cell: cell.name)
 def test_a_killed_server_ends_every_trainer_naming_it(cell: Cell, tmp_path: Path) -> None:
-    ran = single_case(cell, kill_the_server, tmp_path / "faults.jsonl")
+    ran = single_case(cell, kill_the_server, tmp_path)
     fault = assert_fired(ran, "kill_server", 0)
     assert fault["rank"] == 2 and ran.outcomes[2].killed, ran
     assert_others_end_naming(ran, 2, "ps0", fault["at"], END_WITHIN_S)
@@ -330,7 +337,7 @@ def test_a_killed_server_ends_every_trainer_naming_it(cell: Cell, tmp_path: Path
 def test_a_trainer_stalled_for_longer_than_the_timeout_ends_the_job_as_a_kill_does(cell: Cell, tmp_path: Path) -> None:
     """The survivors give up on the frozen trainer before it comes back, naming it; once continued,
     it ends too, with an error of its own."""
-    ran = single_case(cell, long_freeze_trainer_1, tmp_path / "faults.jsonl", LONG_TIMEOUT_S)
+    ran = single_case(cell, long_freeze_trainer_1, tmp_path, LONG_TIMEOUT_S)
     fault = assert_fired(ran, "freeze", 1)
     assert_others_end_naming(ran, 1, "trainer 1", fault["at"], LONG_STALL_S)
     frozen = ran.records[1]
@@ -347,7 +354,7 @@ def test_the_harness_arms_faults_from_the_environment_and_refuses_a_malformed_sp
     injector = FaultInjector.from_env(1)
     assert injector.faults == [Fault("kill", 1, 15), Fault("fail", 0, 20), Fault("stall", 1, 10, 2.5),
                                Fault("freeze", 1, 30, 4.0)]
-    assert injector.log == tmp_path / "faults.jsonl"
+    assert injector.log == tmp_path
     for spec in ("kill:1", "stall:1:10", "fail:1:10:3", "explode:1:10", "fail:one:10"):
         monkeypatch.setenv("SHADOWGBA_TEST_FAULTS", spec)
         with pytest.raises(ValueError, match="SHADOWGBA_TEST_FAULTS a list of"):
@@ -358,7 +365,7 @@ def test_the_harness_arms_faults_from_the_environment_and_refuses_a_malformed_sp
 
 
 def test_a_fault_fires_only_on_its_trainer_and_step_is_logged_before_it_acts_and_is_checked(tmp_path: Path) -> None:
-    log = tmp_path / "faults.jsonl"
+    log = tmp_path
     on_0, on_1 = (FaultInjector(trainer, log=log).fail_at(1, 3).stall_at(1, 4, 0.2) for trainer in (0, 1))
     for step in range(1, 6):
         on_0.after_step(step)
