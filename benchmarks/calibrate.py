@@ -1,6 +1,7 @@
 """Measure the throughput model's inputs on this machine, then check its predictions against the benchmarks.
 
     python benchmarks/calibrate.py measure [--reps 5] [--ranks 2,4,8] [--presets small,production,example]
+    python benchmarks/calibrate.py fit        # refit the model's inputs from the JSON's measured points
     python benchmarks/calibrate.py validate [--scaling runs/bench_scaling.json] [--gba 'runs/bench_gba_*.json']
 
 `measure` writes runs/throughput_calibration.json: every measured point (median of `--reps`
@@ -236,14 +237,15 @@ def _stand_in_rank(rank: int, port: int, reps: int, output: str) -> None:
 
 
 def server_row_cost(reps: int) -> dict[str, float]:
-    """A server's work per embedding row byte: serve the rows, then apply their gradient (in-process)."""
+    """A server's work for a lookup of 4,096 rows and their gradient (in-process): its CPU seconds are
+    `server_s`, the cost on a core of the server's own (the wall time also counts waiting for one)."""
     import torch
 
     table = torch.randn(TABLE_ROWS, TABLE_DIM)
     ids = torch.randint(0, TABLE_ROWS, (4096,))
     gradient = torch.full((4096, TABLE_DIM), 1e-3)
     cost = timed(lambda: table.index_add_(0, ids, gradient, alpha=-0.1).index_select(0, ids), reps, 50)
-    return {**cost, "bytes": ids.numel() * TABLE_DIM * 4}
+    return {**cost, "bytes": ids.numel() * TABLE_DIM * 4, "server_s": cost["cpu_s"]}
 
 
 def measure_stand_in(reps: int) -> dict[str, Any]:
@@ -277,7 +279,7 @@ def from_bench_ps(raw: dict[str, Any]) -> dict[str, Any] | None:
         measured["lookups"] = [{"rows": ids, "bytes": ids * row_bytes,
                                 "wall_s": lookup["trainers"] * ids / lookup["median"], "reps": lookup["reps"]}]
         measured["server_rows"] = {"bytes": row_bytes, "reps": lookup["reps"],
-                                   "wall_s": sum(1.0 / rates[kind]["median"] for kind in ("lookup", "row_push"))}
+                                   "server_s": sum(1.0 / rates[kind]["median"] for kind in ("lookup", "row_push"))}
     return measured
 
 
@@ -332,7 +334,7 @@ def fitted(measured: dict[str, Any], cores: int) -> dict[str, Any]:
         "allreduce": dataclasses.asdict(fit_allreduce(measured["allreduce"], cores)),
         "shard_push": dataclasses.asdict(fit_linear_cost(ps["pushes"])),
         "lookup": dataclasses.asdict(fit_linear_cost(ps["lookups"])),
-        "server_row_byte_s": ps["server_rows"]["wall_s"] / ps["server_rows"]["bytes"],
+        "server_row_byte_s": ps["server_rows"]["server_s"] / ps["server_rows"]["bytes"],
         "copy_bytes_per_s": steal["copy_bytes_per_s"],
         "shadow_steal": steal["steal_per_busy_core"],
         "cores": cores,
@@ -412,6 +414,14 @@ def gba_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dict[st
     return points
 
 
+def refit(args: argparse.Namespace) -> None:
+    """Rewrite the calibration's model section from its measured points (after a change of the fits)."""
+    report = json.loads(args.calibration.read_text())
+    report["model"] = fitted(report["measured"], report["cores"])
+    args.calibration.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"refitted {args.calibration}")
+
+
 def validate(args: argparse.Namespace) -> None:
     """Predicted vs measured samples/s, relative error per point, median absolute error per source."""
     calibration = tm.Calibration.load(args.calibration)
@@ -443,6 +453,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     measuring.add_argument("--presets", default=",".join(PRESETS), help=f"subset of {list(PRESETS)}")
     measuring.add_argument("--quiet-machine", action="store_true", help="nothing else ran: not provisional")
     measuring.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    refitting = commands.add_parser("fit", help="refit the model's inputs from the measured points")
+    refitting.add_argument("--calibration", type=Path, default=DEFAULT_OUTPUT)
     validating = commands.add_parser("validate", help="predicted vs measured samples/s")
     validating.add_argument("--calibration", type=Path, default=DEFAULT_OUTPUT)
     validating.add_argument("--scaling", type=Path, default=ROOT / "runs" / "bench_scaling.json")
@@ -453,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error("--presets must include small (the shadow steal is measured on it)")
         measure(args)
     else:
-        validate(args)
+        {"fit": refit, "validate": validate}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def test_a_calibration_written_as_calibrate_fits_it_loads_into_the_model(tmp_pat
         "allreduce": [{"ranks": n, "bytes": b, "wall_s": ring.time_s(b, n, n / 2)} for n in (2, 4) for b in (1 << 10, 1 << 20)],
         "ps": {"pushes": [{"bytes": b, "wall_s": 1e-3 + b * 1e-9} for b in (1 << 10, 1 << 20)],
                "lookups": [{"bytes": b, "wall_s": 2e-4 + b * 1e-9} for b in (1 << 10, 1 << 20)],
-               "server_rows": {"bytes": 1 << 20, "wall_s": 1e-3}},
+               "server_rows": {"bytes": 1 << 20, "server_s": 1e-3}},
     }
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"provisional": True, "model": calibrate.fitted(measured, cores=2)}))
