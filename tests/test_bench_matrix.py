@@ -132,12 +132,13 @@ def test_plots_are_written_for_every_figure(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_one_real_cell_runs_under_torchrun_and_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shadow EASGD cell: the one run of the shipped easgd.yaml under torchrun in the suite."""
     output = tmp_path / "matrix.json"
-    cell = Cell("none", "synthetic", False, 0, 40)
+    cell = Cell("easgd-shadow", "synthetic", False, 0, 40)
     settings = {"preset": "test", "trainers": 2, "batch_size": 512}
     bench_matrix.run_matrix([cell], output, settings)
     (run,) = json.loads(output.read_text())["runs"]
-    assert run["variant"] == "none" and run["result"]["steps"] == 40
+    assert run["variant"] == "easgd-shadow" and run["result"]["steps"] == 40
     assert run["result"]["curve"][-1]["samples_seen"] == 40 * 512 * 2
     (row,) = quality_rows([run])
     assert row["auc"][0] == run["result"]["auc"] and row["auc_minus_ddp"] is None

@@ -43,9 +43,9 @@ def finish(process: subprocess.Popen, timeout_s: float = 240) -> str:
     return output
 
 
-def finish_together(processes: list[subprocess.Popen], timeout_s: float = 240) -> None:
-    """Wait for all `processes` at once; if any fails or hangs, report every one's output tail (a
-    torchrun agent that hangs usually waits in its exit barrier for another agent)."""
+def finish_together(processes: list[subprocess.Popen], timeout_s: float = 240) -> list[str]:
+    """The outputs of all `processes`, waited for at once; if any fails or hangs, report every one's
+    output tail (a torchrun agent that hangs usually waits in its exit barrier for another agent)."""
     with ThreadPoolExecutor(len(processes)) as pool:
         outcomes = list(pool.map(lambda process: wait(process, timeout_s), processes))
     if any(failure for failure, _ in outcomes):
@@ -53,6 +53,7 @@ def finish_together(processes: list[subprocess.Popen], timeout_s: float = 240) -
             f"--- process {index}: {failure or 'exited 0'} ---\n{output[-3000:]}"
             for index, (failure, output) in enumerate(outcomes)
         ))
+    return [output for _, output in outcomes]
 
 
 def wait(process: subprocess.Popen, timeout_s: float) -> tuple[str | None, str]:
@@ -66,9 +67,22 @@ def wait(process: subprocess.Popen, timeout_s: float) -> tuple[str | None, str]:
     return (None if process.returncode == 0 else f"exited {process.returncode}"), output
 
 
-def test_two_rank_bmuf_run_ends_with_identical_replicas_and_a_useful_model(tmp_path: Path) -> None:
-    output = tmp_path / "bmuf.json"
-    log = finish(run_example(["--standalone", "--nproc_per_node=2"], "bmuf.yaml", output))
+@pytest.fixture(scope="module")
+def two_agents(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One 2-rank BMUF run launched as across machines: one torchrun agent per 'node', c10d rendezvous
+    on loopback. Both tests below read it (one torchrun start-up, not two); each agent is told its
+    own output path, and only the one hosting global rank 0 writes."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=shadowgba-test"]
+    directory = tmp_path_factory.mktemp("two_agents")
+    outputs = [directory / "node0.json", directory / "node1.json"]
+    logs = finish_together([run_example(launcher, "bmuf.yaml", output) for output in outputs])
+    return {"written": [path for path in outputs if path.exists()], "log": "\n".join(logs)}
+
+
+def test_two_rank_bmuf_run_ends_with_identical_replicas_and_a_useful_model(two_agents: dict) -> None:
+    (output,) = two_agents["written"]
+    log = two_agents["log"]
     results = json.loads(output.read_text())
     assert results["world_size"] == 2 and results["steps"] == 400
     assert results["dense_replica_max_abs_diff"] == 0.0  # final sync: replicas identical
@@ -79,14 +93,9 @@ def test_two_rank_bmuf_run_ends_with_identical_replicas_and_a_useful_model(tmp_p
     assert "held-out     AUC" in log and "samples/s" in log and f"full record  {output}" in log
 
 
-def test_two_torchrun_agents_rendezvous_over_c10d_and_train_together(tmp_path: Path) -> None:
+def test_two_torchrun_agents_rendezvous_over_c10d_and_train_together(two_agents: dict) -> None:
     """As across machines: one agent per 'node', c10d rendezvous on loopback."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=shadowgba-test"]
-    outputs = [tmp_path / "node0.json", tmp_path / "node1.json"]
-    agents = [run_example(launcher, "easgd.yaml", output) for output in outputs]
-    finish_together(agents)
-    written = [json.loads(path.read_text()) for path in outputs if path.exists()]
+    written = [json.loads(path.read_text()) for path in two_agents["written"]]
     assert len(written) == 1, "exactly one agent hosts global rank 0, which writes the results"
     (results,) = written
     assert results["world_size"] == 2

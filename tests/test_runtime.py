@@ -60,23 +60,25 @@ def train_constant_steps(rank: int, world_size: int, steps: list[int], options: 
     return {"initial": initial, "before_final": before_final, "metrics": sync.metrics.summary()}
 
 
-@pytest.mark.parametrize("algo", ["ma", "bmuf"])
-def test_handoff_keeps_local_progress_made_during_rounds(algo: str) -> None:
+HANDOFF_STEPS = [150, 150]
+HANDOFF_OPTIONS = {"ma": {"algo": "ma"}, "bmuf": {"algo": "bmuf", "bmuf": BMUFConfig(block_momentum=0.0)}}
+"""For BMUF with eta = 0 the rounds are MA; the default eta would add momentum and not conserve."""
+
+
+@pytest.mark.parametrize("algo", list(HANDOFF_OPTIONS))
+def test_handoff_keeps_local_progress_made_during_rounds(algo: str, two_ranks: dict) -> None:
     """MA-type rounds preserve the sum of replicas, so sum(w) must equal sum(w0) + all local steps.
 
     Any lost local step (e.g. rebinding w to the average instead of w + (t - s)) breaks the equality.
-    For BMUF with eta = 0 the rounds are MA; the default eta would add momentum and not conserve.
     """
-    steps = [150, 150]
-    options = {"algo": algo} | ({"bmuf": BMUFConfig(block_momentum=0.0)} if algo == "bmuf" else {})
-    results = run_ranks(train_constant_steps, 2, steps, options)
+    results = two_ranks[f"handoff-{algo}"]
     torch.testing.assert_close(results[0]["initial"], results[1]["initial"])
-    progress = sum(steps[r] * (r + 1) for r in range(2))
+    progress = sum(HANDOFF_STEPS[r] * (r + 1) for r in range(2))
     total = results[0]["before_final"] + results[1]["before_final"]
     torch.testing.assert_close(total, 2 * results[0]["initial"] + progress, rtol=0, atol=1e-9)
-    for result in results:
+    for rank, result in enumerate(results):
         assert result["metrics"]["applied_rounds"] >= 5, result["metrics"]
-        assert result["metrics"]["steps"] == 150
+        assert result["metrics"]["steps"] == HANDOFF_STEPS[rank]
 
 
 def rounds_around_the_first_round_step(rank: int, world_size: int, steps_before: int, steps_after: int) -> dict:
@@ -96,15 +98,15 @@ def rounds_around_the_first_round_step(rank: int, world_size: int, steps_before:
     return {"before": rounds_before, "after": rounds_after, "final": flat(model)}
 
 
-def test_shadow_rounds_start_only_after_first_round_after_steps() -> None:
-    results = run_ranks(rounds_around_the_first_round_step, 2, 19, 21)
+def test_shadow_rounds_start_only_after_first_round_after_steps(two_ranks: dict) -> None:
+    results = two_ranks["first-round-after"]
     for result in results:
         assert result["before"] == 0 and result["after"] >= 3, result
     torch.testing.assert_close(results[0]["final"], results[1]["final"])
 
 
-def test_a_job_shorter_than_first_round_after_still_closes_together_with_identical_weights() -> None:
-    results = run_ranks(rounds_around_the_first_round_step, 2, 5, 0)
+def test_a_job_shorter_than_first_round_after_still_closes_together_with_identical_weights(two_ranks: dict) -> None:
+    results = two_ranks["short-job"]
     assert [result["after"] for result in results] == [0, 0]
     torch.testing.assert_close(results[0]["final"], results[1]["final"])
 
@@ -144,10 +146,8 @@ def test_ranks_that_stop_at_different_steps_all_exit_with_identical_weights(labe
     assert [r["metrics"]["steps"] for r in results] == [20, 300, 90]
 
 
-def test_foreground_mode_syncs_every_k_steps() -> None:
-    results = run_ranks(
-        final_weights_after_unequal_training, 2, [60, 60], {"algo": "ma", "mode": "foreground", "foreground_every": 10}
-    )
+def test_foreground_mode_syncs_every_k_steps(two_ranks: dict) -> None:
+    results = two_ranks["foreground-every"]
     for result in results:
         # rounds at steps 10..60, plus the stop round that close() raises its flag in
         assert result["metrics"]["rounds"] == 7
@@ -187,8 +187,8 @@ def shadow_failure_reaches_training(rank: int, world_size: int) -> str:
     return "raised after %d steps" % sync.metrics.steps
 
 
-def test_exception_in_shadow_thread_reaches_the_training_thread() -> None:
-    (message,) = run_ranks(shadow_failure_reaches_training, 1)
+def test_exception_in_shadow_thread_reaches_the_training_thread(one_rank: dict) -> None:
+    (message,) = one_rank["shadow-failure"]
     assert int(message.split()[2]) < 10_000
 
 
@@ -232,8 +232,8 @@ def paced_rounds(rank: int, world_size: int) -> dict:
         return {"slow_rounds": fast_rounds, "slow_s": fast_start - started, "fast_rounds": sync.metrics.rounds - fast_rounds}
 
 
-def test_pacing_bounds_the_round_rate_and_can_change_while_running() -> None:
-    for result in run_ranks(paced_rounds, 2):
+def test_pacing_bounds_the_round_rate_and_can_change_while_running(two_ranks: dict) -> None:
+    for result in two_ranks["pacing"]:
         # at most one round starts per 50 ms interval (plus the one in flight)
         assert result["slow_rounds"] <= result["slow_s"] / 0.050 + 2, result
         assert result["fast_rounds"] > result["slow_rounds"], result
@@ -264,8 +264,8 @@ def control_file_changes_pacing(rank: int, world_size: int, control: str) -> dic
     return {"fast": fast, "slow": slow, "still_slow": still_slow, "interval_ms": sync.interval_ms}
 
 
-def test_control_file_changes_pacing_while_running_and_bad_edits_are_ignored(tmp_path) -> None:  # noqa: ANN001
-    (result,) = run_ranks(control_file_changes_pacing, 1, str(tmp_path / "control.yaml"))
+def test_control_file_changes_pacing_while_running_and_bad_edits_are_ignored(one_rank: dict) -> None:
+    (result,) = one_rank["control-file"]
     assert result["fast"] > 50, result
     assert result["slow"] <= 1.2 / 0.4 + 2, result
     assert result["still_slow"] <= 1.2 / 0.4 + 2 and result["interval_ms"] == 400.0, result
@@ -289,10 +289,36 @@ def checkpoint_often(rank: int, world_size: int) -> dict:
     return {"reads": reads, "rounds": sync.metrics.summary()["rounds"], "centre": state["algorithm"]["center"]}
 
 
-def test_reading_the_state_never_waits_for_a_round_that_waits_for_a_peer_in_another_collective() -> None:
+def test_reading_the_state_never_waits_for_a_round_that_waits_for_a_peer_in_another_collective(two_ranks: dict) -> None:
     """Before: state_dict() waited for the round in flight, whose peer's shadow thread waited for a
     snapshot from a training thread that sat in the checkpoint's barrier waiting for this one."""
-    results = run_ranks(checkpoint_often, 2, timeout_s=90)
+    results = two_ranks["checkpoint-often"]
     for result in results:
         assert result["reads"] == 100 and result["rounds"] > 10, result
         assert torch.isfinite(result["centre"]).all()
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list]:
+    """Every 2-rank job of this file but the dead peer's (which kills its group), one after another
+    in one spawned group (see `run_shared`)."""
+    return run_shared(2, {
+        **{f"handoff-{algo}": (train_constant_steps, (HANDOFF_STEPS, options)) for algo, options in HANDOFF_OPTIONS.items()},
+        "first-round-after": (rounds_around_the_first_round_step, (19, 21)),
+        "short-job": (rounds_around_the_first_round_step, (5, 0)),
+        "foreground-every": (
+            final_weights_after_unequal_training, ([60, 60], {"algo": "ma", "mode": "foreground", "foreground_every": 10})
+        ),
+        "pacing": (paced_rounds, ()),
+        "checkpoint-often": (checkpoint_often, ()),
+    }, timeout_s=150)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    """The single-rank jobs in one spawned group; the one whose shadow thread fails runs last."""
+    control = str(tmp_path_factory.mktemp("control") / "control.yaml")
+    return run_shared(1, {
+        "control-file": (control_file_changes_pacing, (control,)),
+        "shadow-failure": (shadow_failure_reaches_training, ()),
+    }, timeout_s=90)

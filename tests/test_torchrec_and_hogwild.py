@@ -10,9 +10,9 @@ import shadowgba
 from shadowgba import SyncConfig
 from shadowgba.shadow.runtime import ShadowSync
 from shadowgba.shadow.hogwild import HogwildThreads, shared_replicas
-from tests.multiprocess import run_ranks
+from tests.multiprocess import run_shared
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(300)
 
 
 def dense_spread(model: nn.Module) -> float:
@@ -73,12 +73,12 @@ def train_dmp_under_every_shadow_algorithm(rank: int, world_size: int) -> dict:
     return results
 
 
-def test_every_shadow_algorithm_wraps_a_torchrec_pipeline_through_the_factory() -> None:
+def test_every_shadow_algorithm_wraps_a_torchrec_pipeline_through_the_factory(two_ranks: dict) -> None:
     """ma, easgd, bmuf (shadow, foreground; handoff, hogwild) on a DMP trained by TorchRec's
     pipeline or the user's loop, with TorchRec's golden-script optimizer (a KeyedOptimizerWrapper
     over every named parameter): hundreds of steps, rounds applied, replicas identical at the end.
     Hogwild writes race the training thread's autograd graph: they must not break it."""
-    (results, _) = run_ranks(train_dmp_under_every_shadow_algorithm, 2, timeout_s=240)
+    (results, _) = two_ranks["torchrec"]
     assert list(results) == [label for label, *_ in SHADOW_CASES]
     for label, result in results.items():
         assert result["metrics"]["steps"] == result["steps"], label
@@ -112,13 +112,22 @@ def train_hogwild_threads(rank: int, world_size: int, threads: int, steps: int) 
     return {"metrics": sync.metrics.summary(), "losses": losses, "weight": model.weight.detach().clone()}
 
 
-def test_hogwild_threads_share_storage_and_feed_one_shadow_thread() -> None:
-    results = run_ranks(train_hogwild_threads, 2, 2, 300, timeout_s=120)
+def test_hogwild_threads_share_storage_and_feed_one_shadow_thread(two_ranks: dict) -> None:
+    results = two_ranks["hogwild-threads"]
     for result in results:
         assert result["metrics"]["steps"] == 600  # both threads' optimizers are step boundaries
         assert max(result["losses"]) < 0.1 * INITIAL_LOSS, result["losses"]
     torch.testing.assert_close(results[0]["weight"], results[1]["weight"])
     torch.testing.assert_close(results[0]["weight"], W_TRUE.T, atol=0.1, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list]:
+    """Both 2-rank jobs of this file, one after another in one spawned group (see `run_shared`)."""
+    return run_shared(2, {
+        "torchrec": (train_dmp_under_every_shadow_algorithm, ()),
+        "hogwild-threads": (train_hogwild_threads, (2, 300)),
+    }, timeout_s=270)
 
 
 def test_shared_replicas_share_memory_but_not_version_counters_or_grads() -> None:
