@@ -1,10 +1,29 @@
 """Checkpoints and exact resume (shadowgba.checkpoint, the harness's --checkpoint-dir / --resume).
 
 Spawned jobs are shared where the assertions are independent: one 2-rank job runs every exact-resume
-case (uninterrupted vs stopped-and-resumed, per algorithm) and then the refusal cases, and the tests
-assert on its results; two torchrun jobs with a trainer killed mid-run (one with a parameter server)
-cover restart and resume.
-"""
+case without servers (uninterrupted vs stopped-and-resumed, per algorithm) and then the refusal
+cases; one 3-rank group runs the cases with parameter servers and the PS-table round trip; two
+torchrun jobs with a trainer killed mid-run (one with a parameter server) cover restart and resume.
+
+Jobs with servers are asynchronous by design; the deterministic configuration in which a run is
+reproducible, and so can be compared with a stopped-and-resumed one, is (`_server_run`):
+- gba in GBA mode, 2 trainers + 1 server, global-batch aggregation: after each step every trainer
+  waits until it holds the parameters of that step's global step (`GBASync.wait_for_global_step`),
+  i.e. zero staleness, so every global batch holds exactly that step's two pushes (a sum of two is
+  the same in either order); with PS tables each trainer also flushes its row pushes and the
+  trainers meet in a barrier, so the next lookup reads the rows after that global batch was applied.
+  Fixed seeds, one torch thread. Then stopped at step k and resumed == uninterrupted, for the dense
+  weights, the TorchRec-sharded tables and their fused Adagrad state, the PS tables with their
+  row-wise Adagrad accumulators, buffers and counters, and the dense shards' parameters, Adam state
+  and global step.
+- easgd_ps (S-EASGD), 1 trainer + 2 servers, foreground rounds, Hogwild PS tables flushed every
+  step: reproducible, but a resume is NOT exact: the EASGD centre lives on the servers and no
+  checkpoint holds it (`ElasticCenter` can neither export nor load it; `ShadowSync.state_dict()`
+  for easgd_ps carries no centre), so a resumed run's centre restarts from the trainers' initial
+  weights and the first round after the resume pulls towards it. The test asserts the strongest
+  property that holds: everything else a checkpoint holds (dense replica, optimizer, PS tables,
+  shard counters, runtime step) comes back bit for bit, and training goes on from it.
+""""""
 
 from __future__ import annotations
 
