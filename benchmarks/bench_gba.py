@@ -88,9 +88,10 @@ SHARED_JOB = [*PS_JOB, *TUNED_FOR_SYNC]
 OVERRUN_WARNING = 0.05
 """Simulated mode warns when more than this share of a fast trainer's steps overran `--step-ms`."""
 
-SIMULATED_STEP_MS = {"small": 50.0, "production": 400.0}
-"""Simulated compute per step of each preset, when `--step-ms` is not given: above what a trainer's
-real work takes with 4 trainers and the servers on 2 cores, so that the sleep pads every step."""
+SIMULATED_STEP_MS = {"small": 50.0, "production": 1500.0}
+"""Simulated compute per step of each preset, when `--step-ms` is not given: above what a fast
+trainer's real work takes with 4 trainers and the servers on 2 cores (docs/benchmarks.md), so that
+the sleep pads every step."""
 
 
 def ideal_ratio(trainers: int, factor: float) -> float:

@@ -20,11 +20,11 @@ memory, servers included, and each trainer's peak above its memory before the sy
 (`resources`). `--preset small | production` sets the model's shape and its data
 (`examples/configs/presets/`). One torch thread per rank, gloo on CPU, NCCL on GPUs.
 
-Modules: `dlrm.config` (the config tree), `dlrm.model` (building the DLRM), `dlrm.job` (trainer and
-server roles, which sync), `dlrm.pma` (the pma baseline), `dlrm.loop` (training loop, stopping,
-timing, evaluation), `dlrm.curve` (the held-out curve during training), `dlrm.checkpoints`
-(`--checkpoint-dir`, `--checkpoint-every`, `--resume`: atomic checkpoints and exact resume),
-`dlrm.faults` (test-only fault injection).
+Modules: `dlrm.config` (the config tree and the model presets), `dlrm.model` (building the DLRM),
+`dlrm.job` (trainer and server roles, which sync, every rank's resources), `dlrm.pma` (the pma
+baseline), `dlrm.loop` (training loop, stopping, timing, evaluation), `dlrm.curve` (the held-out
+curve during training), `dlrm.checkpoints` (`--checkpoint-dir`, `--checkpoint-every`, `--resume`:
+atomic checkpoints and exact resume), `dlrm.faults` (test-only fault injection).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def run(
     config: ExperimentConfig, device: torch.device, backend: str, checkpoints: CheckpointOptions | None = None
 ) -> dict[str, Any] | None:
     """Every rank: join the job, serve or train; then every rank's resources over the timed window
-    (collective). Trainer 0 returns every number of the run, the other ranks None."""
+    (collective). Trainers return every number of the run, servers None."""
     wall_start = time.perf_counter()
     meter = ResourceMeter()
     data = open_dataset(config.data)
@@ -78,7 +78,7 @@ def run(
         finally:
             job.close()
     by_rank = gather_resources(meter, job.is_server, window)
-    if by_rank is None or results is None:
+    if results is None:
         return None
     return {**results, "resources": resource_summary(by_rank, results["samples_in_window"], results["dense_mib"])}
 
@@ -260,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     _init_process_group(backend)
     try:
         results = run(config, device, backend, checkpoints)
-        if results is not None:
+        if dist.get_rank() == 0:
             results["preset"] = args.preset
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps(results, indent=2) + "\n")

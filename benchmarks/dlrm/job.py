@@ -184,10 +184,9 @@ def timed_window(stats: TrainStats, roles: transport.Roles, device: torch.device
     return bounds[0].item(), -bounds[1].item()
 
 
-def gather_resources(meter: ResourceMeter, is_server: bool, window: Sequence[Interval]) -> list[dict[str, Any]] | None:
+def gather_resources(meter: ResourceMeter, is_server: bool, window: Sequence[Interval]) -> list[dict[str, Any]]:
     """Every rank, after the job is closed (collective on the default group): rank 0 (trainer 0) hands
-    its `window` to every rank; each rank's CPU seconds in it and peak resident memory, on rank 0
-    (None elsewhere)."""
+    its `window` to every rank; every rank's CPU seconds in it and peak resident memory, on every rank."""
     meter.stop()
     shared = [list(window)]
     dist.broadcast_object_list(shared, src=0)
@@ -196,8 +195,8 @@ def gather_resources(meter: ResourceMeter, is_server: bool, window: Sequence[Int
         "cpu_s_in_window": meter.cpu_s(shared[0]), "peak_rss_mib": peak_rss_mib(),
         "rss_before_sync_mib": meter.rss_before_sync_mib,
     }
-    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
     return gathered
 
 
