@@ -6,6 +6,14 @@ elementwise (SGD with momentum, Adagrad, Adam, AdamW), a slice of the whole-vect
 state of the slice, so switching modes moves parameters and optimizer state by slicing and
 concatenating, exactly, with nothing to retune. The learning rate follows a schedule indexed by the
 global step, which travels with the state.
+
+The step runs torch's fused kernel (one pass over parameters, gradient and state; on CPU about 3x
+faster than the single-tensor loop, and on the servers the optimizer is most of a global step's
+cost). A fused kernel computes the last few elements of a vector (fewer than a SIMD loop's width)
+by a scalar path whose rounding may differ by an ulp, so slices step bit-identically to the
+whole vector only if every slice but the last starts and ends on a multiple of that width:
+`shard_bounds` cuts on multiples of `SHARD_ALIGN` elements for that reason (vectors too short to
+give every shard `SHARD_ALIGN` elements are cut anywhere, and are then equal only to an ulp).
 """
 
 from __future__ import annotations
@@ -79,7 +87,8 @@ class FlatOptimizer:
     def __init__(self, spec: OptimizerSpec, initial: torch.Tensor) -> None:
         self.spec = spec
         self.param = nn.Parameter(initial.detach().clone())
-        defaults = {**spec.defaults, "foreach": False} if "foreach" in spec.defaults else dict(spec.defaults)
+        defaults = {**spec.defaults, "foreach": None, "fused": True} if not spec.defaults.get("differentiable") \
+            else dict(spec.defaults)
         self.optimizer = SUPPORTED[spec.name]([self.param], **defaults)
         self.base_lr = float(spec.defaults["lr"])
         self.global_step = 0
@@ -145,9 +154,16 @@ def concat_exports(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {"param": torch.cat([part["param"] for part in parts]), "state": state, "global_step": steps.pop()}
 
 
+SHARD_ALIGN = 256
+"""Shard edges fall on multiples of this many elements (module docstring): a multiple of every
+CPU SIMD loop width of the fused kernels (AVX-512: 16 float32, unrolled up to 4 times)."""
+
+
 def shard_bounds(numel: int, num_shards: int) -> list[tuple[int, int]]:
-    """Contiguous, near-equal [start, end) slices of a flat vector, one per shard."""
+    """Contiguous, near-equal [start, end) slices of a flat vector, one per shard, the inner edges
+    on multiples of `SHARD_ALIGN` when every shard can have that many elements."""
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    edges = [numel * index // num_shards for index in range(num_shards + 1)]
+    align = SHARD_ALIGN if numel >= SHARD_ALIGN * num_shards else 1
+    edges = [round(numel * index / num_shards / align) * align for index in range(num_shards)] + [numel]
     return list(zip(edges[:-1], edges[1:]))

@@ -40,8 +40,16 @@ ABORTED = 2
 
 
 def is_finite(tensor: torch.Tensor) -> bool:
-    """Whether every value of `tensor` is finite (no NaN, no +-Inf): the test every contribution passes."""
-    return bool(torch.isfinite(tensor).all())
+    """Whether every value of `tensor` is finite (no NaN, no +-Inf): the test every contribution passes.
+
+    It runs on every gradient and every push of millions of values, so it is one read-only
+    reduction: the minimum and maximum are finite exactly when every value is (NaN propagates into
+    both, and -Inf / +Inf become them). `isfinite(tensor).all()` would first write a mask as large
+    as the tensor, about ten times slower on CPU."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 @dataclasses.dataclass(frozen=True)

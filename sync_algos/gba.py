@@ -127,11 +127,18 @@ class GlobalBatchRule:
 
 class GlobalBatchAggregator:
     """The GBA buffer of one flat parameter shard, under `GlobalBatchRule`. Not thread-safe: its
-    owner holds a lock."""
+    owner holds a lock.
+
+    The buffer is written, not zeroed and added to, by the first gradient of a global batch, and
+    the mean is computed in place: one pass over the values per push and one per global step, no
+    allocation. So the mean returned by `decide` / `follow` is the buffer itself, valid until the
+    next call: the owner applies it at once."""
 
     def __init__(self, config: AggregationConfig, numel: int, dtype: torch.dtype, global_batch: int) -> None:
         self.rule = GlobalBatchRule(config, global_batch)
         self.buffer = torch.zeros(numel, dtype=dtype)
+        self._empty = True
+        """No gradient entered the buffer since the last global step: its values are stale."""
 
     @property
     def global_step(self) -> int:
@@ -168,18 +175,24 @@ class GlobalBatchAggregator:
         return self._take(gradient, admission)
 
     def _take(self, gradient: torch.Tensor | None, admission: Admission) -> torch.Tensor | None:
-        """Add the admitted gradient to the buffer; the mean when the decision completes a global step."""
+        """Add the admitted gradient to the buffer; the mean (the buffer itself) when the decision
+        completes a global step."""
         if not admission.dropped and gradient is not None:
-            self.buffer.add_(gradient, alpha=admission.scale)
+            if self._empty:
+                torch.mul(gradient, admission.scale, out=self.buffer)
+            else:
+                self.buffer.add_(gradient, alpha=admission.scale)
+            self._empty = False
         if not admission.completed_samples:
             return None
-        mean = self.buffer / admission.completed_samples
-        self.buffer.zero_()
-        return mean
+        if self._empty:  # every part of this global batch was refused here: nothing to apply but zeros
+            self.buffer.zero_()
+        self._empty = True
+        return self.buffer.div_(admission.completed_samples)
 
     def discard(self) -> int:
         """Drop a partly filled global batch (at a mode switch); returns the samples dropped."""
-        self.buffer.zero_()
+        self._empty = True
         return self.rule.discard()
 
 

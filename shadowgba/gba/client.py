@@ -9,8 +9,8 @@
   in `metrics.queue_dropped`), so the training thread never blocks on the network.
 - The pusher thread pushes each queued gradient (`DenseShardClient.push`: shard 0 decides it for
   every shard) with the one token of the parameters it was computed on, the oldest installed
-  slice's; a reply is each shard's fresh slice and token, and shard 0's may carry a request to
-  switch to sync (`sync_requested`). A gradient the training thread found non-finite is pushed
+  slice's; a reply is each shard's token (and, without the watcher, its fresh slice), and shard
+  0's may carry a request to switch to sync (`sync_requested`). A gradient the training thread found non-finite is pushed
   marked so (`finite`): shard 0 drops and counts it, and no other shard sees it.
 - Under global-batch aggregation the watcher thread keeps one long poll (`DenseShard.watch`) per
   shard open, which answers as soon as the shard's global step advances. Without it the newest
@@ -251,10 +251,11 @@ class GBAClient:
         started = time.perf_counter()
         gradient = queued.gradient
         replies = self._shards.push(self._trainer_index, gradient, queued.token, self._local_batch_size,
-                                    queued.compute_s, queued.finite)
+                                    queued.compute_s, queued.finite, reply_params=not self._watch)
         if queued.finite:
             self._metrics.record_push(replies[0].weight)  # one decision for the whole push (shard 0's)
-        self._metrics.record_round(time.perf_counter() - started, 2 * gradient.numel() * gradient.element_size())
+        received = sum(reply.params.numel() for reply in replies if reply.params is not None)
+        self._metrics.record_round(time.perf_counter() - started, (gradient.numel() + received) * gradient.element_size())
         self._offer(replies)
         if replies[0].requested_mode == "sync":
             self._sync_requested.set()
@@ -280,12 +281,13 @@ class GBAClient:
                 time.sleep(WATCH_IDLE_S)  # timed out, or answered at once by a shard with all waiters taken
 
     def _offer(self, replies: list[ShardReply], epoch: int | None = None) -> None:
-        """Keep, per shard, the newest of the replies received so far (both background threads);
-        a watch's replies only if no `leave` came between its call and now (`epoch`)."""
+        """Keep, per shard, the newest of the replies with parameters received so far (both
+        background threads); a watch's replies only if no `leave` came between its call and now
+        (`epoch`)."""
         with self._replies_lock:
             if epoch is not None and epoch != self._epoch:
                 return
             for index, reply in enumerate(replies):
                 kept = self._fresh[index]
-                if kept is None or reply.token > kept.token:
+                if reply.params is not None and (kept is None or reply.token > kept.token):
                     self._fresh[index] = reply

@@ -6,8 +6,15 @@ step k and the GBA buffer (`sync_algos.gba.GlobalBatchAggregator`). Trainers pus
 with the token they pulled; the reply carries fresh parameters and token, so a push is also a pull.
 
 Invariants:
-- One lock guards everything; RPC threads call concurrently. Memory is bounded: one parameter
-  slice, its optimizer state and one buffer of the same size, whatever the number of trainers.
+- One lock guards the shard's state; RPC threads call concurrently. What reads only the request
+  (the finiteness check of its gradient, a pass over every value) runs before the lock is taken,
+  so pushes from several trainers overlap in it. Memory is bounded: one parameter slice, its
+  optimizer state and one buffer of the same size, whatever the number of trainers.
+- A reply carries the shard's parameters only when the caller lacks them: a pull always; a watch
+  once k has passed the caller's token; a push only if the trainer asked for them
+  (`PushRequest.reply_params`: False when its watcher brings every new k) and k has passed its
+  token. Otherwise the reply is the token alone, so a push costs the server one slice received,
+  not one received and one sent.
 - A malformed push (wrong shape or dtype, a slice this shard does not own, a token from the future,
   a `num_samples` that is not an integer >= 1) is refused with a `ValueError` *before* anything
   changes.
@@ -51,6 +58,7 @@ from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, concat_export
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy
 from shadowgba.ps import transport
+from sync_algos.base import is_finite
 from sync_algos.gba import Admission, GlobalBatchAggregator
 from sync_algos.staleness import StalenessCounts
 
@@ -97,13 +105,18 @@ class PushRequest:
     """The trainer's check of its whole gradient (every shard's slice): False keeps it out of all."""
     decision: Decision | None = None
     """None for shard 0, which decides; shard 0's decision for every other shard."""
+    reply_params: bool = True
+    """Whether the reply should carry the shard's parameters when k has passed `token`; False
+    when the trainer's watcher brings them (module docstring)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardReply:
-    """What a push or pull returns."""
+    """What a push, pull or watch returns."""
 
-    params: torch.Tensor
+    params: torch.Tensor | None
+    """The shard's parameters at `token`, or None when the caller already holds them (module
+    docstring: a push without `reply_params`, or a watch that timed out)."""
     token: int
     requested_mode: str | None
     weight: float = 1.0
@@ -229,15 +242,16 @@ class DenseShard:
             return True
 
     # ----------------------------------------------------------------------------- push and pull
-    def pull(self) -> ShardReply:
+    def pull(self, with_params: bool = True) -> ShardReply:
+        """The shard's token and mode request, and its parameters unless `with_params` is False."""
         with self._lock:
             self._require_configured()
-            return self._reply()
+            return self._reply(known=None if with_params else self._aggregator.global_step)
 
     def watch(self, token: int, timeout_s: float) -> ShardReply | None:
         """Long poll: the parameters once the global step has passed `token`, or, after
-        `timeout_s`, whatever the shard holds; None when the shard is not serving GBA (the trainers
-        are switching to sync mode). Answered at once when `WATCHERS` calls already wait."""
+        `timeout_s`, the token alone (nothing newer); None when the shard is not serving GBA (the
+        trainers are switching to sync mode). Answered at once when `WATCHERS` calls already wait."""
         with self._changed:
             if self._watchers < WATCHERS:
                 self._watchers += 1
@@ -248,7 +262,7 @@ class DenseShard:
                     )
                 finally:
                     self._watchers -= 1
-            return None if self._aggregator is None else self._reply()
+            return None if self._aggregator is None else self._reply(known=token)
 
     def push(self, request: PushRequest) -> ShardReply:
         """Add one trainer's gradient slice; step the optimizer when a global batch is complete.
@@ -257,22 +271,25 @@ class DenseShard:
             self._in_flight += 1
             self._max_in_flight = max(self._max_in_flight, self._in_flight)
         try:
+            # the one pass over the values, outside the lock; a gradient that is no tensor is refused below
+            finite = isinstance(request.gradient, torch.Tensor) and is_finite(request.gradient)
             with self._lock:
                 self._require_configured()
                 if self._failure is not None:
                     raise ValueError(f"push refused by dense shard {self.index}: the job failed: {self._failure}")
                 self._validate(request)
-                return self._decide(request) if request.decision is None else self._follow(request)
+                return self._decide(request, finite) if request.decision is None else self._follow(request, finite)
         finally:
             with self._lock:
                 self._in_flight -= 1
 
-    def _decide(self, request: PushRequest) -> ShardReply:
-        """Shard 0: GBA's rule decides the push for every shard (the lock held, validated)."""
+    def _decide(self, request: PushRequest, finite: bool) -> ShardReply:
+        """Shard 0: GBA's rule decides the push for every shard (the lock held, validated; `finite`:
+        this slice's check)."""
         if self.index != 0:
             raise ValueError(f"push refused by dense shard {self.index}: only shard 0 decides a push; "
                              "the others need its decision")
-        if not request.finite or not bool(torch.isfinite(request.gradient).all()):
+        if not request.finite or not finite:
             return self._nonfinite(request)
         admission, mean = self._aggregator.decide(request.gradient, request.token, request.num_samples)
         decision = None
@@ -281,9 +298,9 @@ class DenseShard:
         self._count(request, admission)
         if mean is not None:
             self._step(mean)
-        return self._reply(admission.weight, decision)
+        return self._push_reply(request, admission.weight, decision)
 
-    def _follow(self, request: PushRequest) -> ShardReply:
+    def _follow(self, request: PushRequest, finite: bool) -> ShardReply:
         """Every other shard: apply shard 0's decisions in its order (the lock held, validated).
 
         A part whose gradient is not finite here although the trainer said it was (a broken
@@ -294,7 +311,6 @@ class DenseShard:
             raise ValueError("push refused by dense shard 0: it decides pushes, it does not follow decisions")
         if decision.seq < self._next_seq or decision.seq in self._pending:
             raise ValueError(f"push refused by dense shard {self.index}: decision {decision.seq} was already applied")
-        finite = bool(torch.isfinite(request.gradient).all())
         self._pending[decision.seq] = (request, finite)
         while self._next_seq in self._pending:
             ready, ready_finite = self._pending.pop(self._next_seq)
@@ -307,7 +323,7 @@ class DenseShard:
         if not finite:
             raise ValueError(f"push refused by dense shard {self.index}: trainer {request.trainer}'s gradient has "
                              "NaN or inf values here (its decision was kept without it, so k stays shard 0's)")
-        return self._reply(decision.admission.weight)
+        return self._push_reply(request, decision.admission.weight)
 
     def _nonfinite(self, request: PushRequest) -> ShardReply:
         """Shard 0 and a non-finite gradient: dropped and counted (skip) or the job fails (fail)."""
@@ -318,7 +334,7 @@ class DenseShard:
         self._nonfinite_dropped += 1
         self._pushes += 1
         self._pushes_by_trainer[request.trainer] += 1
-        return self._reply(0.0)
+        return self._push_reply(request, 0.0)
 
     def _count(self, request: PushRequest, admission: Admission) -> None:
         self._pushes += 1
@@ -358,10 +374,17 @@ class DenseShard:
             }
 
     # --------------------------------------------------------------------------------- internals
-    def _reply(self, weight: float = 1.0, decision: Decision | None = None) -> ShardReply:
-        """The shard's parameters, token and pending mode request (the lock held, configured)."""
-        return ShardReply(self._optimizer.param.detach().clone(), self._aggregator.global_step, self._requested_mode,
-                          weight, decision)
+    def _reply(self, weight: float = 1.0, decision: Decision | None = None, known: int | None = None) -> ShardReply:
+        """Token and pending mode request, with a copy of the parameters unless the caller holds
+        those of step `known` and k has not passed it (the lock held, configured)."""
+        k = self._aggregator.global_step
+        params = self._optimizer.param.detach().clone() if known is None or k > known else None
+        return ShardReply(params, k, self._requested_mode, weight, decision)
+
+    def _push_reply(self, request: PushRequest, weight: float, decision: Decision | None = None) -> ShardReply:
+        """`_reply` to a push: parameters only if the trainer asked for them and k passed its token."""
+        known = request.token if request.reply_params else self._aggregator.global_step
+        return self._reply(weight, decision, known)
 
     def _require_configured(self) -> tuple[FlatOptimizer, GlobalBatchAggregator]:
         if self._optimizer is None or self._aggregator is None:
@@ -421,21 +444,22 @@ class DenseShardClient:
         ])
 
     def push(self, trainer: int, gradient: torch.Tensor, token: int, num_samples: int, compute_s: float,
-             finite: bool = True) -> list[ShardReply]:
+             finite: bool = True, reply_params: bool = True) -> list[ShardReply]:
         """Push the whole-vector `gradient`, computed on parameters of global step `token`: shard 0
         decides, then every other shard gets its slice with that decision (in parallel). A push
-        shard 0 dropped goes no further: the other shards' replies are then pulls."""
+        shard 0 dropped goes no further: the other shards' replies are then pulls. `reply_params`
+        False: the replies carry tokens only (the trainer's watcher brings new parameters)."""
         (start, end), *others = self.bounds
         first = transport.call(0, DENSE_SERVICE, "push",
                                PushRequest(trainer, start, end, gradient[start:end], token, num_samples, compute_s,
-                                           finite))
+                                           finite, reply_params=reply_params))
         if not others:
             return [first]
         if first.decision is None:
-            return [first, *self._fan_out("pull", first_shard=1)]
+            return [first, *self._fan_out("pull", [(reply_params,)] * len(others), first_shard=1)]
         return [first, *self._fan_out("push", [
             (PushRequest(trainer, start, end, gradient[start:end], token, num_samples, compute_s, True,
-                         first.decision),)
+                         first.decision, reply_params),)
             for start, end in others
         ], first_shard=1)]
 

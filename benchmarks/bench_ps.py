@@ -1,0 +1,373 @@
+"""The parameter server alone: how fast its ranks ingest dense pushes and serve embedding rows.
+
+    python benchmarks/bench_ps.py [--sizes 1KB,100KB,1MB,10MB] [--trainers 2] [--shards 1,2] \
+        [--in-flight 1,4] [--reps 5] [--duration-s 30] [--embeddings] [--trees after=.,before=/old/checkout]
+
+No model and no training: every trainer rank pushes one fixed gradient of `--sizes` bytes (float32)
+to the dense shards through `DenseShardClient.push` -- the trainers' real code path, shard 0
+deciding each push with GBA's rule and the others following -- with `--in-flight` pushes
+outstanding per trainer, as fast as the replies come back, while one watcher thread per trainer
+long-polls the shards for each new global step's parameters (`DenseShardClient.watch`), as a GBA
+trainer's does: the parameters the server sends are part of its cost. The shards run GBA as configured by
+default (Adam, global batch = trainers x 512 samples, staleness decay), so the server's whole cost
+per push is measured: receiving and unpickling the request, validation, the finiteness check, the
+buffer add, the optimizer step once per global batch, and the reply.
+
+Ingest per server rank = gradient bytes received by that rank per second (a push of B bytes over S
+shards brings B/S to each). CPU seconds are read with getrusage in every process at the start and
+end of each window (steal time does not inflate them): "server CPU s / GiB" is what one GiB of
+ingest costs a server rank, the figure that tells a faster transport from a less loaded machine.
+
+`--embeddings` adds the embedding side per world: lookups of 4,096 ids (rows/s) and row-gradient
+pushes of 4,096 rows (rows/s) against PS-hosted tables of 100K x 64 rows, the same client
+(`PSEmbeddingBagCollection`'s service) the trainers use.
+
+Interleaving: for each repetition, for each world (trainers x shards), for each `--trees` entry, one
+group of processes is spawned and measures every size and in-flight setting in turn; `--trees`
+names checkouts whose `shadowgba` the processes import (e.g. the code before and after an
+optimisation: `--trees after=.,before=/tmp/old`), so their ratio is measured side by side. Each
+figure is the median over repetitions with its min-max; ratios are per repetition, then the median.
+Prints Markdown tables and writes every window's numbers to runs/bench_ps.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import re
+import resource
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_summary import Column, markdown_table, ratios_to  # noqa: E402
+
+LOCAL_BATCH = 512
+"""Samples per push (its weight in the global batch)."""
+EMBEDDING_ROWS, EMBEDDING_DIM, EMBEDDING_IDS = 100_000, 64, 4096
+"""Embedding side: one table of this many rows x dim per benchmark, and ids per lookup / push."""
+GIB = 1 << 30
+UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "B": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """One group of processes: `trainers` pushing ranks and `shards` server ranks, importing `tree`."""
+
+    trainers: int
+    shards: int
+    tree: str
+    tree_path: str
+
+
+def parse_size(text: str) -> int:
+    """'1KB' / '10MB' / '4096' -> bytes (a multiple of 4: float32 elements)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(KB|MB|GB|B)?", text.strip().upper())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1KB, 10MB)")
+    size = int(float(match.group(1)) * UNITS[match.group(2) or "B"])
+    return max(4, size // 4 * 4)
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class Probe:
+    """Served on every server rank: its CPU clock and peak RSS, read by trainer 0 around a window."""
+
+    def cpu(self) -> tuple[float, int]:
+        return cpu_seconds(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _rank_main(rank: int, world: World, port: int, plan: dict[str, Any], results: Any) -> None:
+    """One process of a world: a server serving the dense shard (and a table), or a pushing trainer."""
+    sys.path.insert(0, world.tree_path)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world.trainers + world.shards))
+    import torch
+
+    torch.set_num_threads(1)
+    from shadowgba.ps import transport
+    from shadowgba.ps.dense_server import serve_dense_shard
+
+    roles = transport.start(world.shards)
+    try:
+        if roles.is_server:
+            serve_dense_shard()
+            transport.serve("bench", Probe())
+            if plan["embeddings"]:
+                transport.serve("embedding", _embedding_shard(roles.server_index, world.shards))
+            transport.stop(trainer_timeout_s=600)
+            return
+        windows = _trainer_windows(roles, world, plan)
+        if roles.trainer_index == 0:
+            results.put(windows)
+        transport.stop(trainer_timeout_s=600)
+    except BaseException as error:
+        results.put({"error": f"rank {rank}: {error!r}"})
+        raise
+
+
+def _embedding_shard(server_index: int, num_servers: int) -> Any:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    from shadowgba.ps.embedding import EmbeddingShard, PSEmbeddingConfig
+
+    table = EmbeddingBagConfig(name="t0", embedding_dim=EMBEDDING_DIM, num_embeddings=EMBEDDING_ROWS,
+                               feature_names=["f0"])
+    return EmbeddingShard([table], PSEmbeddingConfig(optimizer="rowwise_adagrad", lr=0.01), server_index, num_servers)
+
+
+def _trainer_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every (size, in-flight) window of this world in turn, then the embedding windows."""
+    import torch
+    import torch.distributed as dist
+
+    from shadowgba.flat_optimizer import FlatOptimizer, LRSchedule, OptimizerSpec
+    from shadowgba.gba.config import GBAConfig
+    from shadowgba.ps.dense_server import DenseShardClient
+
+    group = roles.trainer_group
+    windows = []
+    for size in plan["sizes"]:
+        numel = size // 4
+        shards = DenseShardClient(numel, world.shards)
+        if roles.trainer_index == 0:
+            spec = OptimizerSpec("Adam", {"lr": 1e-4}, LRSchedule())
+            shards.configure(world.trainers, spec, FlatOptimizer(spec, torch.zeros(numel)).export(), GBAConfig(),
+                             world.trainers * LOCAL_BATCH)
+        gradient = torch.full((numel,), 1e-3)
+        for in_flight in plan["in_flight"]:
+            dist.barrier(group=group)
+            probe = _server_clock(world.shards) if roles.trainer_index == 0 else None
+            pushes, kept, cpu, elapsed = _push_for(shards, roles.trainer_index, gradient, in_flight,
+                                                   plan["duration_s"])
+            totals = torch.tensor([pushes, kept, cpu], dtype=torch.float64)
+            dist.all_reduce(totals, group=group)
+            if roles.trainer_index == 0:
+                server_cpu = [end - start for (start, _), (end, _) in zip(probe, _server_clock(world.shards))]
+                ingest = totals[0].item() * size / elapsed / world.shards
+                windows.append({
+                    "kind": "dense", "size": size, "in_flight": in_flight, "window_s": elapsed,
+                    "pushes_per_s": totals[0].item() / elapsed, "kept_fraction": totals[1].item() / max(totals[0].item(), 1),
+                    "ingest_gib_per_s_per_server": ingest / GIB,
+                    "server_cpu_s_per_gib": statistics.mean(server_cpu) / max(ingest * elapsed / GIB, 1e-12),
+                    "server_cpu_share": statistics.mean(server_cpu) / elapsed,
+                    "trainer_cpu_s_per_push": totals[2].item() / max(totals[0].item(), 1),
+                })
+    if plan["embeddings"]:
+        windows += _embedding_windows(roles, world, plan)
+    return windows
+
+
+def _server_clock(num_servers: int) -> list[tuple[float, int]]:
+    from shadowgba.ps import transport
+
+    return [transport.call(server, "bench", "cpu") for server in range(num_servers)]
+
+
+def _push_for(shards: Any, trainer: int, gradient: Any, in_flight: int, duration_s: float) -> tuple[int, int, float, float]:
+    """Push `gradient` from `in_flight` threads for `duration_s` while a watcher long-polls the
+    shards for new parameters, as a GBA trainer does: (pushes, kept, CPU s, seconds)."""
+    token = [0]
+    counts = [0, 0]
+    lock = threading.Lock()
+    deadline = time.monotonic() + duration_s
+    # code before the push replies lost their redundant parameters has no reply_params: it always sent them
+    quiet = {"reply_params": False} if "reply_params" in inspect.signature(shards.push).parameters else {}
+
+    def seen(replies: Sequence[Any]) -> None:
+        with lock:
+            token[0] = max(token[0], min(reply.token for reply in replies))
+
+    def pusher() -> None:
+        while time.monotonic() < deadline:
+            replies = shards.push(trainer, gradient, token[0], LOCAL_BATCH, 0.01, **quiet)
+            with lock:
+                counts[0] += 1
+                counts[1] += replies[0].weight > 0
+            seen(replies)
+
+    def watcher() -> None:
+        while time.monotonic() < deadline:
+            seen(shards.watch([token[0]] * len(shards.bounds), min(0.25, max(deadline - time.monotonic(), 0.0))))
+
+    cpu, started = cpu_seconds(), time.monotonic()
+    threads = [threading.Thread(target=pusher) for _ in range(in_flight)] + [threading.Thread(target=watcher)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return counts[0], counts[1], cpu_seconds() - cpu, time.monotonic() - started
+
+
+def _embedding_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Lookups and row-gradient pushes of EMBEDDING_IDS random rows, one call in flight per trainer."""
+    import torch
+    import torch.distributed as dist
+
+    from shadowgba.ps import transport
+
+    generator = torch.Generator().manual_seed(roles.trainer_index)
+    windows = []
+    for kind in ("lookup", "row_push"):
+        dist.barrier(group=roles.trainer_group)
+        calls, started, cpu = 0, time.monotonic(), cpu_seconds()
+        while time.monotonic() - started < plan["duration_s"]:
+            ids = torch.randint(0, EMBEDDING_ROWS, (EMBEDDING_IDS,), generator=generator)
+            per_server = [ids[ids % world.shards == server] for server in range(world.shards)]
+            if kind == "lookup":
+                transport.call_each("embedding", "lookup", [({"t0": part},) for part in per_server])
+            else:
+                transport.call_each("embedding", "push", [
+                    ({"t0": (part, torch.full((part.numel(), EMBEDDING_DIM), 1e-3))}, LOCAL_BATCH) for part in per_server
+                ])
+            calls += 1
+        elapsed = time.monotonic() - started
+        totals = torch.tensor([calls, cpu_seconds() - cpu], dtype=torch.float64)
+        dist.all_reduce(totals, group=roles.trainer_group)
+        if roles.trainer_index == 0:
+            windows.append({"kind": kind, "size": EMBEDDING_IDS, "in_flight": 1, "window_s": elapsed,
+                            "rows_per_s": totals[0].item() * EMBEDDING_IDS / elapsed,
+                            "trainer_cpu_s_per_call": totals[1].item() / max(totals[0].item(), 1)})
+    return windows
+
+
+def run_world(world: World, plan: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+    """Spawn one world, return trainer 0's windows (or exit naming the failure)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    size = world.trainers + world.shards
+    processes = [context.Process(target=_rank_main, args=(rank, world, port, plan, results)) for rank in range(size)]
+    for process in processes:
+        process.start()
+    try:
+        windows = results.get(timeout=timeout_s)
+    finally:
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    if isinstance(windows, dict):
+        raise SystemExit(f"{world} failed: {windows['error']}")
+    return windows
+
+
+def summarize(records: list[dict[str, Any]], trees: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per (kind, trainers, shards, size, in-flight, tree): medians, min-max, ratio to the first tree."""
+    keys = sorted({(r["kind"], r["trainers"], r["shards"], r["size"], r["in_flight"]) for r in records})
+    value = "ingest_gib_per_s_per_server"
+    rows = []
+    for kind, trainers, shards, size, in_flight in keys:
+        cell = [r for r in records if (r["kind"], r["trainers"], r["shards"], r["size"], r["in_flight"]) ==
+                (kind, trainers, shards, size, in_flight)]
+        metric = value if kind == "dense" else "rows_per_s"
+        base = [r for r in cell if r["tree"] == trees[0]]
+        for tree in trees:
+            mine = [r for r in cell if r["tree"] == tree]
+            values = [r[metric] for r in mine]
+            row = {"kind": kind, "trainers": trainers, "shards": shards, "size": size, "in_flight": in_flight,
+                   "tree": tree, "reps": len(mine), "median": statistics.median(values), "min": min(values),
+                   "max": max(values)}
+            if kind == "dense":
+                row |= {key: statistics.median(r[key] for r in mine)
+                        for key in ("pushes_per_s", "server_cpu_s_per_gib", "server_cpu_share", "kept_fraction",
+                                    "trainer_cpu_s_per_push")}
+            ratios = ratios_to(mine, base, key=lambda r: r["rep"], value=lambda r: r[metric])
+            row["ratio"] = statistics.median(ratios) if ratios and tree != trees[0] else None
+            rows.append(row)
+    return rows
+
+
+def _size(size: int) -> str:
+    for unit in ("GB", "MB", "KB"):
+        if size >= UNITS[unit] and size % (UNITS[unit] // 1024 or 1) == 0:
+            return f"{size / UNITS[unit]:g} {unit}"
+    return f"{size} B"
+
+
+DENSE_COLUMNS: list[Column] = [
+    ("trainers x shards", lambda row: f"{row['trainers']} x {row['shards']}"),
+    ("push", lambda row: _size(row["size"])),
+    ("in flight", lambda row: str(row["in_flight"])),
+    ("code", lambda row: row["tree"]),
+    ("GiB/s per server (median)", lambda row: f"{row['median']:.3f}"),
+    ("min-max", lambda row: f"{row['min']:.3f}-{row['max']:.3f}"),
+    ("ratio", lambda row: "-" if row["ratio"] is None else f"{row['ratio']:.2f}"),
+    ("pushes/s (all)", lambda row: f"{row['pushes_per_s']:,.0f}"),
+    ("server CPU s / GiB", lambda row: f"{row['server_cpu_s_per_gib']:.2f}"),
+    ("server CPU busy", lambda row: f"{row['server_cpu_share']:.0%}"),
+    ("kept", lambda row: f"{row['kept_fraction']:.0%}"),
+]
+ROW_COLUMNS: list[Column] = [
+    ("trainers x shards", lambda row: f"{row['trainers']} x {row['shards']}"),
+    ("call", lambda row: f"{row['kind']} of {row['size']:,} rows"),
+    ("code", lambda row: row["tree"]),
+    ("rows/s (median)", lambda row: f"{row['median']:,.0f}"),
+    ("min-max", lambda row: f"{row['min']:,.0f}-{row['max']:,.0f}"),
+    ("ratio", lambda row: "-" if row["ratio"] is None else f"{row['ratio']:.2f}"),
+]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1KB,100KB,1MB,10MB", help="comma-separated push sizes (float32 bytes)")
+    parser.add_argument("--trainers", default="2", help="comma-separated trainer counts")
+    parser.add_argument("--shards", default="1,2", help="comma-separated dense shard (server rank) counts")
+    parser.add_argument("--in-flight", default="1,4", help="comma-separated pushes outstanding per trainer")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions of the interleaved sequence")
+    parser.add_argument("--duration-s", type=float, default=30.0, help="timed window of each measurement")
+    parser.add_argument("--embeddings", action="store_true", help="also measure lookups and row pushes")
+    parser.add_argument("--trees", default=f"current={ROOT}",
+                        help="comma-separated NAME=PATH checkouts to import shadowgba from (first: the baseline)")
+    parser.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_ps.json", help="JSON results")
+    args = parser.parse_args(argv)
+    trees = dict(part.split("=", 1) for part in args.trees.split(","))
+    plan = {"sizes": [parse_size(size) for size in args.sizes.split(",")],
+            "in_flight": [int(value) for value in args.in_flight.split(",")],
+            "duration_s": args.duration_s, "embeddings": args.embeddings}
+    worlds = [(int(t), int(s)) for t in args.trainers.split(",") for s in args.shards.split(",")]
+    per_world_s = (len(plan["sizes"]) * len(plan["in_flight"]) + 2 * args.embeddings) * (args.duration_s + 5) + 120
+    records = []
+    for rep in range(args.reps):
+        for trainers, shards in worlds:
+            for name, path in trees.items():
+                world = World(trainers, shards, name, str(Path(path).resolve()))
+                for window in run_world(world, plan, per_world_s):
+                    records.append({"rep": rep, "trainers": trainers, "shards": shards, "tree": name, **window})
+                    shown = (f"{window['ingest_gib_per_s_per_server']:.3f} GiB/s per server, "
+                             f"{window['pushes_per_s']:,.0f} pushes/s" if window["kind"] == "dense"
+                             else f"{window['rows_per_s']:,.0f} rows/s")
+                    print(f"rep {rep} {trainers}x{shards} {name} {window['kind']} {_size(window['size'])} "
+                          f"in-flight {window['in_flight']}: {shown}", flush=True)
+    rows = summarize(records, list(trees))
+    print(markdown_table(DENSE_COLUMNS, [row for row in rows if row["kind"] == "dense"]))
+    if args.embeddings:
+        print(markdown_table(ROW_COLUMNS, [row for row in rows if row["kind"] != "dense"]))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    settings = {key: str(value) for key, value in vars(args).items()} | {"cpu_count": os.cpu_count()}
+    args.output.write_text(json.dumps({"settings": settings, "summary": rows, "windows": records}, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
