@@ -234,9 +234,11 @@ def dense_sync(
                                   lockstep_every=lockstep_every or 0, on_nonfinite=config.on_nonfinite,
                                   timeout_s=config.timeout_s)
     else:
-        resources = {"centre": CenterClient(job.roles.num_servers)} if config.algo == "easgd_ps" else None
-        sync = ShadowSync(model, optimizer, config, process_group=job.trainer_group, params=named,
-                          algorithm_kwargs=resources)
+        # S-EASGD's broadcast and final average run on the library's own group, never on TorchRec's
+        group, resources = job.trainer_group, None
+        if config.algo == "easgd_ps":
+            group, resources = transport.sync_group(), {"centre": CenterClient(job.roles.num_servers)}
+        sync = ShadowSync(model, optimizer, config, process_group=group, params=named, algorithm_kwargs=resources)
     sync.call_on_failure(job.announce_failure, job.abort)
     if end_job:
         sync.call_after_exit(job.close)

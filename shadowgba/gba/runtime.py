@@ -29,10 +29,9 @@ Switching (carries parameters, optimizer state, global step and global batch; no
   would meet another's embedding all-to-all.
 
 Groups, barriers and why nothing deadlocks or mis-pairs:
-- Every collective of GBASync runs on its own sync group (created in `start()` over the trainer
-  ranks, destroyed at close or abort), never on `roles.trainer_group`, which TorchRec (its per-step
-  all-to-all, `job.dmp_kwargs()`) and the user use: a library collective can never be paired with
-  one of theirs. Collectives run only in the training thread; the client's threads speak RPC only.
+- Every collective of GBASync runs on the library's own sync group over the trainers (`_group`),
+  never on `roles.trainer_group`, which TorchRec (its per-step all-to-all, `job.dmp_kwargs()`) and
+  the user use: a library collective can never be paired with one of theirs. Collectives run only in the training thread; the client's threads speak RPC only.
 - Barriers are not collectives: the GBA -> sync switch, a checkpoint load in GBA mode and the close
   in GBA mode meet the other trainers over RPC on shard 0's server (`transport.barrier`), so a
   trainer waiting in one never blocks a peer's collective, learns at once that a peer aborted
@@ -51,9 +50,10 @@ Groups, barriers and why nothing deadlocks or mis-pairs:
 - What trainer 0 alone does inside a switch (configure or export the shards, load a checkpoint into
   them) ends in a broadcast of its outcome (`_on_trainer0`): if it failed, every trainer raises the
   same `SyncError`, none is left waiting in the next collective.
-- A trainer that fails (`abort()`) issues nothing peer-dependent: it stops its threads and destroys
-  the sync group, so a peer's pending collective on it fails at once, as `SyncError` (`_collective`);
-  the job (`dense_sync`) tells the servers and the notice board which trainer failed and why.
+- A trainer that fails (`abort()`) issues nothing peer-dependent: it stops its threads, and the sync
+  group is destroyed (here without servers, by `transport.abort` with them), so a peer's pending
+  collective on it fails at once, as `SyncError` (`_collective`); the job (`dense_sync`) tells the
+  servers and the notice board which trainer failed and why.
 
 One global step: the dense shards apply every push as shard 0 decided it (`dense_server`), so at
 every switch and at close every shard holds the same k, and a push's single token is the oldest
@@ -192,9 +192,9 @@ class GBASync(DenseSync):
         self._loaded: tuple[dict[str, Any], dict[str, Any] | None] | None = None
         """A checkpoint loaded before start() (optimizer export, policy state): start() takes it."""
         self._grad = self.dense.empty()
-        self._group: dist.ProcessGroup | None = None
-        """The sync group: the library's own over the trainers (start() to close / abort), never the
-        trainer group it shares ranks with, which TorchRec and the user use."""
+        self._own_group: dist.ProcessGroup | None = None
+        """Without servers: the sync group, created by start() and destroyed at close / abort
+        (`_group()`)."""
         self._allreduce = SyncAllReduce(self.dense.numel, self.num_trainers, roles.trainer_index,
                                         self.dense.dtype, self.dense.device)
         self._shards = DenseShardClient(self.dense.numel, roles.num_servers)
@@ -207,13 +207,14 @@ class GBASync(DenseSync):
         """Collective over the trainers: the sync group, equal initial weights, the flat optimizer,
         the initial mode. If it fails, what it started is stopped again (`abort`) before the error
         propagates."""
-        timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
-        self._group = dist.new_group(list(self.roles.trainer_ranks), timeout=timeout, use_local_synchronization=True,
-                                     backend="nccl" if self.dense.device.type == "cuda" else "gloo")
+        if not self.roles.num_servers:  # every rank is a trainer, so every rank creates it
+            timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
+            self._own_group = dist.new_group(list(self.roles.trainer_ranks), timeout=timeout,
+                                             backend="nccl" if self.dense.device.type == "cuda" else "gloo")
         initial = self.dense.empty()
         self.dense.copy_to(initial)
         with self._collective("the initial broadcast"):
-            dist.broadcast(initial, src=self.roles.trainer_ranks[0], group=self._group)
+            dist.broadcast(initial, src=self.roles.trainer_ranks[0], group=self._group())
         self.dense.copy_from(initial)
         self._flat = FlatOptimizer(self.spec, initial)
         if self._loaded is not None:
@@ -251,8 +252,8 @@ class GBASync(DenseSync):
 
     def abort(self) -> None:
         """Stop this trainer's hook and background threads with no collective and no final pull;
-        queued gradients are dropped. Destroying the sync group makes a peer's pending collective on
-        it fail at once, instead of after `timeout_s`."""
+        queued gradients are dropped. Destroying the sync group (`_group`) makes a peer's pending
+        collective on it fail at once, instead of after `timeout_s`."""
         if self._flat is not None:
             self._release(discard_queued=True)
 
@@ -269,11 +270,11 @@ class GBASync(DenseSync):
             self._after_sync_round(self._sync_round(None, stop=True, compute_s=0.0))
         if self.mode == Mode.LOCAL:
             with self._collective("the closing average"):
-                self.dense.average_(self._group)
+                self.dense.average_(self._group())
 
     def _release(self, discard_queued: bool) -> None:
         """Mark the runtime closed, remove the step hook, stop and join the client's threads, destroy
-        the sync group (always)."""
+        this runtime's own sync group (always)."""
         self._flat = None
         try:
             self._step_hook.remove()
@@ -281,7 +282,7 @@ class GBASync(DenseSync):
             try:
                 self._client.stop(discard_queued)
             finally:
-                group, self._group = self._group, None
+                group, self._own_group = self._own_group, None
                 if group is not None:
                     dist.destroy_process_group(group)
 
@@ -428,7 +429,7 @@ class GBASync(DenseSync):
             return False
         seen = torch.tensor([1.0 if requested else 0.0], dtype=self.dense.dtype, device=self.dense.device)
         with self._collective("the agreement on leaving GBA"):
-            dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self._group)
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self._group())
         return seen.item() > 0
 
     def _nonfinite(self, trainers: list[str], report: Callable[[str], None] | None = None) -> None:
@@ -461,7 +462,7 @@ class GBASync(DenseSync):
             except Exception as failure:
                 error, outcome = failure, [(False, f"{what} failed on trainer 0: {failure!r}")]
         with self._collective(f"the broadcast of {what}"):
-            dist.broadcast_object_list(outcome, src=self.roles.trainer_ranks[0], group=self._group)
+            dist.broadcast_object_list(outcome, src=self.roles.trainer_ranks[0], group=self._group())
         ok, value = outcome[0]
         if not ok:
             raise SyncError(value) from error
@@ -492,8 +493,15 @@ class GBASync(DenseSync):
                     finite: bool = True) -> SyncRound:
         """Sync mode's all-reduce on the sync group (`allreduce`), carrying this trainer's switch request."""
         with self._collective("the sync all-reduce"):
-            return self._allreduce.round(self._group, gradient, stop=stop, switch_to_gba=self._gba_requested,
+            return self._allreduce.round(self._group(), gradient, stop=stop, switch_to_gba=self._gba_requested,
                                          compute_s=compute_s, finite=finite)
+
+    def _group(self) -> dist.ProcessGroup:
+        """The sync group, the library's own over the trainers, never the trainer group TorchRec and
+        the user use: with servers the transport's (`transport.sync_group`, destroyed when the job
+        ends or aborts), else this runtime's. Fetched for each collective and never kept, so that
+        destroying it frees it, and a peer's pending collective on it fails at once."""
+        return transport.sync_group() if self.roles.num_servers else self._own_group
 
     @contextlib.contextmanager
     def _collective(self, what: str) -> Iterator[None]:

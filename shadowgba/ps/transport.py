@@ -12,7 +12,8 @@ upstream; replacing it touches this file only).
 
 Roles: the last `num_servers` ranks are servers (RPC names "ps0", "ps1", ...), the others trainers
 ("trainer0", ...) with a process group of their own, `Roles.trainer_group`, so that trainer
-collectives never involve a server.
+collectives never involve a server, and a second one over the same ranks for the library's own
+collectives (`sync_group()`), so that they never pair with TorchRec's or the user's.
 
 Rendezvous and listening (tested under torchrun and under a plain spawn harness):
 - RPC rendezvous uses the store that MASTER_ADDR:MASTER_PORT already names (`env://`); no second
@@ -171,6 +172,8 @@ class _Started:
     owns_default_group: bool
     timeout_s: float
     """The trainer group's collective timeout, also the deadline of `barrier()`."""
+    sync_group: dist.ProcessGroup | None
+    """The library's own group over the trainers (`sync_group()`); None on servers."""
     barriers: dict[str, int] = dataclasses.field(default_factory=dict)
     """Per barrier name, how often this trainer has entered it (every trainer counts alike)."""
     notified: bool = False
@@ -233,6 +236,7 @@ def start(
         dist.init_process_group(backend, store=attempt_store(rank, world_size), rank=rank, world_size=world_size)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     trainer_group = dist.new_group(list(roles.trainer_ranks), backend=backend, timeout=timeout)
+    sync_group = dist.new_group(list(roles.trainer_ranks), backend=backend, timeout=timeout)
     roles = dataclasses.replace(roles, trainer_group=None if roles.is_server else trainer_group)
     with warnings.catch_warnings():
         # RPC's own device-map exchange passes a bare gloo backend where a group is expected
@@ -250,7 +254,8 @@ def start(
             ),
         )
     _started = _Started(roles, owns_default_group,
-                        timeout.total_seconds() if timeout is not None else dist.default_pg_timeout.total_seconds())
+                        timeout.total_seconds() if timeout is not None else dist.default_pg_timeout.total_seconds(),
+                        None if roles.is_server else sync_group)
     return roles
 
 
@@ -276,6 +281,17 @@ def _attempt_rendezvous(url: str, timeout: datetime.timedelta | None = None, **_
 
 
 dist.register_rendezvous_handler(ATTEMPT_RENDEZVOUS, _attempt_rendezvous)
+
+
+def sync_group() -> dist.ProcessGroup:
+    """The library's own process group over the trainers, apart from `Roles.trainer_group` (TorchRec's
+    and the user's), so that the library's collectives never pair with theirs. Held here only, and
+    destroyed by `stop()` and `abort()`: a caller that does not keep it lets `abort()` free it, which
+    makes a peer's pending collective on it fail at once."""
+    group = _require_started().sync_group
+    if group is None:
+        raise RuntimeError("sync_group() is the trainers' group; this rank is a server")
+    return group
 
 
 def roles() -> Roles:
@@ -450,6 +466,7 @@ def _tear_down(started: _Started, graceful: bool) -> None:
             dist.destroy_process_group()
         elif started.roles.trainer_group is not None:
             dist.destroy_process_group(started.roles.trainer_group)
+            dist.destroy_process_group(started.sync_group)
         _started = None
 
 
