@@ -383,20 +383,35 @@ def preset_of(run: dict[str, Any], calibration: tm.Calibration) -> tm.Preset:
     return presets[run["dense_params"]]
 
 
+def cores_got(run: dict[str, Any]) -> float | None:
+    """Cores a run's ranks actually had: their CPU seconds in the timed window over its length (on a
+    machine shared with other work, less than it has); None for a run without the harness's resources."""
+    resources = run.get("resources")
+    return resources["cpu_s_in_window"] / run["window_s"] if resources else None
+
+
+def point(source: str, variant: str, run: dict[str, Any], rep: int, job: tm.Job, algorithm: str,
+          measured: float) -> dict[str, Any]:
+    """One validation point: the job as run on this machine's cores, and on the cores it got."""
+    got = cores_got(run)
+    at_got = dataclasses.replace(job, hosts=dataclasses.replace(job.hosts, cores=got)) if got else None
+    return {"source": source, "variant": variant, "trainers": run["trainers"], "rep": rep, "job": job,
+            "job_at_cores_got": at_got, "cores_got": got, "algorithm": algorithm, "measured": measured}
+
+
 def scaling_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dict[str, Any]]:
-    """bench_scaling's runs as (job, algorithm, measured): every rank on this machine's cores."""
-    points = []
-    for run in raw["runs"]:
-        job = tm.Job(preset_of(run, calibration), run["trainers"], tm.Hosts(calibration.cores, run["trainers"]),
-                     interval_s=run["config"]["sync"]["interval_ms"] / 1e3)
-        points.append({"source": "bench_scaling", "variant": run["variant"], "trainers": run["trainers"],
-                       "rep": run["rep"], "job": job, "algorithm": PREDICTED_AS.get(run["variant"], "shadow"),
-                       "measured": run["samples_per_s_total"]})
-    return points
+    """bench_scaling's runs as validation points: every rank on this machine's cores."""
+    return [
+        point("bench_scaling", run["variant"], run, run["rep"],
+              tm.Job(preset_of(run, calibration), run["trainers"], tm.Hosts(calibration.cores, run["trainers"]),
+                     interval_s=run["config"]["sync"]["interval_ms"] / 1e3),
+              PREDICTED_AS.get(run["variant"], "shadow"), run["samples_per_s_total"])
+        for run in raw["runs"]
+    ]
 
 
 def gba_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dict[str, Any]]:
-    """bench_gba's runs as (job, algorithm, measured): its trainers and servers on this machine's cores,
+    """bench_gba's runs as validation points: its trainers and servers on this machine's cores,
     simulated compute lasting `straggler.step_ms` (of which the preset's real compute keeps a core
     busy), or the preset's real compute."""
     points = []
@@ -408,9 +423,8 @@ def gba_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dict[st
         hosts = tm.Hosts(calibration.cores, result["trainers"] + servers, min(1.0, preset.compute_s / step_s))
         job = tm.Job(dataclasses.replace(preset, compute_s=step_s), result["trainers"], hosts,
                      tm.Stragglers(straggler["factor"], count=len(straggler["trainers"])), shards=servers, ps_tables=True)
-        points.append({"source": "bench_gba", "variant": f"{run['algo']} {servers} shard(s)", "trainers": result["trainers"],
-                       "rep": run["rep"], "job": job, "algorithm": PREDICTED_AS[run["algo"]],
-                       "measured": run["metrics"]["samples_per_s"]})
+        points.append(point("bench_gba", f"{run['algo']} {servers} shard(s)", result, run["rep"], job,
+                            PREDICTED_AS[run["algo"]], run["metrics"]["samples_per_s"]))
     return points
 
 
@@ -432,16 +446,23 @@ def validate(args: argparse.Namespace) -> None:
     print(f"calibration {args.calibration} ({'provisional' if calibration.provisional else 'quiet machine'}); "
           f"{args.scaling if args.scaling.exists() else 'no bench_scaling JSON'}; "
           f"{', '.join(gba_files) or 'no bench_gba JSON'}")
-    print("| source | variant | trainers | rep | predicted samples/s | measured | error |\n| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| source | variant | trainers | rep | measured samples/s | predicted | error | cores got | "
+          "predicted at the cores got | error |\n|" + " --- |" * 2 + " ---: |" * 8)
     errors: dict[str, list[float]] = {}
-    for point in points:
-        predicted = tm.predict(point["algorithm"], point["job"], calibration).samples_per_s
-        error = predicted / point["measured"] - 1.0
-        errors.setdefault(point["source"], []).append(abs(error))
-        print(f"| {point['source']} | {point['variant']} | {point['trainers']} | {point['rep']} | {predicted:,.0f} | "
-              f"{point['measured']:,.0f} | {error:+.0%} |")
-    for source, values in errors.items():
-        print(f"{source}: median |error| {statistics.median(values):.0%}, max {max(values):.0%} over {len(values)} points")
+    for entry in points:
+        cells = [entry["source"], entry["variant"], str(entry["trainers"]), str(entry["rep"]), f"{entry['measured']:,.0f}"]
+        for label, job in (("this machine's cores", entry["job"]), ("the cores each run got", entry["job_at_cores_got"])):
+            if label != "this machine's cores":
+                cells.append(f"{entry['cores_got']:.2f}" if job else "-")
+            if job is None:
+                cells += ["-", "-"]
+                continue
+            predicted = tm.predict(entry["algorithm"], job, calibration).samples_per_s
+            errors.setdefault(f"{entry['source']} at {label}", []).append(abs(predicted / entry["measured"] - 1.0))
+            cells += [f"{predicted:,.0f}", f"{predicted / entry['measured'] - 1.0:+.0%}"]
+        print("| " + " | ".join(cells) + " |")
+    for label, values in errors.items():
+        print(f"{label}: median |error| {statistics.median(values):.0%}, max {max(values):.0%} over {len(values)} points")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,7 +1,8 @@
 """A throughput model of sync all-reduce, the shadow algorithms and GBA past the machine at hand.
 
     python benchmarks/throughput_model.py [--calibration runs/throughput_calibration.json] \
-        [--trainers 8,64,256,1024] [--slow-factor 3] [--slow-count 1] [--jitter-sigma 0]
+        [--trainers 8,64,256,1024] [--slow-factor 3] [--slow-count 1] [--jitter-sigma 0] \
+        [--bandwidth-gib-s B --latency-us L]   # another network than the fitted loopback
 
 Plain maths over measured inputs (`Calibration`, written by `benchmarks/calibrate.py`); nothing
 here imports torch. docs/scaling.md states the equations; in symbols, for N trainers of local batch
@@ -330,12 +331,12 @@ def shards_needed(job: Job, calibration: Calibration, headroom: float = 0.25, mo
     return None
 
 
-def prediction_rows(calibration: Calibration, trainer_counts: Sequence[int], stragglers: Stragglers,
-                    shard_counts: Sequence[int | None], hosts: Hosts) -> list[dict[str, Any]]:
+def prediction_rows(calibration: Calibration, presets: Sequence[str], trainer_counts: Sequence[int],
+                    stragglers: Stragglers, shard_counts: Sequence[int | None], hosts: Hosts) -> list[dict[str, Any]]:
     """Samples/s per preset and trainer count: sync, shadow, GBA at each shard count (None: one
     shard per trainer), and the shards the job needs. Tables on the servers, as GBA's jobs have them."""
     rows = []
-    for preset in calibration.presets.values():
+    for preset in (calibration.presets[name] for name in presets):
         for trainers in trainer_counts:
             base = Job(preset, trainers, hosts, stragglers, ps_tables=True)
             row: dict[str, Any] = {"preset": preset.name, "trainers": trainers,
@@ -352,23 +353,31 @@ def prediction_rows(calibration: Calibration, trainer_counts: Sequence[int], str
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION)
+    parser.add_argument("--presets", default="small,production", help="calibrated presets to predict")
     parser.add_argument("--trainers", default="8,64,256,1024")
     parser.add_argument("--slow-factor", type=float, default=3.0)
     parser.add_argument("--slow-count", type=int, default=1)
     parser.add_argument("--slow-fraction", type=float, default=0.0)
     parser.add_argument("--jitter-sigma", type=float, default=0.0)
     parser.add_argument("--host-cores", type=float, default=2.0, help="cores of each trainer's host (one trainer a host)")
+    parser.add_argument("--bandwidth-gib-s", type=float, help="the network's all-reduce bandwidth instead of the fitted one")
+    parser.add_argument("--latency-us", type=float, help="the network's per-hop latency instead of the fitted one")
     args = parser.parse_args(argv)
     calibration = Calibration.load(args.calibration)
+    ring = calibration.allreduce
+    calibration = dataclasses.replace(calibration, allreduce=AllReduce(
+        args.bandwidth_gib_s * 2**30 if args.bandwidth_gib_s else ring.bandwidth_bytes_per_s,
+        args.latency_us * 1e-6 if args.latency_us is not None else ring.latency_s, ring.switch_s))
     stragglers = Stragglers(args.slow_factor, args.slow_count, args.slow_fraction, args.jitter_sigma)
-    rows = prediction_rows(calibration, [int(n) for n in args.trainers.split(",")], stragglers,
+    rows = prediction_rows(calibration, args.presets.split(","), [int(n) for n in args.trainers.split(",")], stragglers,
                            [1, 2, 4, None], Hosts(args.host_cores))
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + " --- |" * len(keys))
+    headers = {"preset": "preset", "trainers": "trainers", "sync": "sync all-reduce", "shadow": "shadow MA",
+               "gba_1": "GBA 1 shard", "gba_2": "GBA 2 shards", "gba_4": "GBA 4 shards", "gba_N": "GBA N shards",
+               "shards_needed": "shards needed"}
+    print("| " + " | ".join(headers.values()) + " |\n|" + " --- |" * 2 + " ---: |" * (len(headers) - 2))
     for row in rows:
-        print("| " + " | ".join(f"{value:,.0f}" if isinstance(value, float) else str(value) for value in row.values()) + " |")
-
+        cells = [f"{row[key]:,.0f}" if isinstance(row[key], float) else str(row[key]) for key in headers]
+        print("| " + " | ".join("none keeps up" if cell == "None" else cell for cell in cells) + " |")
 
 if __name__ == "__main__":
     main()

@@ -155,3 +155,23 @@ def test_a_calibration_written_as_calibrate_fits_it_loads_into_the_model(tmp_pat
     assert loaded.presets["small"] == tm.Preset("small", 0.02, 338_241, 512, 1 << 20)
     assert loaded.shard_push.fixed_s == pytest.approx(1e-3) and loaded.shard_push.per_unit_s == pytest.approx(1e-9)
     assert loaded.allreduce.latency_s == pytest.approx(1e-5) and loaded.shadow_steal == 0.05
+
+
+def test_prediction_rows_hold_each_algorithm_and_shard_count() -> None:
+    rows = tm.prediction_rows(CALIBRATION, ["test"], [8, 64], STRAGGLER, [1, None], ONE_HOST_EACH)
+    assert [row["trainers"] for row in rows] == [8, 64]
+    job = tm.Job(PRESET, 64, ONE_HOST_EACH, STRAGGLER, shards=64, ps_tables=True)
+    assert rows[1]["gba_N"] == tm.predict_gba(job, CALIBRATION).samples_per_s
+    assert rows[1]["sync"] == tm.predict_sync(job, CALIBRATION).samples_per_s
+    assert rows[1]["shards_needed"] == tm.shards_needed(job, CALIBRATION)
+
+
+def test_validation_reads_a_scaling_run_as_the_job_it_was() -> None:
+    run = {"variant": "ddp", "rep": 0, "trainers": 4, "dense_params": PRESET.dense_params, "samples_per_s_total": 9000.0,
+           "window_s": 10.0, "resources": {"cpu_s_in_window": 15.0}, "config": {"sync": {"interval_ms": 100.0}}}
+    (entry,) = calibrate.scaling_points({"runs": [run]}, CALIBRATION)
+    assert entry["algorithm"] == "sync" and entry["measured"] == 9000.0
+    assert entry["job"].hosts == tm.Hosts(cores=2, ranks_per_host=4) and entry["job"].interval_s == 0.1
+    assert entry["cores_got"] == 1.5 and entry["job_at_cores_got"].hosts.cores == 1.5
+    with pytest.raises(SystemExit, match="no calibrated preset"):
+        calibrate.scaling_points({"runs": [{**run, "dense_params": 7}]}, CALIBRATION)
