@@ -15,7 +15,7 @@ from shadowgba.config import from_dict
 from shadowgba.errors import SyncError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.ps import transport
-from tests.multiprocess import run_ranks
+from tests.multiprocess import run_shared
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -84,11 +84,35 @@ def sync_then_state(roles: transport.Roles, steps: int, switches: dict[int, str]
     return result
 
 
-def test_gba_with_zero_staleness_equals_sync_allreduce_training() -> None:
-    """2 trainers, 2 dense shards, Adam, 25 steps: GBA in lockstep vs the sync all-reduce mode."""
+@pytest.fixture(scope="module")
+def four_ranks() -> dict[str, list]:
+    """The jobs of 2 trainers over 2 dense shards, one after another in one spawned group (see
+    `run_shared`): each job starts and stops the PS transport, so none sees another's servers."""
     steps = [None] * 25
-    results = run_ranks(gba_job, 4, 2, train, {"initial_mode": "gba"}, steps, True, timeout_s=180)
-    reference = run_ranks(gba_job, 4, 2, train, {"initial_mode": "sync"}, steps, False, timeout_s=180)
+    return run_shared(4, {
+        "gba-lockstep": (gba_job, (2, train, {"initial_mode": "gba"}, steps, True)),
+        "sync": (gba_job, (2, train, {"initial_mode": "sync"}, steps, False)),
+        "switched": (gba_job, (2, sync_then_state, 30, {9: "gba", 19: "sync"})),
+    }, timeout_s=180)
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> dict[str, list]:
+    """The jobs of 2 trainers and 1 server, then the one of 1 trainer and 2 servers whose job fails
+    (last), in one spawned group; the timed jobs run one after another as they did alone."""
+    decay = {"decay": {"kind": "exponential", "threshold": 1}}
+    return run_shared(3, {
+        "never-switched": (gba_job, (1, sync_then_state, 30, {})),
+        "slowed-trainer": (gba_job, (1, timed_run, 2.0, (0.004, 0.080), decay)),
+        "equal-speed": (gba_job, (1, timed_run, 3.0, (0.025, 0.025), {})),
+        "switch-policy": (gba_job, (1, policy_run)),
+        "close-and-abort": (gba_job, (2, fail_then_close_and_abort)),
+    }, timeout_s=180)
+
+
+def test_gba_with_zero_staleness_equals_sync_allreduce_training(four_ranks: dict) -> None:
+    """2 trainers, 2 dense shards, Adam, 25 steps: GBA in lockstep vs the sync all-reduce mode."""
+    results, reference = four_ranks["gba-lockstep"], four_ranks["sync"]
     for trainer in (0, 1):
         assert results[trainer]["mode"] == "gba" and reference[trainer]["mode"] == "sync"
         torch.testing.assert_close(results[trainer]["params"], reference[trainer]["params"], rtol=1e-9, atol=1e-12)
@@ -96,10 +120,11 @@ def test_gba_with_zero_staleness_equals_sync_allreduce_training() -> None:
     assert not torch.equal(results[0]["params"], torch.cat([p.detach().reshape(-1) for p in make_model().parameters()]))
 
 
-def test_switching_sync_gba_sync_carries_parameters_optimizer_state_and_global_step() -> None:
+def test_switching_sync_gba_sync_carries_parameters_optimizer_state_and_global_step(
+    four_ranks: dict, three_ranks: dict
+) -> None:
     """Over 2 dense shards, which must both hand back the same global step at the switch to sync."""
-    switched = run_ranks(gba_job, 4, 2, sync_then_state, 30, {9: "gba", 19: "sync"}, timeout_s=180)
-    reference = run_ranks(gba_job, 3, 1, sync_then_state, 30, {}, timeout_s=180)
+    switched, reference = four_ranks["switched"], three_ranks["never-switched"]
     for trainer in (0, 1):
         got, want = switched[trainer]["state"], reference[trainer]["state"]
         assert switched[trainer]["switches"] == 2 and reference[trainer]["switches"] == 0
@@ -132,11 +157,10 @@ def timed_run(roles: transport.Roles, seconds: float, sleeps_s: tuple[float, flo
     }
 
 
-def test_a_slowed_trainer_contributes_fewer_gradients_and_its_stale_ones_are_decayed() -> None:
+def test_a_slowed_trainer_contributes_fewer_gradients_and_its_stale_ones_are_decayed(three_ranks: dict) -> None:
     """Trainer 1 sleeps 20x as long per step (4 vs 80 ms): on a loaded machine every step also
     costs tens of ms of starved compute (seen: 71 vs 32 pushes with a 4 / 40 ms split)."""
-    decay = {"decay": {"kind": "exponential", "threshold": 1}}
-    fast, slow, _ = run_ranks(gba_job, 3, 1, timed_run, 2.0, (0.004, 0.080), decay, timeout_s=120)
+    fast, slow, _ = three_ranks["slowed-trainer"]
     pushes = fast["server"]["pushes_by_trainer"]
     assert pushes[0] > 3 * pushes[1] > 0, pushes
     assert slow["metrics"]["decayed"] + slow["metrics"]["stale_dropped"] > 0, slow["metrics"]
@@ -145,12 +169,12 @@ def test_a_slowed_trainer_contributes_fewer_gradients_and_its_stale_ones_are_dec
     torch.testing.assert_close(fast["params"], slow["params"], rtol=0, atol=0)  # final pull: identical
 
 
-def test_equal_speed_trainers_compute_on_parameters_about_one_global_step_old() -> None:
+def test_equal_speed_trainers_compute_on_parameters_about_one_global_step_old(three_ranks: dict) -> None:
     """A gradient spans one step of its trainer, during which the other trainer pushes once: about
     one global step of staleness is the floor without lockstep. The watcher's long poll keeps the
     newest parameters at hand for the next step; installing only the reply to the previous push
     (fetched a whole step earlier) made it about two."""
-    first, _, _ = run_ranks(gba_job, 3, 1, timed_run, 3.0, (0.025, 0.025), {}, timeout_s=120)
+    first, _, _ = three_ranks["equal-speed"]
     histogram = {int(key.rstrip("+")): count for key, count in first["server"]["staleness_histogram"].items()}
     mean = sum(staleness * count for staleness, count in histogram.items()) / sum(histogram.values())
     assert first["server"]["global_step"] > 40
@@ -186,9 +210,8 @@ def policy_run(roles: transport.Roles) -> dict:
     return {"modes": modes, "switches": gba.metrics.summary()["mode_switches"]}
 
 
-def test_switch_policy_goes_to_gba_under_a_straggler_and_back_when_healthy() -> None:
-    results = run_ranks(gba_job, 3, 1, policy_run, timeout_s=120)
-    for result in results[:2]:
+def test_switch_policy_goes_to_gba_under_a_straggler_and_back_when_healthy(three_ranks: dict) -> None:
+    for result in three_ranks["switch-policy"][:2]:
         assert result["modes"][:3] == ["sync", "gba", "sync"], result
 
 
@@ -224,7 +247,7 @@ def fail_then_close_and_abort(roles: transport.Roles) -> dict:
     return {"running": running, "after_close": after_close, "after_abort": gba_threads()}
 
 
-def test_close_and_abort_stop_and_join_the_threads_whatever_raises() -> None:
-    trainer, _, _ = run_ranks(gba_job, 3, 2, fail_then_close_and_abort, timeout_s=60)
+def test_close_and_abort_stop_and_join_the_threads_whatever_raises(three_ranks: dict) -> None:
+    trainer, _, _ = three_ranks["close-and-abort"]
     assert sorted(trainer["running"]) == ["shadowgba-gba", "shadowgba-gba-watch"], trainer
     assert trainer["after_close"] == [] and trainer["after_abort"] == [], trainer
