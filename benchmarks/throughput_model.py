@@ -27,8 +27,8 @@ trainer i and a per-step jitter J (lognormal, mean 1):
   sends each shard a 1/S slice, so the servers take at most P(b / S) trainer pushes per second, P(x)
   = 1 / (c + x / g) a shard's pushes/s at push size x (c: per-push cost, g: ingest bytes/s), plus
   1/S of the step's embedding rows at their per-row server cost. Applied samples/s = B min(sum_i
-  1 / t_i, server pushes/s). In the bandwidth-bound regime that is the brief's S x per-shard
-  GiB/s / bytes; the per-push cost c does not shrink with S, which caps what more shards buy.
+  1 / t_i, server pushes/s). In the bandwidth-bound regime that is S x a shard's GiB/s / bytes;
+  the per-push cost c does not shrink with S, which caps what more shards buy.
 - Shards needed: the smallest S whose server pushes/s is at least (1 + headroom) x the trainers'
   push rate.
 """
@@ -44,9 +44,6 @@ from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CALIBRATION = ROOT / "runs" / "throughput_calibration.json"
-ALGORITHMS = ("none", "sync", "shadow", "gba")
-"""What the model predicts: local training (no sync, the baseline), sync all-reduce, a shadow algorithm (MA, EASGD and BMUF differ only in
-the maths of a round, not in its cost: one all-reduce of the dense vector), GBA."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,10 +311,12 @@ def predict_gba(job: Job, calibration: Calibration) -> Prediction:
 
 
 PREDICTORS = {"none": predict_none, "sync": predict_sync, "shadow": predict_shadow, "gba": predict_gba}
+"""What the model predicts: local training (no sync, the baseline of the ratios), sync all-reduce, a
+shadow algorithm (MA, EASGD and BMUF differ in the maths of a round, not in its cost), GBA."""
 
 
 def predict(algorithm: str, job: Job, calibration: Calibration) -> Prediction:
-    """The prediction of one of `ALGORITHMS`."""
+    """The prediction of one of `PREDICTORS`."""
     return PREDICTORS[algorithm](job, calibration)
 
 
