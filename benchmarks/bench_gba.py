@@ -1,6 +1,6 @@
 """GBA against sync all-reduce and plain async PS training, with one trainer slowed, side by side.
 
-    python benchmarks/bench_gba.py --compute simulated [--seeds 0,1,2,3,4] [--global-samples 1000000] \
+    python benchmarks/bench_gba.py --compute simulated [--seeds 0,1,2,3,4] [--global-samples N] \
         [--presets small,production] [--shards 1,2] [--step-ms 50] [--slow-trainer 3] [--factor 3] \
         [--algos sync,gba,async] [--dotted.key value ...]
     python benchmarks/bench_gba.py --compute real ...
@@ -93,6 +93,11 @@ SIMULATED_STEP_MS = {"small": 50.0, "production": 1500.0}
 trainer's real work takes with 4 trainers and the servers on 2 cores (docs/benchmarks.md), so that
 the sleep pads every step."""
 
+GLOBAL_SAMPLES = {"small": 1_000_000, "production": 250_000}
+"""Samples applied at which every run of a preset stops, when `--global-samples` is not given: a
+production step costs about 20 times a small one, so its runs stop earlier to stay within minutes;
+quality is compared within a preset only."""
+
 
 def ideal_ratio(trainers: int, factor: float) -> float:
     """GBA / sync throughput when fast trainers never wait and sync runs at the slow one's pace."""
@@ -108,8 +113,9 @@ def run_once(
         straggler += ["--straggler.step_ms", str(args.step_ms or SIMULATED_STEP_MS[preset])]
     arguments = [
         "--config", str(ALGOS[algo]), *SHARED_JOB, "--sync.ps.num_servers", str(shards), *preset_arguments(preset),
-        *straggler, "--train.global_samples", str(args.global_samples), "--train.warmup_steps", str(args.warmup_steps),
-        "--train.seed", str(seed), "--data.synthetic.seed", str(seed), *SYNTHETIC_HELDOUT, *extra,
+        *straggler, "--train.global_samples", str(args.global_samples or GLOBAL_SAMPLES[preset]),
+        "--train.warmup_steps", str(args.warmup_steps), "--train.seed", str(seed), "--data.synthetic.seed", str(seed),
+        *SYNTHETIC_HELDOUT, *extra,
     ]
     return run_example(f"seed {seed} {preset} {shards} shard(s) {algo}", args.trainers + shards, arguments, output)
 
@@ -180,7 +186,9 @@ def repetition(run: Run) -> int:
     return run["rep"]
 
 
-def summarize(runs: list[Run], presets: Sequence[str], shard_counts: Sequence[int], algos: Sequence[str]) -> list[dict[str, Any]]:
+def summarize(
+    runs: list[Run], presets: Sequence[str], shard_counts: Sequence[int], algos: Sequence[str]
+) -> list[dict[str, Any]]:
     """Per preset, shard count and algorithm: each metric summarized over repetitions, the ratios to
     sync taken per repetition (median, min-max), AUC minus sync's per seed, and the resources."""
     rows = []
@@ -197,7 +205,8 @@ def summarize(runs: list[Run], presets: Sequence[str], shard_counts: Sequence[in
                     row.update({f"{key}_{function.__name__}": function(values) for function in functions})
                 for key in ("samples_per_s", "applied_samples_per_s"):
                     row[key] = spread([run["metrics"][key] for run in mine])
-                    row[f"{key}_ratio_to_sync"] = ratio_spread(mine, sync, repetition, lambda run, key=key: run["metrics"][key])
+                    row[f"{key}_ratio_to_sync"] = ratio_spread(
+                        mine, sync, repetition, lambda run, key=key: run["metrics"][key])
                 row["auc_minus_sync"] = [run["metrics"]["auc"] - base["metrics"]["auc"]
                                          for run, base in paired(mine, sync, repetition)]
                 row.update(resource_spreads([run["result"] for run in mine]))
@@ -242,9 +251,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--trainers", type=int, default=4, help="trainer ranks (the server ranks are added)")
     parser.add_argument("--slow-trainer", type=int, default=3, help="index of the slowed trainer")
     parser.add_argument("--factor", type=float, default=3.0, help="slowdown of the slowed trainer")
-    parser.add_argument("--step-ms", type=float, help=f"simulated compute per step (default per preset: {SIMULATED_STEP_MS})")
-    parser.add_argument("--global-samples", type=int, default=1_000_000,
-                        help="every run stops at this many samples applied")
+    parser.add_argument("--step-ms", type=float,
+                        help=f"simulated compute per step (default per preset: {SIMULATED_STEP_MS})")
+    parser.add_argument("--global-samples", type=int,
+                        help=f"every run stops at this many samples applied (default per preset: {GLOBAL_SAMPLES})")
     parser.add_argument("--warmup-steps", type=int, default=20, help="steps before the timed window")
     parser.add_argument("--algos", default=",".join(ALGOS), help=f"comma-separated subset of {list(ALGOS)}")
     parser.add_argument("--output", type=Path, help="JSON results (default runs/bench_gba_<compute>.json)")

@@ -114,7 +114,9 @@ def extra_x_dense(result: dict[str, Any]) -> float:
 
 def resource_spreads(results: Sequence[dict[str, Any]]) -> dict[str, Spread | None]:
     """Every `RESOURCE_FIGURES` figure over the runs whose harness results are `results`."""
-    return {name: spread([figure(result["resources"]) for result in results]) for name, figure in RESOURCE_FIGURES.items()}
+    return {
+        name: spread([figure(result["resources"]) for result in results]) for name, figure in RESOURCE_FIGURES.items()
+    }
 
 
 RESOURCE_COLUMNS: list[Column] = [

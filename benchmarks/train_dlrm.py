@@ -219,7 +219,8 @@ def _summary(results: dict[str, Any], output: Path) -> str:
         "  resources    "
         + (f"{1e3 * per_sample:.3f} CPU ms per sample (all ranks), " if per_sample is not None else "")
         + f"peak RSS {resources['trainer_peak_rss_mib_max']:,.0f} MiB per trainer"
-        + (f", {resources['server_peak_rss_mib_max']:,.0f} MiB per server" if resources["server_peak_rss_mib_max"] else "")
+        + (f", {resources['server_peak_rss_mib_max']:,.0f} MiB per server"
+           if resources["server_peak_rss_mib_max"] is not None else "")
         + f", extra {resources['trainer_extra_rss_mib_max']:,.0f} MiB per trainer "
         f"({resources['trainer_extra_x_dense_max']:.1f}x the dense size)"
     )

@@ -77,7 +77,8 @@ def gba_result(speed: float, shards: list[dict[str, Any]], tables: list[dict[str
 
 
 def dense_shard(histogram: dict[str, int], pushes: int, depth: int, dropped: int) -> dict[str, Any]:
-    return {"staleness_histogram": histogram, "decayed": 1, "dropped": dropped, "pushes": pushes, "queue_depth_max": depth}
+    return {"staleness_histogram": histogram, "decayed": 1, "dropped": dropped, "pushes": pushes,
+            "queue_depth_max": depth}
 
 
 def test_bench_gba_takes_staleness_from_shard_0_pushes_per_shard_and_adds_up_the_tables() -> None:
