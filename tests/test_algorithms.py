@@ -11,7 +11,7 @@ from sync_algos.easgd import elastic_pull
 from sync_algos.easgd_ps import Centre
 from sync_algos.gba import Admission, AggregationConfig, GlobalBatchRule
 from sync_algos.staleness import StalenessCounts, StalenessDecayConfig
-from tests.multiprocess import run_ranks, run_shared
+from tests.multiprocess import run_shared
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,6 +47,7 @@ def two_ranks() -> dict[str, list]:
         **{f"synced-{name}": (run_synced_rounds, (name, None)) for name in ("ma", "easgd", "bmuf")},
         "restored-easgd": (run_synced_rounds, ("easgd", {"center": torch.full((SIZE,), 3.0, dtype=torch.float64)})),
         "easgd_ps": (easgd_ps_rounds, ([False, True],)),
+        "easgd_ps-poisoned": (easgd_ps_poisoned_round, ()),
     }, timeout_s=150)
 
 
@@ -368,12 +369,13 @@ def test_a_nonfinite_contribution_is_left_out_and_an_aborting_rank_stops_its_pee
             torch.testing.assert_close(runs[0][3]["result"].target, snapshots(3, 3)[:2].mean(0))
 
 
-def test_easgd_ps_never_sends_a_nonfinite_snapshot_to_its_centre() -> None:
-    (result,) = run_ranks(easgd_ps_poisoned_round, 1)
-    assert result["exchanges"] == 1  # only the finite snapshot reached the centre
-    bad = result["bad"]
-    assert bad.kept_local and bad.nonfinite_ranks == (0,) and bad.bytes_moved == 0
-    torch.testing.assert_close(bad.target, poisoned(0, 0), equal_nan=True)
+def test_easgd_ps_never_sends_a_nonfinite_snapshot_to_its_centre(two_ranks: dict) -> None:
+    """Each trainer's own centre: a trainer reports only itself (there is no collective to tell the others)."""
+    for rank, result in enumerate(two_ranks["easgd_ps-poisoned"]):
+        assert result["exchanges"] == 1  # only the finite snapshot reached the centre
+        bad = result["bad"]
+        assert bad.kept_local and bad.nonfinite_ranks == (rank,) and bad.bytes_moved == 0
+        torch.testing.assert_close(bad.target, poisoned(rank, 0), equal_nan=True)
 
 
 def easgd_ps_poisoned_round(rank: int, world_size: int) -> dict:
