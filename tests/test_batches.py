@@ -1,7 +1,11 @@
 """Malformed batches for TorchRec-sharded tables are refused on the rank that got them, naming the
 feature, the table and the bad value, before TorchRec's input distribution sees them
 (`shadowgba.integrations.torchrec.BatchCheck`, installed by `ShardingGuard` on every DMP a trainer of a
-job with servers builds)."""
+job with servers builds).
+
+The distributed case (`malformed_on_one_trainer`, a tiny DMP over 2 trainers + 1 server) runs in the
+3-rank group that tests/test_checkpoint.py spawns anyway (one spawned group less); its assertions
+are `assert_refused_by_the_trainer_that_got_it`, called from there."""
 
 from __future__ import annotations
 
@@ -13,7 +17,6 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from shadowgba.integrations.torchrec import BatchCheck
-from tests.multiprocess import run_ranks
 
 TABLES = [EmbeddingBagConfig(name="users", embedding_dim=4, num_embeddings=10, feature_names=["user", "friend"]),
           EmbeddingBagConfig(name="items", embedding_dim=4, num_embeddings=5, feature_names=["item"])]
@@ -84,7 +87,7 @@ def _bad_batch(trainer: int, case: str) -> Any:
     return Batch(dense_features=good.dense_features, sparse_features=features, labels=good.labels)
 
 
-def _malformed_on_one_trainer(rank: int, world_size: int) -> dict[str, Any] | None:
+def malformed_on_one_trainer(rank: int, world_size: int) -> dict[str, Any] | None:
     """2 trainers + 1 server: a good step, then each malformed batch on one trainer only (the other
     enters no collective meanwhile, so the refusal must come before TorchRec's all-to-all), then a
     good step again on both."""
@@ -122,9 +125,9 @@ def _malformed_on_one_trainer(rank: int, world_size: int) -> dict[str, Any] | No
         job.close()
 
 
-@pytest.mark.timeout(150)
-def test_a_malformed_batch_is_refused_on_the_trainer_that_got_it_before_torchrec_sees_it() -> None:
-    results = run_ranks(_malformed_on_one_trainer, 3, timeout_s=120)
+def assert_refused_by_the_trainer_that_got_it(results: list[Any]) -> None:
+    """`malformed_on_one_trainer`'s per-rank results: each trainer refused its own malformed batches,
+    with the message of each case, and both still trained afterwards."""
     assert results[2] is None  # the server
     for trainer, out in enumerate(results[:2]):
         assert out["installed"] == 1 and out["again"] == 1 and out["wrapped_once"]  # by ShardingGuard, once

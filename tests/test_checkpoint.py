@@ -2,7 +2,8 @@
 
 Spawned jobs are shared where the assertions are independent: one 2-rank job runs every exact-resume
 case without servers (uninterrupted vs stopped-and-resumed, per algorithm) and then the refusal
-cases; one 3-rank group runs the cases with parameter servers and the PS-table round trip; two
+cases; one 3-rank group runs the cases with parameter servers, the PS-table round trip and
+tests/test_batches.py's malformed batches on a tiny DMP; two
 torchrun jobs with a trainer killed mid-run (one with a parameter server) cover restart and resume.
 
 Jobs with servers are asynchronous by design; the deterministic configuration in which a run is
@@ -23,7 +24,7 @@ reproducible, and so can be compared with a stopped-and-resumed one, is (`_serve
   weights and the first round after the resume pulls towards it. The test asserts the strongest
   property that holds: everything else a checkpoint holds (dense replica, optimizer, PS tables,
   shard counters, runtime step) comes back bit for bit, and training goes on from it.
-""""""
+"""
 
 from __future__ import annotations
 
@@ -503,13 +504,17 @@ def _server_case(rank: int, world_size: int, root: str, case: str) -> dict[str, 
 
 @pytest.fixture(scope="module")
 def with_servers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
-    """Every job of this file on 3 ranks (with parameter servers), one spawned group (`run_shared`)."""
+    """Every job of this file on 3 ranks (with parameter servers), and tests/test_batches.py's, in one
+    spawned group (`run_shared`)."""
     root = str(tmp_path_factory.mktemp("servers"))
+    from tests.test_batches import malformed_on_one_trainer
+
     jobs = {case: (_server_case, (root, case)) for case in SERVER_CASES}
-    return run_shared(3, {**jobs, "ps_state": (_ps_job, (str(Path(root, "ps_state")),))}, timeout_s=200)
+    return run_shared(3, {**jobs, "ps_state": (_ps_job, (str(Path(root, "ps_state")),)),
+                          "batches": (malformed_on_one_trainer, ())}, timeout_s=240)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_ps_tables_and_their_optimizer_state_come_back_from_a_checkpoint(with_servers: dict) -> None:
     out = with_servers["ps_state"][0]
     assert out["loaded"] == 3 and out["moved"] > 1e-3 and out["restored"] == 0.0
@@ -522,7 +527,7 @@ def _trainers_of(case: list[Any]) -> list[dict[str, Any]]:
     return [result for result in case if result is not None]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", ["gba_torchrec", "gba_ps"])
 def test_gba_mode_stopped_and_resumed_ends_exactly_where_an_uninterrupted_run_does(with_servers: dict,
                                                                                     case: str) -> None:
@@ -545,7 +550,7 @@ def test_gba_mode_stopped_and_resumed_ends_exactly_where_an_uninterrupted_run_do
         assert gathered["shards"]["server0"]["pushes"] == 2 * SERVER_STEPS
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(SERVER_CASES))
 def test_with_servers_a_resume_restores_the_saved_state_bit_for_bit_and_a_corrupted_one_falls_back(
     with_servers: dict, case: str
@@ -562,3 +567,11 @@ def test_with_servers_a_resume_restores_the_saved_state_bit_for_bit_and_a_corrup
         for part in saved:  # the tables on the servers and the shards' state moved back to step 3
             assert _max_abs_diff(saved[part], resumed["after_fallback"][part]) == 0.0, f"{case}: {part}"
         assert f"made with {servers} parameter servers, this job has {servers + 1}" in resumed["other_servers"]
+
+
+@pytest.mark.timeout(300)
+def test_a_malformed_batch_is_refused_by_the_trainer_that_got_it_before_torchrec_sees_it(with_servers: dict) -> None:
+    """tests/test_batches.py's distributed case, run in this file's 3-rank group."""
+    from tests.test_batches import assert_refused_by_the_trainer_that_got_it
+
+    assert_refused_by_the_trainer_that_got_it(with_servers["batches"])

@@ -37,7 +37,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from shadowgba.errors import SetupError
-from shadowgba.ps.embedding import id_out_of_range
+from shadowgba.ps.embedding import id_out_of_range, ids_outside
 
 __all__ = [
     "BatchCheck", "ShadowDataParallelWrapper", "ShardingGuard", "check_batches", "dense_named_parameters",
@@ -80,14 +80,44 @@ class BatchCheck:
     """Refuses a malformed batch of a set of tables with `ValueError` "batch refused: ..." naming the
     feature, its table and the bad value: keys that are not exactly the tables' features, lengths
     that are negative, not one per sample and feature, or do not add up to the values, and ids
-    outside their table (`shadowgba.ps.embedding.id_out_of_range`, the rule PS tables apply).
-    Costs a sum per feature and a min / max per feature; reads the batch, never changes it."""
+    outside their table (`shadowgba.ps.embedding.ids_outside`, the rule PS tables apply). A few
+    vector operations over the lengths and the ids (the search for the culprit only on a refusal);
+    reads the batch, never changes it."""
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig]) -> None:
         self.table_of = {feature: table for table in tables for feature in (table.feature_names or [table.name])}
+        self._sizes: dict[tuple[str, ...], torch.Tensor] = {}
+        """Per key order seen: the table size of each key, for every id of a batch at once."""
 
     def __call__(self, features: KeyedJaggedTensor) -> None:
         keys = features.keys()
+        self._check_keys(keys)
+        lengths, values = features.lengths(), features.values()
+        strides = features.stride_per_key()
+        if lengths.numel() != sum(strides):
+            raise ValueError(f"batch refused: {lengths.numel()} lengths, not one per sample of each feature "
+                             f"(features {list(keys)}, samples {strides})")
+        if lengths.numel() and int(lengths.min()) < 0:
+            key, part = next((key, part) for key, part in zip(keys, lengths.split(strides)) if int(part.min()) < 0)
+            raise ValueError(f"{self._refused(key)}: negative length {int(part.min())}")
+        if features.variable_stride_per_key():
+            counts = torch.stack([part.sum() for part in lengths.split(strides)])
+        else:
+            counts = lengths.view(len(keys), -1).sum(1)
+        if int(counts.sum()) != values.numel():
+            per_feature = ", ".join(f"'{key}': {count}" for key, count in zip(keys, counts.tolist()))
+            raise ValueError(f"batch refused: the lengths count {int(counts.sum())} ids ({per_feature}) but the "
+                             f"batch holds {values.numel()} values")
+        sizes = self._sizes.get(tuple(keys))
+        if sizes is None:
+            sizes = self._sizes[tuple(keys)] = torch.tensor([self.table_of[key].num_embeddings for key in keys])
+        if bool(ids_outside(values, sizes.to(values.device).repeat_interleave(counts.to(values.device))).any()):
+            for key, ids in zip(keys, values.split(counts.tolist())):
+                problem = id_out_of_range(ids, self.table_of[key].num_embeddings)
+                if problem:
+                    raise ValueError(f"{self._refused(key)}: {problem}")
+
+    def _check_keys(self, keys: Sequence[str]) -> None:
         unknown = [key for key in keys if key not in self.table_of]
         if unknown:
             raise ValueError(f"batch refused: unknown feature '{unknown[0]}'; the tables' features are "
@@ -97,24 +127,6 @@ class BatchCheck:
             named, problem = (missing[0], "missing") if missing else (
                 next(key for index, key in enumerate(keys) if key in keys[:index]), "given more than once")
             raise ValueError(f"{self._refused(named)}: {problem} (keys {list(keys)})")
-        lengths, values = features.lengths(), features.values()
-        strides = features.stride_per_key()
-        if lengths.numel() != sum(strides):
-            raise ValueError(f"batch refused: {lengths.numel()} lengths, not one per sample of each feature "
-                             f"(features {list(keys)}, samples {strides})")
-        parts = lengths.split(strides)
-        if lengths.numel() and int(lengths.min()) < 0:
-            key, part = next((key, part) for key, part in zip(keys, parts) if int(part.min()) < 0)
-            raise ValueError(f"{self._refused(key)}: negative length {int(part.min())}")
-        counts = [int(part.sum()) for part in parts]
-        if sum(counts) != values.numel():
-            per_feature = ", ".join(f"'{key}': {count}" for key, count in zip(keys, counts))
-            raise ValueError(f"batch refused: the lengths count {sum(counts)} ids ({per_feature}) but the batch "
-                             f"holds {values.numel()} values")
-        for key, ids in zip(keys, values.split(counts)):
-            problem = id_out_of_range(ids, self.table_of[key].num_embeddings)
-            if problem:
-                raise ValueError(f"{self._refused(key)}: {problem}")
 
     def _refused(self, feature: str) -> str:
         return f"batch refused: feature '{feature}' of table '{self.table_of[feature].name}'"

@@ -595,18 +595,20 @@ def checked_tables(tables: Sequence[EmbeddingBagConfig]) -> list[EmbeddingBagCon
     return checked
 
 
+def ids_outside(ids: torch.Tensor, num_embeddings: int | torch.Tensor) -> torch.Tensor:
+    """Which of `ids` break the rule every table's ids obey, `0 <= id < num_embeddings` (one table's
+    size, or a size per id). PS shards apply it to each request (`id_out_of_range`), the TorchRec batch
+    check (`shadowgba.integrations.torchrec.BatchCheck`) to every id of a batch at once."""
+    return (ids < 0) | (ids >= num_embeddings)
+
+
 def id_out_of_range(ids: torch.Tensor, num_embeddings: int) -> str | None:
-    """The rule every table's ids obey, `0 <= id < num_embeddings`: None if all of `ids` do, else the
-    first that does not, in the words of every refusal ("id 7 out of range [0, 5)"). PS shards apply it
-    to each request, and the TorchRec batch check (`shadowgba.integrations.torchrec`) to each feature
-    of a batch; it costs one min / max over the ids, the search for the culprit only on a refusal."""
-    if not ids.numel():
+    """None if every one of `ids` fits a table of `num_embeddings` rows (`ids_outside`), else the first
+    that does not, in the words of every refusal: "id 7 out of range [0, 5)"."""
+    outside = ids_outside(ids, num_embeddings)
+    if not bool(outside.any()):
         return None
-    low, high = torch.aminmax(ids)
-    if low >= 0 and high < num_embeddings:
-        return None
-    bad = ids[(ids < 0) | (ids >= num_embeddings)][0].item()
-    return f"id {bad} out of range [0, {num_embeddings})"
+    return f"id {ids[outside][0].item()} out of range [0, {num_embeddings})"
 
 
 def _coalesce(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
