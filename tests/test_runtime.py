@@ -321,4 +321,4 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
     return run_shared(1, {
         "control-file": (control_file_changes_pacing, (control,)),
         "shadow-failure": (shadow_failure_reaches_training, ()),
-    }, timeout_s=90)
+    }, timeout_s=150)
