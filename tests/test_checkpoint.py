@@ -13,7 +13,8 @@ reproducible, and so can be compared with a stopped-and-resumed one, is (`_serve
   i.e. zero staleness, so every global batch holds exactly that step's two pushes (a sum of two is
   the same in either order); with PS tables each trainer also flushes its row pushes and the
   trainers meet in a barrier, so the next lookup reads the rows after that global batch was applied.
-  Fixed seeds, one torch thread. Then stopped at step k and resumed == uninterrupted, for the dense
+  Fixed seeds, one torch thread. Then resumed at step k, in a new job, from the uninterrupted run's
+  checkpoint of step k (what a run stopped there saves) == uninterrupted, for the dense
   weights, the TorchRec-sharded tables and their fused Adagrad state, the PS tables with their
   row-wise Adagrad accumulators, buffers and counters, and the dense shards' parameters, Adam state
   and global step.
@@ -495,11 +496,20 @@ def _fallback(checkpointer: Any, state: dict[str, Any], directory: Path, setup: 
 
 
 def _server_case(rank: int, world_size: int, root: str, case: str) -> dict[str, Any] | None:
-    """Rank body of one case: uninterrupted to SERVER_STEPS, stopped at SERVER_STOP_AT, resumed."""
+    """Rank body of one case: a run to SERVER_STEPS, and one resumed from its checkpoint of step
+    SERVER_STOP_AT in a new job (servers included). A run stopped there would have saved the same
+    checkpoint: the configuration is deterministic and the save comes before anything a stop does."""
+    import shutil
+
+    import torch.distributed as dist
+
     whole = _server_run(case, Path(root, case, "whole"), SERVER_STEPS, resume=False)
-    split = _server_run(case, Path(root, case, "split"), SERVER_STOP_AT, resume=False)
+    if rank == 0:
+        name = f"step_{SERVER_STOP_AT:08d}"
+        shutil.copytree(Path(root, case, "whole", name), Path(root, case, "split", name))
+    dist.barrier()
     resumed = _server_run(case, Path(root, case, "split"), SERVER_STEPS, resume=True)
-    return None if resumed is None else {"whole": whole, "split": split, "resumed": resumed}
+    return None if resumed is None else {"whole": whole, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
@@ -547,7 +557,8 @@ def test_gba_mode_stopped_and_resumed_ends_exactly_where_an_uninterrupted_run_do
     if case == "gba_ps":
         gathered = runs[0]["resumed"]["final"]["ps_tables"]
         assert set(gathered["tables"]["t0"]) == {"weight", "accumulator"}
-        assert gathered["shards"]["server0"]["pushes"] == 2 * SERVER_STEPS
+        shard = gathered["shards"]["server0"]
+        assert shard["counters"]["pushes"] == 2 * SERVER_STEPS and shard["rule"]["global_step"] == SERVER_STEPS
 
 
 @pytest.mark.timeout(300)
@@ -558,7 +569,7 @@ def test_with_servers_a_resume_restores_the_saved_state_bit_for_bit_and_a_corrup
     """The property every case has, easgd_ps included (module docstring: why it is not exact)."""
     servers = SERVER_CASES[case]["ps"]["num_servers"]
     for trainer, run in enumerate(_trainers_of(with_servers[case])):
-        saved, resumed = run["split"]["final"], run["resumed"]
+        saved, resumed = run["whole"]["at_stop"], run["resumed"]
         for part in saved:
             diff = _max_abs_diff(saved[part], resumed["at_load"][part])
             assert diff == 0.0, f"{case}: trainer {trainer}'s {part} after loading differs by {diff}"
