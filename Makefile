@@ -8,8 +8,9 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 NPROC ?= 2
 CONFIG ?= examples/configs/bmuf.yaml
+PRESET ?=
 
-.PHONY: setup run test bench bench-quick bench-quality bench-scaling bench-gba soak clean
+.PHONY: setup run test bench bench-quick bench-quality bench-scaling bench-gba bench-ps soak clean
 
 setup: $(STAMP)
 
@@ -23,7 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) benchmarks/train_dlrm.py --config $(CONFIG)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) benchmarks/train_dlrm.py --config $(CONFIG) \
+		$(if $(PRESET),--preset $(PRESET))
 
 test: $(STAMP)
 	$(PY) -m pytest tests
@@ -52,8 +54,13 @@ bench-scaling: $(BENCH_STAMP)
 
 # GBA vs sync all-reduce vs plain async PS, 4 trainers + 1 PS, one trainer 3x slow
 bench-gba: $(STAMP)
-	$(PY) benchmarks/bench_gba.py --compute simulated --global-samples 4000000
-	$(PY) benchmarks/bench_gba.py --compute real --global-samples 2000000
+	$(PY) benchmarks/bench_gba.py --compute simulated
+	$(PY) benchmarks/bench_gba.py --compute real
+
+# The parameter server alone: dense ingest per server rank vs push size, shards and pushes in flight,
+# and embedding lookups / row pushes (benchmarks/bench_ps.py; runs/bench_ps.json)
+bench-ps: $(STAMP)
+	$(PY) benchmarks/bench_ps.py --embeddings
 
 # Soak (not in `make test`): random configurations as torchrun jobs with faults, restarts and resumes,
 # for SOAK_MINUTES; the report goes to runs/soak.json (benchmarks/soak.py).
