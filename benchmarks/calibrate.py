@@ -391,9 +391,10 @@ def cores_got(run: dict[str, Any]) -> float | None:
 
 
 def point(source: str, variant: str, run: dict[str, Any], rep: int, job: tm.Job, algorithm: str,
-          measured: float) -> dict[str, Any]:
-    """One validation point: the job as run on this machine's cores, and on the cores it got."""
-    got = cores_got(run)
+          measured: float, cpu_bound: bool = True) -> dict[str, Any]:
+    """One validation point: the job as run on this machine's cores, and on the cores it got (only
+    for `cpu_bound` jobs: ranks that sleep through simulated compute use less than they could get)."""
+    got = cores_got(run) if cpu_bound else None
     at_got = dataclasses.replace(job, hosts=dataclasses.replace(job.hosts, cores=got)) if got else None
     return {"source": source, "variant": variant, "trainers": run["trainers"], "rep": rep, "job": job,
             "job_at_cores_got": at_got, "cores_got": got, "algorithm": algorithm, "measured": measured}
@@ -424,7 +425,7 @@ def gba_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dict[st
         job = tm.Job(dataclasses.replace(preset, compute_s=step_s), result["trainers"], hosts,
                      tm.Stragglers(straggler["factor"], count=len(straggler["trainers"])), shards=servers, ps_tables=True)
         points.append(point("bench_gba", f"{run['algo']} {servers} shard(s)", result, run["rep"], job,
-                            PREDICTED_AS[run["algo"]], run["metrics"]["samples_per_s"]))
+                            PREDICTED_AS[run["algo"]], run["metrics"]["samples_per_s"], cpu_bound=not straggler["step_ms"]))
     return points
 
 
