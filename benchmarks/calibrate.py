@@ -260,26 +260,28 @@ def measure_stand_in(reps: int) -> dict[str, Any]:
 
 
 def from_bench_ps(raw: dict[str, Any]) -> dict[str, Any] | None:
-    """bench_ps.json's one-shard dense rows (most trainers, most in flight, first tree) and its
-    lookup and row-push rates, in the stand-in's shape; None if it has no one-shard dense row."""
-    rows = [row for row in raw["summary"] if row["kind"] == "dense" and row["shards"] == 1]
-    if not rows:
+    """bench_ps.json's one-shard rows (first tree; most trainers and pushes in flight, where the
+    server is busiest) in the stand-in's shape: per-push time at each size, the lookup's per-call
+    wait and the server's time per row byte; None if it has no one-shard dense row."""
+    from bench_ps import EMBEDDING_DIM
+
+    rows = [row for row in raw["summary"] if row["shards"] == 1]
+    dense = [row for row in rows if row["kind"] == "dense"]
+    if not dense:
         return None
-    first_tree = rows[0]["tree"]
-    rows = [row for row in rows if row["tree"] == first_tree]
-    busiest = max((row["trainers"], row["in_flight"]) for row in rows)
-    pushes = [{"bytes": row["size"], "wall_s": 1.0 / row["pushes_per_s"], "reps": row["reps"]}
-              for row in rows if (row["trainers"], row["in_flight"]) == busiest]
-    rates = {row["kind"]: row for row in raw["summary"] if row["kind"] in ("lookup", "row_push") and row["shards"] == 1
-             and row["tree"] == first_tree}
-    measured: dict[str, Any] = {"source": "bench_ps.json", "trainers_in_flight": busiest, "pushes": pushes}
-    if {"lookup", "row_push"} <= set(rates):
-        ids, row_bytes = raw["settings"].get("embedding_ids", 4096), raw["settings"].get("embedding_dim", 64) * 4
-        lookup = rates["lookup"]
-        measured["lookups"] = [{"rows": ids, "bytes": ids * row_bytes,
-                                "wall_s": lookup["trainers"] * ids / lookup["median"], "reps": lookup["reps"]}]
+    dense = [row for row in dense if row["tree"] == dense[0]["tree"]]
+    busiest = max((row["trainers"], row["in_flight"]) for row in dense)
+    measured: dict[str, Any] = {"source": "bench_ps.json", "trainers_in_flight": busiest, "pushes": [
+        {"bytes": row["size"], "wall_s": 1.0 / row["pushes_per_s"], "reps": row["reps"]}
+        for row in dense if (row["trainers"], row["in_flight"]) == busiest]}
+    rates = {kind: max((row for row in rows if row["kind"] == kind and row["tree"] == dense[0]["tree"]),
+                       key=lambda row: row["trainers"], default=None) for kind in ("lookup", "row_push")}
+    if rates["lookup"] and rates["row_push"]:
+        lookup, row_bytes = rates["lookup"], EMBEDDING_DIM * 4
+        measured["lookups"] = [{"rows": lookup["size"], "bytes": lookup["size"] * row_bytes, "reps": lookup["reps"],
+                                "wall_s": lookup["trainers"] * lookup["size"] / lookup["median"]}]
         measured["server_rows"] = {"bytes": row_bytes, "reps": lookup["reps"],
-                                   "server_s": sum(1.0 / rates[kind]["median"] for kind in ("lookup", "row_push"))}
+                                   "server_s": sum(1.0 / rates[kind]["median"] for kind in rates)}
     return measured
 
 
@@ -354,7 +356,11 @@ def measure(args: argparse.Namespace) -> None:
               f"{point['dense_params']:,} dense params", flush=True)
     allreduce = measure_allreduce([int(n) for n in args.ranks.split(",")], args.reps)
     bench_ps = from_bench_ps(json.loads(BENCH_PS.read_text())) if BENCH_PS.exists() else None
-    ps = bench_ps if bench_ps and "lookups" in bench_ps else {**measure_stand_in(args.reps), **(bench_ps or {})}
+    if bench_ps is None or "lookups" not in bench_ps:
+        stand_in = measure_stand_in(args.reps)
+        ps = stand_in if bench_ps is None else {**stand_in, **bench_ps, "source": "bench_ps.json, stand-in lookups"}
+    else:
+        ps = bench_ps
     measured = {"compute": compute, "allreduce": allreduce, "ps": ps}
     report = {"provisional": not args.quiet_machine, "cores": cores, "load_average": os.getloadavg(),
               "wall_s": time.perf_counter() - started, "measured": measured, "model": fitted(measured, cores)}

@@ -175,3 +175,22 @@ def test_validation_reads_a_scaling_run_as_the_job_it_was() -> None:
     assert entry["cores_got"] == 1.5 and entry["job_at_cores_got"].hosts.cores == 1.5
     with pytest.raises(SystemExit, match="no calibrated preset"):
         calibrate.scaling_points({"runs": [{**run, "dense_params": 7}]}, CALIBRATION)
+
+
+def test_bench_ps_rows_become_the_push_and_row_costs() -> None:
+    def row(kind: str, trainers: int, size: int, median: float, **extra: float) -> dict:
+        return {"kind": kind, "trainers": trainers, "shards": 1, "size": size, "in_flight": extra.pop("in_flight", 1),
+                "tree": "after", "reps": 5, "median": median, **extra}
+
+    raw = {"summary": [
+        row("dense", 2, 1 << 20, 0.5, pushes_per_s=500.0, in_flight=4),
+        row("dense", 2, 1 << 23, 0.9, pushes_per_s=100.0, in_flight=4),
+        row("dense", 1, 1 << 20, 0.2, pushes_per_s=200.0),
+        {**row("dense", 2, 1 << 20, 9.9, pushes_per_s=9e4, in_flight=4), "shards": 2},
+        row("lookup", 1, 4096, 1e6), row("lookup", 2, 4096, 2e6), row("row_push", 2, 4096, 1e6),
+    ]}
+    measured = calibrate.from_bench_ps(raw)
+    assert measured["pushes"] == [{"bytes": 1 << 20, "wall_s": 1 / 500, "reps": 5}, {"bytes": 1 << 23, "wall_s": 1 / 100, "reps": 5}]
+    assert measured["lookups"][0]["wall_s"] == pytest.approx(2 * 4096 / 2e6)
+    assert measured["server_rows"]["server_s"] == pytest.approx(1 / 2e6 + 1 / 1e6)
+    assert calibrate.from_bench_ps({"summary": [row("lookup", 1, 4096, 1e6)]}) is None
