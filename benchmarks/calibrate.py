@@ -287,10 +287,12 @@ def from_bench_ps(raw: dict[str, Any]) -> dict[str, Any] | None:
 
 def least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
     """Coefficients c minimising sum (row . c - target)^2, by the normal equations (a few unknowns);
-    each clipped at zero, as every cost here is."""
-    size = len(rows[0])
-    matrix = [[sum(row[i] * row[j] for row in rows) for j in range(size)]
-              + [sum(row[i] * target for row, target in zip(rows, targets))] for i in range(size)]
+    each clipped at zero, as every cost here is. A column the points never exercise (all zero, e.g.
+    the scheduling wait when no run had more ranks than cores) gets 0."""
+    used = [index for index in range(len(rows[0])) if any(row[index] for row in rows)]
+    size = len(used)
+    matrix = [[sum(row[i] * row[j] for row in rows) for j in used]
+              + [sum(row[i] * target for row, target in zip(rows, targets))] for i in used]
     for column in range(size):  # Gauss-Jordan with partial pivoting
         pivot = max(range(column, size), key=lambda index: abs(matrix[index][column]))
         matrix[column], matrix[pivot] = matrix[pivot], matrix[column]
@@ -298,7 +300,8 @@ def least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> 
             if other != column:
                 factor = matrix[other][column] / matrix[column][column]
                 matrix[other] = [a - factor * b for a, b in zip(matrix[other], matrix[column])]
-    return [max(matrix[index][size] / matrix[index][index], 0.0) for index in range(size)]
+    solution = dict(zip(used, (max(matrix[index][size] / matrix[index][index], 0.0) for index in range(size))))
+    return [solution.get(index, 0.0) for index in range(len(rows[0]))]
 
 
 def fit_linear_cost(points: Sequence[dict[str, Any]]) -> tm.LinearCost:

@@ -194,3 +194,10 @@ def test_bench_ps_rows_become_the_push_and_row_costs() -> None:
     assert measured["lookups"][0]["wall_s"] == pytest.approx(2 * 4096 / 2e6)
     assert measured["server_rows"]["server_s"] == pytest.approx(1 / 2e6 + 1 / 1e6)
     assert calibrate.from_bench_ps({"summary": [row("lookup", 1, 4096, 1e6)]}) is None
+
+
+def test_allreduce_fit_without_crowded_points_has_no_scheduling_wait() -> None:
+    ring = tm.AllReduce(bandwidth_bytes_per_s=1e9, latency_s=40e-6)
+    points = [{"ranks": 2, "bytes": b, "wall_s": ring.time_s(b, 2)} for b in calibrate.ALLREDUCE_BYTES]
+    found = calibrate.fit_allreduce(points, cores=2)
+    assert found.switch_s == 0.0 and found.latency_s == pytest.approx(40e-6, rel=1e-6)
