@@ -48,20 +48,23 @@ PRESETS = ("small", "production", "example")
 and `production` (MLPerf DLRM's dense size), and `example`, the config defaults that bench_gba trains."""
 
 
+SIZES = [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
+"""Sizes of the all-reduce and push measurements: 1 KB to 16 MB, every factor of 4."""
+LOOKUP_ROWS = [256, 1024, 4096, 16384]
+"""Rows per lookup in the stand-in (a small preset's step looks up 4,096)."""
+TABLE_ROWS, TABLE_DIM = 100_000, 64
+"""The stand-in's embedding table."""
+STEPS_PER_REP = 10
+"""Training steps timed per repetition of the compute measurement."""
+SHADOW_STEAL_PRESET = "small"
+"""The preset whose step is timed beside a copying thread (the shadow steal)."""
+
+
 def preset_arguments(preset: str) -> list[str]:
     """train_dlrm.py overrides that build `preset`'s model."""
     from dlrm.config import preset_overrides
 
     return [] if preset == "example" else preset_overrides(preset)
-
-
-ALLREDUCE_BYTES = [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
-PUSH_BYTES = ALLREDUCE_BYTES
-LOOKUP_ROWS = [256, 1024, 4096, 16384]
-TABLE_ROWS, TABLE_DIM = 100_000, 64
-"""The stand-in's embedding table."""
-STEPS_PER_REP = 10
-SHADOW_STEAL_PRESET = "small"
 
 
 def cpu_s() -> float:
@@ -168,7 +171,7 @@ def _allreduce_rank(rank: int, world_size: int, port: int, reps: int, output: st
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     points = []
-    for nbytes in ALLREDUCE_BYTES:
+    for nbytes in SIZES:
         tensor = torch.ones(nbytes // 4)
         count = max(1, (1 << 22) // nbytes)
         dist.barrier()
@@ -223,7 +226,7 @@ def _stand_in_rank(rank: int, port: int, reps: int, output: str) -> None:
     rpc.init_rpc(f"rank{rank}", rank=rank, world_size=2, rpc_backend_options=options)
     if rank == 0:
         pushes = []
-        for nbytes in PUSH_BYTES:
+        for nbytes in SIZES:
             gradient = torch.ones(nbytes // 4)
             cost = timed(lambda: rpc.rpc_sync("rank1", _ingest, args=(gradient,)), reps, min(max(1, (1 << 23) // nbytes), 50))
             pushes.append({"bytes": nbytes, **cost})

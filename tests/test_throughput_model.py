@@ -127,7 +127,7 @@ def test_ring_allreduce_waits_for_scheduling_only_where_ranks_share_cores() -> N
 def test_fits_recover_the_costs_they_were_made_from() -> None:
     ring = tm.AllReduce(bandwidth_bytes_per_s=2e9, latency_s=30e-6, switch_s=800e-6)
     points = [{"ranks": n, "bytes": b, "wall_s": ring.time_s(b, n, max(1.0, n / 2))}
-              for n in (2, 4, 8) for b in calibrate.ALLREDUCE_BYTES]
+              for n in (2, 4, 8) for b in calibrate.SIZES]
     found = calibrate.fit_allreduce(points, cores=2)
     assert found.bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)
     assert found.latency_s == pytest.approx(30e-6, rel=1e-6)
@@ -198,6 +198,6 @@ def test_bench_ps_rows_become_the_push_and_row_costs() -> None:
 
 def test_allreduce_fit_without_crowded_points_has_no_scheduling_wait() -> None:
     ring = tm.AllReduce(bandwidth_bytes_per_s=1e9, latency_s=40e-6)
-    points = [{"ranks": 2, "bytes": b, "wall_s": ring.time_s(b, 2)} for b in calibrate.ALLREDUCE_BYTES]
+    points = [{"ranks": 2, "bytes": b, "wall_s": ring.time_s(b, 2)} for b in calibrate.SIZES]
     found = calibrate.fit_allreduce(points, cores=2)
     assert found.switch_s == 0.0 and found.latency_s == pytest.approx(40e-6, rel=1e-6)
