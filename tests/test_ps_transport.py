@@ -19,8 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shadowgba.errors import PeerLost
 from shadowgba.ps import transport
-from tests.multiprocess import run_ranks
+from tests.multiprocess import run_ranks, run_shared
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,12 +95,71 @@ def exercise_transport(rank: int, world_size: int) -> dict:
     return result
 
 
-def test_roles_calls_and_remote_errors_on_three_spawned_ranks() -> None:
-    results = run_ranks(exercise_transport, 3, timeout_s=60)
+def abort_and_barriers(rank: int, world_size: int) -> dict:
+    """3 ranks, 1 server. The trainers meet in a barrier; trainer 0 waits alone in a second one (with
+    a 1 s deadline); then trainer 1 aborts and trainer 0 waits in a third: what each rank saw, when."""
+    roles = transport.start(num_servers=1)
+    seen: dict = {}
+    if roles.is_server:
+        transport.serve("echo", Echo(roles.server_index))
+        try:
+            transport.stop()
+        except PeerLost as error:
+            seen["stop"] = (str(error), time.monotonic())
+        return seen
+    transport.barrier("both")  # both trainers arrive: no error
+    if roles.trainer_index == 0:
+        started = time.monotonic()
+        with pytest.raises(PeerLost) as alone:
+            transport.barrier("alone", timeout_s=1.0)
+        seen["alone"] = (str(alone.value), time.monotonic() - started)
+    dist.barrier(group=roles.trainer_group)  # trainer 1 aborts only once trainer 0 has given up
+    if roles.trainer_index == 1:
+        seen["aborted_at"] = time.monotonic()
+        transport.abort("ValueError('boom')")
+        return seen
+    started = time.monotonic()
+    with pytest.raises(PeerLost) as told:
+        transport.barrier("after abort")
+    seen["barrier"] = (str(told.value), time.monotonic() - started)
+    with pytest.raises(PeerLost) as refused:
+        transport.call(0, "echo", "describe", rank, torch.zeros(1))
+    seen["call"] = str(refused.value)
+    with pytest.raises(PeerLost) as stopped:
+        transport.stop()
+    seen["stop"] = (str(stopped.value), time.monotonic())
+    return seen
+
+
+@pytest.fixture(scope="module")
+def spawned() -> dict[str, list]:
+    """The spawned-rank cases of this file, one after another in one group of 3 ranks."""
+    return run_shared(3, {"calls": (exercise_transport, ()), "abort": (abort_and_barriers, ())}, timeout_s=90)
+
+
+def test_roles_calls_and_remote_errors_on_three_spawned_ranks(spawned: dict[str, list]) -> None:
+    results = spawned["calls"]
     assert [result["roles"].is_server for result in results] == [False, False, True]
     loopback = {("tcp", "0100007F"), ("tcp6", "00000000000000000000000001000000")}
     for result in results:
         assert result["opened"] and result["opened"] <= loopback, result["opened"]
+
+
+def test_an_aborted_trainer_ends_every_barrier_call_and_stop_at_once_naming_it(spawned: dict[str, list]) -> None:
+    trainer0, trainer1, server = spawned["abort"]
+    message, waited = trainer0["alone"]
+    assert message == ("trainer0 gave up in barrier 'alone#1' after 1s (sync.timeout_s): trainer 1 (rank 1) "
+                       "neither arrived nor aborted (stuck, e.g. in a collective no peer will enter, or dead)"), message
+    assert 1.0 <= waited < 5.0, waited
+    aborted = "trainer 1 (rank 1) aborted: ValueError('boom')"
+    message, waited = trainer0["barrier"]
+    assert message == aborted and waited < 2.0, trainer0
+    assert trainer0["call"].startswith(f"ps0 refuses echo.describe: {aborted}"), trainer0["call"]
+    for rank, seen in ((0, trainer0), (2, server)):
+        message, ended = seen["stop"]
+        assert message == aborted, (rank, message)
+        # monotonic clocks of one machine: the server waits ABORT_GRACE_S for the trainers to read it
+        assert ended - trainer1["aborted_at"] < transport.ABORT_GRACE_S + 5.0, (rank, ended - trainer1["aborted_at"])
 
 
 def test_the_same_checks_pass_under_torchrun() -> None:

@@ -384,12 +384,16 @@ def notify_abort(reason: str) -> None:
     _started.notified = True
     roles = _started.roles
     message = failure_message(roles, reason)
-    notices = [rpc.rpc_async(server_name(server), _abort, args=(message,), timeout=ABORT_NOTICE_S)
-               for server in range(roles.num_servers)]
+    notices = []
+    for server in range(roles.num_servers):
+        try:
+            notices.append(rpc.rpc_async(server_name(server), _abort, args=(message,), timeout=ABORT_NOTICE_S))
+        except Exception:  # RPC itself is failing here: that server learns from the lost connection
+            pass
     for notice in notices:
         try:
             notice.wait()
-        except RuntimeError:  # that server is gone or stuck: it learns from the lost connection
+        except Exception:  # that server is gone or stuck: it learns from the lost connection
             pass
 
 
@@ -405,8 +409,10 @@ def abort(reason: str) -> None:
     no-op when the transport is not started."""
     if _started is None:
         return
-    notify_abort(reason)
-    _tear_down(_started, graceful=False)
+    try:
+        notify_abort(reason)
+    finally:
+        _tear_down(_started, graceful=False)
 
 
 def barrier(name: str, timeout_s: float | None = None) -> None:
@@ -462,12 +468,14 @@ def _tear_down(started: _Started, graceful: bool) -> None:
             _services.clear()
         with _stop_changed:
             _stop_barrier = _StopBarrier()
-        if started.owns_default_group:
+        _started = None
+        if not dist.is_initialized():  # every group is gone already (the user destroyed them, at exit)
+            pass
+        elif started.owns_default_group:
             dist.destroy_process_group()
         elif started.roles.trainer_group is not None:
             dist.destroy_process_group(started.roles.trainer_group)
             dist.destroy_process_group(started.sync_group)
-        _started = None
 
 
 def _abort_at_exit() -> None:
@@ -535,7 +543,7 @@ def _await_release(roles: Roles, key: str, timeout_s: float | None, servers: int
             elif deadline is not None and time.monotonic() > deadline:
                 raise PeerLost(
                     f"{roles.name} gave up in barrier '{key}' after {timeout_s:g}s (sync.timeout_s): "
-                    + ", ".join(f"trainer{i} (rank {roles.trainer_ranks[i]})" for i in missing)
+                    + ", ".join(f"trainer {i} (rank {roles.trainer_ranks[i]})" for i in missing)
                     + " neither arrived nor aborted (stuck, e.g. in a collective no peer will enter, or dead)"
                 )
         time.sleep(pause)
