@@ -249,11 +249,16 @@ def _killed_and_restarted(tmp_path: Path, nproc: int, config: list[str], kill: s
     return fired, json.loads(output.read_text()), directory
 
 
+def _kill_of(record: dict[str, Any]) -> dict[str, Any]:
+    """A fault record without what differs from run to run (pid, time)."""
+    return {key: record.get(key) for key in ("kind", "trainer", "step", "restart_count")}
+
+
 @pytest.mark.timeout(150)
 def test_a_killed_trainer_restarts_under_torchrun_and_finishes_from_its_checkpoint(tmp_path: Path) -> None:
     fired, results, directory = _killed_and_restarted(
         tmp_path, 2, ["--config", "examples/configs/bmuf.yaml", "--sync.mode", "foreground"], "1:15")
-    assert fired == [{"trainer": 1, "step": 15, "restart_count": 0, "pid": fired[0]["pid"]}]
+    assert [_kill_of(record) for record in fired] == [{"kind": "kill", "trainer": 1, "step": 15, "restart_count": 0}]
     assert results["restart_count"] == 1
     assert results["checkpoint"]["resumed_from_step"] == 10
     assert results["steps"] == 30 and results["steps_this_run"] == 20
@@ -268,7 +273,7 @@ def test_a_parameter_server_job_restarts_under_torchrun_and_finishes_from_its_ch
     read the dead attempt's addresses in torchrun's agent store (`transport.attempt_store`)."""
     fired, results, directory = _killed_and_restarted(
         tmp_path, 3, ["--config", "examples/configs/gba_ps_embeddings.yaml"], "0:15")
-    assert fired == [{"trainer": 0, "step": 15, "restart_count": 0, "pid": fired[0]["pid"]}]
+    assert [_kill_of(record) for record in fired] == [{"kind": "kill", "trainer": 0, "step": 15, "restart_count": 0}]
     assert results["restart_count"] == 1 and (results["trainers"], results["servers"]) == (2, 1)
     assert results["checkpoint"]["resumed_from_step"] == 10
     assert results["steps"] == 30 and results["steps_this_run"] == 20
