@@ -133,7 +133,8 @@ class Roles:
     server_index: int | None
     """Index of this rank among the servers; None on trainers."""
     trainer_group: dist.ProcessGroup | None = dataclasses.field(default=None, compare=False, repr=False)
-    """Process group of the trainers (set by `start()` on trainers; None on servers)."""
+    """Process group of the trainers (set by `start()` on trainers; None on servers): TorchRec's and the
+    user's; the library's own collectives run on `sync_group()`."""
 
     @classmethod
     def assign(cls, rank: int, world_size: int, num_servers: int) -> "Roles":
