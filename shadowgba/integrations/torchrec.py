@@ -103,7 +103,7 @@ class BatchCheck:
         if features.variable_stride_per_key():
             counts = torch.stack([part.sum() for part in lengths.split(strides)])
         else:
-            counts = lengths.view(len(keys), -1).sum(1)
+            counts = lengths.view(len(keys), features.stride()).sum(1)
         if int(counts.sum()) != values.numel():
             per_feature = ", ".join(f"'{key}': {count}" for key, count in zip(keys, counts.tolist()))
             raise ValueError(f"batch refused: the lengths count {int(counts.sum())} ids ({per_feature}) but the "
