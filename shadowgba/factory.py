@@ -220,6 +220,8 @@ def dense_sync(
         raise SetupError("dense_sync() runs on trainer ranks; a server's part of the job ends in join()")
     config = job.config
     torchrec_integration = _torchrec_integration()
+    if torchrec_integration is not None:
+        torchrec_integration.check_batches(model)  # malformed batches refused before TorchRec sees them
     named = list(params) if params is not None else list(_dense_named_parameters(model, torchrec_integration))
     if sync_algos.get_algorithm(config.algo).kind == "gradient":
         if local_batch_size is None or local_batch_size < 1:
