@@ -64,6 +64,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from shadowgba.errors import ConfigError
 from shadowgba.ps import transport
+from sync_algos.base import is_finite
 from sync_algos.gba import AggregationConfig, Admission, GlobalBatchRule
 from sync_algos.staleness import StalenessCounts, StalenessDecayConfig
 
@@ -331,7 +332,7 @@ class EmbeddingShard:
             if not isinstance(values, torch.Tensor) or values.dtype != table.weight.dtype or values.shape != shape:
                 raise _refused(request, name, f"rows must be a {table.weight.dtype} tensor of shape {shape}, "
                                               f"got {_describe(values)}")
-            if not torch.isfinite(values).all():
+            if not is_finite(values):
                 raise _refused(request, name, "rows contain NaN or infinity")
             checked.append((table, rows, values))
         return checked
