@@ -12,9 +12,9 @@ import torch
 import sync_algos
 from shadowgba.ps import transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
-from tests.multiprocess import run_shared
+from tests.multiprocess import run_ranks
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(120)
 
 INITIAL = torch.linspace(-1.0, 1.0, 9, dtype=torch.float64)
 
@@ -44,25 +44,13 @@ def job(rank: int, world_size: int, num_servers: int, rounds: int) -> dict | Non
         transport.stop()
 
 
-ROUNDS = 5
-
-
-@pytest.fixture(scope="module")
-def four_ranks() -> dict[str, list]:
-    """Both jobs of 2 trainers and 2 centre slices, one after another in one spawned group (see
-    `run_shared`); each starts and stops the PS transport, and serves a centre of its own."""
-    return run_shared(4, {
-        "independent-rounds": (job, (2, ROUNDS)),
-        "shadow": (shadow_job, (2, [50, 200])),
-    }, timeout_s=200)
-
-
-def test_trainers_exchange_with_the_centre_independently_and_conserve_the_sum(four_ranks: dict) -> None:
-    first, second, *_ = four_ranks["independent-rounds"]
+def test_trainers_exchange_with_the_centre_independently_and_conserve_the_sum() -> None:
+    rounds = 5
+    first, second, *_ = run_ranks(job, 4, 2, rounds, timeout_s=90)
     alpha = 0.5 / 2
     centre = INITIAL.clone()
     for trainer, result in ((0, first), (1, second)):  # trainer 0's rounds all came first
-        for r in range(ROUNDS):
+        for r in range(rounds):
             pull = alpha * (snapshot(trainer, r) - centre)
             centre = centre + pull
             torch.testing.assert_close(result["targets"][r], snapshot(trainer, r) - pull)
@@ -83,20 +71,20 @@ def test_centre_refuses_mismatched_slices_and_snapshots() -> None:
     assert centre.round_count() == 0
 
 
-def shadow_job(rank: int, world_size: int, num_servers: int, steps: list[int]) -> dict | None:
+def shadow_job(rank: int, world_size: int, steps: list[int]) -> dict | None:
     from shadowgba import SyncConfig
     from shadowgba.ps.config import PSConfig
     from shadowgba.shadow.runtime import ShadowSync
     from tests.test_runtime import ConstantStep, flat, vector_model
 
-    roles = transport.start(num_servers)
+    roles = transport.start(1)
     try:
         if roles.is_server:
             transport.serve(CENTER_SERVICE, ElasticCenter())
             return None
         model = vector_model(roles.trainer_index)
         optimizer = ConstantStep(list(model.parameters()), increment=1.0)
-        config = SyncConfig(algo="easgd_ps", interval_ms=1.0, ps=PSConfig(num_servers=num_servers))
+        config = SyncConfig(algo="easgd_ps", interval_ms=1.0, ps=PSConfig(num_servers=1))
         centre = CenterClient(roles.num_servers)
         with ShadowSync(model, optimizer, config, process_group=roles.trainer_group,
                         algorithm_kwargs={"centre": centre}) as sync:
@@ -108,8 +96,8 @@ def shadow_job(rank: int, world_size: int, num_servers: int, steps: list[int]) -
         transport.stop()
 
 
-def test_shadow_sync_runs_s_easgd_on_the_trainer_group_and_ends_identical(four_ranks: dict) -> None:
-    first, second, *_ = four_ranks["shadow"]
+def test_shadow_sync_runs_s_easgd_on_the_trainer_group_and_ends_identical() -> None:
+    first, second, _ = run_ranks(shadow_job, 3, [50, 200], timeout_s=90)
     torch.testing.assert_close(first["weights"], second["weights"], rtol=0, atol=0)
     assert first["rounds"] > 5 and second["rounds"] > first["rounds"]
 
