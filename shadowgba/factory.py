@@ -36,7 +36,7 @@ from torch import nn
 import sync_algos
 from shadowgba.config import PS_ALGOS, SyncConfig, load_config
 from shadowgba.dense import trainable_named_parameters
-from shadowgba.errors import SetupError
+from shadowgba.errors import SetupError, SyncError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.interface import DenseSync
 from shadowgba.ps import transport
@@ -72,6 +72,10 @@ class Job:
     key of this job's notice board, where a failed trainer posts why (`transport.post_abort`)."""
     failure: str | None = None
     """Set by `announce_failure`: how this trainer's failure was named to the job."""
+    heartbeat: transport.Heartbeat | None = None
+    """On trainers: this trainer's beat on the notice board, by which a peer whose collective failed
+    names a trainer that was killed or is stuck (it posts no notice)."""
+    _centre: CenterClient | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
     def is_server(self) -> bool:
@@ -105,6 +109,17 @@ class Job:
             raise SetupError("ps_embeddings() needs join(config, tables=..., table_options=...)")
         return PSEmbeddingBagCollection(list(self.tables), self.table_options, self.roles.num_servers)
 
+    def centre(self) -> CenterClient:
+        """Under easgd_ps, the trainer side of the S-EASGD centre on the servers: one per job, the
+        `Centre` that `dense_sync` exchanges with, and the `Stateful` that puts the centre in a checkpoint."""
+        if self.config.algo != "easgd_ps" or self.is_server:
+            role = "server" if self.is_server else "trainer"
+            raise SetupError(f"centre() needs a trainer of an easgd_ps job; this is a {role} of sync.algo "
+                             f"'{self.config.algo}'")
+        if self._centre is None:
+            self._centre = CenterClient(self.roles.num_servers)
+        return self._centre
+
     def close(self) -> None:
         """Leave the job (collective over every rank); with servers, releases them once all trainers have."""
         self._leave(lambda: transport.stop(trainer_timeout_s=self.config.ps.trainer_timeout_s))
@@ -113,15 +128,26 @@ class Job:
         """Tell the job that this trainer's part failed with `error`, waiting for no peer: post it on
         the notice board (for peers whose collectives fail once this rank is gone) and tell every
         server (`transport.notify_abort`: they refuse every later call naming this trainer). A peer
-        that had posted first is named in a note on `error`: its failure is likely this one's cause."""
+        that had posted first is named in a note on `error`: its failure is likely this one's cause.
+        Without such a notice, one whose heartbeat stopped (`transport.silent_peers`: killed or stuck)
+        is named instead; a `SyncError` that neither explains says the lost rank is unknown."""
         if self.closed or self.failure is not None:
             return
         peers = [rank for rank in self.roles.trainer_ranks if rank != self.roles.rank]
-        for reason in transport.aborted_peers(self.name, peers).values():
+        posted = transport.aborted_peers(self.name, peers)
+        for reason in posted.values():
             error.add_note(f"shadowgba: before this rank failed, {reason}")
         self.failure = transport.failure_message(self.roles, repr(error))
         transport.post_abort(self.name, self.roles.rank, self.failure)
         transport.notify_abort(repr(error))
+        if posted:
+            return
+        silent = transport.silent_peers(self.name, peers)
+        for rank in silent:
+            error.add_note(f"shadowgba: trainer {self.roles.trainer_ranks.index(rank)} (rank {rank}) stopped its "
+                           f"heartbeat before this rank failed: it probably died or is stuck (the likely cause)")
+        if not silent and isinstance(error, SyncError):
+            error.add_note("shadowgba: no peer posted a failure and every peer's heartbeat is alive: rank unknown")
 
     def abort(self) -> None:
         """Leave the job after `announce_failure`, waiting for no peer: with servers, RPC is shut down
@@ -133,6 +159,8 @@ class Job:
         if self.closed:
             return
         self.closed = True
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.sharding_guard is not None:
             self.sharding_guard.remove()
         if self.roles.num_servers:
@@ -158,7 +186,9 @@ def join(
         if not dist.is_initialized():
             dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
         roles = transport.Roles.assign(dist.get_rank(), dist.get_world_size(), num_servers=0)
-        return Job(config, dataclasses.replace(roles, trainer_group=dist.group.WORLD))
+        job = Job(config, dataclasses.replace(roles, trainer_group=dist.group.WORLD))
+        job.heartbeat = transport.Heartbeat(job.name, roles.rank).start()
+        return job
     roles = transport.start(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s,
                             rpc_timeout_s=config.ps.rpc_timeout_s)
     job = Job(config, roles, tables, table_options)
@@ -170,6 +200,7 @@ def join(
 
     job.sharding_guard = torchrec_integration.ShardingGuard(roles.trainer_group, roles.num_servers)
     job.sharding_guard.install()
+    job.heartbeat = transport.Heartbeat(job.name, roles.rank).start()
     return job
 
 
@@ -239,7 +270,7 @@ def dense_sync(
         # S-EASGD's broadcast and final average run on the library's own group, never on TorchRec's
         group, resources = job.trainer_group, None
         if config.algo == "easgd_ps":
-            group, resources = transport.sync_group(), {"centre": CenterClient(job.roles.num_servers)}
+            group, resources = transport.sync_group(), {"centre": job.centre()}
         sync = ShadowSync(model, optimizer, config, process_group=group, params=named, algorithm_kwargs=resources)
     sync.call_on_failure(job.announce_failure, job.abort)
     if end_job:

@@ -26,7 +26,9 @@ class Centre(abc.ABC):
     """S-EASGD's centre `c` as one trainer sees it: the whole flat vector, wherever it is stored.
 
     Shared by every trainer of the job; an implementation makes each `exchange` atomic with respect
-    to the other trainers' (the centre must not move between computing `d` and adding it).
+    to the other trainers' (the centre must not move between computing `d` and adding it). The
+    centre is the implementation's state, not the algorithm's (`state_dict()` here holds none): a
+    checkpoint takes it from the implementation (shadowgba: `CenterClient`, a `Stateful`).
     """
 
     @abc.abstractmethod

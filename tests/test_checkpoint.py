@@ -19,12 +19,9 @@ reproducible, and so can be compared with a stopped-and-resumed one, is (`_serve
   row-wise Adagrad accumulators, buffers and counters, and the dense shards' parameters, Adam state
   and global step.
 - easgd_ps (S-EASGD), 1 trainer + 2 servers, foreground rounds, Hogwild PS tables flushed every
-  step: reproducible, but a resume is NOT exact: the EASGD centre lives on the servers and no
-  checkpoint holds it (`ElasticCenter` can neither export nor load it; `ShadowSync.state_dict()`
-  for easgd_ps carries no centre), so a resumed run's centre restarts from the trainers' initial
-  weights and the first round after the resume pulls towards it. The test asserts the strongest
-  property that holds: everything else a checkpoint holds (dense replica, optimizer, PS tables,
-  shard counters, runtime step) comes back bit for bit, and training goes on from it.
+  step: reproducible, and exact the same way, the EASGD centre included (gathered from both servers'
+  slices by `Job.centre()`, a `Stateful`, and loaded back onto them). The same job checks that the
+  centre refuses a state of another server count, another length or holding NaN, changing nothing.
 """
 
 from __future__ import annotations
@@ -391,17 +388,19 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _held_state(model: Any, optimizer: Any, sync: Any, tables: Any) -> dict[str, Any]:
+def _held_state(model: Any, optimizer: Any, sync: Any, tables: Any, centre: Any) -> dict[str, Any]:
     """Everything a resume must restore, as this trainer sees it: dense weights and its shards of the
     TorchRec tables, their fused optimizer state, the dense optimizer, the sync runtime's state (GBA:
-    the dense shards' parameters, optimizer state and global step) and the PS tables with their
-    accumulators, buffers and counters (gathered by trainer 0)."""
+    the dense shards' parameters, optimizer state and global step), the PS tables with their
+    accumulators, buffers and counters and the S-EASGD centre (both gathered by trainer 0)."""
     state = {"model": _plain(model.state_dict()), "dense_optimizer": _plain(optimizer.state_dict()),
              "sync": _plain(sync.state_dict())}
     if hasattr(model, "fused_optimizer"):
         state["table_optimizer"] = _plain(model.fused_optimizer.state_dict())
     if tables is not None:
         state["ps_tables"] = _plain(tables.state_dict())
+    if centre is not None:
+        state["centre"] = _plain(centre.state_dict())
     return state
 
 
@@ -436,17 +435,20 @@ def _server_run(case: str, directory: Path, last: int, resume: bool) -> dict[str
             tables = None
             model, optimizer = tiny_dmp.build(dmp_kwargs=job.dmp_kwargs(), stateful_optimizers=True)
         sync = shadowgba.dense_sync(model, optimizer, job, local_batch_size=tiny_dmp.BATCH, end_job=False)
+        centre = job.centre() if config.algo == "easgd_ps" else None
         setup = Setup.of(config.algo, dense_named_parameters(model), trainers, config.ps.num_servers)
         checkpointer = Checkpointer(directory, setup, keep_last=3, process_group=job.trainer_group)
         train = TrainState(index)
         state: dict[str, Any] = {"model": ModelState(model, index), "dense_optimizer": PerTrainer(optimizer, index)}
         state.update({"embedding_optimizer": model.fused_optimizer} if tables is None else {"ps_embeddings": tables})
-        state.update(sync=PerTrainer(sync, index), train=train)
+        state["sync"] = PerTrainer(sync, index)
+        state.update({} if centre is None else {"centre": centre})
+        state["train"] = train
         out: dict[str, Any] = {}
         with sync:
             if resume:
                 out["resumed_from"] = checkpointer.load_latest(state)
-                out["at_load"] = _held_state(model, optimizer, sync, tables)
+                out["at_load"] = _held_state(model, optimizer, sync, tables, centre)
             for step in range(train.step, last):
                 optimizer.zero_grad()
                 loss, _ = model(tiny_dmp.batch(index, step))
@@ -463,11 +465,13 @@ def _server_run(case: str, directory: Path, last: int, resume: bool) -> dict[str
                 if train.step % SERVER_STOP_AT == 0:
                     checkpointer.save(train.step, state)
                 if train.step == SERVER_STOP_AT:
-                    out["at_stop"] = _held_state(model, optimizer, sync, tables)
-            out["final"] = _held_state(model, optimizer, sync, tables)
+                    out["at_stop"] = _held_state(model, optimizer, sync, tables, centre)
+            out["final"] = _held_state(model, optimizer, sync, tables, centre)
             if resume:
                 out |= _fallback(checkpointer, state, directory, setup)
-                out["after_fallback"] = _held_state(model, optimizer, sync, tables)
+                if centre is not None:
+                    out["centre_refusals"] = _centre_refusals(centre)
+                out["after_fallback"] = _held_state(model, optimizer, sync, tables, centre)
         return out
     finally:
         job.close()
@@ -497,6 +501,27 @@ def _fallback(checkpointer: Any, state: dict[str, Any], directory: Path, setup: 
         out["other_servers"] = "loaded"
     except CheckpointError as error:
         out["other_servers"] = str(error)
+    return out
+
+
+def _centre_refusals(centre: Any) -> dict[str, str]:
+    """What the S-EASGD centre answers to states it must refuse before any server changes (another
+    server count, another length, NaN, not a state): each refusal's message, or "loaded"."""
+    from shadowgba.errors import CheckpointError
+
+    good = centre.state_dict()
+    poisoned = good["centre"].clone()
+    poisoned[3] = float("nan")
+    bad = {"servers": {**good, "num_servers": good["num_servers"] + 1},
+           "length": {**good, "centre": good["centre"][:-1]}, "nan": {**good, "centre": poisoned},
+           "not_a_state": [good]}
+    out = {}
+    for name, state in bad.items():
+        try:
+            centre.load_state_dict(state)
+            out[name] = "loaded"
+        except CheckpointError as error:
+            out[name] = str(error)
     return out
 
 
@@ -543,22 +568,28 @@ def _trainers_of(case: list[Any]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["gba_torchrec", "gba_ps"])
-def test_gba_mode_stopped_and_resumed_ends_exactly_where_an_uninterrupted_run_does(with_servers: dict,
-                                                                                    case: str) -> None:
+@pytest.mark.parametrize("case", list(SERVER_CASES))
+def test_with_servers_a_run_stopped_and_resumed_ends_exactly_where_an_uninterrupted_run_does(with_servers: dict,
+                                                                                            case: str) -> None:
+    """gba in GBA mode and easgd_ps (its centre on the servers included)."""
     runs = _trainers_of(with_servers[case])
-    assert len(runs) == 2
+    assert len(runs) == 3 - SERVER_CASES[case]["ps"]["num_servers"]
     for trainer, run in enumerate(runs):
         whole, resumed = run["whole"], run["resumed"]
         assert resumed["resumed_from"] == SERVER_STOP_AT
-        assert whole["final"]["sync"]["mode"] == resumed["final"]["sync"]["mode"] == "gba"
-        assert whole["final"]["sync"]["optimizer"]["global_step"] == SERVER_STEPS
-        assert resumed["final"]["sync"]["optimizer"]["global_step"] == SERVER_STEPS
+        if case.startswith("gba"):
+            assert whole["final"]["sync"]["mode"] == resumed["final"]["sync"]["mode"] == "gba"
+            assert whole["final"]["sync"]["optimizer"]["global_step"] == SERVER_STEPS
+            assert resumed["final"]["sync"]["optimizer"]["global_step"] == SERVER_STEPS
         assert _max_abs_diff(whole["at_stop"]["model"], whole["final"]["model"]) > 1e-4  # the last steps trained
         assert set(whole["final"]) == set(resumed["final"])
-        for part in whole["final"]:  # dense weights, tables, their optimizer state, the shards' state
+        for part in whole["final"]:  # dense weights, tables, their optimizer state, the shards' state, the centre
             diff = _max_abs_diff(whole["final"][part], resumed["final"][part])
             assert diff <= 1e-6, f"{case}: trainer {trainer}'s {part} differs by {diff}"
+    if case == "easgd_ps":
+        whole = runs[0]["whole"]
+        assert whole["final"]["centre"]["num_servers"] == 2
+        assert _max_abs_diff(whole["at_stop"]["centre"], whole["final"]["centre"]) > 1e-6  # rounds moved it
     if case == "gba_ps":
         gathered = runs[0]["resumed"]["final"]["ps_tables"]
         assert set(gathered["tables"]["t0"]) == {"weight", "accumulator"}
@@ -571,7 +602,7 @@ def test_gba_mode_stopped_and_resumed_ends_exactly_where_an_uninterrupted_run_do
 def test_with_servers_a_resume_restores_the_saved_state_bit_for_bit_and_a_corrupted_one_falls_back(
     with_servers: dict, case: str
 ) -> None:
-    """The property every case has, easgd_ps included (module docstring: why it is not exact)."""
+    """Every case: the state as saved, a corrupted checkpoint skipped, another server count refused."""
     servers = SERVER_CASES[case]["ps"]["num_servers"]
     for trainer, run in enumerate(_trainers_of(with_servers[case])):
         saved, resumed = run["whole"]["at_stop"], run["resumed"]
@@ -583,6 +614,35 @@ def test_with_servers_a_resume_restores_the_saved_state_bit_for_bit_and_a_corrup
         for part in saved:  # the tables on the servers and the shards' state moved back to step 3
             assert _max_abs_diff(saved[part], resumed["after_fallback"][part]) == 0.0, f"{case}: {part}"
         assert f"made with {servers} parameter servers, this job has {servers + 1}" in resumed["other_servers"]
+    if case == "easgd_ps":  # refused before the fallback's state above was compared: nothing changed
+        refusals = _trainers_of(with_servers[case])[0]["resumed"]["centre_refusals"]
+        length = len(_trainers_of(with_servers[case])[0]["whole"]["final"]["centre"]["centre"])
+        assert "saved from 3 parameter servers, this job has 2" in refusals["servers"]
+        assert f"holds {length} values of torch.float32, got ({length - 1},)" in refusals["length"]
+        assert "refuses NaN or Inf values" in refusals["nan"]
+        assert "has keys ['centre', 'num_servers'], got list" in refusals["not_a_state"]
+
+
+def test_a_centre_slice_loads_a_checkpoints_values_and_refuses_another_slice_shape_dtype_or_nan() -> None:
+    from shadowgba.ps.easgd_center import ElasticCenter
+
+    centre = ElasticCenter()
+    centre.init(4, 8, torch.zeros(4))
+    centre.load(4, 8, torch.arange(4.0))
+    assert torch.equal(centre.center(), torch.arange(4.0))
+    refused = [((0, 4, torch.ones(4)), r"holds slice \[4, 8\), not \[0, 4\)"),
+               ((4, 8, torch.ones(5)), r"holds 4 values of torch.float32, got \(5,\) of torch.float32"),
+               ((4, 8, torch.ones(4, dtype=torch.float64)), r"got \(4,\) of torch.float64"),
+               ((4, 8, torch.tensor([0.0, float("nan"), 0.0, 0.0])), "refuses NaN or Inf"),
+               ((4, 8, [0.0] * 4), "must be a tensor, got list")]
+    for args, message in refused:
+        with pytest.raises(ValueError, match=message):
+            centre.load(*args)
+    assert torch.equal(centre.center(), torch.arange(4.0))  # nothing changed
+    fresh = ElasticCenter()
+    fresh.load(0, 4, torch.ones(4))  # before any trainer's init: it starts the slice, and init keeps it
+    fresh.init(0, 4, torch.zeros(4))
+    assert torch.equal(fresh.center(), torch.ones(4))
 
 
 @pytest.mark.timeout(300)

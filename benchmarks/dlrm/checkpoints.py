@@ -4,7 +4,8 @@
 What one checkpoint holds: the model (`ModelState`: TorchRec-sharded tables through DCP's sharded
 path, this trainer's dense replica under its own key), the dense optimizer and the sync runtime
 (per trainer), TorchRec's fused embedding optimizer (sharded) or the PS-hosted tables with their
-optimizer state (gathered by trainer 0, `PSEmbeddingBagCollection`), and a `TrainState` (step,
+optimizer state (gathered by trainer 0, `PSEmbeddingBagCollection`), under easgd_ps the EASGD centre
+(gathered by trainer 0 from the servers, `Job.centre()`), and a `TrainState` (step,
 samples, data position, RNG streams). It is taken after the step's `optimizer.step()` (and so after a
 foreground round that step holds), every trainer at the same step; the data position is the next
 batch index of the trainer's stream, which every `ctrkit` source can start from (`train_batches(...,
@@ -89,6 +90,8 @@ class JobCheckpoints:
             self.state["ps_embeddings"] = model.ps_embeddings
         if sync is not None:
             self.state["sync"] = PerTrainer(sync, job.trainer_index)
+        if config.algo == "easgd_ps":
+            self.state["centre"] = job.centre()  # on the servers: gathered by trainer 0
         self.state["train"] = self.train_state  # last: restores the RNG states after everything else
         self.resumed_from: int | None = None
         self.load_s = 0.0

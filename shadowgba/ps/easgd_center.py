@@ -6,15 +6,18 @@ The flat centre is split into contiguous slices by `shard_bounds`, one per serve
 snapshot, all calls in flight at once; the server computes the elastic pull `d = alpha * (s - c)`
 (`sync_algos.easgd.elastic_pull`), moves its slice `c <- c + d` and returns `d`. There is no
 collective: trainers talk to each slice one at a time, under its lock, so a slow trainer slows nobody.
+The centre is in the job's checkpoints through its client (`CenterClient.state_dict`, a `Stateful`):
+no other checkpointed object holds it, the algorithm's own state included.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
+from shadowgba.errors import CheckpointError
 from shadowgba.flat_optimizer import shard_bounds
 from shadowgba.ps import transport
 from sync_algos.base import is_finite
@@ -25,7 +28,7 @@ CENTER_SERVICE = "easgd_center"
 
 
 class ElasticCenter:
-    """A thread-safe centre slice [start, end), set by the first trainer that asks."""
+    """A thread-safe centre slice [start, end), set by the first trainer that asks (or a checkpoint)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -38,11 +41,19 @@ class ElasticCenter:
         if they agree, refused if they name another slice."""
         with self._lock:
             if self._center is None:
-                if initial.shape != (end - start,):
-                    raise ValueError(f"centre slice [{start}, {end}) cannot start from {tuple(initial.shape)} values")
-                self._center, self._bounds = initial.clone(), (start, end)
-            elif self._bounds != (start, end):
-                raise ValueError(f"centre holds slice [{self._bounds[0]}, {self._bounds[1]}), not [{start}, {end})")
+                self._center, self._bounds = self._accepted(start, end, initial), (start, end)
+            else:
+                self._require_slice(start, end)
+
+    def load(self, start: int, end: int, centre: torch.Tensor) -> None:
+        """Replace the slice with `centre` (a checkpoint's). Refused (ValueError, nothing changed):
+        another slice than the one held, or values that `slice_problem` names (of another shape or
+        dtype than the slice held, NaN / Inf). On a centre not yet initialised it starts the slice
+        (a later `init` then keeps it)."""
+        with self._lock:
+            if self._center is not None:
+                self._require_slice(start, end)
+            self._center, self._bounds = self._accepted(start, end, centre), (start, end)
 
     def pull(self, start: int, end: int, snapshot: torch.Tensor, alpha: float) -> torch.Tensor:
         """One elastic exchange: returns `d = alpha * (s - c)` after moving the centre by it."""
@@ -71,13 +82,45 @@ class ElasticCenter:
         with self._lock:
             return self.rounds
 
+    def _require_slice(self, start: int, end: int) -> None:
+        if self._bounds != (start, end):
+            raise ValueError(f"centre holds slice [{self._bounds[0]}, {self._bounds[1]}), not [{start}, {end})")
+
+    def _accepted(self, start: int, end: int, values: torch.Tensor) -> torch.Tensor:
+        """A copy of `values` as the slice [start, end), or ValueError naming what `slice_problem` finds."""
+        problem = slice_problem(start, end, values, None if self._center is None else self._center.dtype)
+        if problem is not None:
+            raise ValueError(problem)
+        return values.clone()
+
+
+def slice_problem(start: int, end: int, values: object, dtype: torch.dtype | None = None) -> str | None:
+    """Why `values` cannot be the centre slice [start, end) (None if it can): not a tensor of shape
+    `(end - start,)`, not of `dtype` (when one is given: the slice already held), or holding NaN /
+    Inf. One rule for the servers' `init` / `load` and the trainers' `CenterClient.load_state_dict`."""
+    if not isinstance(values, torch.Tensor):
+        return f"centre slice [{start}, {end}) must be a tensor, got {type(values).__name__}"
+    if values.shape != (end - start,) or (dtype is not None and values.dtype != dtype):
+        wanted = f"{end - start} values" + ("" if dtype is None else f" of {dtype}")
+        return f"centre slice [{start}, {end}) holds {wanted}, got {tuple(values.shape)} of {values.dtype}"
+    if not is_finite(values):
+        return f"centre slice [{start}, {end}) refuses NaN or Inf values"
+    return None
+
 
 class CenterClient(Centre):
     """The trainer side of the centre: the whole flat vector over `num_servers` `ElasticCenter` slices.
 
     Needs the PS transport started (`shadowgba.ps.transport`) and every server serving an
-    `ElasticCenter` under `service`. Holds no state: the slices follow from the vector's length by
-    `shard_bounds`, as on every trainer; a server refuses a slice that is not the one it holds.
+    `ElasticCenter` under `service`. Holds no state but the length and dtype `init` started the
+    centre with (what a checkpoint must match): the slices follow from the length by `shard_bounds`,
+    as on every trainer; a server refuses a slice that is not the one it holds.
+
+    A `Stateful` (torch.distributed.checkpoint), as the PS tables (`PSEmbeddingBagCollection`): the
+    centre lives on the servers, so every trainer would save the same thing; trainer 0 alone gathers
+    it on save and loads it on load, the other trainers' `state_dict()` is empty and their load
+    changes nothing. It is one consistent centre when no round runs during the save (foreground
+    rounds; in shadow mode the other trainers' exchanges race with the gather by design).
     """
 
     def __init__(self, num_servers: int, service: str = CENTER_SERVICE) -> None:
@@ -85,12 +128,50 @@ class CenterClient(Centre):
             raise ValueError(f"the S-EASGD centre needs at least one server, got num_servers={num_servers}")
         self.num_servers = num_servers
         self.service = service
+        self._layout: tuple[int, torch.dtype] | None = None
+        """Length and dtype of the flat centre, set by `init`."""
 
     def init(self, initial: torch.Tensor) -> None:
         self._call_each_slice("init", initial)
+        self._layout = (initial.numel(), initial.dtype)
 
     def exchange(self, snapshot: torch.Tensor, alpha: float) -> torch.Tensor:
         return torch.cat(self._call_each_slice("pull", snapshot, alpha))
+
+    def state_dict(self) -> dict[str, Any]:
+        """On trainer 0 the whole centre, gathered from every server's slice, and the server count; {} elsewhere."""
+        self._require_layout()
+        if not self._saving_trainer():
+            return {}
+        slices = transport.call_each(self.service, "center", [()] * self.num_servers)
+        return {"num_servers": self.num_servers, "centre": torch.cat(slices)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()` output onto the servers (trainer 0; the others have nothing to do).
+        Refuses (`CheckpointError`, before any server changed) a state that is not one, or one of
+        another server count or dense layout (length, dtype), or holding NaN / Inf."""
+        length, dtype = self._require_layout()
+        if not self._saving_trainer():
+            return
+        if not isinstance(state, Mapping) or set(state) != {"num_servers", "centre"}:
+            keys = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
+            raise CheckpointError(f"an S-EASGD centre state has keys ['centre', 'num_servers'], got {keys} "
+                                  "(is it the output of CenterClient.state_dict()?)")
+        if state["num_servers"] != self.num_servers:
+            raise CheckpointError(f"the S-EASGD centre was saved from {state['num_servers']} parameter servers, "
+                                  f"this job has {self.num_servers}")
+        problem = slice_problem(0, length, state["centre"], dtype)
+        if problem is not None:
+            raise CheckpointError(f"the S-EASGD centre of this job's dense layout cannot be loaded: {problem}")
+        self._call_each_slice("load", state["centre"])
+
+    def _require_layout(self) -> tuple[int, torch.dtype]:
+        if self._layout is None:
+            raise RuntimeError("the S-EASGD centre has not been started: checkpoint it after the sync's start()")
+        return self._layout
+
+    def _saving_trainer(self) -> bool:
+        return transport.roles().trainer_index == 0
 
     def _call_each_slice(self, method: str, whole: torch.Tensor, *extra: Any) -> list[Any]:
         """`method(start, end, whole[start:end], *extra)` on every server at once; results in slice
