@@ -216,6 +216,15 @@ def long_freeze_trainer_1(faults: FaultInjector) -> None:
     faults.stall_at(1, FAULT_STEP, LONG_STALL_S, freeze=True)
 
 
+def run_group(cell: Cell, cases: list[Case], deadline_s: float) -> list[RankOutcome]:
+    """`cases` in one spawned group of `cell`. Without servers the default group is the trainers'
+    own (TorchRec's all-to-all runs on it), so it gets the longest of the cases' timeouts, as a user
+    sets it (never shorter than a case's own); with servers the library makes the trainer group and
+    the default one keeps torch's timeout (a short one fails gloo's connect on loaded cores)."""
+    group_timeout_s = max(case.timeout_s for case in cases) if not cell.servers else None
+    return run_ranks_outcomes(cell_group, cell.world_size, cases, timeout_s=deadline_s, group_timeout_s=group_timeout_s)
+
+
 # ---------------------------------------------------------------------------------- the assertions
 @dataclasses.dataclass(repr=False)
 class Ran:
@@ -287,8 +296,7 @@ def stall_then_fail(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
     cases = [Case("stall", cell, short_freeze_trainer_1, str(tmp_path_factory.mktemp(f"{cell.name}-stall")),
                   SHORT_STALL_TIMEOUT_S, STALL_RUN_STEPS),
              Case("fail", cell, fail_trainer_1, str(tmp_path_factory.mktemp(f"{cell.name}-fail")))]
-    outcomes = run_ranks_outcomes(cell_group, cell.world_size, cases, timeout_s=GROUP_DEADLINE_S + RUN_CAP_S,
-                                  group_timeout_s=TIMEOUT_S)
+    outcomes = run_group(cell, cases, GROUP_DEADLINE_S + RUN_CAP_S)
     return {case.name: Ran(case, outcomes) for case in cases}
 
 
@@ -321,8 +329,7 @@ def test_an_exception_in_the_loop_ends_every_rank_and_is_what_its_own_rank_repor
 def single_case(cell: Cell, arm: Callable[[FaultInjector], Any], directory: Path, timeout_s: float = TIMEOUT_S) -> Ran:
     """`cell` under one fault that ends its group (a kill, a long freeze), in a group of its own."""
     case = Case("case", cell, arm, str(directory), timeout_s)
-    return Ran(case, run_ranks_outcomes(cell_group, cell.world_size, [case], timeout_s=GROUP_DEADLINE_S,
-                                        group_timeout_s=timeout_s))
+    return Ran(case, run_group(cell, [case], GROUP_DEADLINE_S))
 
 
 @pytest.mark.parametrize("cell", [MA, GBA_TORCHREC, GBA_PS, EASGD_PS_PS], ids=lambda cell: cell.name)
