@@ -51,10 +51,15 @@ class DenseParams:
         for view, param in zip(self._views(flat), self.params):
             view.copy_(param.data)
 
-    def copy_from(self, flat: torch.Tensor) -> None:
-        """w <- flat."""
-        for view, param in zip(self._views(flat), self.params):
-            param.data.copy_(view)
+    def copy_from(self, flat: torch.Tensor, start: int = 0) -> None:
+        """w <- flat; with `start`, only `w[start : start + len(flat)] <- flat` (one shard's slice,
+        installed without assembling the whole vector first)."""
+        end, offset = start + flat.numel(), 0
+        for param in self.params:
+            low, high = max(start, offset), min(end, offset + param.numel())
+            if low < high:
+                param.data.view(-1)[low - offset:high - offset].copy_(flat[low - start:high - start])
+            offset += param.numel()
 
     def copy_grads_to(self, flat: torch.Tensor) -> None:
         """flat <- dL/dw (zeros where a parameter has no gradient)."""
@@ -64,17 +69,20 @@ class DenseParams:
             else:
                 view.copy_(param.grad)
 
-    def average_(self, group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    def average_(self, group: dist.ProcessGroup | None, flat: torch.Tensor | None = None,
+                 allreduce: FlaggedAllReduce | None = None) -> tuple[int, ...]:
         """w <- mean of the finite w over the ranks of `group` (blocking collective).
 
         The rounds' rule (`sync_algos.base`): a rank whose w holds NaN / Inf contributes nothing
         and keeps its own w; the others average without it. Returns those ranks (group ranks, the
-        same on every rank), for the caller to warn about or fail on."""
-        flat = self.empty()
+        same on every rank), for the caller to warn about or fail on. `flat` (a flat buffer) and
+        `allreduce` (one over `group`): a runtime's own, reused rather than allocated anew."""
+        flat = self.empty() if flat is None else flat
         self.copy_to(flat)
-        reduced = FlaggedAllReduce(group, flat).sum(flat, stop=False)
+        allreduce = FlaggedAllReduce(group, flat) if allreduce is None else allreduce
+        reduced = allreduce.sum(flat, stop=False)
         if reduced.own_counted:
-            self.copy_from(reduced.mean())
+            self.copy_from(reduced.mean_())
         return reduced.nonfinite_ranks
 
     def add_(self, flat_delta: torch.Tensor) -> None:

@@ -8,15 +8,37 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable, Mapping
+
+import torch
 
 from sync_algos.staleness import StalenessCounts
+
+HeldTensors = Callable[[], Mapping[str, torch.Tensor]]
+"""A runtime's account of the dense-sized tensors it holds of its own, by name (not the model's
+parameters, nor the user's optimizer state)."""
+
+
+def held_bytes(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """The bytes behind each named tensor; a storage named twice (views of one buffer) counts once,
+    under its first name."""
+    seen: set[int] = set()
+    sizes: dict[str, int] = {}
+    for name, tensor in tensors.items():
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            sizes[name] = storage.nbytes()
+    return sizes
 
 
 class SyncMetrics:
     """Rounds, round latency, sync gap, bytes moved and the training thread's cost of syncing."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: HeldTensors | None = None) -> None:
+        """`held`: the runtime's account of its dense-sized tensors (`memory`), read when asked."""
         self._lock = threading.Lock()
+        self._held = held
         self._started = time.monotonic()
         self.rounds = 0
         self.round_time_total_s = 0.0
@@ -60,8 +82,16 @@ class SyncMetrics:
             self.steps += 1
             self.training_sync_s += sync_seconds
 
+    def memory(self) -> dict[str, int]:
+        """Bytes of each dense-sized tensor the runtime holds (snapshot, all-reduce buffer, algorithm
+        state and scratch, published checkpoint copy, GBA queue ...): what it adds to a trainer's
+        resident memory beyond the model and its optimizer, allocated once and reused."""
+        return held_bytes(self._held()) if self._held is not None else {}
+
     def summary(self) -> dict[str, float]:
-        """A consistent snapshot of every counter plus derived rates."""
+        """A consistent snapshot of every counter plus derived rates, and `memory_bytes`, the sum of
+        `memory()`."""
+        memory_bytes = sum(self.memory().values())
         with self._lock:
             elapsed = max(time.monotonic() - self._started, 1e-9)
             return {
@@ -76,6 +106,7 @@ class SyncMetrics:
                 "sync_gap_steps_max": self.sync_gap_max_steps,
                 "training_sync_s": self.training_sync_s,
                 "nonfinite_rounds_skipped": self.nonfinite_rounds_skipped,
+                "memory_bytes": memory_bytes,
                 "elapsed_s": elapsed,
             }
 
@@ -86,7 +117,8 @@ class SyncMetrics:
             f"rounds={s['rounds']} ({s['rounds_per_s']:.1f}/s, {s['round_latency_ms_mean']:.1f} ms mean, "
             f"{s['round_latency_ms_max']:.1f} ms max) steps={s['steps']} "
             f"sync_gap={s['sync_gap_steps_mean']:.1f} steps (max {s['sync_gap_steps_max']}) "
-            f"moved={s['bytes_moved'] / 2**20:.1f} MiB training_sync={s['training_sync_s']:.3f}s"
+            f"moved={s['bytes_moved'] / 2**20:.1f} MiB training_sync={s['training_sync_s']:.3f}s "
+            f"held={s['memory_bytes'] / 2**20:.1f} MiB"
             + (f" nonfinite_skipped={s['nonfinite_rounds_skipped']}" if s["nonfinite_rounds_skipped"] else "")
         )
 
@@ -94,8 +126,8 @@ class SyncMetrics:
 class GBAMetrics(SyncMetrics):
     """SyncMetrics plus what is particular to GBA: queue drops, decayed / dropped pushes, switches."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, held: HeldTensors | None = None) -> None:
+        super().__init__(held)
         self.queue_dropped = 0
         self.push_weights = StalenessCounts()
         """The decay weights this trainer's pushes got back from the shards (decayed / dropped)."""

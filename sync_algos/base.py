@@ -57,7 +57,8 @@ class RoundResult:
     """What one round produced."""
 
     target: torch.Tensor
-    """Flat target `t`; the runtime writes back `w <- w + (t - s)`."""
+    """Flat target `t`; the runtime writes back `w <- w + (t - s)`. One of the algorithm's buffers
+    (or a view of one), which the next round overwrites: use it before then."""
     stop: bool
     """True when some rank raised its stop flag in this round: every rank leaves after it."""
     bytes_moved: int
@@ -86,9 +87,10 @@ class Reduced:
     nonfinite_ranks: tuple[int, ...]
     aborted_ranks: tuple[int, ...]
 
-    def mean(self) -> torch.Tensor | None:
-        """`total / n_good`, or None when no rank's payload counted (the round must change nothing)."""
-        return self.total / self.counted if self.counted else None
+    def mean_(self) -> torch.Tensor | None:
+        """`total / n_good`, divided in place in `total` (no dense-sized temporary per round), or
+        None when no rank's payload counted (the round must change nothing)."""
+        return self.total.div_(self.counted) if self.counted else None
 
 
 class FlaggedAllReduce:
@@ -104,6 +106,11 @@ class FlaggedAllReduce:
         self.rank = dist.get_rank(group)
         self._size = like.numel()
         self._buffer = torch.empty(self._size + 1 + dist.get_world_size(group), dtype=like.dtype, device=like.device)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The one buffer every call reuses: `[payload | stop | statuses]`."""
+        return self._buffer
 
     @property
     def bytes_per_call(self) -> int:
@@ -150,6 +157,8 @@ class SyncAlgorithm(abc.ABC):
     """False for algorithms that only talk to a parameter server: no lockstep, no shadow group."""
     Config: ClassVar[type]
     state_names: ClassVar[tuple[str, ...]] = ()
+    scratch_names: ClassVar[tuple[str, ...]] = ()
+    """Attributes holding buffers a round reuses instead of allocating (not state: not checkpointed)."""
 
     def __init__(self, config: Any, group: dist.ProcessGroup | None, initial: torch.Tensor) -> None:
         """`initial` is the flat dense parameters, already identical on every rank."""
@@ -192,7 +201,7 @@ class SyncAlgorithm(abc.ABC):
         """The average of the finite snapshots, `allreduce(s) / n_good` (None if none was finite),
         with the round's flags: the building block of MA and BMUF."""
         reduced = self.allreduce.sum(snapshot, stop)
-        return reduced.mean(), reduced
+        return reduced.mean_(), reduced
 
     def averaging_round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
         """A round whose target is the replicas' average: MA's every round, every algorithm's first."""
@@ -207,6 +216,12 @@ class SyncAlgorithm(abc.ABC):
             snapshot.clone() if kept_local else target, reduced.stop, self.allreduce.bytes_per_call,
             reduced.nonfinite_ranks, reduced.aborted_ranks, kept_local,
         )
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every dense-sized tensor the algorithm holds, by name: its all-reduce buffer, its state and
+        its scratch. A round allocates none beyond these (its target is one of them, or a view)."""
+        return {"allreduce": self.allreduce.buffer,
+                **{name: getattr(self, name) for name in (*self.state_names, *self.scratch_names)}}
 
     def abort_round(self) -> None:
         """This rank's last round when it aborts: no payload, the stop flag with the aborted marker.

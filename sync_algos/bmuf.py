@@ -66,12 +66,16 @@ class BlockMomentum(SyncAlgorithm):
         self.zeta = config.block_lr
         self.global_model = initial.clone()
         self.momentum = torch.zeros_like(initial)
+        self.block_start = torch.empty_like(initial)
+        """Scratch for the block's starting point, and the round's target it returns."""
+
+    scratch_names = ("block_start",)
 
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
         average, reduced = self.average(snapshot, stop)
         if average is None:  # no finite snapshot this round: the block update waits for the next
             return self.result(snapshot, None, reduced)
-        block_update = average - self._block_start()
+        block_update = average.sub_(self._block_start())  # the average is not needed after this
         self.momentum.mul_(self.eta).add_(block_update, alpha=self.zeta)
         self.global_model += self.momentum
         return self.result(snapshot, self._block_start(), reduced)
@@ -81,7 +85,7 @@ class BlockMomentum(SyncAlgorithm):
         self.momentum.zero_()
 
     def _block_start(self) -> torch.Tensor:
-        """Where the replicas start a block: the round's target."""
+        """Where the replicas start a block: the round's target, computed into `block_start`."""
         if self.config.nesterov:
-            return self.global_model + self.eta * self.momentum
-        return self.global_model.clone()
+            return torch.mul(self.momentum, self.eta, out=self.block_start).add_(self.global_model)
+        return self.block_start.copy_(self.global_model)

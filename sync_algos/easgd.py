@@ -37,14 +37,16 @@ class EASGDConfig:
             raise ValueError(f"alpha must be in (0, 1] or null, got {self.alpha}")
 
 
-def elastic_pull(snapshot: torch.Tensor, centre: torch.Tensor, alpha: float) -> torch.Tensor:
-    """EASGD's elastic update, the one place it is written: the pull `d = alpha * (s - c)`.
+def elastic_pull(snapshot: torch.Tensor, centre: torch.Tensor, alpha: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """EASGD's elastic update, the one place it is written: the pull `d = alpha * (s - c)`, into
+    `out` when given (a buffer reused every round instead of two dense-sized temporaries).
 
     The replica moves to `s - d` and the centre by `+d`, so the exchange conserves their sum. A
     centre that replicas exchange with one at a time (S-EASGD) adds each `d` as it comes; the
     replicated centre adds all of a round's pulls at once (their all-reduced sum).
     """
-    return alpha * (snapshot - centre)
+    return torch.sub(snapshot, centre, out=out).mul_(alpha)
 
 
 @register
@@ -59,12 +61,16 @@ class ElasticAveraging(SyncAlgorithm):
         super().__init__(config, group, initial)
         self.alpha = config.alpha if config.alpha is not None else config.beta / self.world_size
         self.center = initial.clone()
+        self.pull = torch.empty_like(initial)
+        """Scratch for this rank's pull `d`, then the round's target `s - d` it returns."""
+
+    scratch_names = ("pull",)
 
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
-        pull = elastic_pull(snapshot, self.center, self.alpha)
+        pull = elastic_pull(snapshot, self.center, self.alpha, out=self.pull)
         reduced = self.allreduce.sum(pull, stop)
         self.center += reduced.total  # the finite pulls only (a NaN / Inf pull was sent as zeros)
-        return self.result(snapshot, snapshot - pull, reduced)
+        return self.result(snapshot, torch.sub(snapshot, pull, out=pull), reduced)
 
     def start_at(self, consensus: torch.Tensor) -> None:
         self.center.copy_(consensus)

@@ -25,8 +25,8 @@
   parameters are a function of its global step, so a newer token means newer values.
 
 Threads and locks: the background threads speak RPC only, never a collective, so the trainer
-group never has two threads of one rank in it. `_queue_ready` guards the queue and the pusher's
-busy flag; `_replies_lock` guards the kept replies and the watcher's copy of the tokens. A thread's
+group never has two threads of one rank in it. `_queue_ready` guards the queue, the pushed gradient and
+the spare buffers; `_replies_lock` guards the kept replies and the watcher's copy of the tokens. A thread's
 failure is kept and raised in the training thread, as a `SyncError` chaining it, at its next call
 of `raise_error` (every step), `drain` or `wait_for_global_step`. `stop()` always stops and joins
 both threads.
@@ -89,8 +89,12 @@ class GBAClient:
         """Bumped by `leave`: a watch answered before it (parameters of before a switch or a
         checkpoint load, whose k may be higher than the new one) is not offered after it."""
         self._queue: collections.deque[_Queued] = collections.deque()
+        self._spare: list[torch.Tensor] = []
+        """Gradient buffers neither queued nor being pushed, for `submit` to reuse: at most
+        `queue_size` + 1 are ever allocated (the queue and the push in flight)."""
         self._queue_ready = threading.Condition()
-        self._pushing = False
+        self._in_flight: tuple[torch.Tensor, ...] = ()
+        """The gradient the pusher is pushing (empty: none)."""
         self._stopping = False
         self._fresh: list[ShardReply | None] = [None] * len(shards.bounds)
         """Per shard, the newest reply (push or watch) not yet installed; guarded by _replies_lock."""
@@ -154,14 +158,29 @@ class GBAClient:
 
     # ------------------------------------------------------------------------- training thread
     def submit(self, gradient: torch.Tensor, compute_s: float, finite: bool = True) -> None:
-        """Queue a copy of `gradient` (computed on the installed parameters); drop the oldest if full.
-        `finite` False: the training thread found NaN / Inf in it; shard 0 only counts it."""
+        """Queue a copy of `gradient` (computed on the installed parameters), in a reused buffer;
+        drop the oldest if full. `finite` False: the training thread found NaN / Inf in it; shard 0
+        only counts it."""
         with self._queue_ready:
             if len(self._queue) >= self._queue_size:
-                self._queue.popleft()
+                copy = self._queue.popleft().gradient
                 self._metrics.record_queue_drop()
-            self._queue.append(_Queued(gradient.clone(), self.global_step, compute_s, finite))
+            else:
+                copy = self._spare.pop() if self._spare else None
+        copy = self._dense.empty() if copy is None else copy
+        copy.copy_(gradient)
+        with self._queue_ready:
+            self._queue.append(_Queued(copy, self.global_step, compute_s, finite))
             self._queue_ready.notify()
+
+    def held_tensors(self) -> dict[str, torch.Tensor]:
+        """For `metrics.memory()`: the gradient buffers allocated so far (queued, in flight or
+        spare) and the received parameters not yet installed (at most one per shard)."""
+        with self._queue_ready:
+            buffers = [queued.gradient for queued in self._queue] + self._spare + list(self._in_flight)
+        with self._replies_lock:
+            fresh = {f"fresh_{index}": reply.params for index, reply in enumerate(self._fresh) if reply is not None}
+        return {**{f"queue_{index}": buffer for index, buffer in enumerate(buffers)}, **fresh}
 
     def install_fresh(self) -> None:
         """Install, shard by shard, the newest parameters received since the last install."""
@@ -170,11 +189,7 @@ class GBAClient:
         newer = [reply is not None and reply.token > token for reply, token in zip(fresh, self.tokens)]
         if not any(newer):
             return
-        live = self._dense.empty()
-        if not all(newer):
-            self._dense.copy_to(live)
-        slices = [reply.params if new else live[start:end]
-                  for reply, new, (start, end) in zip(fresh, newer, self._shards.bounds)]
+        slices = [reply.params if new else None for reply, new in zip(fresh, newer)]
         tokens = [reply.token if new else token for reply, new, token in zip(fresh, newer, self.tokens)]
         self._install(slices, tokens)
 
@@ -200,7 +215,7 @@ class GBAClient:
     def drain(self) -> None:
         """Wait until the pusher has pushed everything queued (its errors surface here)."""
         with self._queue_ready:
-            while (self._queue or self._pushing) and self._error is None:
+            while (self._queue or self._in_flight) and self._error is None:
                 self._queue_ready.wait(timeout=0.05)
         self.raise_error()
 
@@ -213,9 +228,12 @@ class GBAClient:
     def _install_replies(self, replies: list[ShardReply]) -> None:
         self._install([reply.params for reply in replies], [reply.token for reply in replies])
 
-    def _install(self, slices: list[torch.Tensor], tokens: list[int]) -> None:
-        """Make these parameters the live ones (GBA trainers make no local dense updates)."""
-        self._dense.copy_from(torch.cat(slices))
+    def _install(self, slices: list[torch.Tensor | None], tokens: list[int]) -> None:
+        """Make these parameters the live ones (GBA trainers make no local dense updates), each
+        shard's slice in place; None: that shard's slice is live already."""
+        for piece, (start, _) in zip(slices, self._shards.bounds):
+            if piece is not None:
+                self._dense.copy_from(piece, start)
         self.tokens = tokens
         with self._replies_lock:
             self._live_tokens = list(tokens)
@@ -239,12 +257,13 @@ class GBAClient:
                 if not self._queue:
                     return
                 queued = self._queue.popleft()
-                self._pushing = True
+                self._in_flight = (queued.gradient,)
             try:
                 self._push(queued)
             finally:
                 with self._queue_ready:
-                    self._pushing = False
+                    self._in_flight = ()
+                    self._spare.append(queued.gradient)
                     self._queue_ready.notify_all()
 
     def _push(self, queued: _Queued) -> None:

@@ -99,6 +99,7 @@ from shadowgba.metrics import GBAMetrics
 from shadowgba.ps import transport
 from shadowgba.ps.dense_server import DenseShardClient, serve_dense_shard
 from shadowgba.step_hook import StepHook
+from sync_algos.base import is_finite
 
 __all__ = ["GBASync", "Mode", "serve_dense_shard"]  # serve_dense_shard: GBA's server-rank entry point
 
@@ -180,7 +181,7 @@ class GBASync(DenseSync):
         self.global_batch = self.num_trainers * local_batch_size
         self.lockstep_every = lockstep_every
         self.mode: Mode = Mode.SYNC
-        self.metrics = GBAMetrics()
+        self.metrics = GBAMetrics(self._held_tensors)
         self._gba_steps = 0
         """Steps since entering GBA: equal on every trainer when they are in lockstep."""
         self._gba_requested = False
@@ -371,7 +372,7 @@ class GBASync(DenseSync):
         compute_s = started - self._last_step_end
         self._client.raise_error()
         self.dense.copy_grads_to(self._grad)
-        finite = bool(torch.isfinite(self._grad).all())
+        finite = is_finite(self._grad)  # no mask as large as the gradient
         if self.mode == Mode.SYNC:
             self._after_sync_round(self._sync_round(self._grad, stop=False, compute_s=compute_s, finite=finite))
         elif self.mode == Mode.GBA:
@@ -539,6 +540,17 @@ class GBASync(DenseSync):
         self.dense.copy_from(self._flat.param.detach())
         if policy is not None:
             self._policy.load_state_dict(policy)
+
+    def _held_tensors(self) -> dict[str, torch.Tensor]:
+        """The dense-sized tensors this runtime holds of its own (`metrics.memory()`): the gradient,
+        the sync all-reduce's buffer, the flat optimizer's parameters and state, the GBA queue."""
+        held = {"gradient": self._grad, "allreduce": self._allreduce._buffer, **self._client.held_tensors()}
+        flat = self._flat
+        if flat is not None:
+            held["optimizer_param"] = flat.param
+            state = flat.optimizer.state.get(flat.param, {})
+            held.update({f"optimizer_{key}": value for key, value in state.items() if torch.is_tensor(value)})
+        return held
 
     def _live(self) -> torch.Tensor:
         live = self.dense.empty()

@@ -83,7 +83,7 @@ class ShadowSync(DenseSync):
         optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
         self._step_hook = StepHook(optimizers, self._after_step)
         self.dense = DenseParams(list(params if params is not None else trainable_named_parameters(model)))
-        self.metrics = SyncMetrics()
+        self.metrics = SyncMetrics(self._held_tensors)
         self._parent_group = process_group
         self._algorithm_kwargs = algorithm_kwargs or {}
         self._interval_s = config.interval_ms / 1e3
@@ -98,8 +98,9 @@ class ShadowSync(DenseSync):
         self._rounds_finished = False
         self._round_lock = threading.Lock()  # algorithm state: rounds vs load_state_dict()
         self._state_lock = threading.Lock()  # the published state: rounds vs state_dict()
-        self._published: dict[str, Any] = {}
-        """The algorithm's state as of the last finished round (what `state_dict()` returns)."""
+        self._published: dict[str, torch.Tensor] = {}
+        """The algorithm's state as of the last finished round (what `state_dict()` copies): buffers
+        allocated at start and overwritten by each round."""
         self._foreground_lock = threading.Lock()
         self._error: BaseException | None = None
         self._error_reported = False
@@ -179,7 +180,8 @@ class ShadowSync(DenseSync):
             group, self._group = self._group, None
         try:
             if self._error is None and final_sync:
-                self._check_flags(self._global_ranks(self.dense.average_(group), group), (), "the final average")
+                nonfinite = self.dense.average_(group, self._snapshot, self._algorithm.allreduce)
+                self._check_flags(self._global_ranks(nonfinite, group), (), "the final average")
         finally:
             self._release(group)
         self._raise_unreported_error()
@@ -247,16 +249,27 @@ class ShadowSync(DenseSync):
             return {
                 "algo": self.config.algo,
                 "param_names": list(self.dense.names),
-                "algorithm": self._published,
+                "algorithm": {name: value.clone() for name, value in self._published.items()},
                 "step": self._step,
             }
 
     def _publish_state(self) -> None:
         """Make the algorithm's current state what `state_dict()` returns (called after each round,
-        by the thread that ran it; the tensors are fresh copies that nothing changes later)."""
-        state = self._algorithm.state_dict()
+        by the thread that ran it), copied into the published buffers: no allocation per round."""
         with self._state_lock:
-            self._published = state
+            if not self._published:
+                self._published = self._algorithm.state_dict()
+            for name, value in self._published.items():
+                value.copy_(getattr(self._algorithm, name))
+
+    def _held_tensors(self) -> dict[str, torch.Tensor]:
+        """The dense-sized tensors this runtime holds of its own (`metrics.memory()`)."""
+        held = {"snapshot": self._snapshot}
+        if self._algorithm is not None:
+            held.update(self._algorithm.buffers())
+        with self._state_lock:
+            held.update({f"published_{name}": value for name, value in self._published.items()})
+        return held
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output; refuses (`CheckpointError`, changing nothing) a state that
@@ -346,9 +359,11 @@ class ShadowSync(DenseSync):
         with self._round_lock:
             result = self._algorithm.sync(self._snapshot, stop)
             self._publish_state()
+            if not result.kept_local:  # the delta t - s, in the snapshot's buffer (the target is reused)
+                torch.sub(result.target, self._snapshot, out=self._snapshot)
         self.metrics.record_round(time.perf_counter() - started, result.bytes_moved)
         if not result.kept_local:  # a rank left out of the round keeps its own weights
-            self._writeback.apply(result.target - self._snapshot)
+            self._writeback.apply(self._snapshot)
         failed = self._check_flags(
             self._global_ranks(result.nonfinite_ranks), self._global_ranks(result.aborted_ranks), "a round"
         )

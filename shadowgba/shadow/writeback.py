@@ -47,7 +47,10 @@ class WriteBack(abc.ABC):
 
     @abc.abstractmethod
     def apply(self, delta: torch.Tensor) -> None:
-        """Bring `delta = t - s` into the live parameters (now, or at the next step boundary)."""
+        """Bring `delta = t - s` into the live parameters (now, or at the next step boundary).
+
+        `delta` stays the caller's buffer, unchanged until the next `snapshot()` returns (which
+        applies it first): the runtime reuses one buffer for snapshot and delta."""
 
     def on_step_boundary(self) -> None:
         """Called by a training thread after each optimizer step; serves pending requests."""
@@ -97,10 +100,9 @@ class HandoffWriteBack(WriteBack):
     def apply(self, delta: torch.Tensor) -> None:
         wait_for_device(self.params.device)
         with self._lock:
-            if self._pending_delta is None:
-                self._pending_delta = delta
-            else:
-                self._pending_delta += delta
+            if self._pending_delta is not None:
+                raise RuntimeError("a delta is still pending: snapshot() must come between two apply() calls")
+            self._pending_delta = delta
 
     def on_step_boundary(self) -> None:
         with self._lock:
