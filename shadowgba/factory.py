@@ -36,7 +36,7 @@ from torch import nn
 import sync_algos
 from shadowgba.config import PS_ALGOS, SyncConfig, load_config
 from shadowgba.dense import trainable_named_parameters
-from shadowgba.errors import SetupError
+from shadowgba.errors import SetupError, SyncError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.interface import DenseSync
 from shadowgba.ps import transport
@@ -72,6 +72,9 @@ class Job:
     key of this job's notice board, where a failed trainer posts why (`transport.post_abort`)."""
     failure: str | None = None
     """Set by `announce_failure`: how this trainer's failure was named to the job."""
+    heartbeat: transport.Heartbeat | None = None
+    """On trainers: this trainer's beat on the notice board, by which a peer whose collective failed
+    names a trainer that was killed or is stuck (it posts no notice)."""
     _centre: CenterClient | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -125,15 +128,27 @@ class Job:
         """Tell the job that this trainer's part failed with `error`, waiting for no peer: post it on
         the notice board (for peers whose collectives fail once this rank is gone) and tell every
         server (`transport.notify_abort`: they refuse every later call naming this trainer). A peer
-        that had posted first is named in a note on `error`: its failure is likely this one's cause."""
+        that had posted first is named in a note on `error`: its failure is likely this one's cause.
+        Without such a notice, one whose heartbeat stopped (`transport.silent_peers`: killed or stuck,
+        it posts nothing) is named instead, in a note and in this trainer's notice, so that servers
+        and peers name it too; a `SyncError` that neither explains says the lost rank is unknown."""
         if self.closed or self.failure is not None:
             return
         peers = [rank for rank in self.roles.trainer_ranks if rank != self.roles.rank]
-        for reason in transport.aborted_peers(self.name, peers).values():
+        posted = transport.aborted_peers(self.name, peers)
+        for reason in posted.values():
             error.add_note(f"shadowgba: before this rank failed, {reason}")
-        self.failure = transport.failure_message(self.roles, repr(error))
+        silent = [] if posted else transport.silent_peers(self.name, peers)
+        causes = [f"trainer {self.roles.trainer_ranks.index(rank)} (rank {rank}) stopped its heartbeat: it probably "
+                  "died or is stuck" for rank in silent]
+        for cause in causes:
+            error.add_note(f"shadowgba: before this rank failed, {cause} (the likely cause)")
+        if not posted and not silent and isinstance(error, SyncError):
+            error.add_note("shadowgba: no peer posted a failure and every peer's heartbeat is alive: rank unknown")
+        reason = "; before it, ".join([repr(error), *causes])
+        self.failure = transport.failure_message(self.roles, reason)
         transport.post_abort(self.name, self.roles.rank, self.failure)
-        transport.notify_abort(repr(error))
+        transport.notify_abort(reason)
 
     def abort(self) -> None:
         """Leave the job after `announce_failure`, waiting for no peer: with servers, RPC is shut down
@@ -145,6 +160,8 @@ class Job:
         if self.closed:
             return
         self.closed = True
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.sharding_guard is not None:
             self.sharding_guard.remove()
         if self.roles.num_servers:
@@ -170,7 +187,9 @@ def join(
         if not dist.is_initialized():
             dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
         roles = transport.Roles.assign(dist.get_rank(), dist.get_world_size(), num_servers=0)
-        return Job(config, dataclasses.replace(roles, trainer_group=dist.group.WORLD))
+        job = Job(config, dataclasses.replace(roles, trainer_group=dist.group.WORLD))
+        job.heartbeat = transport.Heartbeat(job.name, roles.rank).start()
+        return job
     roles = transport.start(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s,
                             rpc_timeout_s=config.ps.rpc_timeout_s)
     job = Job(config, roles, tables, table_options)
@@ -182,6 +201,7 @@ def join(
 
     job.sharding_guard = torchrec_integration.ShardingGuard(roles.trainer_group, roles.num_servers)
     job.sharding_guard.install()
+    job.heartbeat = transport.Heartbeat(job.name, roles.rank).start()
     return job
 
 

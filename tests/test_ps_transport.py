@@ -131,10 +131,61 @@ def abort_and_barriers(rank: int, world_size: int) -> dict:
     return seen
 
 
+WATCH_TIMEOUT_S = 2.0
+"""The watched job's `timeout_s`: how long the server waits for a silent trainer's answer."""
+WATCH_PING_S = 0.2
+"""The watched job's `PING_INTERVAL_S`."""
+
+
+def freeze_self(seconds: float) -> None:
+    """Stop this process (SIGSTOP) for `seconds`: a shell continues it; returns once continued."""
+    started = time.monotonic()
+    subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {seconds}; kill -CONT {os.getpid()}"])
+    while time.monotonic() - started < seconds:  # the shell stops us in here
+        time.sleep(0.02)
+
+
+def stalls_watched(rank: int, world_size: int) -> dict:
+    """3 ranks, 1 server, `timeout_s` WATCH_TIMEOUT_S. Trainer 1 freezes for half of it, then both
+    trainers meet in a barrier; then it freezes for twice it, while trainer 0 keeps calling the
+    server: what each rank saw, when (trainer 1 continues and calls once more, while the server
+    still answers: its grace outlasts the freeze)."""
+    pinged_every, transport.PING_INTERVAL_S = transport.PING_INTERVAL_S, WATCH_PING_S
+    grace, transport.ABORT_GRACE_S = transport.ABORT_GRACE_S, 2 * WATCH_TIMEOUT_S
+    try:
+        roles = transport.start(num_servers=1, timeout_s=WATCH_TIMEOUT_S)
+        seen: dict = {}
+        if roles.is_server:
+            transport.serve("echo", Echo(roles.server_index))
+        elif roles.trainer_index == 1:
+            freeze_self(WATCH_TIMEOUT_S / 2)
+            transport.call(0, "echo", "describe", rank, torch.zeros(1))
+            transport.barrier("after the short freeze", timeout_s=30.0)
+            seen["frozen_at"] = time.monotonic()
+            freeze_self(2 * WATCH_TIMEOUT_S)
+            with pytest.raises(PeerLost) as refused:
+                transport.call(0, "echo", "describe", rank, torch.zeros(1))
+            seen["call"] = str(refused.value)
+        else:
+            transport.barrier("after the short freeze", timeout_s=30.0)
+            with pytest.raises(PeerLost) as refused:
+                while True:
+                    transport.call(0, "echo", "describe", rank, torch.zeros(1))
+                    time.sleep(WATCH_PING_S)
+            seen["call"] = (str(refused.value), time.monotonic())
+        with pytest.raises(PeerLost) as stopped:
+            transport.stop()
+        seen["stop"] = (str(stopped.value), time.monotonic())
+        return seen
+    finally:
+        transport.PING_INTERVAL_S, transport.ABORT_GRACE_S = pinged_every, grace
+
+
 @pytest.fixture(scope="module")
 def spawned() -> dict[str, list]:
     """The spawned-rank cases of this file, one after another in one group of 3 ranks."""
-    return run_shared(3, {"calls": (exercise_transport, ()), "abort": (abort_and_barriers, ())}, timeout_s=90)
+    return run_shared(3, {"calls": (exercise_transport, ()), "abort": (abort_and_barriers, ()),
+                          "stalls": (stalls_watched, ())}, timeout_s=90)
 
 
 def test_roles_calls_and_remote_errors_on_three_spawned_ranks(spawned: dict[str, list]) -> None:
@@ -160,6 +211,25 @@ def test_an_aborted_trainer_ends_every_barrier_call_and_stop_at_once_naming_it(s
         assert message == aborted, (rank, message)
         # monotonic clocks of one machine: the server waits ABORT_GRACE_S for the trainers to read it
         assert ended - trainer1["aborted_at"] < transport.ABORT_GRACE_S + 5.0, (rank, ended - trainer1["aborted_at"])
+
+
+def test_a_trainer_frozen_for_less_than_the_timeout_carries_on_and_one_frozen_longer_is_lost(
+        spawned: dict[str, list]) -> None:
+    """The server's watch (`_watch_trainers`): a freeze of half `timeout_s` passes unnoticed (the
+    barrier after it meets both); one of twice `timeout_s` makes the server give up on trainer 1
+    while it is still frozen, and every rank, trainer 1 once continued, ends naming it."""
+    trainer0, trainer1, server = spawned["stalls"]
+    lost = re.compile(r"trainer 1 \(rank 1\) stopped answering for [23] s \(sync\.timeout_s\); it probably died "
+                      r"\(ps0's last ping: .*\)$")
+    message, told_at = trainer0["call"]
+    assert message.startswith("ps0 refuses echo.describe: trainer 1") and lost.search(message), message
+    # monotonic clocks of one machine: trainer 0 is told while trainer 1 is still frozen (its last
+    # answer may precede the freeze by a few pings on a loaded machine, hence no lower bound here;
+    # the message's silence is at least the timeout, and the short freeze above was not lost)
+    assert 0 < told_at - trainer1["frozen_at"] < 2 * WATCH_TIMEOUT_S, told_at - trainer1["frozen_at"]
+    assert lost.search(trainer1["call"]), trainer1["call"]
+    for seen in (trainer0, trainer1, server):
+        assert lost.fullmatch(seen["stop"][0]), seen["stop"][0]
 
 
 def test_the_same_checks_pass_under_torchrun() -> None:
@@ -191,10 +261,10 @@ def test_a_server_whose_trainer_died_fails_with_a_clear_error_instead_of_waiting
     report = str(failed.value)
     assert time.monotonic() - started < 45, "a rank hung until the harness deadline"
     assert "ranks [1] hung or died without a result" in report, report
+    # its connection is gone: lost after REFUSED_PINGS pings, well before trainer_timeout_s
     server_error = (
-        r"PeerLost: ps0 gave up on trainer1 \(rank 1\): it has not called transport.stop\(\) and has not "
-        r"answered a ping for 2s \(trainer_timeout_s\); it probably died \(last ping: .+\)\. "
-        r"Trainers that arrived: \[0\]"
+        r"PeerLost: trainer 1 \(rank 1\) stopped answering for [01] s \(3 pings in a row found its connection "
+        r"gone\); it probably died \(ps0's last ping: .+\)"
     )
     for rank in (0, 2):  # the server, and the surviving trainer that waited for it, both say why
         assert re.search(rf"rank {rank}:\n(?:(?!\nrank ).)*{server_error}", report, re.DOTALL), report

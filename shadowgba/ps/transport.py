@@ -78,6 +78,7 @@ import collections
 import dataclasses
 import datetime
 import fcntl
+import itertools
 import os
 import socket
 import struct
@@ -108,8 +109,15 @@ ABORT_GRACE_S = 2.0
 """How long a server whose trainer aborted (or whom it gave up on) keeps answering with the failure
 before its `stop()` raises, so that the surviving trainers read the reason rather than a dead server."""
 PING_INTERVAL_S = 1.0
-"""How often a server in `stop()` pings the trainers that have not called `stop()` yet (also each
-ping's RPC timeout), and at most how long a trainer in `stop()` sleeps between two polls."""
+"""How often a server pings the trainers that have not called `stop()` yet (also each ping's RPC
+timeout), and at most how long a trainer in `stop()` sleeps between two polls."""
+HEARTBEAT_LEFT = "left"
+"""The heartbeat of a rank that left the job normally (`Heartbeat.stop`)."""
+HEARTBEAT_SILENT_S = 3 * PING_INTERVAL_S
+"""How long `silent_peers` waits for a heartbeat to advance before it names that rank: a few beats."""
+REFUSED_PINGS = 3
+"""A trainer whose connection is gone on this many pings in a row is lost before `sync.timeout_s`:
+a killed process's connection closes, a stopped one's stays open (its pings only time out)."""
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
@@ -179,6 +187,12 @@ class _Started:
     """Per barrier name, how often this trainer has entered it (every trainer counts alike)."""
     notified: bool = False
     """Whether `notify_abort` has told the servers this trainer failed."""
+    lost_after_s: float = 0.0
+    """Server: how long a trainer may answer no ping before it is lost (`_watch_trainers`)."""
+    watch_ended: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Server: set by the tear-down to end `_watch_trainers`."""
+    watch: threading.Thread | None = None
+    """Server: the thread of `_watch_trainers`."""
 
 
 @dataclasses.dataclass
@@ -254,9 +268,12 @@ def start(
                 **({} if rpc_timeout_s is None else {"rpc_timeout": rpc_timeout_s}),
             ),
         )
-    _started = _Started(roles, owns_default_group,
-                        timeout.total_seconds() if timeout is not None else dist.default_pg_timeout.total_seconds(),
-                        None if roles.is_server else sync_group)
+    timeout_s = timeout.total_seconds() if timeout is not None else dist.default_pg_timeout.total_seconds()
+    _started = _Started(roles, owns_default_group, timeout_s, None if roles.is_server else sync_group,
+                        lost_after_s=timeout_s)
+    if roles.is_server:
+        _started.watch = threading.Thread(target=_watch_trainers, args=(_started,), name="shadowgba-watch", daemon=True)
+        _started.watch.start()
     return roles
 
 
@@ -316,9 +333,12 @@ def call_async(server_index: int, name: str, method: str, *args: Any) -> torch.f
     """Run `service.method(*args)` of service `name` on server `server_index`; a Future of the result.
 
     `wait()` returns the result or raises the service's exception: same type, same message, the
-    server's traceback attached as a note. Transport failures (timeout, dead peer) raise RuntimeError.
+    server's traceback attached as a note. A transport failure (the server is dead, unreachable or
+    did not answer within the RPC timeout) raises `PeerLost` naming the server and its rank, chaining
+    RPC's error.
     """
-    num_servers = _require_started().roles.num_servers
+    roles = _require_started().roles
+    num_servers = roles.num_servers
     if not 0 <= server_index < num_servers:
         raise ValueError(f"server_index must be in [0, {num_servers}), got {server_index}")
     reply = rpc.rpc_async(server_name(server_index), _dispatch, args=(name, method, args))
@@ -328,7 +348,7 @@ def call_async(server_index: int, name: str, method: str, *args: Any) -> torch.f
         try:
             value = done.wait()
         except Exception as error:  # the transport failed
-            result.set_exception(error)
+            result.set_exception(_server_lost(roles, server_index, f"failed {name}.{method}", error))
             return
         if isinstance(value, _Failure):
             value.error.add_note(f"raised by service '{name}' on {server_name(server_index)}:\n{value.traceback}")
@@ -365,7 +385,7 @@ def stop(trainer_timeout_s: float | None = None) -> None:
     timeout_s = TRAINER_TIMEOUT_S if trainer_timeout_s is None else trainer_timeout_s
     try:
         if started.roles.is_server:
-            _await_trainers(started.roles, timeout_s)
+            _await_trainers(started, timeout_s)
         else:
             _await_release(started.roles, "stop", timeout_s=None)
     except BaseException:
@@ -433,20 +453,73 @@ def barrier(name: str, timeout_s: float | None = None) -> None:
 def post_abort(job: str, rank: int, reason: str) -> None:
     """Put `reason` on the notice board of `job` (a name every rank gives the same job) as rank
     `rank`'s: why it left. Never raises: the board's store may be gone with its host."""
-    try:
-        _notice_store().set(_notice_key(job, rank), reason)
-    except Exception:  # the store's host is gone: the peers learn only that the rank left
-        pass
+    _set_notice(_notice_key(job, rank), reason)
 
 
 def aborted_peers(job: str, ranks: Sequence[int]) -> dict[int, str]:
     """The ranks among `ranks` that posted an abort on `job`'s notice board, with their reasons."""
+    reasons = {rank: _read_notice(_notice_key(job, rank)) for rank in ranks}
+    return {rank: reason for rank, reason in reasons.items() if reason is not None}
+
+
+class Heartbeat:
+    """This rank's heartbeat on `job`'s notice board: a counter in the default group's store that a
+    thread of its own advances every `PING_INTERVAL_S` while the rank is in the job, and marks as
+    left when it leaves normally. A peer whose collective failed without any notice posted (a rank
+    killed or stuck posts none) asks `silent_peers` which rank stopped beating."""
+
+    def __init__(self, job: str, rank: int) -> None:
+        self._key = _notice_key(job, rank, "beat")
+        self._ended = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="shadowgba-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        """Start beating (returns self)."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop beating and mark this rank as left: from then on its silence names no failure."""
+        self._ended.set()
+        self._thread.join()
+        _set_notice(self._key, HEARTBEAT_LEFT)
+
+    def _beat(self) -> None:
+        for count in itertools.count():
+            _set_notice(self._key, str(count))
+            if self._ended.wait(PING_INTERVAL_S):
+                return
+
+
+def silent_peers(job: str, ranks: Sequence[int], within_s: float = HEARTBEAT_SILENT_S) -> list[int]:
+    """The ranks among `ranks` whose heartbeat on `job`'s notice board (`Heartbeat`) did not advance
+    for `within_s`, left ones excepted: dead or stuck. Returns as soon as every other one has beaten,
+    so with live peers it waits about `PING_INTERVAL_S`. Empty when the board cannot be read."""
+    keys = {rank: _notice_key(job, rank, "beat") for rank in ranks}
+    first = {rank: _read_notice(key) for rank, key in keys.items()}
+    waiting = {rank for rank, beat in first.items() if beat != HEARTBEAT_LEFT}
+    deadline = time.monotonic() + within_s
+    while waiting and time.monotonic() < deadline:
+        time.sleep(PING_INTERVAL_S / 4)
+        waiting = {rank for rank in waiting if _read_notice(keys[rank]) in (first[rank], None)}
+    return sorted(waiting)
+
+
+def _set_notice(key: str, value: str) -> None:
+    """Write `value` under `key` on the notice board; never raises (its host may be gone)."""
+    try:
+        _notice_store().set(key, value)
+    except Exception:  # the store's host is gone: the peers learn only that the rank left
+        pass
+
+
+def _read_notice(key: str) -> str | None:
+    """The value under `key` on the notice board; None if there is none or the board cannot be read."""
     try:
         store = _notice_store()
-        return {rank: store.get(_notice_key(job, rank)).decode() for rank in ranks
-                if store.check([_notice_key(job, rank)])}
+        return store.get(key).decode() if store.check([key]) else None
     except Exception:  # the store's host is gone: nothing can be read
-        return {}
+        return None
 
 
 def _notice_store() -> dist.Store:
@@ -454,14 +527,17 @@ def _notice_store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
-def _notice_key(job: str, rank: int) -> str:
-    return f"shadowgba/attempt_{restart_count()}/{job}/aborted/{rank}"
+def _notice_key(job: str, rank: int, kind: str = "aborted") -> str:
+    return f"shadowgba/attempt_{restart_count()}/{job}/{kind}/{rank}"
 
 
 def _tear_down(started: _Started, graceful: bool) -> None:
     """Shut RPC down (draining outstanding calls when `graceful`), forget this rank's services and
     arrivals, and destroy the groups `start()` created."""
     global _started, _stop_barrier
+    started.watch_ended.set()
+    if started.watch is not None:
+        started.watch.join()  # its pings end within PING_INTERVAL_S; none may be in flight at shutdown
     try:
         rpc.shutdown(graceful=graceful)
     finally:
@@ -488,40 +564,65 @@ def _abort_at_exit() -> None:
 atexit.register(_abort_at_exit)
 
 
-def _await_trainers(roles: Roles, timeout_s: float) -> None:
-    """Server: return once every trainer has arrived; raise `PeerLost` for one that aborted or went silent."""
+def _await_trainers(started: _Started, trainer_timeout_s: float) -> None:
+    """Server: return once every trainer has arrived; raise `PeerLost` for one that aborted or that
+    the watch (`_watch_trainers`) gave up on, now within `trainer_timeout_s` at the latest."""
+    started.lost_after_s = min(started.lost_after_s, trainer_timeout_s)
+    trainers = len(started.roles.trainer_ranks)
+    with _stop_changed:
+        _stop_changed.wait_for(lambda: len(_stop_barrier.arrived["stop"]) == trainers
+                               or _stop_barrier.failure is not None)
+        failure = _stop_barrier.failure
+    if failure is None:
+        return
+    time.sleep(ABORT_GRACE_S)  # let the surviving trainers' calls and polls read the failure
+    raise PeerLost(failure)
+
+
+def _watch_trainers(started: _Started) -> None:
+    """Server thread, from `start()` to the tear-down: ping every trainer that has not arrived in
+    `stop()` every `PING_INTERVAL_S` (each ping's timeout too). One that has answered no ping for
+    `lost_after_s` (`timeout_s`, the job's `sync.timeout_s`; lowered by `stop(trainer_timeout_s)`),
+    or whose pings failed on a lost connection `REFUSED_PINGS` times in a row, is lost: posted like
+    an abort notice, so every later call of any trainer, every barrier and every `stop()` raise
+    `PeerLost` naming it. A stopped process (SIGSTOP) keeps its connections and only times out, so
+    only the clock declares it lost: a stall shorter than `lost_after_s` is not a failure."""
+    roles = started.roles
     trainers = range(len(roles.trainer_ranks))
     last_heard = dict.fromkeys(trainers, time.monotonic())
+    refused = dict.fromkeys(trainers, 0)
     last_error: dict[int, str] = {}
-    while True:
+    while not started.watch_ended.wait(PING_INTERVAL_S):
         with _stop_changed:
-            _stop_changed.wait_for(lambda: len(_stop_barrier.arrived["stop"]) == len(trainers)
-                                   or _stop_barrier.failure is not None, timeout=PING_INTERVAL_S)
+            if _stop_barrier.failure is not None:
+                return
             missing = [index for index in trainers if index not in _stop_barrier.arrived["stop"]]
-            failure = _stop_barrier.failure
-        if failure is not None:
-            break
-        if not missing:
+        try:
+            pings = {index: rpc.rpc_async(f"trainer{index}", _alive, timeout=PING_INTERVAL_S) for index in missing}
+        except RuntimeError:  # RPC is shutting down with the transport
             return
-        pings = {index: rpc.rpc_async(f"trainer{index}", _alive, timeout=PING_INTERVAL_S) for index in missing}
         for index, ping in pings.items():
             try:
                 ping.wait()
-                last_heard[index] = time.monotonic()
-            except RuntimeError as error:  # dead, unreachable or too slow to answer: the clock keeps running
-                last_error[index] = str(error).splitlines()[0] if str(error) else type(error).__name__
+                last_heard[index], refused[index] = time.monotonic(), 0
+            except RuntimeError as error:  # dead, stopped or unreachable: the clock keeps running
+                last_error[index] = _first_line(error)
+                refused[index] = 0 if _timed_out(last_error[index]) else refused[index] + 1
         now = time.monotonic()
         with _stop_changed:  # one that arrived while we pinged is not lost
-            lost = [i for i in missing if now - last_heard[i] > timeout_s and i not in _stop_barrier.arrived["stop"]]
+            lost = [index for index in missing if index not in _stop_barrier.arrived["stop"]
+                    and (now - last_heard[index] > started.lost_after_s or refused[index] >= REFUSED_PINGS)]
             if lost and _stop_barrier.failure is None:
+                index = lost[0]
+                why = (f"{REFUSED_PINGS} pings in a row found its connection gone" if refused[index] >= REFUSED_PINGS
+                       else "sync.timeout_s" if started.lost_after_s == started.timeout_s else "trainer_timeout_s")
                 _stop_barrier.failure = (
-                    f"{roles.name} gave up on trainer{lost[0]} (rank {roles.trainer_ranks[lost[0]]}): it has not "
-                    f"called transport.stop() and has not answered a ping for {timeout_s:g}s (trainer_timeout_s); "
-                    f"it probably died (last ping: {last_error.get(lost[0], 'timed out')}). "
-                    f"Trainers that arrived: {sorted(_stop_barrier.arrived['stop'])}"
+                    f"trainer {index} (rank {roles.trainer_ranks[index]}) stopped answering for "
+                    f"{now - last_heard[index]:.0f} s ({why}); it probably died "
+                    f"({roles.name}'s last ping: {last_error.get(index, 'timed out')})"
                 )
-    time.sleep(ABORT_GRACE_S)  # let the surviving trainers' calls and polls read the failure
-    raise PeerLost(failure)
+                _stop_changed.notify_all()
+                return
 
 
 def _await_release(roles: Roles, key: str, timeout_s: float | None, servers: int | None = None) -> None:
@@ -556,9 +657,16 @@ def _call_in_stop(roles: Roles, server: int, function: Callable[..., Any], *args
     try:
         return rpc.rpc_sync(server_name(server), function, args=args)
     except RuntimeError as error:
-        raise PeerLost(
-            f"{server_name(server)} went away while {roles.name} waited in transport.stop() or barrier(): {error}"
-        ) from None
+        raise _server_lost(roles, server, "went away in transport.stop() or barrier()", error)
+
+
+def _server_lost(roles: Roles, server: int, what: str, error: BaseException) -> PeerLost:
+    """How a trainer names a server its RPC to failed (dead, unreachable, or no answer within the RPC
+    timeout): `server i (psi, rank r) <what> for trainerj: <RPC's error>`, chaining it."""
+    lost = PeerLost(f"server {server} ({server_name(server)}, rank {roles.server_ranks[server]}) {what} for "
+                    f"{roles.name}: {_first_line(error)}")
+    lost.__cause__ = error
+    return lost
 
 
 def _arrive(key: str, trainer_index: int) -> None:
@@ -581,6 +689,16 @@ def _abort(message: str) -> None:
         if _stop_barrier.failure is None:
             _stop_barrier.failure = message
         _stop_changed.notify_all()
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of an RPC error's message (the rest is C++ context), or its type."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _timed_out(message: str) -> bool:
+    """Whether an RPC error message says the call timed out (the peer may be stopped, not gone)."""
+    return "timeout" in message.lower() or "timed out" in message.lower()
 
 
 def _alive() -> bool:
