@@ -39,18 +39,26 @@ Invariants (why a call cannot deadlock):
   Services are called concurrently from those threads and must be thread-safe.
 - `start()` returns on trainers before the servers have called `serve()`; a call for a name that
   is not served yet waits up to `SERVE_WAIT_S` for it, then fails naming the served services.
+- Every server watches every trainer from `start()` on (`_watch_trainers`, a thread): it pings the
+  trainers that have not yet arrived in `stop()` every `PING_INTERVAL_S`. A trainer that has
+  answered no ping for `timeout_s` (`sync.timeout_s`; a live trainer's RPC threads answer in
+  milliseconds even while it trains), or whose connection was gone on `REFUSED_PINGS` pings in a
+  row (a killed process's sockets close; a stopped one's stay open and its pings only time out, so
+  a stall shorter than `timeout_s` is no failure), is lost: the server posts it like an abort
+  notice, `trainer i (rank r) stopped answering for T s (...); it probably died`, and refuses every
+  later call, barrier and `stop()` with it, so each survivor's next push, lookup or barrier ends
+  naming it, within `timeout_s` of the loss instead of at the end of the job.
 - `stop()` is a barrier over every rank that also drains outstanding calls: servers sit in it until
-  every trainer has called it too. A server cannot tell a slow trainer from a dead one by waiting
-  alone (RPC's graceful shutdown waits without a timeout, and `ps0` leads it), so first every trainer
-  announces itself to every server (`_arrive`), and a server pings the trainers that have not yet
-  arrived every `PING_INTERVAL_S`: one that has neither arrived nor answered a ping for
-  `trainer_timeout_s` (default `TRAINER_TIMEOUT_S`, generous: a live trainer's RPC threads answer in
-  milliseconds even while it trains) is lost, and the server raises `PeerLost` naming it instead
-  of hanging. Trainers wait for every server's release by polling it (no RPC is held open while a
-  slow trainer finishes), so a server's failure, or its disappearance, reaches them too as a
-  `PeerLost` rather than a hang. Only then does everyone enter the graceful RPC
-  shutdown, which drains outstanding calls. A trainer that dies after announcing itself and before
-  that shutdown still stalls it: that window is the few milliseconds between the two.
+  every trainer has called it too, or the watch has lost one (`trainer_timeout_s`, default
+  `TRAINER_TIMEOUT_S`, then caps the watch's deadline: RPC's graceful shutdown waits without a
+  timeout, and `ps0` leads it). Every trainer announces itself to every server (`_arrive`), and
+  waits for every server's release by polling it (no RPC is held open while a slow trainer
+  finishes), so a server's failure, or its disappearance, reaches them too as a `PeerLost` rather
+  than a hang. Only then does everyone enter the graceful RPC shutdown, which drains outstanding
+  calls. A trainer that dies after announcing itself and before that shutdown still stalls it:
+  that window is the few milliseconds between the two.
+- A call whose server is dead, unreachable or silent past the RPC timeout raises `PeerLost` naming
+  that server and its rank (`server i (psi, rank r) failed name.method ...`), on every trainer.
 - `abort(reason)` is the way out of a failed trainer, and waits for no peer: it tells every server
   why (`notify_abort`: one call each, at most `ABORT_NOTICE_S`), then shuts RPC down without draining. From then
   on a server refuses every call with `PeerLost` carrying that reason, and its `stop()` ends with
@@ -66,7 +74,9 @@ Invariants (why a call cannot deadlock):
   slow is stuck, e.g. in a collective nobody else will enter) makes them raise `PeerLost` naming it.
 - `post_abort` / `aborted_peers` are the job's notice board for jobs with or without servers: a
   key in the default group's store per failed rank, so that a peer whose collective fails because
-  that rank left (its group was destroyed or its process exited) can say which rank, and why.
+  that rank left (its group was destroyed or its process exited) can say which rank, and why. A
+  rank killed or stuck posts nothing, so every trainer also beats there (`Heartbeat`), and
+  `silent_peers` names the ranks whose beat stopped.
 - An exception raised by a service is raised by the caller's `wait()` with its own type and message
   and the server's traceback as a note (RPC alone would turn most types into RuntimeError).
 """
@@ -100,8 +110,9 @@ ATTEMPT_RENDEZVOUS = "shadowgba-attempt"
 SERVE_WAIT_S = 30.0
 """How long a call for a service name that is not served (yet) waits for `serve()` on its server."""
 TRAINER_TIMEOUT_S = 300.0
-"""How long a server in `stop()` waits for a trainer that has neither called `stop()` nor answered a
-ping before it gives up on it (`PeerLost`); `stop(trainer_timeout_s=...)` overrides it."""
+"""The longest a server in `stop()` waits for a trainer that has neither called `stop()` nor answered a
+ping before it gives up on it (`PeerLost`), unless the transport's `timeout_s` is shorter;
+`stop(trainer_timeout_s=...)` overrides it."""
 ABORT_NOTICE_S = 5.0
 """Longest `abort()` waits for each server to take its notice: a server that does not answer that fast
 is gone or stuck, and the failed trainer must not wait for it."""
@@ -377,8 +388,9 @@ def stop(trainer_timeout_s: float | None = None) -> None:
     """Leave the job (collective): waits for every rank and every outstanding call, then tears down.
 
     On a server, raises `PeerLost` once a trainer has aborted (`abort()`: with its reason), or has
-    neither called `stop()` nor answered a ping for `trainer_timeout_s` (default
-    `TRAINER_TIMEOUT_S`); trainers waiting here raise it as well. Either way this rank's transport
+    neither called `stop()` nor answered a ping for the shorter of `start()`'s `timeout_s` and
+    `trainer_timeout_s` (default `TRAINER_TIMEOUT_S`), or its connection is gone (`_watch_trainers`);
+    trainers waiting here raise it as well. Either way this rank's transport
     is torn down. The default process group is destroyed only if `start()` created it.
     """
     started = _require_started()
