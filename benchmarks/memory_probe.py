@@ -16,6 +16,7 @@ without a runtime: training's own growth, the floor of every other case.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,8 @@ BATCH = 128
 
 SHADOW_CASES = {f"{algo}-{mode}": (algo, mode) for algo in ("ma", "easgd", "bmuf") for mode in ("shadow", "foreground")}
 CASES = ("none", *SHADOW_CASES, "sync", "gba")
+M_MMAP_THRESHOLD = -3
+"""glibc's `mallopt` parameter: blocks from this size on are mmapped and unmapped when freed."""
 
 
 def mlp(sizes: tuple[int, ...]) -> list[nn.Module]:
@@ -159,9 +162,20 @@ def measure_trainer(case: str, roles: Any, warmup: int, steps: int, seed: int) -
     }
 
 
-def probe_rank(rank: int, world_size: int, case: str, warmup: int, steps: int) -> dict[str, Any]:
+def fix_mmap_threshold(mib: float) -> None:
+    """What `MALLOC_MMAP_THRESHOLD_` in the environment does, from inside the process: a fixed
+    threshold, so glibc never raises it to the largest block freed (up to 32 MiB) and keeps freed
+    dense-sized blocks resident in its arenas (one per thread that allocates)."""
+    if not ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, int(mib * 2**20)):
+        raise OSError("mallopt(M_MMAP_THRESHOLD) refused")
+
+
+def probe_rank(rank: int, world_size: int, case: str, warmup: int, steps: int,
+               mmap_threshold_mib: float | None = None) -> dict[str, Any]:
     """A rank of one case: trainers measure themselves; a GBA server measures its peak over the job."""
     torch.set_num_threads(1)
+    if mmap_threshold_mib is not None:
+        fix_mmap_threshold(mmap_threshold_mib)
     if case not in ("sync", "gba"):
         return measure_trainer(case, None, warmup, steps, seed=rank)
     from shadowgba.gba.runtime import serve_dense_shard
@@ -198,9 +212,12 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--warmup", type=int, default=30, help="steps before the runtime is built")
     parser.add_argument("--steps", type=int, default=200, help="steps with the runtime")
+    parser.add_argument("--mmap-threshold-mib", type=float, default=None,
+                        help="fix glibc's mmap threshold in every rank (`fix_mmap_threshold`)")
     args = parser.parse_args()
     for case in args.cases.split(","):
-        results = run_ranks(probe_rank, 3 if case == "gba" else 2, case, args.warmup, args.steps, timeout_s=900.0)
+        results = run_ranks(probe_rank, 3 if case == "gba" else 2, case, args.warmup, args.steps,
+                            args.mmap_threshold_mib, timeout_s=900.0)
         dense_bytes = next(r["dense_bytes"] for r in results if "dense_bytes" in r)
         for result in results:
             print(row(result, dense_bytes), flush=True)
