@@ -57,6 +57,9 @@ from shadowgba.shadow.writeback import DirectWriteBack, HandoffWriteBack, WriteB
 
 logger = logging.getLogger("shadowgba")
 
+ABORT_ROUND_S = 5.0
+"""Longest `abort()` waits for its last round (the one that tells the peers), whatever `timeout_s`."""
+
 
 class ShadowSync(DenseSync):
     """Synchronizes the dense parameters of `model` across trainers, in the background or every k steps.
@@ -189,29 +192,53 @@ class ShadowSync(DenseSync):
 
     def abort(self) -> None:
         """End this rank's part with no final average, telling the peers: its last round (the shadow
-        thread's next one, or in foreground mode one the training thread runs now) contributes
-        nothing and raises the stop flag with the aborted marker, so the peers leave after that round
-        and raise `SyncError` naming this rank. The thread is joined and the group released."""
+        thread's next one, or in foreground mode one run now) contributes nothing and raises the stop
+        flag with the aborted marker, so the peers leave after that round and raise `SyncError`
+        naming this rank. The thread is joined and the group released.
+
+        A peer can be unable to meet that round: its training thread may wait in a collective of its
+        own with this rank (TorchRec's all-to-all), so its shadow thread gets no snapshot. Abort
+        therefore waits at most `ABORT_ROUND_S` for the round; a round still blocked then is left to
+        the process's exit (a daemon thread, its group not destroyed under it) and the peers learn of
+        the failure from the job's notice or from this process's connections closing."""
         if self._group is None:
             return
         self._aborting.set()  # before _stop_requested: see _run_round
         self._stop_requested.set()
         self._first_round_due.set()
+        last: threading.Thread | None = None
+        failure: list[BaseException] = []
         try:
             if self._thread is not None:
                 self._writeback.cancel()  # a snapshot request would wait for a step that never comes
-                self._thread.join(timeout=self.config.timeout_s)
+                last = self._thread
             elif not self._rounds_finished and self._error is None:
-                with self._foreground_lock:
-                    try:
-                        self._run_round()
-                    finally:
-                        self._rounds_finished = True
+                last = threading.Thread(target=self._last_foreground_round, args=(failure,),
+                                        name="shadowgba-abort", daemon=True)
+                last.start()
+            if last is not None:
+                last.join(timeout=min(self.config.timeout_s, ABORT_ROUND_S))
         finally:
             self._step_hook.remove()
             group, self._group = self._group, None
             self._error_reported = True  # the caller's exception is the one that matters
-            self._release(group)
+            if last is not None and last.is_alive():
+                logger.warning("shadowgba: the aborted round still waits for a peer after %gs; it is left to "
+                               "the process's exit", min(self.config.timeout_s, ABORT_ROUND_S))
+            else:
+                self._release(group)
+        if failure:
+            raise failure[0]
+
+    def _last_foreground_round(self, failure: list[BaseException]) -> None:
+        """Foreground mode's aborted round (`abort`), on a thread of its own; its error kept in `failure`."""
+        with self._foreground_lock:
+            try:
+                self._run_round()
+            except BaseException as error:
+                failure.append(error)
+            finally:
+                self._rounds_finished = True
 
     def _release(self, group: dist.ProcessGroup) -> None:
         if self._owns_group:
