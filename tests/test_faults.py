@@ -1,7 +1,8 @@
 """The fault matrix (issue 12, point 3): no fault hangs a job; every rank ends with a clear error.
 
 Cells: every algorithm under both table placements where the configuration exists. TorchRec-sharded
-tables over the trainers: ma, easgd, bmuf (shadow mode, 2 trainers), gba in GBA mode (2 trainers +
+tables over the trainers: ma, easgd (shadow mode), bmuf (foreground mode: the rounds, and an
+aborted one, run in the training thread; 2 trainers each), gba in GBA mode (2 trainers +
 1 server), gba in sync all-reduce mode (2 trainers), easgd_ps (2 trainers + 1 server). PS-hosted
 tables: gba, sync all-reduce and easgd_ps (2 trainers + 1 server hosting the tables); ma, easgd and
 bmuf cannot have them (no server to host them: `benchmarks/dlrm/config.py` refuses
@@ -18,28 +19,23 @@ Faults, all on trainer 1 (global rank 1) unless said otherwise:
   SHORT_STALL_TIMEOUT_S): the job carries on, the frozen trainer takes steps after the stall and
   every rank finishes normally. Every cell; run first in the cell's group, which it leaves usable
   (the failure case after it joins a new job in the same processes).
-- `kill` (SIGKILL trainer 1): survivors end within END_WITHIN_S naming rank 1. Only the cells whose
-  path differs: one shadow algorithm (ma; easgd and bmuf share its rounds, its group and its abort
-  rule), gba over TorchRec tables (lockstep, close on the trainer group), gba over PS tables (pushes
-  only) and easgd_ps over PS tables (centre and tables over RPC only; over TorchRec tables it adds
-  the all-to-all that gba-TorchRec covers). Sync all-reduce is covered by the ma and gba-TorchRec
-  cells' collectives on the trainer group.
-- `kill_server` (trainer 0 SIGKILLs the server): trainers end within END_WITHIN_S naming the
-  server. gba and easgd_ps over PS tables (the dense shard and the centre each sit on the server
-  with the tables; over TorchRec tables the server holds one of the two services only).
+- `kill` (SIGKILL trainer 1): survivors end within the timeout (KILL_TIMEOUT_S, plus
+  KILL_MARGIN_S to leave) naming rank 1: a dead process and a stopped one look alike, only the
+  clock tells them apart. The cells whose path differs (`KILLED_CELLS`).
+- `kill_server` (trainer 0 SIGKILLs the server): trainers end within the same bound naming the
+  server (`SERVER_KILLED_CELLS`).
 - `freeze` longer than the timeout (LONG_STALL_S under LONG_TIMEOUT_S): ends as a kill does, the
   survivors before the frozen rank comes back, naming rank 1; the frozen rank ends too once
   continued. ma (collective timeout), gba over TorchRec tables (the all-to-all and close) and gba
   over PS tables (RPC timeouts and the servers' trainer timeout).
 
-Every fault is asserted to have fired, on the rank and step it was armed for. A case that kills
-or leaves a rank stuck in a collective ends its spawned group, so each of those gets a group of its
-own (the `fail` case runs last in its cell's group, after the short stall); the stall, which
-finishes normally, shares it.
+Every fault is asserted to have fired, on the rank and step it was armed for. How the cases share
+spawned groups, and why, is `matrix_groups`'s docstring; the groups run PARALLEL_GROUPS at a time.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import time
@@ -65,6 +61,11 @@ FAULT_STEP = 12
 SHORT_STALL_S = 4.0
 SHORT_STALL_TIMEOUT_S = 10.0
 """`sync.timeout_s` (and the RPC and server timeouts) of the short freeze: 2.5 times the freeze."""
+KILL_TIMEOUT_S = 10.0
+"""`sync.timeout_s` (and the RPC and server timeouts) of the kill cases: a killed rank must be named
+within it (a dead process and a stopped one look alike; only the clock tells them apart)."""
+KILL_MARGIN_S = 5.0
+"""What a survivor may take beyond the timeout to notice the verdict and leave."""
 LONG_TIMEOUT_S = 5.0
 """`sync.timeout_s` (and the RPC and server timeouts) of the long freeze."""
 LONG_STALL_S = 14.0
@@ -87,6 +88,8 @@ class Cell:
     """ma | easgd | bmuf | gba (GBA mode) | sync (gba in sync all-reduce mode) | easgd_ps."""
     tables: str
     """torchrec (sharded over the trainers) | ps (hosted on the server)."""
+    mode: str = "shadow"
+    """The shadow algorithms' mode: shadow, or foreground (rounds in the training thread)."""
 
     @property
     def servers(self) -> int:
@@ -98,18 +101,20 @@ class Cell:
 
     @property
     def name(self) -> str:
-        return f"{self.algo}-{self.tables}"
+        return f"{self.algo}-{self.tables}" + ("-foreground" if self.mode == "foreground" else "")
 
     def sync_config(self, timeout_s: float) -> shadowgba.SyncConfig:
         return from_dict(shadowgba.SyncConfig, {
-            "algo": "gba" if self.algo == "sync" else self.algo, "mode": "shadow", "interval_ms": 5.0,
+            "algo": "gba" if self.algo == "sync" else self.algo, "mode": self.mode, "interval_ms": 5.0,
+            "foreground_every": 3,
             "first_round_after": 2, "log_interval_s": 0.0, "timeout_s": timeout_s,
             "ps": {"num_servers": self.servers, "rpc_timeout_s": timeout_s, "trainer_timeout_s": timeout_s},
             "gba": {"initial_mode": "sync" if self.algo == "sync" else "gba", "switch_policy": {"enabled": False}},
         })
 
 
-CELLS = [Cell(algo, "torchrec") for algo in ("ma", "easgd", "bmuf", "gba", "sync", "easgd_ps")] + [
+CELLS = [Cell("ma", "torchrec"), Cell("easgd", "torchrec"), Cell("bmuf", "torchrec", "foreground")] + [
+    Cell(algo, "torchrec") for algo in ("gba", "sync", "easgd_ps")] + [
     Cell(algo, "ps") for algo in ("gba", "sync", "easgd_ps")]
 TRAINER_1, SERVER = ("trainer 1", "trainer1"), ("server 0", "ps0")
 """How an error may name trainer 1 and the server besides their global ranks (1 and 2)."""
@@ -289,21 +294,68 @@ def assert_others_end_naming(ran: Ran, lost_rank: int, roles: tuple[str, ...], f
 
 
 # ---------------------------------------------------------------------------------------- the tests
-@pytest.fixture(scope="module", params=CELLS, ids=lambda cell: cell.name)
-def stall_then_fail(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ran]:
-    """One group per cell: the short freeze (which finishes normally), then the failure on trainer 1."""
-    cell: Cell = request.param
-    cases = [Case("stall", cell, short_freeze_trainer_1, str(tmp_path_factory.mktemp(f"{cell.name}-stall")),
-                  SHORT_STALL_TIMEOUT_S, STALL_RUN_STEPS),
-             Case("fail", cell, fail_trainer_1, str(tmp_path_factory.mktemp(f"{cell.name}-fail")))]
-    outcomes = run_group(cell, cases, GROUP_DEADLINE_S + RUN_CAP_S)
-    return {case.name: Ran(case, outcomes) for case in cases}
+KILLED_CELLS = [MA, GBA_TORCHREC, GBA_PS]
+"""Kill cells: ma (easgd, bmuf and sync all-reduce share its collectives on a trainer group), gba
+over TorchRec tables (lockstep: the all-to-all) and gba over PS tables (the servers' heartbeat);
+easgd_ps over PS tables shares gba-ps's path (RPC only, the same heartbeat)."""
+SERVER_KILLED_CELLS = [GBA_PS]
+"""Server kill: gba over PS tables (dense shard and tables on the killed server); easgd_ps's centre
+fails through the same transport path."""
+LONG_FROZEN_CELLS = [MA, GBA_TORCHREC, GBA_PS]
+PARALLEL_GROUPS = 4
+"""Spawned groups run at once: a group spends most of its time waiting (freezes, timeouts), not
+computing, so the matrix's wall time is about a quarter of the groups' total."""
 
 
-def test_a_trainer_stalled_for_less_than_the_timeout_lets_the_job_carry_on(stall_then_fail: dict[str, Ran]) -> None:
+def matrix_groups(root: Path) -> dict[str, list[Case]]:
+    """Every group of the matrix: name -> its cases, run one after another in one spawned group.
+
+    A case that kills a rank, or leaves one waiting in TorchRec's all-to-all (a failure over
+    TorchRec tables: the peer is released only when the failed process exits), must be the last of
+    its group. So the PS-table cells share one group (each short freeze, then each failure) that
+    ends with gba over TorchRec tables; every other TorchRec cell gets a group of its own."""
+    def case(name: str, cell: Cell, arm: Callable[[FaultInjector], Any], timeout_s: float = TIMEOUT_S,
+             steps: int | None = None) -> Case:
+        directory = root / f"{cell.name}-{name}"
+        directory.mkdir(parents=True)
+        return Case(name, cell, arm, str(directory), timeout_s, steps)
+
+    def stall_then_fail(cell: Cell) -> list[Case]:
+        return [case("stall", cell, short_freeze_trainer_1, SHORT_STALL_TIMEOUT_S, STALL_RUN_STEPS),
+                case("fail", cell, fail_trainer_1)]
+
+    with_servers = [cell for cell in CELLS if cell.tables == "ps"] + [GBA_TORCHREC]
+    groups = {"servers": [one for cell in with_servers for one in stall_then_fail(cell)]}
+    groups |= {cell.name: stall_then_fail(cell) for cell in CELLS if cell not in with_servers}
+    groups |= {f"kill-{cell.name}": [case("kill", cell, kill_trainer_1, KILL_TIMEOUT_S)] for cell in KILLED_CELLS}
+    groups |= {f"kill_server-{cell.name}": [case("kill_server", cell, kill_the_server, KILL_TIMEOUT_S)]
+               for cell in SERVER_KILLED_CELLS}
+    groups |= {f"freeze-{cell.name}": [case("freeze", cell, long_freeze_trainer_1, LONG_TIMEOUT_S)]
+               for cell in LONG_FROZEN_CELLS}
+    return groups
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Ran]:
+    """Every group, PARALLEL_GROUPS at a time; each case's result by (cell name, case name)."""
+    groups = matrix_groups(tmp_path_factory.mktemp("faults"))
+
+    def run(cases: list[Case]) -> list[Ran]:
+        deadline_s = GROUP_DEADLINE_S + RUN_CAP_S * (len(cases) - 1)
+        outcomes = run_group(cases[0].cell, cases, deadline_s)
+        return [Ran(case, outcomes) for case in cases]
+
+    with concurrent.futures.ThreadPoolExecutor(PARALLEL_GROUPS) as pool:
+        ran = [one for group in pool.map(run, groups.values()) for one in group]
+    return {(one.case.cell.name, one.case.name): one for one in ran}
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda cell: cell.name)
+def test_a_trainer_stalled_for_less_than_the_timeout_lets_the_job_carry_on(
+        matrix: dict[tuple[str, str], Ran], cell: Cell) -> None:
     """Every rank finishes without an error, every trainer all its steps; the frozen trainer steps on
     after the freeze (over PS tables its peer may have finished first: trainers step independently)."""
-    ran = stall_then_fail["stall"]
+    ran = matrix[cell.name, "stall"]
     stall = assert_fired(ran, "freeze", 1)
     for record in ran.records:
         assert record is not None and record["error"] is None, ran
@@ -313,9 +365,10 @@ def test_a_trainer_stalled_for_less_than_the_timeout_lets_the_job_carry_on(stall
     assert frozen is not None and frozen["step_end"][-1] > stall["at"] + SHORT_STALL_S, f"no step after the stall\n{ran}"
 
 
+@pytest.mark.parametrize("cell", CELLS, ids=lambda cell: cell.name)
 def test_an_exception_in_the_loop_ends_every_rank_and_is_what_its_own_rank_reports(
-        stall_then_fail: dict[str, Ran]) -> None:
-    ran = stall_then_fail["fail"]
+        matrix: dict[tuple[str, str], Ran], cell: Cell) -> None:
+    ran = matrix[cell.name, "fail"]
     fault = assert_fired(ran, "fail", 1)
     own = ran.records[1]
     assert own is not None and own["error"] is not None, ran
@@ -326,33 +379,29 @@ def test_an_exception_in_the_loop_ends_every_rank_and_is_what_its_own_rank_repor
     assert_others_end_naming(ran, 1, TRAINER_1, fault["at"], END_WITHIN_S)
 
 
-def single_case(cell: Cell, arm: Callable[[FaultInjector], Any], directory: Path, timeout_s: float = TIMEOUT_S) -> Ran:
-    """`cell` under one fault that ends its group (a kill, a long freeze), in a group of its own."""
-    case = Case("case", cell, arm, str(directory), timeout_s)
-    return Ran(case, run_group(cell, [case], GROUP_DEADLINE_S))
-
-
-@pytest.mark.parametrize("cell", [MA, GBA_TORCHREC, GBA_PS, EASGD_PS_PS], ids=lambda cell: cell.name)
-def test_a_killed_trainer_ends_every_survivor_naming_it(cell: Cell, tmp_path: Path) -> None:
-    ran = single_case(cell, kill_trainer_1, tmp_path)
+@pytest.mark.parametrize("cell", KILLED_CELLS, ids=lambda cell: cell.name)
+def test_a_killed_trainer_ends_every_survivor_naming_it(matrix: dict[tuple[str, str], Ran], cell: Cell) -> None:
+    """Within the timeout (`sync.timeout_s` KILL_TIMEOUT_S) and a margin for the survivors' own exit."""
+    ran = matrix[cell.name, "kill"]
     fault = assert_fired(ran, "kill", 1)
     assert ran.outcomes[1].killed, ran
-    assert_others_end_naming(ran, 1, TRAINER_1, fault["at"], END_WITHIN_S)
+    assert_others_end_naming(ran, 1, TRAINER_1, fault["at"], KILL_TIMEOUT_S + KILL_MARGIN_S)
 
 
-@pytest.mark.parametrize("cell", [GBA_PS, EASGD_PS_PS], ids=lambda cell: cell.name)
-def test_a_killed_server_ends_every_trainer_naming_it(cell: Cell, tmp_path: Path) -> None:
-    ran = single_case(cell, kill_the_server, tmp_path)
+@pytest.mark.parametrize("cell", SERVER_KILLED_CELLS, ids=lambda cell: cell.name)
+def test_a_killed_server_ends_every_trainer_naming_it(matrix: dict[tuple[str, str], Ran], cell: Cell) -> None:
+    ran = matrix[cell.name, "kill_server"]
     fault = assert_fired(ran, "kill_server", 0)
     assert fault["rank"] == 2 and ran.outcomes[2].killed, ran
-    assert_others_end_naming(ran, 2, SERVER, fault["at"], END_WITHIN_S)
+    assert_others_end_naming(ran, 2, SERVER, fault["at"], KILL_TIMEOUT_S + KILL_MARGIN_S)
 
 
-@pytest.mark.parametrize("cell", [MA, GBA_TORCHREC, GBA_PS], ids=lambda cell: cell.name)
-def test_a_trainer_stalled_for_longer_than_the_timeout_ends_the_job_as_a_kill_does(cell: Cell, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cell", LONG_FROZEN_CELLS, ids=lambda cell: cell.name)
+def test_a_trainer_stalled_for_longer_than_the_timeout_ends_the_job_as_a_kill_does(
+        matrix: dict[tuple[str, str], Ran], cell: Cell) -> None:
     """The survivors give up on the frozen trainer before it comes back, naming it; once continued,
     it ends too, with an error of its own."""
-    ran = single_case(cell, long_freeze_trainer_1, tmp_path, LONG_TIMEOUT_S)
+    ran = matrix[cell.name, "freeze"]
     fault = assert_fired(ran, "freeze", 1)
     assert_others_end_naming(ran, 1, TRAINER_1, fault["at"], LONG_STALL_S)
     frozen = ran.records[1]
