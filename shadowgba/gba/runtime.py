@@ -212,7 +212,7 @@ class GBASync(DenseSync):
             timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
             self._own_group = dist.new_group(list(self.roles.trainer_ranks), timeout=timeout,
                                              backend="nccl" if self.dense.device.type == "cuda" else "gloo")
-        initial = self.dense.empty()
+        initial = self._grad  # free until the first step; the flat optimizer copies it
         self.dense.copy_to(initial)
         with self._collective("the initial broadcast"):
             dist.broadcast(initial, src=self.roles.trainer_ranks[0], group=self._group())
@@ -271,7 +271,7 @@ class GBASync(DenseSync):
             self._after_sync_round(self._sync_round(None, stop=True, compute_s=0.0))
         if self.mode == Mode.LOCAL:
             with self._collective("the closing average"):
-                self.dense.average_(self._group())
+                self.dense.average_(self._group(), self._grad)
 
     def _release(self, discard_queued: bool) -> None:
         """Mark the runtime closed, remove the step hook, stop and join the client's threads, destroy

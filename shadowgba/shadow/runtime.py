@@ -135,7 +135,7 @@ class ShadowSync(DenseSync):
                                  "(the world includes the parameter servers)")
             self._group = self._parent_group
             self._owns_group = False
-        initial = self.dense.empty()
+        initial = self._snapshot  # free until the first round; what the algorithm keeps, it copies
         self.dense.copy_to(initial)
         dist.broadcast(initial, src=self._group_rank0(), group=self._group)
         self.dense.copy_from(initial)
