@@ -3,7 +3,10 @@
 Each rank runs `fn(rank, world_size, *args)` after `init_process_group("gloo")` and sends back its
 return value (serialised with torch.save) or its formatted traceback. `run_ranks` returns the per-rank results in rank order,
 or raises with every failing rank's traceback; ranks still alive at the deadline are killed and
-reported as hung. Processes are spawned (not forked) so no torch thread pool is inherited.
+reported as hung. Processes come from a fork server (`multiprocessing`'s "forkserver" start
+method): a clean process, started once per test session, that has imported torch, TorchRec and
+shadowgba but run nothing, forks each rank. So no thread pool or group is inherited, as with
+spawning, but a rank does not pay the imports (seconds of CPU each, most of a small job's cost).
 
 `run_ranks_outcomes` is the same harness for fault-injection tests: it never raises for a rank,
 and returns each rank's `RankOutcome` instead, so that a rank killed on purpose (SIGKILL) reads as
@@ -26,6 +29,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+PRELOADED = ["torch", "torch.distributed", "torch.distributed.rpc", "torchrec", "shadowgba", "tests.tiny_dmp"]
+"""What the fork server imports before it forks any rank."""
+
+
+def _context() -> Any:
+    """The fork-server context, its preload set before the server first starts."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)
+    return context
 
 
 def free_port() -> int:
@@ -75,7 +89,7 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, time
                        group_timeout_s: float | None = None) -> list[RankOutcome]:
     """Run `fn` on `world_size` ranks; every rank's `RankOutcome`, in rank order. `group_timeout_s`:
     the default group's collective timeout (None: torch's default)."""
-    context = mp.get_context("spawn")
+    context = _context()
     results = context.Queue()
     port = free_port()
     processes = [
