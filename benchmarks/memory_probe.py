@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -170,12 +171,27 @@ def fix_mmap_threshold(mib: float) -> None:
         raise OSError("mallopt(M_MMAP_THRESHOLD) refused")
 
 
+def trim_periodically(period_s: float) -> None:
+    """A daemon thread that hands glibc's freed pages back to the system (`malloc_trim`, every
+    arena) every `period_s`: the alternative to a fixed threshold that costs nothing per allocation."""
+    trim = ctypes.CDLL("libc.so.6").malloc_trim
+
+    def run() -> None:
+        while True:
+            time.sleep(period_s)
+            trim(0)
+
+    threading.Thread(target=run, name="malloc-trim", daemon=True).start()
+
+
 def probe_rank(rank: int, world_size: int, case: str, warmup: int, steps: int,
-               mmap_threshold_mib: float | None = None) -> dict[str, Any]:
+               mmap_threshold_mib: float | None = None, trim_every_s: float | None = None) -> dict[str, Any]:
     """A rank of one case: trainers measure themselves; a GBA server measures its peak over the job."""
     torch.set_num_threads(1)
     if mmap_threshold_mib is not None:
         fix_mmap_threshold(mmap_threshold_mib)
+    if trim_every_s is not None:
+        trim_periodically(trim_every_s)
     if case not in ("sync", "gba"):
         return measure_trainer(case, None, warmup, steps, seed=rank)
     from shadowgba.gba.runtime import serve_dense_shard
@@ -214,10 +230,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="steps with the runtime")
     parser.add_argument("--mmap-threshold-mib", type=float, default=None,
                         help="fix glibc's mmap threshold in every rank (`fix_mmap_threshold`)")
+    parser.add_argument("--trim-every-s", type=float, default=None,
+                        help="malloc_trim in every rank this often (`trim_periodically`)")
     args = parser.parse_args()
     for case in args.cases.split(","):
         results = run_ranks(probe_rank, 3 if case == "gba" else 2, case, args.warmup, args.steps,
-                            args.mmap_threshold_mib, timeout_s=900.0)
+                            args.mmap_threshold_mib, args.trim_every_s, timeout_s=900.0)
         dense_bytes = next(r["dense_bytes"] for r in results if "dense_bytes" in r)
         for result in results:
             print(row(result, dense_bytes), flush=True)
