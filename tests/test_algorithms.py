@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -29,7 +31,7 @@ INITIAL = torch.linspace(-1.0, 1.0, SIZE, dtype=torch.float64)
 
 def run_rounds(rank: int, world_size: int, name: str, options: dict, rounds: int) -> dict:
     algorithm = sync_algos.build_algorithm(name, options, None, INITIAL.clone())
-    targets = [algorithm.round(snapshot_of(rank, r), stop=False).target for r in range(rounds)]
+    targets = [algorithm.round(snapshot_of(rank, r), stop=False).target.clone() for r in range(rounds)]  # a buffer the next round reuses
     return {"targets": targets, "state": algorithm.state_dict()}
 
 
@@ -121,7 +123,7 @@ def run_synced_rounds(rank: int, world_size: int, name: str, restored: dict | No
         algorithm.load_state_dict(restored)
     targets, states = [], []
     for round_index in range(2):
-        targets.append(algorithm.sync(snapshot_of(rank, round_index), stop=False).target)
+        targets.append(algorithm.sync(snapshot_of(rank, round_index), stop=False).target.clone())
         states.append(algorithm.state_dict())
     return {"targets": targets, "states": states}
 
@@ -316,7 +318,9 @@ def nonfinite_and_aborted_rounds(rank: int, world_size: int, names: list[str]) -
                 rounds.append(None)
                 continue
             snapshot = poisoned(rank, r) if rank in bad else snapshot_of(rank, r)
-            rounds.append({"result": algorithm.sync(snapshot, stop=False), "state": algorithm.state_dict()})
+            result = algorithm.sync(snapshot, stop=False)
+            rounds.append({"result": dataclasses.replace(result, target=result.target.clone()),  # the buffer is reused
+                           "state": algorithm.state_dict()})
         out[name] = rounds
     return out
 
