@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from dlrm.checkpoints import CheckpointOptions, JobCheckpoints
 from dlrm.config import ExperimentConfig, preset_names, preset_overrides
-from dlrm.faults import KillAt, restart_count
+from dlrm.faults import FaultInjector, restart_count
 from dlrm.curve import heldout_curve
 from dlrm.job import (
     MiB, Interval, ResourceMeter, StepWallClock, applied_samples, dense_sync, gather_resources, join, resource_summary,
@@ -100,7 +100,7 @@ def run_trainer(
     stop = StopRule(config.train, config.lockstep, roles, device, applied_samples(gba, config) if gba else None)
     curve = heldout_curve(config, model.module, data, roles, device, sync)
     checkpoints = JobCheckpoints(options, config, model, optimizer, sync, job) if options.directory else None
-    fault = KillAt(roles.trainer_index)
+    fault = FaultInjector.from_env(roles.trainer_index)
     clock = StepWallClock()
 
     def between_steps(step: int, elapsed_s: float) -> float:

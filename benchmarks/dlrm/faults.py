@@ -182,10 +182,6 @@ class FaultInjector:
         os.kill(self.pids[fault.rank], signal.SIGKILL)
 
 
-KillAt = FaultInjector.from_env
-"""The harness's name for its injector (`benchmarks/train_dlrm.py`)."""
-
-
 def exchange_pids() -> list[int]:
     """Every rank's process id by global rank (collective over the default group, every rank)."""
     pids: list[int] = [0] * dist.get_world_size()
