@@ -35,8 +35,8 @@ class SyncRound:
     """What one sync all-reduce brought back (the same on every trainer)."""
 
     mean_gradient: torch.Tensor | None
-    """The mean of the contributed gradients (a new tensor), or None when this trainer did not
-    contribute or nobody did."""
+    """The mean of the contributed gradients, or None when this trainer did not contribute or
+    nobody did: a view of the round's buffer (divided in place), valid until the next round."""
     stopped: bool
     """A trainer is closing: no more collectives until `close()`."""
     switch_to_gba: bool
@@ -60,6 +60,11 @@ class SyncAllReduce:
         self._num_trainers = num_trainers
         self._trainer_index = trainer_index
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The one buffer every round reuses: [gradient | control]."""
+        return self._buffer
+
     def round(self, group: dist.ProcessGroup | None, gradient: torch.Tensor | None, stop: bool, switch_to_gba: bool,
               compute_s: float, finite: bool = True) -> SyncRound:
         """All-reduce this trainer's `gradient` (None: contribute nothing and apply nothing) and flags
@@ -80,7 +85,7 @@ class SyncAllReduce:
         compute_times, nonfinite = per_trainer[:self._num_trainers], per_trainer[self._num_trainers:]
         takes_part = gradient is not None and contributors > 0
         return SyncRound(
-            mean_gradient=self._gradient / contributors if takes_part else None,
+            mean_gradient=self._gradient.div_(contributors) if takes_part else None,
             stopped=stopped > 0,
             switch_to_gba=switch > 0,
             compute_times=compute_times,

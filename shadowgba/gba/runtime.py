@@ -544,7 +544,7 @@ class GBASync(DenseSync):
     def _held_tensors(self) -> dict[str, torch.Tensor]:
         """The dense-sized tensors this runtime holds of its own (`metrics.memory()`): the gradient,
         the sync all-reduce's buffer, the flat optimizer's parameters and state, the GBA queue."""
-        held = {"gradient": self._grad, "allreduce": self._allreduce._buffer, **self._client.held_tensors()}
+        held = {"gradient": self._grad, "allreduce": self._allreduce.buffer, **self._client.held_tensors()}
         flat = self._flat
         if flat is not None:
             held["optimizer_param"] = flat.param
