@@ -361,11 +361,14 @@ SERVER_CASES: dict[str, dict[str, Any]] = {
     "gba_torchrec": {"algo": "gba", "gba": {"initial_mode": "gba", "aggregation": "global_batch"},
                      "ps": {"num_servers": 1}},
     "gba_ps": {"algo": "gba", "gba": {"initial_mode": "gba", "aggregation": "global_batch"}, "ps": {"num_servers": 1}},
+    "sync_ps": {"algo": "gba", "gba": {"initial_mode": "sync"}, "ps": {"num_servers": 1}},
     "easgd_ps": {"algo": "easgd_ps", "mode": "foreground", "foreground_every": 2, "ps": {"num_servers": 2}},
 }
-"""gba in GBA mode over TorchRec-sharded tables and over PS tables (2 trainers + 1 server), and easgd_ps
-over PS tables (1 trainer + 2 servers), each on the 3 ranks of the shared group."""
-PS_TABLE_CASES = {"gba_ps", "easgd_ps"}
+"""gba in GBA mode over TorchRec-sharded tables and over PS tables, gba in sync all-reduce mode over PS
+tables (2 trainers + 1 server; sync mode over TorchRec tables is `EXACT_CASES`' gba_sync), and
+easgd_ps over PS tables (1 trainer + 2 servers: with two trainers their exchanges with the centre
+would race), each on the 3 ranks of the shared group."""
+PS_TABLE_CASES = {"gba_ps", "sync_ps", "easgd_ps"}
 
 
 def _plain(value: Any) -> Any:
@@ -571,14 +574,15 @@ def _trainers_of(case: list[Any]) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("case", list(SERVER_CASES))
 def test_with_servers_a_run_stopped_and_resumed_ends_exactly_where_an_uninterrupted_run_does(with_servers: dict,
                                                                                             case: str) -> None:
-    """gba in GBA mode and easgd_ps (its centre on the servers included)."""
+    """gba in GBA and sync mode and easgd_ps (its centre on the servers included)."""
     runs = _trainers_of(with_servers[case])
     assert len(runs) == 3 - SERVER_CASES[case]["ps"]["num_servers"]
     for trainer, run in enumerate(runs):
         whole, resumed = run["whole"], run["resumed"]
         assert resumed["resumed_from"] == SERVER_STOP_AT
-        if case.startswith("gba"):
-            assert whole["final"]["sync"]["mode"] == resumed["final"]["sync"]["mode"] == "gba"
+        if SERVER_CASES[case]["algo"] == "gba":
+            mode = SERVER_CASES[case]["gba"]["initial_mode"]
+            assert whole["final"]["sync"]["mode"] == resumed["final"]["sync"]["mode"] == mode
             assert whole["final"]["sync"]["optimizer"]["global_step"] == SERVER_STEPS
             assert resumed["final"]["sync"]["optimizer"]["global_step"] == SERVER_STEPS
         assert _max_abs_diff(whole["at_stop"]["model"], whole["final"]["model"]) > 1e-4  # the last steps trained
@@ -586,7 +590,7 @@ def test_with_servers_a_run_stopped_and_resumed_ends_exactly_where_an_uninterrup
         for part in whole["final"]:  # dense weights, tables, their optimizer state, the shards' state, the centre
             diff = _max_abs_diff(whole["final"][part], resumed["final"][part])
             assert diff <= 1e-6, f"{case}: trainer {trainer}'s {part} differs by {diff}"
-    if case == "easgd_ps":
+    if SERVER_CASES[case]["algo"] == "easgd_ps":
         whole = runs[0]["whole"]
         assert whole["final"]["centre"]["num_servers"] == 2
         assert _max_abs_diff(whole["at_stop"]["centre"], whole["final"]["centre"]) > 1e-6  # rounds moved it
