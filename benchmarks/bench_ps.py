@@ -38,7 +38,6 @@ import inspect
 import json
 import os
 import re
-import resource
 import statistics
 import sys
 import threading
@@ -50,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_summary import Column, markdown_table, ratios_to  # noqa: E402
+from dlrm.host import cpu_seconds, free_port  # noqa: E402
 
 LOCAL_BATCH = 512
 """Samples per push (its weight in the global batch)."""
@@ -78,17 +78,11 @@ def parse_size(text: str) -> int:
     return max(4, size // 4 * 4)
 
 
-def cpu_seconds() -> float:
-    """User + system CPU seconds of this process so far."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 class Probe:
-    """Served on every server rank: its CPU clock and peak RSS, read by trainer 0 around a window."""
+    """Served on every server rank: its CPU clock, read by trainer 0 around a window."""
 
-    def cpu(self) -> tuple[float, int]:
-        return cpu_seconds(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    def cpu(self) -> float:
+        return cpu_seconds()
 
 
 def _rank_main(rank: int, world: World, port: int, plan: dict[str, Any], results: Any) -> None:
@@ -157,7 +151,7 @@ def _trainer_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[dic
             totals = torch.tensor([pushes, kept, cpu], dtype=torch.float64)
             dist.all_reduce(totals, group=group)
             if roles.trainer_index == 0:
-                server_cpu = [end - start for (start, _), (end, _) in zip(probe, _server_clock(world.shards))]
+                server_cpu = [end - start for start, end in zip(probe, _server_clock(world.shards))]
                 ingest = totals[0].item() * size / elapsed / world.shards
                 windows.append({
                     "kind": "dense", "size": size, "in_flight": in_flight, "window_s": elapsed,
@@ -172,7 +166,7 @@ def _trainer_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[dic
     return windows
 
 
-def _server_clock(num_servers: int) -> list[tuple[float, int]]:
+def _server_clock(num_servers: int) -> list[float]:
     from shadowgba.ps import transport
 
     return [transport.call(server, "bench", "cpu") for server in range(num_servers)]
@@ -247,13 +241,9 @@ def _embedding_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[d
 
 def run_world(world: World, plan: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
     """Spawn one world, return trainer 0's windows (or exit naming the failure)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     context = mp.get_context("spawn")
     results = context.Queue()
     size = world.trainers + world.shards

@@ -29,8 +29,6 @@ import dataclasses
 import glob
 import json
 import os
-import resource
-import socket
 import statistics
 import tempfile
 import threading
@@ -38,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from dlrm.host import cpu_seconds, free_port
 from example_job import ROOT
 import throughput_model as tm
 
@@ -67,31 +66,18 @@ def preset_arguments(preset: str) -> list[str]:
     return [] if preset == "example" else preset_overrides(preset)
 
 
-def cpu_s() -> float:
-    """CPU seconds of this process (every thread), user plus system."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def timed(operation: Callable[[], Any], reps: int, count: int) -> dict[str, float]:
     """Median over `reps` repetitions of `count` calls of `operation`: wall and CPU seconds per call."""
     walls, cpus = [], []
     operation()
     for _ in range(reps):
-        wall, cpu = time.perf_counter(), cpu_s()
+        wall, cpu = time.perf_counter(), cpu_seconds()
         for _ in range(count):
             operation()
         walls.append((time.perf_counter() - wall) / count)
-        cpus.append((cpu_s() - cpu) / count)
+        cpus.append((cpu_seconds() - cpu) / count)
     return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "reps": reps,
             "wall_s_min": min(walls), "wall_s_max": max(walls)}
-
-
-def free_port() -> int:
-    """A free TCP port on loopback for a process group's rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def measure_compute(preset: str, reps: int) -> dict[str, Any]:

@@ -44,9 +44,10 @@ import torch.distributed as dist
 from dlrm.checkpoints import CheckpointOptions, JobCheckpoints
 from dlrm.config import ExperimentConfig, preset_names, preset_overrides
 from dlrm.faults import FaultInjector, restart_count
+from dlrm.host import MiB
 from dlrm.curve import heldout_curve
 from dlrm.job import (
-    MiB, Interval, ResourceMeter, StepWallClock, applied_samples, dense_sync, gather_resources, join, resource_summary,
+    Interval, ResourceMeter, StepWallClock, applied_samples, dense_sync, gather_resources, join, resource_summary,
     timed_window,
 )
 from dlrm.loop import (

@@ -13,7 +13,8 @@ import bench_gba
 import bench_sync
 from bench_summary import difference_spread, merged_histogram, ratio_spread, spread, spread_cell
 from dlrm.config import preset_overrides
-from dlrm.job import ResourceMeter, StepWallClock, cpu_seconds, resource_summary
+from dlrm.host import cpu_seconds
+from dlrm.job import ResourceMeter, StepWallClock, resource_summary
 from shadowgba.errors import ConfigError
 
 

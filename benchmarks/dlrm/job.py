@@ -32,6 +32,7 @@ from torch import nn
 import shadowgba
 from ctrkit.ctr_data import CTRData
 from dlrm.config import ExperimentConfig
+from dlrm.host import MiB, cpu_seconds, peak_rss_mib
 from dlrm.loop import TrainStats
 from dlrm.model import tables
 from dlrm.pma import PeriodicAveraging
@@ -74,20 +75,8 @@ def applied_samples(sync: Any, config: ExperimentConfig) -> Callable[[], int]:
     return count
 
 
-MiB = 2**20
 Interval = tuple[float, float]
 """Wall-clock seconds (`time.time()`: comparable across the ranks' machines, unlike a monotonic clock)."""
-
-
-def cpu_seconds() -> float:
-    """User + system CPU seconds this process has used so far, all its threads included."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory so far (Linux reports `ru_maxrss` in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MiB
 
 
 def rss_mib() -> float:
