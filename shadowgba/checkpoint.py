@@ -74,6 +74,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 import zlib
 from concurrent.futures import Future
@@ -154,7 +155,12 @@ class PerTrainer:
         return {self.key: _to_bytes(self.target.state_dict())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.target.load_state_dict(_from_bytes(state[self.key], self.key))
+        loaded = _from_bytes(state[self.key], self.key)
+        if "torchrec" in sys.modules:  # a TorchRec optimizer needs its state before it loads one
+            from shadowgba.integrations.torchrec import give_lazy_state
+
+            give_lazy_state(self.target, loaded)
+        self.target.load_state_dict(loaded)
 
 
 class ModelState:

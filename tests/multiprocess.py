@@ -148,7 +148,24 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
 
 
 def _run_jobs(rank: int, world_size: int, jobs: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
-    return [fn(rank, world_size, *args) for fn, args in jobs]
+    results = []
+    for fn, args in jobs:
+        results.append(fn(rank, world_size, *args))
+        _align_group_names()
+    return results
+
+
+def _align_group_names() -> None:
+    """Between two jobs in the same processes: every rank continues from the largest process-group
+    count. torch names a group by how many this process has created, so the ranks of one group must
+    have created equally many; a job whose ranks had different roles leaves them apart (TorchRec
+    builds groups on the trainers, which servers never see), and the next job, where those ranks may
+    be trainers together, would then wait forever in its first `new_group`."""
+    from torch.distributed import distributed_c10d
+
+    count = torch.tensor([distributed_c10d._world.group_count])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    distributed_c10d._world.group_count = int(count)
 
 
 def run_shared(world_size: int, jobs: dict[str, tuple[Callable[..., Any], tuple]], timeout_s: float = 90.0) -> dict[str, list[Any]]:

@@ -22,6 +22,8 @@ reproducible, and so can be compared with a stopped-and-resumed one, is (`_serve
   step: reproducible, and exact the same way, the EASGD centre included (gathered from both servers'
   slices by `Job.centre()`, a `Stateful`, and loaded back onto them). The same job checks that the
   centre refuses a state of another server count, another length or holding NaN, changing nothing.
+  Over TorchRec-sharded tables too (`easgd_ps_torchrec`): its dense optimizer is TorchRec's
+  `KeyedOptimizerWrapper`, which a resuming job loads before its first step.
 """
 
 from __future__ import annotations
@@ -363,11 +365,12 @@ SERVER_CASES: dict[str, dict[str, Any]] = {
     "gba_ps": {"algo": "gba", "gba": {"initial_mode": "gba", "aggregation": "global_batch"}, "ps": {"num_servers": 1}},
     "sync_ps": {"algo": "gba", "gba": {"initial_mode": "sync"}, "ps": {"num_servers": 1}},
     "easgd_ps": {"algo": "easgd_ps", "mode": "foreground", "foreground_every": 2, "ps": {"num_servers": 2}},
+    "easgd_ps_torchrec": {"algo": "easgd_ps", "mode": "foreground", "foreground_every": 2, "ps": {"num_servers": 2}},
 }
 """gba in GBA mode over TorchRec-sharded tables and over PS tables, gba in sync all-reduce mode over PS
 tables (2 trainers + 1 server; sync mode over TorchRec tables is `EXACT_CASES`' gba_sync), and
-easgd_ps over PS tables (1 trainer + 2 servers: with two trainers their exchanges with the centre
-would race), each on the 3 ranks of the shared group."""
+easgd_ps over PS tables and over TorchRec-sharded ones (1 trainer + 2 servers: with two trainers
+their exchanges with the centre would race), each on the 3 ranks of the shared group."""
 PS_TABLE_CASES = {"gba_ps", "sync_ps", "easgd_ps"}
 
 
@@ -625,6 +628,43 @@ def test_with_servers_a_resume_restores_the_saved_state_bit_for_bit_and_a_corrup
         assert f"holds {length} values of torch.float32, got ({length - 1},)" in refusals["length"]
         assert "refuses NaN or Inf values" in refusals["nan"]
         assert "has keys ['centre', 'num_servers'], got list" in refusals["not_a_state"]
+
+
+def test_a_keyed_optimizer_that_has_not_stepped_loads_a_saved_state_without_a_step() -> None:
+    """TorchRec's KeyedOptimizer refuses state for an unstepped optimizer (every optimizer of a job
+    that resumes); `PerTrainer` gives it that state first, for a `CombinedOptimizer`'s parts too,
+    without stepping: weight decay does not move the parameters and nothing hooked on `step` runs."""
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+
+    from shadowgba.checkpoint import PerTrainer
+
+    def build() -> tuple[dict[str, torch.nn.Parameter], CombinedOptimizer]:
+        torch.manual_seed(0)
+        params = {"a": torch.nn.Parameter(torch.randn(4, 3)), "b": torch.nn.Parameter(torch.randn(5))}
+        parts = [(name, KeyedOptimizerWrapper({name: param}, lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5)))
+                 for name, param in params.items()]
+        return params, CombinedOptimizer(parts)
+
+    params, stepped = build()
+    for _ in range(3):
+        stepped.zero_grad()
+        sum((param ** 2).sum() for param in params.values()).backward()
+        stepped.step()
+    saved = PerTrainer(stepped, 0).state_dict()
+
+    fresh_params, fresh = build()
+    before = {name: param.detach().clone() for name, param in fresh_params.items()}
+    with pytest.raises(ValueError, match="Different parameter count"):  # what TorchRec alone does
+        fresh.load_state_dict(stepped.state_dict())
+    fresh.step = lambda *args, **kwargs: pytest.fail("loading must not step")  # type: ignore[method-assign]
+    PerTrainer(fresh, 0).load_state_dict(saved)
+    for name, param in fresh_params.items():
+        assert torch.equal(param, before[name])
+    want, got = stepped.state_dict()["state"], fresh.state_dict()["state"]
+    assert set(got) == set(want) == {"a.a", "b.b"}
+    for key in want:
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got[key][field], want[key][field]), (key, field)
 
 
 def test_a_centre_slice_loads_a_checkpoints_values_and_refuses_another_slice_shape_dtype_or_nan() -> None:

@@ -11,6 +11,9 @@
   planner's collectives and all-to-all, so its construction is refused, naming the fix.
 - `dense_optimizer`: the torch optimizer of the dense parameters inside TorchRec's
   `KeyedOptimizerWrapper` / `CombinedOptimizer` (GBA mirrors its type and hyperparameters).
+- `give_lazy_state`: TorchRec's `KeyedOptimizer.load_state_dict` refuses a saved state for an
+  optimizer that has not stepped yet (torch's optimizers create their state at the first step),
+  which is every optimizer of a job resuming from a checkpoint; this creates those entries first.
 - `BatchCheck` / `check_batches`: a malformed batch (unknown or missing feature keys, ids outside a
   table, lengths that do not add up to the values) is refused on the rank that got it, naming the
   feature, the table and the bad value, before a sharded `EmbeddingBagCollection`'s input
@@ -22,6 +25,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from typing import Any, Iterator, Sequence
@@ -33,7 +37,7 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from shadowgba.errors import SetupError
@@ -41,7 +45,7 @@ from shadowgba.ps.embedding import id_out_of_range, ids_outside
 
 __all__ = [
     "BatchCheck", "ShadowDataParallelWrapper", "ShardingGuard", "check_batches", "dense_named_parameters",
-    "dense_optimizer", "dmp_kwargs", "has_sharded_tables",
+    "dense_optimizer", "dmp_kwargs", "give_lazy_state", "has_sharded_tables",
 ]
 
 
@@ -214,6 +218,40 @@ def dense_optimizer(optimizer: Any, dense_params: Sequence[nn.Parameter]) -> tor
         f"none of the optimizers inside {type(optimizer).__name__} ({names}) steps every dense parameter; "
         "GBA needs one dense optimizer over all of them"
     )
+
+
+def give_lazy_state(optimizer: Any, saved: Any) -> None:
+    """Before `optimizer.load_state_dict(saved)`: every parameter of a TorchRec `KeyedOptimizer`
+    (a `CombinedOptimizer`'s parts included) that has no state yet but has some in `saved` gets a
+    copy of the saved entries, which the load then overwrites in place.
+
+    TorchRec's own `init_state()` would run a dummy step instead: that step moves parameters under
+    weight decay and runs whatever hooks `step` (shadowgba's step boundary among them). Tensors go
+    to the parameter's device and floating dtype, except `step`, as torch's optimizers load them.
+    Anything else (a torch optimizer, a malformed `saved`) is left to `load_state_dict` to judge.
+    """
+    if isinstance(optimizer, KeyedOptimizer) and isinstance(saved, dict) and isinstance(saved.get("state"), dict):
+        _give_lazy_state(optimizer, saved["state"], "")
+
+
+def _give_lazy_state(optimizer: KeyedOptimizer, saved: dict[str, Any], prefix: str) -> None:
+    if isinstance(optimizer, CombinedOptimizer):
+        for name, part in optimizer.optimizers:
+            _give_lazy_state(part, saved, f"{prefix}{name}." if name else prefix)
+        return
+    for key, param in optimizer.params.items():
+        entry = saved.get(prefix + key)
+        if param not in optimizer.state and isinstance(entry, dict):
+            optimizer.state[param] = {name: _like_param(name, value, param) for name, value in entry.items()}
+
+
+def _like_param(name: str, value: Any, param: torch.Tensor) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return copy.deepcopy(value)
+    if name == "step":
+        return value.clone()
+    dtype = param.dtype if value.is_floating_point() else value.dtype
+    return value.to(device=param.device, dtype=dtype, copy=True)
 
 
 def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
