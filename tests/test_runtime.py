@@ -14,6 +14,8 @@ from shadowgba.shadow.runtime import ShadowSync
 from sync_algos.bmuf import BMUFConfig
 from tests.multiprocess import run_ranks, run_shared
 
+from dlrm.faults import InjectedFailure, fail_round_after
+
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -152,24 +154,6 @@ def test_foreground_mode_syncs_every_k_steps(two_ranks: dict) -> None:
         # rounds at steps 10..60, plus the stop round that close() raises its flag in
         assert result["metrics"]["rounds"] == 7
         assert result["metrics"]["sync_gap_steps_mean"] == pytest.approx(60 / 7)
-
-
-class InjectedFailure(RuntimeError):
-    """Raised inside the shadow thread by the fault-injection helper."""
-
-
-def fail_round_after(sync: ShadowSync, rounds: int) -> None:
-    """Fault injection: the algorithm's round raises InjectedFailure after `rounds` good rounds."""
-    algorithm = sync._algorithm
-    original = algorithm.sync
-    calls = iter(range(10**9))
-
-    def sync_(snapshot: torch.Tensor, stop: bool):  # noqa: ANN202 (same signature as the wrapped one)
-        if next(calls) >= rounds:
-            raise InjectedFailure("injected at round %d" % rounds)
-        return original(snapshot, stop)
-
-    algorithm.sync = sync_
 
 
 def shadow_failure_reaches_training(rank: int, world_size: int) -> str:

@@ -7,6 +7,7 @@ rank the same way, each fired by the trainer it names, right after its training 
     faults.stall_at(1, step=20, seconds=3)       # trainer 1's training thread sleeps 3 s
     faults.stall_at(1, step=20, seconds=3, freeze=True)  # its whole process is stopped (SIGSTOP) for 3 s
     faults.kill_server_at(0, step=20, trainer=0)  # trainer 0 SIGKILLs server 0's process
+    fail_round_after(sync, rounds=3)             # the shadow thread's 4th round raises InjectedFailure
     for step in ...:
         ...; optimizer.step()
         faults.after_step(step)
@@ -42,7 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -54,7 +55,25 @@ LOG_ENV = "SHADOWGBA_TEST_FAULT_LOG"
 
 
 class InjectedFailure(RuntimeError):
-    """The exception a `fail_at` fault raises in the training loop (a user's bug, on purpose)."""
+    """The exception a `fail_at` fault raises in the training loop (a user's bug, on purpose), and
+    `fail_round_after` in the shadow thread."""
+
+
+def fail_round_after(sync: Any, rounds: int) -> None:
+    """The shadow algorithm of `sync` (a started `ShadowSync`) raises InjectedFailure in its round
+    after `rounds` good rounds: a failure inside the shadow thread, not the training loop."""
+    algorithm = sync._algorithm
+    original = algorithm.sync
+    done = 0
+
+    def failing_round(snapshot: Any, stop: bool) -> Any:
+        nonlocal done
+        if done >= rounds:
+            raise InjectedFailure(f"injected at round {rounds}")
+        done += 1
+        return original(snapshot, stop)
+
+    algorithm.sync = failing_round
 
 
 @dataclasses.dataclass(frozen=True)
