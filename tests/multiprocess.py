@@ -149,9 +149,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
 
 def _run_jobs(rank: int, world_size: int, jobs: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
     results = []
-    for fn, args in jobs:
+    for index, (fn, args) in enumerate(jobs):
+        if index:
+            _align_group_names()
         results.append(fn(rank, world_size, *args))
-        _align_group_names()
     return results
 
 
@@ -160,7 +161,9 @@ def _align_group_names() -> None:
     count. torch names a group by how many this process has created, so the ranks of one group must
     have created equally many; a job whose ranks had different roles leaves them apart (TorchRec
     builds groups on the trainers, which servers never see), and the next job, where those ranks may
-    be trainers together, would then wait forever in its first `new_group`."""
+    be trainers together, would then wait forever in its first `new_group`. A collective on the
+    world: never after the last job, whose failed rank must exit (so that a peer waiting in TorchRec's
+    all-to-all is released) rather than wait for that peer here."""
     from torch.distributed import distributed_c10d
 
     count = torch.tensor([distributed_c10d._world.group_count])
