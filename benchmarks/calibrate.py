@@ -8,7 +8,8 @@
 repetitions, wall and CPU seconds from getrusage beside each) and the model's inputs fitted from
 them (`throughput_model.Calibration`):
 - per-step compute of the harness's model (`dlrm.model.build_model`, TorchRec tables, one torch
-  thread, a world of one rank) for each of `PRESETS`;
+  thread, a world of one rank) for each of `PRESETS`, and for `SHARDED_PRESETS` again in worlds of
+  2, 4, 8 ranks with the tables TorchRec-sharded over them (the step's all-to-alls included);
 - gloo all-reduce time vs bytes (1 KB - 16 MB) and ranks (spawned processes on loopback), fitted by
   least squares to the ring formula (bandwidth, per-hop latency);
 - dense-shard ingest per push size and embedding lookups: from runs/bench_ps.json when it exists
@@ -57,6 +58,9 @@ STEPS_PER_REP = 10
 """Training steps timed per repetition of the compute measurement."""
 SHADOW_STEAL_PRESET = "small"
 """The preset whose step is timed beside a copying thread (the shadow steal)."""
+SHARDED_PRESETS = ("small", "production")
+"""Presets whose step is also timed with the tables TorchRec-sharded over 2, 4, 8 ranks (`--ranks`):
+the benchmarks that train TorchRec tables (bench_scaling, bench_sync) run these."""
 
 
 def preset_arguments(preset: str) -> list[str]:
@@ -80,43 +84,80 @@ def timed(operation: Callable[[], Any], reps: int, count: int) -> dict[str, floa
             "wall_s_min": min(walls), "wall_s_max": max(walls)}
 
 
-def measure_compute(preset: str, reps: int) -> dict[str, Any]:
-    """One training step of the harness's model for `preset`, alone in a world of one rank."""
+def _step_cost(preset: str, reps: int, rank: int, world_size: int, steal: bool) -> dict[str, Any]:
+    """Time one training step of the harness's model for `preset` on this rank of an initialised
+    world of `world_size` ranks (TorchRec shards the tables over them, so a step's all-to-alls are in
+    the time); with `steal`, also the shadow steal beside it."""
     import torch
-    import torch.distributed as dist
     from dlrm.config import ExperimentConfig
     from dlrm.job import join
     from dlrm.model import DENSE_OPTIMIZERS, build_model
     from ctrkit.datasets import open_dataset
     from shadowgba.config import load_config
 
+    config = load_config(ExperimentConfig, None, [*preset_arguments(preset), "--baseline", "none"])
+    data = open_dataset(config.data)
+    model = build_model(config, data, join(config, data, "gloo"), torch.device("cpu"))
+    optimizer = DENSE_OPTIMIZERS[config.train.dense_optimizer](model.dense_params, lr=config.train.dense_lr)
+    batches = data.train_batches(rank, world_size)
+
+    def step() -> None:
+        loss, _ = model.module(next(batches))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    step_cost = timed(step, reps, STEPS_PER_REP)
+    synthetic = config.data.synthetic
+    return {
+        "preset": preset, "ranks": world_size, **step_cost,
+        "dense_params": sum(param.numel() for param in model.dense_params), "batch_size": config.data.batch_size,
+        "lookup_bytes": synthetic.num_tables * synthetic.ids_per_sample * config.data.batch_size
+        * config.model.embedding_dim * 4,
+        "shadow_steal": shadow_steal(step, model.dense_params, reps) if steal else None,
+    }
+
+
+def measure_compute(preset: str, reps: int) -> dict[str, Any]:
+    """One training step of the harness's model for `preset`, alone in a world of one rank."""
+    import torch
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        config = load_config(ExperimentConfig, None, [*preset_arguments(preset), "--baseline", "none"])
-        data = open_dataset(config.data)
-        model = build_model(config, data, join(config, data, "gloo"), torch.device("cpu"))
-        optimizer = DENSE_OPTIMIZERS[config.train.dense_optimizer](model.dense_params, lr=config.train.dense_lr)
-        batches = data.train_batches(0, 1)
-
-        def step() -> None:
-            loss, _ = model.module(next(batches))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-
-        step_cost = timed(step, reps, STEPS_PER_REP)
-        stolen = shadow_steal(step, model.dense_params, reps) if preset == SHADOW_STEAL_PRESET else None
-        synthetic = config.data.synthetic
-        return {
-            "preset": preset, **step_cost, "dense_params": sum(param.numel() for param in model.dense_params),
-            "batch_size": config.data.batch_size,
-            "lookup_bytes": synthetic.num_tables * synthetic.ids_per_sample * config.data.batch_size
-            * config.model.embedding_dim * 4,
-            "shadow_steal": stolen,
-        }
+        return _step_cost(preset, reps, 0, 1, steal=preset == SHADOW_STEAL_PRESET)
     finally:
         dist.destroy_process_group()
+
+
+def _sharded_rank(rank: int, world_size: int, port: int, presets: Sequence[str], reps: int, output: str) -> None:
+    """One rank of the sharded-step measurement; rank 0 writes its points."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    points = [_step_cost(preset, reps, rank, world_size, steal=False) for preset in presets]
+    if rank == 0:
+        Path(output).write_text(json.dumps(points))
+    dist.destroy_process_group()
+
+
+def measure_sharded_compute(presets: Sequence[str], ranks: Sequence[int], reps: int) -> list[dict[str, Any]]:
+    """A training step at each rank count with the tables TorchRec-sharded over the ranks, as
+    bench_scaling's jobs have them: its embedding all-to-alls (ids, pooled rows, their gradients)
+    are part of each step's cost, and that cost grows with the ranks; rank 0's clock."""
+    import torch.multiprocessing as mp
+
+    points = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for world_size in ranks:
+            output = str(Path(scratch) / f"sharded_{world_size}.json")
+            mp.start_processes(_sharded_rank, (world_size, free_port(), list(presets), reps, output),
+                               nprocs=world_size, start_method="spawn")
+            points += json.loads(Path(output).read_text())
+    return points
 
 
 def shadow_steal(step: Callable[[], None], params: Sequence[Any], reps: int) -> dict[str, float]:
@@ -319,11 +360,15 @@ def fitted(measured: dict[str, Any], cores: int) -> dict[str, Any]:
     is its CPU seconds: what it costs a core of its own. Its wall time includes waiting for a core
     whenever anything else runs; on a quiet machine the two agree (one torch thread)."""
     compute = {point["preset"]: point for point in measured["compute"]}
+    sharded: dict[str, dict[str, float]] = {}
+    for point in measured.get("sharded_compute", []):
+        sharded.setdefault(point["preset"], {})[str(point["ranks"])] = point["cpu_s"]
     steal = compute[SHADOW_STEAL_PRESET]["shadow_steal"]
     ps = measured["ps"]
     return {
         "presets": {name: {"compute_s": point["cpu_s"], "dense_params": point["dense_params"],
-                           "batch_size": point["batch_size"], "lookup_bytes": point["lookup_bytes"]}
+                           "batch_size": point["batch_size"], "lookup_bytes": point["lookup_bytes"],
+                           "sharded_compute_s": sharded.get(name, {})}
                     for name, point in compute.items()},
         "allreduce": dataclasses.asdict(fit_allreduce(measured["allreduce"], cores)),
         "shard_push": dataclasses.asdict(fit_linear_cost(ps["pushes"])),
@@ -346,14 +391,20 @@ def measure(args: argparse.Namespace) -> None:
     for point in compute:
         print(f"compute {point['preset']}: {point['wall_s'] * 1e3:.1f} ms/step wall, {point['cpu_s'] * 1e3:.1f} ms CPU, "
               f"{point['dense_params']:,} dense params", flush=True)
-    allreduce = measure_allreduce([int(n) for n in args.ranks.split(",")], args.reps)
+    ranks = [int(n) for n in args.ranks.split(",")]
+    sharded = measure_sharded_compute([name for name in args.presets.split(",") if name in SHARDED_PRESETS], ranks,
+                                      args.reps)
+    for point in sharded:
+        print(f"compute {point['preset']}, tables sharded over {point['ranks']} ranks: {point['wall_s'] * 1e3:.1f} ms/step "
+              f"wall, {point['cpu_s'] * 1e3:.1f} ms CPU", flush=True)
+    allreduce = measure_allreduce(ranks, args.reps)
     bench_ps = from_bench_ps(json.loads(BENCH_PS.read_text())) if BENCH_PS.exists() else None
     if bench_ps is None or "lookups" not in bench_ps:
         stand_in = measure_stand_in(args.reps)
         ps = stand_in if bench_ps is None else {**stand_in, **bench_ps, "source": "bench_ps.json, stand-in lookups"}
     else:
         ps = bench_ps
-    measured = {"compute": compute, "allreduce": allreduce, "ps": ps}
+    measured = {"compute": compute, "sharded_compute": sharded, "allreduce": allreduce, "ps": ps}
     report = {"provisional": not args.quiet_machine, "cores": cores, "load_average": os.getloadavg(),
               "wall_s": time.perf_counter() - started, "measured": measured, "model": fitted(measured, cores)}
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -403,7 +454,8 @@ def scaling_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dic
     return [
         point("bench_scaling", run["variant"], run, run["rep"],
               tm.Job(preset_of(run, calibration), run["trainers"], tm.Hosts(calibration.cores, run["trainers"]),
-                     interval_s=run["config"]["sync"]["interval_ms"] / 1e3),
+                     interval_s=run["config"]["sync"]["interval_ms"] / 1e3,
+                     torchrec_tables=run["config"]["model"]["embeddings"] != "ps"),
               PREDICTED_AS.get(run["variant"], "shadow"), run["samples_per_s_total"])
         for run in raw["runs"]
     ]
@@ -469,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     measuring = commands.add_parser("measure", help="measure the inputs, write the calibration JSON")
     measuring.add_argument("--reps", type=int, default=5, help="repetitions per point (the median is kept)")
-    measuring.add_argument("--ranks", default="2,4,8", help="all-reduce rank counts")
+    measuring.add_argument("--ranks", default="2,4,8", help="rank counts of the all-reduce and sharded-step measurements")
     measuring.add_argument("--presets", default=",".join(PRESETS), help=f"subset of {list(PRESETS)}")
     measuring.add_argument("--quiet-machine", action="store_true", help="nothing else ran: not provisional")
     measuring.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)

@@ -92,6 +92,17 @@ class Preset:
     batch_size: int
     lookup_bytes: int
     """Bytes of embedding rows one step looks up (tables x ids per sample x batch x dim x 4)."""
+    sharded_compute_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    """CPU seconds of one step on each rank of a job whose tables TorchRec shards over that many
+    ranks (its all-to-alls of ids, pooled rows and their gradients included), by rank count, as
+    measured on the calibration machine; empty: not measured."""
+
+    def step_compute_s(self, sharded_over: int) -> float:
+        """One step's compute when the tables are TorchRec-sharded over `sharded_over` ranks (1: local
+        tables, `compute_s`): the measurement at the largest measured rank count not above it, so
+        past the measured counts the all-to-all's cost is held at the last one (not extrapolated)."""
+        measured = [ranks for ranks in self.sharded_compute_s if ranks <= sharded_over]
+        return self.sharded_compute_s[max(measured)] if measured else self.compute_s
 
     @property
     def dense_bytes(self) -> int:
@@ -196,7 +207,9 @@ class Calibration:
         raw = json.loads(path.read_text())
         model = raw["model"]
         return cls(
-            presets={name: Preset(name=name, **fields) for name, fields in model["presets"].items()},
+            presets={name: Preset(name=name, **{**fields, "sharded_compute_s": {
+                int(ranks): seconds for ranks, seconds in fields.get("sharded_compute_s", {}).items()}})
+                for name, fields in model["presets"].items()},
             allreduce=AllReduce(**model["allreduce"]),
             shard_push=LinearCost(**model["shard_push"]),
             lookup=LinearCost(**model["lookup"]),
@@ -225,6 +238,9 @@ class Job:
     """Dense shards (GBA), one per server rank; each also holds 1/shards of the tables when `ps_tables`."""
     ps_tables: bool = False
     """Tables on the parameter servers (each step waits for its lookups) rather than local / TorchRec."""
+    torchrec_tables: bool = False
+    """Tables TorchRec-sharded over the trainers: every step's all-to-alls cost what the preset's
+    `sharded_compute_s` measured at this many trainers (bench_scaling's jobs)."""
     interval_s: float = 0.2
     """Shadow thread's target time between rounds (`sync.interval_ms`)."""
 
@@ -238,7 +254,8 @@ class Job:
 
     def compute_s(self, extra_busy: float = 0.0) -> float:
         """One step's compute on its host, CPU sharing included."""
-        return self.preset.compute_s * self.hosts.stretch(extra_busy)
+        base = self.preset.step_compute_s(self.trainers) if self.torchrec_tables else self.preset.compute_s
+        return base * self.hosts.stretch(extra_busy)
 
 
 @dataclasses.dataclass(frozen=True)

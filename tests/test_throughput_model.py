@@ -144,6 +144,7 @@ def test_a_calibration_written_as_calibrate_fits_it_loads_into_the_model(tmp_pat
     ring = tm.AllReduce(1e9, 1e-5, 1e-4)
     measured = {
         "compute": [compute],
+        "sharded_compute": [{"preset": "small", "ranks": n, "wall_s": 0.04, "cpu_s": 0.02 + 0.005 * n} for n in (2, 4)],
         "allreduce": [{"ranks": n, "bytes": b, "wall_s": ring.time_s(b, n, n / 2)} for n in (2, 4) for b in (1 << 10, 1 << 20)],
         "ps": {"pushes": [{"bytes": b, "wall_s": 1e-3 + b * 1e-9} for b in (1 << 10, 1 << 20)],
                "lookups": [{"bytes": b, "wall_s": 2e-4 + b * 1e-9} for b in (1 << 10, 1 << 20)],
@@ -152,9 +153,19 @@ def test_a_calibration_written_as_calibrate_fits_it_loads_into_the_model(tmp_pat
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"provisional": True, "model": calibrate.fitted(measured, cores=2)}))
     loaded = tm.Calibration.load(path)
-    assert loaded.presets["small"] == tm.Preset("small", 0.02, 338_241, 512, 1 << 20)
+    assert loaded.presets["small"] == tm.Preset("small", 0.02, 338_241, 512, 1 << 20, {2: 0.03, 4: 0.04})
     assert loaded.shard_push.fixed_s == pytest.approx(1e-3) and loaded.shard_push.per_unit_s == pytest.approx(1e-9)
     assert loaded.allreduce.latency_s == pytest.approx(1e-5) and loaded.shadow_steal == 0.05
+
+
+def test_torchrec_tables_cost_the_step_measured_at_that_many_ranks_held_past_the_last() -> None:
+    preset = dataclasses.replace(PRESET, sharded_compute_s={2: 0.03, 8: 0.05})
+    assert [preset.step_compute_s(n) for n in (1, 2, 4, 8, 1024)] == [0.02, 0.03, 0.03, 0.05, 0.05]
+    hosts = tm.Hosts(cores=2, ranks_per_host=4)
+    sharded = tm.Job(preset, 4, hosts, torchrec_tables=True)
+    assert sharded.compute_s() == pytest.approx(0.03 * 2)  # 4 busy ranks on 2 cores
+    assert tm.Job(preset, 4, hosts).compute_s() == pytest.approx(0.02 * 2)
+    assert tm.predict_none(sharded, CALIBRATION).samples_per_s == pytest.approx(4 * 512 / 0.06)
 
 
 def test_prediction_rows_hold_each_algorithm_and_shard_count() -> None:
@@ -168,11 +179,13 @@ def test_prediction_rows_hold_each_algorithm_and_shard_count() -> None:
 
 def test_validation_reads_a_scaling_run_as_the_job_it_was() -> None:
     run = {"variant": "ddp", "rep": 0, "trainers": 4, "dense_params": PRESET.dense_params, "samples_per_s_total": 9000.0,
-           "window_s": 10.0, "resources": {"cpu_s_in_window": 15.0}, "config": {"sync": {"interval_ms": 100.0}}}
+           "window_s": 10.0, "resources": {"cpu_s_in_window": 15.0},
+           "config": {"sync": {"interval_ms": 100.0}, "model": {"embeddings": "torchrec"}}}
     (entry,) = calibrate.scaling_points({"runs": [run]}, CALIBRATION)
     assert entry["algorithm"] == "sync" and entry["measured"] == 9000.0
     assert entry["job"].hosts == tm.Hosts(cores=2, ranks_per_host=4) and entry["job"].interval_s == 0.1
     assert entry["cores_got"] == 1.5 and entry["job_at_cores_got"].hosts.cores == 1.5
+    assert entry["job"].torchrec_tables
     with pytest.raises(SystemExit, match="no calibrated preset"):
         calibrate.scaling_points({"runs": [{**run, "dense_params": 7}]}, CALIBRATION)
 
