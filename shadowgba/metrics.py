@@ -84,8 +84,8 @@ class SyncMetrics:
 
     def memory(self) -> dict[str, int]:
         """Bytes of each dense-sized tensor the runtime holds (snapshot, all-reduce buffer, algorithm
-        state and scratch, published checkpoint copy, GBA queue ...): what it adds to a trainer's
-        resident memory beyond the model and its optimizer, allocated once and reused."""
+        state and scratch, GBA queue ...): what it adds to a trainer's resident memory beyond the
+        model and its optimizer, allocated once and reused."""
         return held_bytes(self._held()) if self._held is not None else {}
 
     def summary(self) -> dict[str, float]:

@@ -26,8 +26,9 @@ what to do about them (skip or fail, leave after an abort) is decided alike ever
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, ContextManager, Mapping
 
 import torch
 import torch.distributed as dist
@@ -159,6 +160,12 @@ class SyncAlgorithm(abc.ABC):
     state_names: ClassVar[tuple[str, ...]] = ()
     scratch_names: ClassVar[tuple[str, ...]] = ()
     """Attributes holding buffers a round reuses instead of allocating (not state: not checkpointed)."""
+    state_guard: ContextManager[Any] = contextlib.nullcontext()
+    """Held whenever the state changes: by a round only after its collective (never across one),
+    by `start_at` and `load_state_dict`; `state_dict` copies under it. A runtime that reads the
+    state from another thread than the rounds' puts a lock here, so a checkpoint gets a state no
+    round is halfway through changing and waits at most for those few vector operations, never
+    for a round that waits in its collective (a peer may be waiting for this rank's checkpoint)."""
 
     def __init__(self, config: Any, group: dist.ProcessGroup | None, initial: torch.Tensor) -> None:
         """`initial` is the flat dense parameters, already identical on every rank."""
@@ -186,7 +193,8 @@ class SyncAlgorithm(abc.ABC):
             return self.round(snapshot, stop)
         average, reduced = self.average(snapshot, stop)
         if average is not None:  # a round in which no rank counted places nothing
-            self.start_at(average)
+            with self.state_guard:
+                self.start_at(average)
             self.started = True
         return self.result(snapshot, average, reduced)
 
@@ -232,7 +240,8 @@ class SyncAlgorithm(abc.ABC):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The algorithm's state (centre, global model, momentum ...) as cloned flat tensors."""
-        return {name: getattr(self, name).clone() for name in self.state_names}
+        with self.state_guard:
+            return {name: getattr(self, name).clone() for name in self.state_names}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore state saved by `state_dict`; refuse, touching nothing, if it does not fit or holds
@@ -257,6 +266,7 @@ class SyncAlgorithm(abc.ABC):
                 )
             if not is_finite(value):
                 raise ValueError(f"{self.name} state '{name}' holds NaN or Inf values")
-        for name in self.state_names:
-            getattr(self, name).copy_(state[name])
+        with self.state_guard:
+            for name in self.state_names:
+                getattr(self, name).copy_(state[name])
         self.started = True

@@ -76,8 +76,9 @@ class BlockMomentum(SyncAlgorithm):
         if average is None:  # no finite snapshot this round: the block update waits for the next
             return self.result(snapshot, None, reduced)
         block_update = average.sub_(self._block_start())  # the average is not needed after this
-        self.momentum.mul_(self.eta).add_(block_update, alpha=self.zeta)
-        self.global_model += self.momentum
+        with self.state_guard:
+            self.momentum.mul_(self.eta).add_(block_update, alpha=self.zeta)
+            self.global_model += self.momentum
         return self.result(snapshot, self._block_start(), reduced)
 
     def start_at(self, consensus: torch.Tensor) -> None:

@@ -69,7 +69,8 @@ class ElasticAveraging(SyncAlgorithm):
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
         pull = elastic_pull(snapshot, self.center, self.alpha, out=self.pull)
         reduced = self.allreduce.sum(pull, stop)
-        self.center += reduced.total  # the finite pulls only (a NaN / Inf pull was sent as zeros)
+        with self.state_guard:
+            self.center += reduced.total  # the finite pulls only (a NaN / Inf pull was sent as zeros)
         return self.result(snapshot, torch.sub(snapshot, pull, out=pull), reduced)
 
     def start_at(self, consensus: torch.Tensor) -> None:

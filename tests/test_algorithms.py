@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
+from typing import Any
 
 import pytest
 import torch
@@ -35,6 +37,43 @@ def run_rounds(rank: int, world_size: int, name: str, options: dict, rounds: int
     return {"targets": targets, "state": algorithm.state_dict()}
 
 
+class RecordingGuard:
+    """A `state_guard` that records, each time it is entered, how many collectives the rounds had
+    finished and the state then, and the state when it is left."""
+
+    def __init__(self, algorithm: sync_algos.SyncAlgorithm) -> None:
+        self.algorithm, self.collectives, self.spans = algorithm, 0, []
+        reduce = algorithm.allreduce.sum
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            result = reduce(*args, **kwargs)
+            self.collectives += 1
+            return result
+
+        algorithm.allreduce.sum = counted
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self.algorithm, name).clone() for name in self.algorithm.state_names}
+
+    def __enter__(self) -> None:
+        self.spans.append({"collectives": self.collectives, "entered": self.state()})
+
+    def __exit__(self, *exc: object) -> None:
+        self.spans[-1]["left"] = self.state()
+
+
+def guarded_rounds(rank: int, world_size: int, name: str, rounds: int) -> dict:
+    """`rounds` synced rounds (the first one places the state) with a recording guard."""
+    algorithm = sync_algos.build_algorithm(name, {}, None, INITIAL.clone())
+    guard = RecordingGuard(algorithm)
+    algorithm.state_guard = guard
+    states = [guard.state()]
+    for r in range(rounds):
+        algorithm.sync(snapshot_of(rank, r), stop=False)
+        states.append(guard.state())
+    return {"spans": guard.spans, "states": states}
+
+
 def snapshots(world_size: int, round_index: int) -> torch.Tensor:
     return torch.stack([snapshot_of(rank, round_index) for rank in range(world_size)])
 
@@ -48,6 +87,7 @@ def two_ranks() -> dict[str, list]:
         "bmuf-classic": (run_rounds, ("bmuf", {"nesterov": False}, 3)),
         **{f"synced-{name}": (run_synced_rounds, (name, None)) for name in ("ma", "easgd", "bmuf")},
         "restored-easgd": (run_synced_rounds, ("easgd", {"center": torch.full((SIZE,), 3.0, dtype=torch.float64)})),
+        **{f"guarded-{name}": (guarded_rounds, (name, 3)) for name in ("easgd", "bmuf")},
         "easgd_ps": (easgd_ps_rounds, ([False, True],)),
         "easgd_ps-poisoned": (easgd_ps_poisoned_round, ()),
     }, timeout_s=150)
@@ -178,6 +218,35 @@ COLLECTIVE_ALGORITHMS = [
 def test_one_rank_raising_the_stop_flag_stops_every_rank_in_the_same_round(name: str, three_ranks: dict) -> None:
     seen = three_ranks[f"stop-{name}"]  # rank 1 stops from round 2, rank 2 from round 5, rank 0 never
     assert seen == [[False, False, True]] * 3
+
+
+@pytest.mark.parametrize("name", ["easgd", "bmuf"])
+def test_rounds_change_the_state_only_under_the_guard_and_only_after_their_collective(name: str, two_ranks: dict) -> None:
+    """What lets a checkpoint copy the state from another thread without waiting for a collective."""
+    for result in two_ranks[f"guarded-{name}"]:
+        spans, states = result["spans"], result["states"]
+        assert [span["collectives"] for span in spans] == [1, 2, 3]  # one change per round, after its collective
+        for before, span, after in zip(states, spans, states[1:]):
+            for key in before:  # nothing changed before the guard was taken, nor after it was left
+                assert torch.equal(span["entered"][key], before[key]) and torch.equal(span["left"][key], after[key])
+            assert any(not torch.equal(before[key], after[key]) for key in before)
+
+
+def test_state_dict_copies_under_the_guard() -> None:
+    cls = sync_algos.get_algorithm("easgd")
+    algorithm = cls.__new__(cls)
+    algorithm.center = torch.zeros(4)
+    lock = threading.Lock()
+    algorithm.state_guard = lock
+    copies: list[dict] = []
+    with lock:  # a round halfway through changing the state
+        reader = threading.Thread(target=lambda: copies.append(algorithm.state_dict()))
+        reader.start()
+        reader.join(timeout=0.3)
+        assert reader.is_alive() and not copies
+        algorithm.center += 1.0
+    reader.join(timeout=5)
+    assert torch.equal(copies[0]["center"], torch.ones(4))
 
 
 def test_state_dict_round_trip_and_refusal_of_a_foreign_checkpoint() -> None:

@@ -100,10 +100,9 @@ class ShadowSync(DenseSync):
         self._first_round_due = threading.Event()  # set after `first_round_after` steps or at close
         self._rounds_finished = False
         self._round_lock = threading.Lock()  # algorithm state: rounds vs load_state_dict()
-        self._state_lock = threading.Lock()  # the published state: rounds vs state_dict()
-        self._published: dict[str, torch.Tensor] = {}
-        """The algorithm's state as of the last finished round (what `state_dict()` copies): buffers
-        allocated at start and overwritten by each round."""
+        self._state_lock = threading.Lock()
+        """The algorithm's `state_guard`: held only while its state changes, never across a collective,
+        so `state_dict()` from the training or checkpoint thread copies a whole state at once."""
         self._foreground_lock = threading.Lock()
         self._error: BaseException | None = None
         self._error_reported = False
@@ -142,7 +141,7 @@ class ShadowSync(DenseSync):
         self._algorithm = sync_algos.build_algorithm(
             self.config.algo, self.config.algorithm_config(), self._group, initial, **self._algorithm_kwargs
         )
-        self._publish_state()
+        self._algorithm.state_guard = self._state_lock
         if self.config.mode == "shadow" and self.config.writeback == "handoff":
             self._writeback = HandoffWriteBack(self.dense, self._record_applied)
         else:
@@ -266,36 +265,27 @@ class ShadowSync(DenseSync):
         """Algorithm state plus what identifies it (algorithm, parameter names) for a safe reload,
         and the step count (foreground rounds fall every `foreground_every` steps of it).
 
-        The algorithm state is the one published at the end of the last finished round, so this
-        never waits for a round in flight. It must not: a checkpoint calls it on every trainer and
-        then meets the others in a collective, while a shadow round here can be waiting for a peer
-        whose shadow thread waits for its training thread's snapshot, and that training thread is
-        already in the checkpoint's collective waiting for this one (a cycle seen in the soak)."""
+        The algorithm state is copied as the last round to change it left it. It is read without
+        waiting for a round in flight, and must be: a checkpoint calls this on every trainer and then
+        meets the others in a collective, while a shadow round here can be waiting for a peer whose
+        shadow thread waits for its training thread's snapshot, and that training thread is already
+        in the checkpoint's collective waiting for this one (a cycle seen in the soak). A round
+        changes the state only after its collective, under the algorithm's `state_guard`
+        (`_state_lock`), so the copy waits at most for those few vector operations, and no second
+        copy of the state is kept for checkpoints."""
         self._require_started()
-        with self._state_lock:
-            return {
-                "algo": self.config.algo,
-                "param_names": list(self.dense.names),
-                "algorithm": {name: value.clone() for name, value in self._published.items()},
-                "step": self._step,
-            }
-
-    def _publish_state(self) -> None:
-        """Make the algorithm's current state what `state_dict()` returns (called after each round,
-        by the thread that ran it), copied into the published buffers: no allocation per round."""
-        with self._state_lock:
-            if not self._published:
-                self._published = self._algorithm.state_dict()
-            for name, value in self._published.items():
-                value.copy_(getattr(self._algorithm, name))
+        return {
+            "algo": self.config.algo,
+            "param_names": list(self.dense.names),
+            "algorithm": self._algorithm.state_dict(),
+            "step": self._step,
+        }
 
     def _held_tensors(self) -> dict[str, torch.Tensor]:
         """The dense-sized tensors this runtime holds of its own (`metrics.memory()`)."""
         held = {"snapshot": self._snapshot}
         if self._algorithm is not None:
             held.update(self._algorithm.buffers())
-        with self._state_lock:
-            held.update({f"published_{name}": value for name, value in self._published.items()})
         return held
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -329,7 +319,6 @@ class ShadowSync(DenseSync):
                 raise CheckpointError(f"checkpoint refused: {error}") from None
             self._step = step
             self._step_counter = itertools.count(step + 1)
-            self._publish_state()
 
     # ---------------------------------------------------------------------------------- internals
     def _require_started(self) -> sync_algos.SyncAlgorithm:
@@ -385,7 +374,6 @@ class ShadowSync(DenseSync):
             return True
         with self._round_lock:
             result = self._algorithm.sync(self._snapshot, stop)
-            self._publish_state()
             if not result.kept_local:  # the delta t - s, in the snapshot's buffer (the target is reused)
                 torch.sub(result.target, self._snapshot, out=self._snapshot)
         self.metrics.record_round(time.perf_counter() - started, result.bytes_moved)
