@@ -14,7 +14,7 @@ and one trainer slowed `--factor` times by `ctrkit.straggler`:
 - gba: `gba_ps_embeddings.yaml` (global-batch aggregation, staleness decay);
 - async: `async_ps.yaml` (every gradient applied on arrival, no decay).
 All three share the optimizer, learning rates and global batch (N x local batch); the dense
-learning rate is the one tuned for sync (`TUNED_FOR_SYNC`), nothing is tuned per algorithm. The
+learning rate is the one tuned for sync at each preset (`TUNED_FOR_SYNC`), nothing is tuned per algorithm. The
 algorithms run interleaved (for each seed, each preset and each shard count: sync gba async) over one
 repetition per seed of `--seeds` in one invocation, because identical runs differ too much on these machines to compare
 invocations (docs/benchmarks.md, "The development machines"). A repetition's seed is both
@@ -75,14 +75,17 @@ ALGOS: dict[str, Path] = {
 PS_JOB = ["--model.embeddings", "ps", "--train.embedding_optimizer", "rowwise_adagrad"]
 """The same job shape for all three: the server ranks hold the tables (and GBA's dense shards)."""
 
-TUNED_FOR_SYNC = ["--train.dense_lr", "0.008"]
-"""Sync all-reduce's best dense learning rate (Adam) for this job, from a sweep of sync alone
-(docs/gba.md, "Benchmark at the learning rate tuned for sync"). GBA and plain async inherit it
-untuned, which is the GBA paper's protocol: a team switches its tuned synchronous job to
-asynchronous training without retuning. Later `--train.dense_lr` arguments override it."""
+TUNED_FOR_SYNC = {"small": 0.008, "production": 0.001}
+"""Sync all-reduce's best dense learning rate (Adam) for this job at each preset, from a sweep of
+sync alone (small: docs/gba.md, "Benchmark at the learning rate tuned for sync"; production:
+docs/benchmarks.md, "GBA at the production preset"). GBA and plain async inherit it untuned, which
+is the GBA paper's protocol: a team switches its tuned synchronous job to asynchronous training
+without retuning. Later `--train.dense_lr` arguments override it."""
 
-SHARED_JOB = [*PS_JOB, *TUNED_FOR_SYNC]
-"""What every run of every algorithm gets before its straggler and stopping arguments."""
+
+def shared_job(preset: str) -> list[str]:
+    """What every run of every algorithm at `preset` gets before its straggler and stopping arguments."""
+    return [*PS_JOB, "--train.dense_lr", str(TUNED_FOR_SYNC[preset])]
 
 
 OVERRUN_WARNING = 0.05
@@ -112,7 +115,7 @@ def run_once(
     if args.compute == "simulated":
         straggler += ["--straggler.step_ms", str(args.step_ms or SIMULATED_STEP_MS[preset])]
     arguments = [
-        "--config", str(ALGOS[algo]), *SHARED_JOB, "--sync.ps.num_servers", str(shards), *preset_arguments(preset),
+        "--config", str(ALGOS[algo]), *shared_job(preset), "--sync.ps.num_servers", str(shards), *preset_arguments(preset),
         *straggler, "--train.global_samples", str(args.global_samples or GLOBAL_SAMPLES[preset]),
         "--train.warmup_steps", str(args.warmup_steps), "--train.seed", str(seed), "--data.synthetic.seed", str(seed),
         *SYNTHETIC_HELDOUT, *extra,
@@ -287,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"steps, so they ran slower than simulated and the ratios to sync understate the scheduling "
               f"effect; rerun with a larger --step-ms")
     output.parent.mkdir(parents=True, exist_ok=True)
-    settings = {key: str(value) for key, value in vars(args).items()} | {"overrides": [*SHARED_JOB, *extra]}
+    settings = {key: str(value) for key, value in vars(args).items()} | {
+        "overrides": {preset: [*shared_job(preset), *extra] for preset in presets}}
     report = {"settings": settings, "ideal_ratio": ideal, "summary": rows, "runs": runs}
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {output}")

@@ -420,8 +420,10 @@ def measure(args: argparse.Namespace) -> None:
     print(f"PS ingest and lookups from: {ps['source']}; wrote {args.output} in {report['wall_s']:.0f} s")
 
 
-PREDICTED_AS = {"none": "none", "ddp": "sync", "sync": "sync", "gba": "gba"}
-"""bench_scaling's variants and bench_gba's algos as the model's algorithms (shadow variants: "shadow")."""
+PREDICTED_AS = {"none": "none", "ddp": "sync", "sync": "sync", "gba": "gba", "async": "gba"}
+"""bench_scaling's variants and bench_gba's algos as the model's algorithms (shadow variants:
+"shadow"). Plain async costs what GBA does: its trainers never wait and every step pushes each
+shard its slice; only what the servers do with a push differs (apply it, or aggregate it)."""
 
 
 def preset_of(run: dict[str, Any], calibration: tm.Calibration) -> tm.Preset:
@@ -442,7 +444,8 @@ def cores_got(run: dict[str, Any]) -> float | None:
 def point(source: str, variant: str, run: dict[str, Any], rep: int, job: tm.Job, algorithm: str,
           measured: float, cpu_bound: bool = True) -> dict[str, Any]:
     """One validation point: the job as run on this machine's cores, and on the cores it got (only
-    for `cpu_bound` jobs: ranks that sleep through simulated compute use less than they could get)."""
+    for `cpu_bound` jobs: ranks that sleep, through simulated compute or as a slowed trainer, leave
+    cores idle that they could have had, and in sync mode every rank waits for the sleeper)."""
     got = cores_got(run) if cpu_bound else None
     at_got = dataclasses.replace(job, hosts=dataclasses.replace(job.hosts, cores=got)) if got else None
     return {"source": source, "variant": variant, "trainers": run["trainers"], "rep": rep, "job": job,
@@ -475,7 +478,8 @@ def gba_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dict[st
         job = tm.Job(dataclasses.replace(preset, compute_s=step_s), result["trainers"], hosts,
                      tm.Stragglers(straggler["factor"], count=len(straggler["trainers"])), shards=servers, ps_tables=True)
         points.append(point("bench_gba", f"{run['algo']} {servers} shard(s)", result, run["rep"], job,
-                            PREDICTED_AS[run["algo"]], run["metrics"]["samples_per_s"], cpu_bound=not straggler["step_ms"]))
+                            PREDICTED_AS[run["algo"]], run["metrics"]["samples_per_s"],
+                            cpu_bound=not straggler["step_ms"] and (not straggler["trainers"] or straggler["factor"] == 1)))
     return points
 
 
