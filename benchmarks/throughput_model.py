@@ -13,6 +13,9 @@ trainer i and a per-step jitter J (lognormal, mean 1):
   max(1, R u / C), u being each rank's busy cores (1 for real compute; less when compute is
   simulated by sleeping). Past this machine a host runs one trainer (R = 1); on this one all ranks
   of a job share its cores, which is what the validation at 1, 2, 4 and 8 trainers measures.
+- TorchRec-sharded tables: every step also runs its embedding all-to-alls with the other trainers;
+  their cost is measured, not modelled: t(N), the step's CPU seconds on a rank of N with the tables
+  sharded over them (`Preset.sharded_compute_s`, at 2, 4, 8 ranks; held at the last beyond).
 - Ring all-reduce of b bytes over N ranks: A(b, N) = 2 (N - 1) / N * b / beta + 2 (N - 1) * alpha
   (beta: bandwidth, alpha: per-hop latency; fitted by calibrate.py), with a third term where ranks
   share cores (`AllReduce`).
