@@ -131,33 +131,41 @@ def measure_compute(preset: str, reps: int) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def _sharded_rank(rank: int, world_size: int, port: int, presets: Sequence[str], reps: int, output: str) -> None:
-    """One rank of the sharded-step measurement; rank 0 writes its points."""
+def _world_rank(rank: int, world_size: int, port: int, measure: Callable[..., list[dict[str, Any]]],
+                args: tuple[Any, ...], output: str) -> None:
+    """One rank of a spawned gloo world (one torch thread) running `measure(rank, world_size, *args)`;
+    rank 0 writes the points it returns."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    points = [_step_cost(preset, reps, rank, world_size, steal=False) for preset in presets]
+    points = measure(rank, world_size, *args)
     if rank == 0:
         Path(output).write_text(json.dumps(points))
     dist.destroy_process_group()
 
 
-def measure_sharded_compute(presets: Sequence[str], ranks: Sequence[int], reps: int) -> list[dict[str, Any]]:
-    """A training step at each rank count with the tables TorchRec-sharded over the ranks, as
-    bench_scaling's jobs have them: its embedding all-to-alls (ids, pooled rows, their gradients)
-    are part of each step's cost, and that cost grows with the ranks; rank 0's clock."""
+def measure_in_worlds(measure: Callable[..., list[dict[str, Any]]], ranks: Sequence[int],
+                      *args: Any) -> list[dict[str, Any]]:
+    """`measure` in a fresh world of spawned processes for each rank count; rank 0's points, in order."""
     import torch.multiprocessing as mp
 
     points = []
     with tempfile.TemporaryDirectory() as scratch:
         for world_size in ranks:
-            output = str(Path(scratch) / f"sharded_{world_size}.json")
-            mp.start_processes(_sharded_rank, (world_size, free_port(), list(presets), reps, output),
-                               nprocs=world_size, start_method="spawn")
+            output = str(Path(scratch) / f"world_{world_size}.json")
+            mp.start_processes(_world_rank, (world_size, free_port(), measure, args, output), nprocs=world_size,
+                               start_method="spawn")
             points += json.loads(Path(output).read_text())
     return points
+
+
+def sharded_step_points(rank: int, world_size: int, presets: Sequence[str], reps: int) -> list[dict[str, Any]]:
+    """A training step of each preset with the tables TorchRec-sharded over the world, as
+    bench_scaling's jobs have them: its embedding all-to-alls (ids, pooled rows, their gradients)
+    are part of each step's cost, and that cost grows with the ranks."""
+    return [_step_cost(preset, reps, rank, world_size, steal=False) for preset in presets]
 
 
 def shadow_steal(step: Callable[[], None], params: Sequence[Any], reps: int) -> dict[str, float]:
@@ -190,13 +198,11 @@ def shadow_steal(step: Callable[[], None], params: Sequence[Any], reps: int) -> 
             "background_copy_bytes_per_s": copied[0] * flat.numel() * 4 / elapsed}
 
 
-def _allreduce_rank(rank: int, world_size: int, port: int, reps: int, output: str) -> None:
-    """One rank of the all-reduce measurement; rank 0 writes the points."""
+def allreduce_points(rank: int, world_size: int, reps: int) -> list[dict[str, Any]]:
+    """All-reduce time vs bytes (`SIZES`) in this world."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     points = []
     for nbytes in SIZES:
         tensor = torch.ones(nbytes // 4)
@@ -204,22 +210,6 @@ def _allreduce_rank(rank: int, world_size: int, port: int, reps: int, output: st
         dist.barrier()
         cost = timed(lambda: dist.all_reduce(tensor), reps, min(count, 50))
         points.append({"ranks": world_size, "bytes": nbytes, **cost})
-    if rank == 0:
-        Path(output).write_text(json.dumps(points))
-    dist.destroy_process_group()
-
-
-def measure_allreduce(ranks: Sequence[int], reps: int) -> list[dict[str, Any]]:
-    """All-reduce time vs bytes at each rank count, rank 0's clock."""
-    import torch.multiprocessing as mp
-
-    points = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for world_size in ranks:
-            output = str(Path(scratch) / f"allreduce_{world_size}.json")
-            mp.start_processes(_allreduce_rank, (world_size, free_port(), reps, output), nprocs=world_size,
-                               start_method="spawn")
-            points += json.loads(Path(output).read_text())
     return points
 
 
@@ -392,12 +382,12 @@ def measure(args: argparse.Namespace) -> None:
         print(f"compute {point['preset']}: {point['wall_s'] * 1e3:.1f} ms/step wall, {point['cpu_s'] * 1e3:.1f} ms CPU, "
               f"{point['dense_params']:,} dense params", flush=True)
     ranks = [int(n) for n in args.ranks.split(",")]
-    sharded = measure_sharded_compute([name for name in args.presets.split(",") if name in SHARDED_PRESETS], ranks,
-                                      args.reps)
+    sharded = measure_in_worlds(sharded_step_points, ranks,
+                                [name for name in args.presets.split(",") if name in SHARDED_PRESETS], args.reps)
     for point in sharded:
         print(f"compute {point['preset']}, tables sharded over {point['ranks']} ranks: {point['wall_s'] * 1e3:.1f} ms/step "
               f"wall, {point['cpu_s'] * 1e3:.1f} ms CPU", flush=True)
-    allreduce = measure_allreduce(ranks, args.reps)
+    allreduce = measure_in_worlds(allreduce_points, ranks, args.reps)
     bench_ps = from_bench_ps(json.loads(BENCH_PS.read_text())) if BENCH_PS.exists() else None
     if bench_ps is None or "lookups" not in bench_ps:
         stand_in = measure_stand_in(args.reps)
