@@ -44,10 +44,15 @@ def is_finite(tensor: torch.Tensor) -> bool:
     """Whether every value of `tensor` is finite (no NaN, no +-Inf): the test every contribution passes.
 
     It runs on every gradient and every push of millions of values, so it is one read-only
-    reduction: the minimum and maximum are finite exactly when every value is (NaN propagates into
-    both, and -Inf / +Inf become them). `isfinite(tensor).all()` would first write a mask as large
-    as the tensor, about ten times slower on CPU."""
+    reduction, the cheapest there is: the sum. A NaN or an infinity anywhere makes the sum NaN or
+    infinite, so a finite sum proves every value finite. Only finite values that overflow the sum
+    make it infinite too; that rare case falls back to the exact test, the minimum and maximum (NaN
+    propagates into both, and -Inf / +Inf become them). `isfinite(tensor).all()` would first write a
+    mask as large as the tensor, about ten times slower on CPU; the minimum and maximum alone are
+    two to five times slower than the sum."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    if bool(torch.isfinite(tensor.sum())):
         return True
     low, high = torch.aminmax(tensor)
     return bool(torch.isfinite(low) & torch.isfinite(high))

@@ -11,6 +11,7 @@ import torch
 
 import sync_algos
 from shadowgba.metrics import GBAMetrics
+from sync_algos.base import is_finite
 from sync_algos.easgd import elastic_pull
 from sync_algos.easgd_ps import Centre
 from sync_algos.gba import Admission, AggregationConfig, GlobalBatchRule
@@ -392,6 +393,24 @@ def nonfinite_and_aborted_rounds(rank: int, world_size: int, names: list[str]) -
                            "state": algorithm.state_dict()})
         out[name] = rounds
     return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_is_finite_finds_every_nan_and_infinity_and_passes_finite_values_whose_sum_overflows(dtype: torch.dtype) -> None:
+    """The sum is the fast test; finite values too large to sum must not be taken for infinities."""
+    big = torch.finfo(dtype).max
+    finite_cases = [torch.zeros(0, dtype=dtype), torch.randn(1000).to(dtype), torch.full((64,), big, dtype=dtype),
+                    torch.tensor([big, big, -big], dtype=dtype)]
+    assert all(is_finite(case) for case in finite_cases)
+    assert not torch.isfinite(finite_cases[2].sum())  # the fallback path really ran
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in (0, 500, 999):
+            values = torch.randn(1000).to(dtype)
+            values[where] = bad
+            assert not is_finite(values), (bad, where)
+        assert not is_finite(torch.tensor([big, bad, big], dtype=dtype)), bad  # an overflowing sum with a real one
+    assert not is_finite(torch.tensor([float("inf"), -float("inf")], dtype=dtype))  # sums to NaN
+    assert is_finite(torch.tensor([1, 2, 3]))  # integers have no NaN
 
 
 def test_a_nonfinite_contribution_is_left_out_and_an_aborting_rank_stops_its_peers(three_ranks: dict) -> None:

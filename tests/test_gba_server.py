@@ -189,6 +189,28 @@ def test_switch_policy_fires_after_a_window_and_has_hysteresis() -> None:
     assert SwitchPolicy(SwitchPolicyConfig(enabled=False)).observe("sync", straggling) is None
 
 
+def test_replies_share_one_published_copy_per_global_step_that_later_steps_never_change() -> None:
+    """RPC sends a reply after the lock is released, so replies carry a copy of the parameters,
+    cloned once per step for every reader, never written after: the next step publishes anew, and a
+    shard configured again (a checkpoint loaded at the same k) publishes the loaded values."""
+    shard = configured_shard()
+    shard.push(PushRequest(0, 0, 4, torch.ones(4), 0, 1, 0.0))
+    stepped = shard.push(PushRequest(1, 0, 4, torch.ones(4), 0, 1, 0.0))  # k 0 -> 1
+    readers = [stepped.params, shard.pull().params, shard.watch(token=0, timeout_s=1.0).params, shard.pull().params]
+    assert all(params is readers[0] for params in readers)  # one clone for four readers
+    assert readers[0] is not shard._optimizer.param
+    shard.push(PushRequest(0, 0, 4, torch.ones(4), 1, 1, 0.0))
+    after = shard.push(PushRequest(1, 0, 4, torch.ones(4), 1, 1, 0.0))  # k 1 -> 2
+    torch.testing.assert_close(readers[0], -torch.ones(4))  # still step 1's values
+    assert after.token == 2 and after.params is not readers[0]
+    torch.testing.assert_close(after.params, -2 * torch.ones(4))
+    spec = OptimizerSpec.of(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), LRSchedule())
+    loaded = FlatOptimizer(spec, torch.full((4,), 7.0)).export() | {"global_step": 2}
+    shard.configure(0, 4, 2, spec, loaded, GBAConfig(), global_batch=2)
+    assert shard.pull().token == 2
+    torch.testing.assert_close(shard.pull().params, torch.full((4,), 7.0))
+
+
 def test_watch_answers_once_the_global_step_passes_the_token_and_none_once_exported() -> None:
     """The long poll behind a trainer's fresh parameters: it waits for k > token, times out with
     what the shard holds, and releases its waiter (None) when the shard leaves GBA."""

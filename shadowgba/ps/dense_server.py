@@ -9,7 +9,15 @@ Invariants:
 - One lock guards the shard's state; RPC threads call concurrently. What reads only the request
   (the finiteness check of its gradient, a pass over every value) runs before the lock is taken,
   so pushes from several trainers overlap in it. Memory is bounded: one parameter slice, its
-  optimizer state and one buffer of the same size, whatever the number of trainers.
+  optimizer state, one buffer of the same size and one published copy of the parameters,
+  whatever the number of trainers.
+- **One copy of the parameters per global step, whatever the number of readers.** The optimizer
+  steps its parameters in place, and RPC sends a reply's tensors after the service method has
+  returned and the lock is released, so a reply cannot carry the live parameters. The first reply
+  after a step clones them into the published copy, and every later reply until the next step
+  carries that same tensor. A published copy is never written again (the next step publishes a
+  new one), so replies still on their way keep the values of their k. With N trainers watching,
+  a step costs one clone instead of N.
 - A reply carries the shard's parameters only when the caller lacks them: a pull always; a watch
   once k has passed the caller's token; a push only if the trainer asked for them
   (`PushRequest.reply_params`: False when its watcher brings every new k) and k has passed its
@@ -159,6 +167,8 @@ class DenseShard:
         """The other shards: the `Decision.seq` to apply next."""
         self._pending: dict[int, tuple[PushRequest, bool]] = {}
         """The other shards: pushes that arrived before their predecessors, by seq (with finiteness)."""
+        self._published: tuple[int, torch.Tensor] | None = None
+        """(k, a copy of the parameters at k) that replies carry; never written once published."""
 
     # -------------------------------------------------------------------------------- mode changes
     def configure(self, start: int, end: int, num_trainers: int, spec: OptimizerSpec, exported: dict[str, Any],
@@ -186,6 +196,7 @@ class DenseShard:
             self.index, self._on_nonfinite, self._failure = index, on_nonfinite, None
             self._decided = self._next_seq = 0
             self._pending = {}
+            self._published = None
             self._changed.notify_all()
 
     def export(self) -> dict[str, Any]:
@@ -201,7 +212,7 @@ class DenseShard:
                                    f"wait for their predecessors (a trainer left GBA without draining)")
             self._dropped_samples_at_switch = aggregator.discard()
             exported = optimizer.export()
-            self._optimizer = self._aggregator = None
+            self._optimizer = self._aggregator = self._published = None
             self._changed.notify_all()
             return exported
 
@@ -375,11 +386,18 @@ class DenseShard:
 
     # --------------------------------------------------------------------------------- internals
     def _reply(self, weight: float = 1.0, decision: Decision | None = None, known: int | None = None) -> ShardReply:
-        """Token and pending mode request, with a copy of the parameters unless the caller holds
+        """Token and pending mode request, with the published parameters unless the caller holds
         those of step `known` and k has not passed it (the lock held, configured)."""
         k = self._aggregator.global_step
-        params = self._optimizer.param.detach().clone() if known is None or k > known else None
+        params = self._published_params(k) if known is None or k > known else None
         return ShardReply(params, k, self._requested_mode, weight, decision)
+
+    def _published_params(self, k: int) -> torch.Tensor:
+        """The parameters at global step `k` (the current one), cloned once per step (module
+        docstring); the lock held."""
+        if self._published is None or self._published[0] != k:
+            self._published = (k, self._optimizer.param.detach().clone())
+        return self._published[1]
 
     def _push_reply(self, request: PushRequest, weight: float, decision: Decision | None = None) -> ShardReply:
         """`_reply` to a push: parameters only if the trainer asked for them and k passed its token."""
