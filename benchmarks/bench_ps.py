@@ -18,6 +18,11 @@ shards brings B/S to each). CPU seconds are read with getrusage in every process
 end of each window (steal time does not inflate them): "server CPU s / GiB" is what one GiB of
 ingest costs a server rank, the figure that tells a faster transport from a less loaded machine.
 
+`--floor` adds, per size and in-flight setting, the same calls made bare: `torch.distributed.rpc`
+sending the same gradient to the server rank, whose function returns at once (`rpc_floor`), one
+call per push and no watcher. That is what the transport alone costs at that size, the floor no
+server code can go below; "floor" rows give its pushes/s and CPU beside the real pushes'.
+
 `--embeddings` adds the embedding side per world: lookups of 4,096 ids (rows/s) and row-gradient
 pushes of 4,096 rows (rows/s) against PS-hosted tables of 100K x 64 rows, the same client
 (`PSEmbeddingBagCollection`'s service) the trainers use.
@@ -56,6 +61,8 @@ LOCAL_BATCH = 512
 EMBEDDING_ROWS, EMBEDDING_DIM, EMBEDDING_IDS = 100_000, 64, 4096
 """Embedding side: one table of this many rows x dim per benchmark, and ids per lookup / push."""
 GIB = 1 << 30
+DENSE_KINDS = ("dense", "floor")
+"""Window kinds measured in pushes and GiB/s: real pushes, and the same bytes sent bare (`--floor`)."""
 UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "B": 1}
 
 
@@ -83,6 +90,11 @@ class Probe:
 
     def cpu(self) -> float:
         return cpu_seconds()
+
+
+def rpc_floor(gradient: Any) -> int:
+    """Runs on a server rank for `--floor`: receives the gradient and returns at once."""
+    return 0
 
 
 def _rank_main(rank: int, world: World, port: int, plan: dict[str, Any], results: Any) -> None:
@@ -148,22 +160,39 @@ def _trainer_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[dic
             probe = _server_clock(world.shards) if roles.trainer_index == 0 else None
             pushes, kept, cpu, elapsed = _push_for(shards, roles.trainer_index, gradient, in_flight,
                                                    plan["duration_s"])
-            totals = torch.tensor([pushes, kept, cpu], dtype=torch.float64)
-            dist.all_reduce(totals, group=group)
-            if roles.trainer_index == 0:
-                server_cpu = [end - start for start, end in zip(probe, _server_clock(world.shards))]
-                ingest = totals[0].item() * size / elapsed / world.shards
-                windows.append({
-                    "kind": "dense", "size": size, "in_flight": in_flight, "window_s": elapsed,
-                    "pushes_per_s": totals[0].item() / elapsed, "kept_fraction": totals[1].item() / max(totals[0].item(), 1),
-                    "ingest_gib_per_s_per_server": ingest / GIB,
-                    "server_cpu_s_per_gib": statistics.mean(server_cpu) / max(ingest * elapsed / GIB, 1e-12),
-                    "server_cpu_share": statistics.mean(server_cpu) / elapsed,
-                    "trainer_cpu_s_per_push": totals[2].item() / max(totals[0].item(), 1),
-                })
+            windows += _dense_window(roles, world, "dense", size, in_flight, probe, (pushes, kept, cpu, elapsed))
+            if plan["floor"]:
+                dist.barrier(group=group)
+                probe = _server_clock(world.shards) if roles.trainer_index == 0 else None
+                windows += _dense_window(roles, world, "floor", size, in_flight, probe,
+                                         _bare_calls_for(world.shards, gradient, in_flight, plan["duration_s"]))
     if plan["embeddings"]:
         windows += _embedding_windows(roles, world, plan)
     return windows
+
+
+def _dense_window(roles: Any, world: World, kind: str, size: int, in_flight: int, probe: list[float] | None,
+                  measured: tuple[int, int, float, float]) -> list[dict[str, Any]]:
+    """Every trainer's (pushes, kept, CPU s, seconds) summed into trainer 0's record of one window
+    (collective over the trainers; the others return nothing)."""
+    import torch
+    import torch.distributed as dist
+
+    pushes, kept, cpu, elapsed = measured
+    totals = torch.tensor([pushes, kept, cpu], dtype=torch.float64)
+    dist.all_reduce(totals, group=roles.trainer_group)
+    if roles.trainer_index != 0:
+        return []
+    server_cpu = [end - start for start, end in zip(probe, _server_clock(world.shards))]
+    ingest = totals[0].item() * size / elapsed / world.shards
+    return [{
+        "kind": kind, "size": size, "in_flight": in_flight, "window_s": elapsed,
+        "pushes_per_s": totals[0].item() / elapsed, "kept_fraction": totals[1].item() / max(totals[0].item(), 1),
+        "ingest_gib_per_s_per_server": ingest / GIB,
+        "server_cpu_s_per_gib": statistics.mean(server_cpu) / max(ingest * elapsed / GIB, 1e-12),
+        "server_cpu_share": statistics.mean(server_cpu) / elapsed,
+        "trainer_cpu_s_per_push": totals[2].item() / max(totals[0].item(), 1),
+    }]
 
 
 def _server_clock(num_servers: int) -> list[float]:
@@ -205,6 +234,37 @@ def _push_for(shards: Any, trainer: int, gradient: Any, in_flight: int, duration
     for thread in threads:
         thread.join()
     return counts[0], counts[1], cpu_seconds() - cpu, time.monotonic() - started
+
+
+def _bare_calls_for(num_shards: int, gradient: Any, in_flight: int, duration_s: float) -> tuple[int, int, float, float]:
+    """`--floor`: each push's slices sent bare to `rpc_floor` on their shards from `in_flight`
+    threads for `duration_s`: (calls, calls, CPU s, seconds)."""
+    import torch.distributed.rpc as rpc
+
+    from shadowgba.flat_optimizer import shard_bounds
+    from shadowgba.ps import transport
+
+    bounds = shard_bounds(gradient.numel(), num_shards)
+    counts = [0]
+    lock = threading.Lock()
+    deadline = time.monotonic() + duration_s
+
+    def caller() -> None:
+        while time.monotonic() < deadline:
+            calls = [rpc.rpc_async(transport.server_name(index), rpc_floor, args=(gradient[start:end],))
+                     for index, (start, end) in enumerate(bounds)]
+            for call in calls:
+                call.wait()
+            with lock:
+                counts[0] += 1
+
+    cpu, started = cpu_seconds(), time.monotonic()
+    threads = [threading.Thread(target=caller) for _ in range(in_flight)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return counts[0], counts[0], cpu_seconds() - cpu, time.monotonic() - started
 
 
 def _embedding_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[dict[str, Any]]:
@@ -270,7 +330,7 @@ def summarize(records: list[dict[str, Any]], trees: Sequence[str]) -> list[dict[
     for kind, trainers, shards, size, in_flight in keys:
         cell = [r for r in records if (r["kind"], r["trainers"], r["shards"], r["size"], r["in_flight"]) ==
                 (kind, trainers, shards, size, in_flight)]
-        metric = value if kind == "dense" else "rows_per_s"
+        metric = value if kind in DENSE_KINDS else "rows_per_s"
         base = [r for r in cell if r["tree"] == trees[0]]
         for tree in trees:
             mine = [r for r in cell if r["tree"] == tree]
@@ -278,7 +338,7 @@ def summarize(records: list[dict[str, Any]], trees: Sequence[str]) -> list[dict[
             row = {"kind": kind, "trainers": trainers, "shards": shards, "size": size, "in_flight": in_flight,
                    "tree": tree, "reps": len(mine), "median": statistics.median(values), "min": min(values),
                    "max": max(values)}
-            if kind == "dense":
+            if kind in DENSE_KINDS:
                 row |= {key: statistics.median(r[key] for r in mine)
                         for key in ("pushes_per_s", "server_cpu_s_per_gib", "server_cpu_share", "kept_fraction",
                                     "trainer_cpu_s_per_push")}
@@ -298,6 +358,7 @@ def _size(size: int) -> str:
 DENSE_COLUMNS: list[Column] = [
     ("trainers x shards", lambda row: f"{row['trainers']} x {row['shards']}"),
     ("push", lambda row: _size(row["size"])),
+    ("calls", lambda row: "pushes" if row["kind"] == "dense" else "bare RPC (floor)"),
     ("in flight", lambda row: str(row["in_flight"])),
     ("code", lambda row: row["tree"]),
     ("GiB/s per server (median)", lambda row: f"{row['median']:.3f}"),
@@ -306,7 +367,9 @@ DENSE_COLUMNS: list[Column] = [
     ("pushes/s (all)", lambda row: f"{row['pushes_per_s']:,.0f}"),
     ("server CPU s / GiB", lambda row: f"{row['server_cpu_s_per_gib']:.2f}"),
     ("server CPU busy", lambda row: f"{row['server_cpu_share']:.0%}"),
-    ("kept", lambda row: f"{row['kept_fraction']:.0%}"),
+    ("server CPU ms / call", lambda row: f"{row['server_cpu_s_per_gib'] * row['size'] / row['shards'] / GIB * 1e3:.3f}"),
+    ("trainer CPU ms / call", lambda row: f"{row['trainer_cpu_s_per_push'] * 1e3:.3f}"),
+    ("kept", lambda row: f"{row['kept_fraction']:.0%}" if row["kind"] == "dense" else "-"),
 ]
 ROW_COLUMNS: list[Column] = [
     ("trainers x shards", lambda row: f"{row['trainers']} x {row['shards']}"),
@@ -327,6 +390,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=5, help="repetitions of the interleaved sequence")
     parser.add_argument("--duration-s", type=float, default=30.0, help="timed window of each measurement")
     parser.add_argument("--embeddings", action="store_true", help="also measure lookups and row pushes")
+    parser.add_argument("--floor", action="store_true", help="also send the same bytes bare (torch RPC's own cost)")
     parser.add_argument("--trees", default=f"current={ROOT}",
                         help="comma-separated NAME=PATH checkouts to import shadowgba from (first: the baseline)")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_ps.json", help="JSON results")
@@ -334,9 +398,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     trees = dict(part.split("=", 1) for part in args.trees.split(","))
     plan = {"sizes": [parse_size(size) for size in args.sizes.split(",")],
             "in_flight": [int(value) for value in args.in_flight.split(",")],
-            "duration_s": args.duration_s, "embeddings": args.embeddings}
+            "duration_s": args.duration_s, "embeddings": args.embeddings, "floor": args.floor}
     worlds = [(int(t), int(s)) for t in args.trainers.split(",") for s in args.shards.split(",")]
-    per_world_s = (len(plan["sizes"]) * len(plan["in_flight"]) + 2 * args.embeddings) * (args.duration_s + 5) + 120
+    per_world_s = ((1 + args.floor) * len(plan["sizes"]) * len(plan["in_flight"]) + 2 * args.embeddings) * (
+        args.duration_s + 5) + 120
     records = []
     for rep in range(args.reps):
         for trainers, shards in worlds:
@@ -345,14 +410,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for window in run_world(world, plan, per_world_s):
                     records.append({"rep": rep, "trainers": trainers, "shards": shards, "tree": name, **window})
                     shown = (f"{window['ingest_gib_per_s_per_server']:.3f} GiB/s per server, "
-                             f"{window['pushes_per_s']:,.0f} pushes/s" if window["kind"] == "dense"
+                             f"{window['pushes_per_s']:,.0f} pushes/s" if window["kind"] in DENSE_KINDS
                              else f"{window['rows_per_s']:,.0f} rows/s")
                     print(f"rep {rep} {trainers}x{shards} {name} {window['kind']} {_size(window['size'])} "
                           f"in-flight {window['in_flight']}: {shown}", flush=True)
     rows = summarize(records, list(trees))
-    print(markdown_table(DENSE_COLUMNS, [row for row in rows if row["kind"] == "dense"]))
+    print(markdown_table(DENSE_COLUMNS, [row for row in rows if row["kind"] in DENSE_KINDS]))
     if args.embeddings:
-        print(markdown_table(ROW_COLUMNS, [row for row in rows if row["kind"] != "dense"]))
+        print(markdown_table(ROW_COLUMNS, [row for row in rows if row["kind"] not in DENSE_KINDS]))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     settings = {key: str(value) for key, value in vars(args).items()} | {"cpu_count": os.cpu_count()}
     args.output.write_text(json.dumps({"settings": settings, "summary": rows, "windows": records}, indent=2) + "\n")
