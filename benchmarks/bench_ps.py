@@ -412,7 +412,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     shown = (f"{window['ingest_gib_per_s_per_server']:.3f} GiB/s per server, "
                              f"{window['pushes_per_s']:,.0f} pushes/s" if window["kind"] in DENSE_KINDS
                              else f"{window['rows_per_s']:,.0f} rows/s")
-                    print(f"rep {rep} {trainers}x{shards} {name} {window['kind']} {_size(window['size'])} "
+                    what = _size(window["size"]) if window["kind"] in DENSE_KINDS else f"{window['size']:,} rows"
+                    print(f"rep {rep} {trainers}x{shards} {name} {window['kind']} {what} "
                           f"in-flight {window['in_flight']}: {shown}", flush=True)
     rows = summarize(records, list(trees))
     print(markdown_table(DENSE_COLUMNS, [row for row in rows if row["kind"] in DENSE_KINDS]))
