@@ -227,13 +227,19 @@ def _push_for(shards: Any, trainer: int, gradient: Any, in_flight: int, duration
         while time.monotonic() < deadline:
             seen(shards.watch([token[0]] * len(shards.bounds), min(0.25, max(deadline - time.monotonic(), 0.0))))
 
+    cpu, elapsed = _run_threads([pusher] * in_flight + [watcher])
+    return counts[0], counts[1], cpu, elapsed
+
+
+def _run_threads(targets: Sequence[Any]) -> tuple[float, float]:
+    """Run each target in a thread of its own until all return: (this process's CPU s, seconds)."""
     cpu, started = cpu_seconds(), time.monotonic()
-    threads = [threading.Thread(target=pusher) for _ in range(in_flight)] + [threading.Thread(target=watcher)]
+    threads = [threading.Thread(target=target) for target in targets]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return counts[0], counts[1], cpu_seconds() - cpu, time.monotonic() - started
+    return cpu_seconds() - cpu, time.monotonic() - started
 
 
 def _bare_calls_for(num_shards: int, gradient: Any, in_flight: int, duration_s: float) -> tuple[int, int, float, float]:
@@ -258,13 +264,8 @@ def _bare_calls_for(num_shards: int, gradient: Any, in_flight: int, duration_s: 
             with lock:
                 counts[0] += 1
 
-    cpu, started = cpu_seconds(), time.monotonic()
-    threads = [threading.Thread(target=caller) for _ in range(in_flight)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return counts[0], counts[0], cpu_seconds() - cpu, time.monotonic() - started
+    cpu, elapsed = _run_threads([caller] * in_flight)
+    return counts[0], counts[0], cpu, elapsed
 
 
 def _embedding_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[dict[str, Any]]:
