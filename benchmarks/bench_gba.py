@@ -44,7 +44,16 @@ steps/s x samples per global step), so gradients GBA drops as too stale do not c
 With several dense shards every shard holds the same global step k and takes every kept push; shard
 0 decides each push, so staleness and decayed / dropped counts are shard 0's, pushes are per shard.
 Ratios are taken per repetition (same seed, preset and shard count), then summarized: median and
-min-max. Every run also reports its resources: CPU ms per sample of all ranks, servers included, peak
+min-max.
+
+Warm start (`--warm-start-samples N`): from scratch, every run compares the algorithms on the
+steepest part of the learning curve, where GBA's floor of about one global step of staleness costs
+most. With a warm start, sync all-reduce first trains alone (no straggler) for N samples and
+checkpoints; then, for each algorithm, a job resumes from that checkpoint (dense parameters and
+optimizer, tables and their optimizer, data position) and trains `--global-samples` more under the
+straggler: what a team sees when it switches a tuned synchronous job to GBA mid-training, the GBA
+paper's scenario. Plain async is left out (its global step counts local batches, so its stopping
+rule cannot count the synchronous samples before it). A resumed run is timed from its first step. Every run also reports its resources: CPU ms per sample of all ranks, servers included, peak
 memory per trainer and per server, a trainer's extra memory as a multiple of the dense size.
 
 Prints a Markdown table and writes every run's numbers as JSON (default runs/bench_gba_<compute>.json).
@@ -53,7 +62,9 @@ Prints a Markdown table and writes every run's numbers as JSON (default runs/ben
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -107,20 +118,70 @@ def ideal_ratio(trainers: int, factor: float) -> float:
     return (trainers - 1 + 1 / factor) / (trainers / factor)
 
 
-def run_once(
-    algo: str, seed: int, preset: str, shards: int, args: argparse.Namespace, extra: Sequence[str], output: Path
-) -> dict[str, Any]:
-    """One torchrun job of `algo` at `preset`: N trainers and `shards` servers, the slowed trainer, the common stop."""
-    straggler = ["--straggler.trainers", f"[{args.slow_trainer}]", "--straggler.factor", str(args.factor)]
-    if args.compute == "simulated":
-        straggler += ["--straggler.step_ms", str(args.step_ms or SIMULATED_STEP_MS[preset])]
-    arguments = [
+@dataclasses.dataclass(frozen=True)
+class WarmStart:
+    """A synchronous run's checkpoint that every algorithm of one seed, preset and shard count resumes from."""
+
+    directory: Path
+    steps: int
+    """Its step (sync: one global batch each)."""
+    samples: int
+    """Samples the dense parameters hold there."""
+    result: dict[str, Any]
+    """The synchronous run's results (its held-out AUC is where the algorithms start from)."""
+
+
+def job_arguments(algo: str, seed: int, preset: str, shards: int, args: argparse.Namespace,
+                  extra: Sequence[str]) -> list[str]:
+    """What every job of `algo` at `preset` on `shards` servers gets, whatever its straggler and stop."""
+    return [
         "--config", str(ALGOS[algo]), *shared_job(preset), "--sync.ps.num_servers", str(shards), *preset_arguments(preset),
-        *straggler, "--train.global_samples", str(args.global_samples or GLOBAL_SAMPLES[preset]),
         "--train.warmup_steps", str(args.warmup_steps), "--train.seed", str(seed), "--data.synthetic.seed", str(seed),
         *SYNTHETIC_HELDOUT, *extra,
     ]
-    return run_example(f"seed {seed} {preset} {shards} shard(s) {algo}", args.trainers + shards, arguments, output)
+
+
+def run_once(
+    algo: str, seed: int, preset: str, shards: int, args: argparse.Namespace, extra: Sequence[str], output: Path,
+    warm_start: WarmStart | None = None,
+) -> dict[str, Any]:
+    """One torchrun job of `algo` at `preset`: N trainers and `shards` servers, the slowed trainer, the
+    common stop; with `warm_start`, resumed from its checkpoint and stopped that many samples later."""
+    straggler = ["--straggler.trainers", f"[{args.slow_trainer}]", "--straggler.factor", str(args.factor)]
+    if args.compute == "simulated":
+        straggler += ["--straggler.step_ms", str(args.step_ms or SIMULATED_STEP_MS[preset])]
+    samples = args.global_samples or GLOBAL_SAMPLES[preset]
+    resume = []
+    if warm_start is not None:
+        samples += warm_start.samples
+        resume = ["--checkpoint-dir", str(warm_start.directory), "--resume"]
+    label = f"seed {seed} {preset} {shards} shard(s) {algo}"
+    result = run_example(label, args.trainers + shards, [
+        *job_arguments(algo, seed, preset, shards, args, extra), *straggler, "--train.global_samples", str(samples),
+        *resume], output)
+    if warm_start is not None and result["checkpoint"]["resumed_from_step"] != warm_start.steps:
+        raise SystemExit(f"{label}: resumed from step {result['checkpoint']['resumed_from_step']}, not from the "
+                         f"warm start's checkpoint at step {warm_start.steps} in {warm_start.directory}")
+    return result
+
+
+def warm_start(seed: int, preset: str, shards: int, args: argparse.Namespace, extra: Sequence[str],
+               scratch: Path) -> WarmStart:
+    """Train sync all-reduce alone, without the straggler (it only slows sync down), for
+    `--warm-start-samples` samples (rounded up to whole global batches), and checkpoint it."""
+    from dlrm.config import ExperimentConfig, preset_overrides
+    from shadowgba.config import load_config
+
+    config = load_config(ExperimentConfig, ALGOS["sync"], [*preset_overrides(preset), *shared_job(preset),
+                                                           "--sync.ps.num_servers", str(shards), *extra])
+    global_batch = args.trainers * config.data.batch_size
+    steps = -(-args.warm_start_samples // global_batch)
+    directory = scratch / f"warm_start_seed{seed}_{preset}_{shards}"
+    result = run_example(f"seed {seed} {preset} {shards} shard(s) warm start", args.trainers + shards, [
+        *job_arguments("sync", seed, preset, shards, args, extra), "--train.steps", str(steps),
+        "--checkpoint-dir", str(directory), "--checkpoint-every", str(steps), "--checkpoint-keep", "1"],
+        scratch / "warm_start.json")
+    return WarmStart(directory, steps, steps * global_batch, result)
 
 
 def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
@@ -261,29 +322,50 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup-steps", type=int, default=20, help="steps before the timed window")
     parser.add_argument("--algos", default=",".join(ALGOS), help=f"comma-separated subset of {list(ALGOS)}")
     parser.add_argument("--output", type=Path, help="JSON results (default runs/bench_gba_<compute>.json)")
+    parser.add_argument("--warm-start-samples", type=int, default=0,
+                        help="train sync alone this many samples first, then continue every algorithm from its "
+                             "checkpoint for --global-samples more (0: every run starts from scratch)")
     args, extra = parser.parse_known_args(argv)
     algos = args.algos.split(",")
     if sorted(set(algos) - set(ALGOS)) or not algos:
         parser.error(f"--algos must name only {list(ALGOS)}; got {algos}")
+    if args.warm_start_samples and "async" in algos:
+        parser.error("--warm-start-samples: plain async counts a local batch per global step, sync's checkpoint a "
+                     "global batch, so its stopping rule would not count the warm start's samples; leave it out")
     presets = parse_presets(args.presets)
     shard_counts = [int(count) for count in args.shards.split(",")]
     output = args.output or ROOT / "runs" / f"bench_gba_{args.compute}.json"
-    runs = []
+    runs, warm_starts = [], []
     with tempfile.TemporaryDirectory() as scratch:
         for rep, seed in enumerate(int(seed) for seed in args.seeds.split(",")):
             for preset in presets:
                 for shards in shard_counts:
+                    start = warm_start(seed, preset, shards, args, extra, Path(scratch)) if args.warm_start_samples else None
+                    if start is not None:
+                        warm_starts.append({"seed": seed, "preset": preset, "shards": shards, "steps": start.steps,
+                                            "samples": start.samples, "auc": start.result["auc"], "result": start.result})
+                        print(f"seed {seed} {preset} {shards} shard(s) warm start: {start.samples:,} samples, "
+                              f"AUC {start.result['auc']:.4f}", flush=True)
                     for algo in algos:
-                        result = run_once(algo, seed, preset, shards, args, extra, Path(scratch) / "result.json")
+                        result = run_once(algo, seed, preset, shards, args, extra, Path(scratch) / "result.json", start)
                         metrics = run_metrics(result, args.slow_trainer)
                         runs.append({"algo": algo, "rep": rep, "seed": seed, "preset": preset, "shards": shards,
                                      "metrics": metrics, "result": result})
                         print(f"seed {seed} {preset} {shards} shard(s) {algo}: {metrics['samples_per_s']:,.0f} "
                               f"samples/s over {result['window_s']:.1f} s, AUC {metrics['auc']:.4f}", flush=True)
+                    if start is not None:
+                        shutil.rmtree(start.directory)  # a production checkpoint holds 1.3 GB of tables
     ideal = ideal_ratio(args.trainers, args.factor)
     rows = summarize(runs, presets, shard_counts, algos)
     print(markdown_table(COLUMNS, rows))
     print(f"ideal ratio to sync: {ideal:.2f} ({args.trainers} trainers, one {args.factor:g}x slower)")
+    for preset in presets:
+        for shards in shard_counts:
+            starts = [start for start in warm_starts if start["preset"] == preset and start["shards"] == shards]
+            if starts:
+                aucs = " ".join(f"{start['auc']:.4f}" for start in starts)
+                print(f"warm start, {preset}, {shards} shard(s): sync alone for {starts[0]['samples']:,} samples, "
+                      f"AUC there per seed {aucs}")
     overrun = max(row["overrun_fast_max"] for row in rows)
     if args.compute == "simulated" and overrun > OVERRUN_WARNING:
         print(f"WARNING: the fast trainers' real work overran the simulated step in up to {overrun:.0%} of their "
@@ -292,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     settings = {key: str(value) for key, value in vars(args).items()} | {
         "overrides": {preset: [*shared_job(preset), *extra] for preset in presets}}
-    report = {"settings": settings, "ideal_ratio": ideal, "summary": rows, "runs": runs}
+    report = {"settings": settings, "ideal_ratio": ideal, "summary": rows, "runs": runs, "warm_starts": warm_starts}
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {output}")
 

@@ -19,9 +19,11 @@ trains until `train.steps` counted from step 0, so a resumed run trains the same
 Under `torchrun --max-restarts=N` a restarted attempt resumes by itself when `--resume` is given.
 
 Not supported (refused at start-up): the pma baseline (torch's averager keeps a step counter that
-is not Stateful), and `train.duration_s` / `train.global_samples` runs whose trainers step
-independently (PS tables): a checkpoint is collective at one step, which such trainers may never
-all reach.
+is not Stateful), and saving (`--checkpoint-every`) in `train.duration_s` / `train.global_samples`
+runs whose trainers step independently (PS tables): a save is collective at one step, which such
+trainers may never all reach. Such a run may still `--resume`: the load happens once, before the
+first step, where every trainer is. That is how `bench_gba --warm-start-samples` continues one
+synchronous run under each algorithm.
 """
 
 from __future__ import annotations
@@ -61,9 +63,10 @@ class CheckpointOptions:
         if config.baseline == "pma":
             raise ConfigError("--checkpoint-dir: the pma baseline cannot be checkpointed (torch's averager "
                               "is not Stateful)")
-        if not config.lockstep and (config.train.duration_s or config.train.global_samples):
-            raise ConfigError("--checkpoint-dir: with PS tables trainers step independently; checkpoints need "
-                              "a step count (train.steps), not train.duration_s or train.global_samples")
+        if self.every and not config.lockstep and (config.train.duration_s or config.train.global_samples):
+            raise ConfigError("--checkpoint-every: with PS tables trainers step independently; saving checkpoints "
+                              "needs a step count (train.steps), not train.duration_s or train.global_samples "
+                              "(--resume alone is fine: loading happens before the first step)")
 
 
 class JobCheckpoints:
