@@ -695,3 +695,20 @@ def test_a_malformed_batch_is_refused_by_the_trainer_that_got_it_before_torchrec
     from tests.test_batches import assert_refused_by_the_trainer_that_got_it
 
     assert_refused_by_the_trainer_that_got_it(with_servers["batches"])
+
+
+def test_a_ps_table_run_stopped_by_samples_may_resume_but_not_save() -> None:
+    """Trainers over PS tables step independently, so under a `global_samples` stop no step is
+    reached by all of them: a save (collective at one step) is refused at start-up, naming the
+    flag, while a resume alone (one load before the first step) is allowed."""
+    from dlrm.checkpoints import CheckpointOptions
+    from dlrm.config import ExperimentConfig
+    from shadowgba.config import load_config
+    from shadowgba.errors import ConfigError
+
+    config = load_config(ExperimentConfig, REPO / "examples/configs/gba_ps_embeddings.yaml",
+                         ["--train.global_samples", "100000"])
+    assert not config.lockstep
+    with pytest.raises(ConfigError, match="--checkpoint-every: with PS tables trainers step independently"):
+        CheckpointOptions(Path("ck"), every=10).check(config)
+    CheckpointOptions(Path("ck"), resume=True).check(config)
