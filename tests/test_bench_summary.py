@@ -161,3 +161,33 @@ def test_cpu_per_sample_adds_every_rank_and_the_extra_is_a_trainers_growth_in_de
     assert summary["trainer_peak_rss_mib_max"] == 520.0 and summary["server_peak_rss_mib_max"] == 900.0
     assert summary["trainer_extra_rss_mib_max"] == 30.0 and summary["trainer_extra_x_dense_max"] == 3.0
     assert resource_summary(by_rank[:2], samples=0, dense_mib=10.0)["server_peak_rss_mib_max"] is None
+
+
+def test_a_warm_started_run_resumes_the_sync_checkpoint_and_stops_that_many_samples_later(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """bench_gba --warm-start-samples: sync alone (no straggler) to whole global batches past N, one
+    checkpoint there; each algorithm resumes it and stops --global-samples after it; a run that did
+    not resume from that checkpoint ends the benchmark, naming it; plain async is refused."""
+    jobs: list[tuple[str, list[str]]] = []
+    resumed = {"step": 3}
+
+    def fake_run(label: str, nproc: int, arguments: list[str], output: Any) -> dict[str, Any]:
+        jobs.append((label, arguments))
+        return {"auc": 0.7, "checkpoint": {"resumed_from_step": resumed["step"]}}
+
+    monkeypatch.setattr(bench_gba, "run_example", fake_run)
+    args = bench_gba.argparse.Namespace(trainers=4, warm_start_samples=5000, warmup_steps=1, slow_trainer=3,
+                                        factor=3.0, compute="real", step_ms=None, global_samples=1000)
+    start = bench_gba.warm_start(0, "small", 1, args, [], tmp_path)
+    flags = dict(zip(jobs[0][1][::2], jobs[0][1][1::2]))
+    assert (start.steps, start.samples) == (3, 3 * 4 * 512)  # 5000 samples -> 3 global batches of 2048
+    assert flags["--train.steps"] == "3" and flags["--checkpoint-every"] == "3" and "--straggler.factor" not in flags
+    bench_gba.run_once("gba", 0, "small", 1, args, [], tmp_path / "r.json", start)
+    label, arguments = jobs[1]
+    assert arguments[-1] == "--resume" and arguments[arguments.index("--checkpoint-dir") + 1] == str(start.directory)
+    assert arguments[arguments.index("--train.global_samples") + 1] == str(3 * 2048 + 1000)
+    resumed["step"] = None
+    with pytest.raises(SystemExit, match="resumed from step None, not from the warm start's checkpoint at step 3"):
+        bench_gba.run_once("sync", 0, "small", 1, args, [], tmp_path / "r.json", start)
+    with pytest.raises(SystemExit):
+        bench_gba.main(["--compute", "real", "--algos", "sync,async", "--warm-start-samples", "1000"])
