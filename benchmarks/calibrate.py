@@ -37,9 +37,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench_gba import ALGOS, TUNED_FOR_SYNC, shared_job
 from dlrm.host import cpu_seconds, free_port
-from example_job import ROOT, run_example
+from example_job import ROOT
 import throughput_model as tm
 
 DEFAULT_OUTPUT = ROOT / "runs" / "throughput_calibration.json"
@@ -167,38 +166,6 @@ def sharded_step_points(rank: int, world_size: int, presets: Sequence[str], reps
     bench_scaling's jobs have them: its embedding all-to-alls (ids, pooled rows, their gradients)
     are part of each step's cost, and that cost grows with the ranks."""
     return [_step_cost(preset, reps, rank, world_size, steal=False) for preset in presets]
-
-
-PS_STEP_JOBS = (("sync", 1), ("sync", 2), ("gba", 1), ("gba", 2))
-"""(algorithm, dense shards) of the PS-table jobs whose CPU per trainer step `measure_ps_steps` takes."""
-PS_STEP_TRAINERS = 2
-"""Trainers of those jobs: fewer than the validation's 4, but more than one, so that GBA's global batch
-spans several pushes and sync mode all-reduces, as in the jobs the model prices."""
-PS_STEP_WINDOW_S = 15.0
-"""Timed window of each of those jobs."""
-
-
-def measure_ps_steps(presets: Sequence[str]) -> list[dict[str, Any]]:
-    """What one trainer step costs in CPU, on the trainer and on the servers, in bench_gba's job
-    (tables on the parameter servers, its configs and learning rates) for each preset and each of
-    `PS_STEP_JOBS`, with `PS_STEP_TRAINERS` trainers and no straggler: every rank's getrusage CPU in
-    the timed window over the trainers' steps in it. These price a whole job on one machine's shared
-    cores (`throughput_model.colocated_cpu`), trainer-side costs of each call included."""
-    points = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for preset in presets:
-            for algo, shards in PS_STEP_JOBS:
-                result = run_example(f"{preset} {algo} over {shards} server(s)", PS_STEP_TRAINERS + shards, [
-                    "--config", str(ALGOS[algo]), *shared_job(preset), "--sync.ps.num_servers", str(shards),
-                    "--preset", preset, "--train.warmup_steps", "5", "--train.duration_s", str(PS_STEP_WINDOW_S),
-                ], Path(scratch) / "ps_step.json")
-                steps = sum(result["steps_in_window_by_trainer"])
-                cpu = {role: sum(rank["cpu_s_in_window"] for rank in result["resources"]["by_rank"]
-                                 if rank["role"] == role) for role in ("trainer", "server")}
-                points.append({"preset": preset, "algo": algo, "shards": shards, "trainers": PS_STEP_TRAINERS,
-                               "steps": steps, "window_s": result["window_s"],
-                               "trainer_cpu_s": cpu["trainer"] / steps, "server_cpu_s": cpu["server"] / steps})
-    return points
 
 
 def shadow_steal(step: Callable[[], None], params: Sequence[Any], reps: int) -> dict[str, float]:
@@ -386,16 +353,12 @@ def fitted(measured: dict[str, Any], cores: int) -> dict[str, Any]:
     sharded: dict[str, dict[str, float]] = {}
     for point in measured.get("sharded_compute", []):
         sharded.setdefault(point["preset"], {})[str(point["ranks"])] = point["cpu_s"]
-    ps_steps: dict[str, dict[str, dict[str, float]]] = {}
-    for point in measured.get("ps_steps", []):
-        ps_steps.setdefault(point["preset"], {})[tm.StepCPU.key(point["algo"], point["shards"])] = {
-            "trainer_s": point["trainer_cpu_s"], "server_s": point["server_cpu_s"]}
     steal = compute[SHADOW_STEAL_PRESET]["shadow_steal"]
     ps = measured["ps"]
     return {
         "presets": {name: {"compute_s": point["cpu_s"], "dense_params": point["dense_params"],
                            "batch_size": point["batch_size"], "lookup_bytes": point["lookup_bytes"],
-                           "sharded_compute_s": sharded.get(name, {}), "ps_step_cpu": ps_steps.get(name, {})}
+                           "sharded_compute_s": sharded.get(name, {})}
                     for name, point in compute.items()},
         "allreduce": dataclasses.asdict(fit_allreduce(measured["allreduce"], cores)),
         "shard_push": dataclasses.asdict(fit_linear_cost(ps["pushes"])),
@@ -424,11 +387,6 @@ def measure(args: argparse.Namespace) -> None:
     for point in sharded:
         print(f"compute {point['preset']}, tables sharded over {point['ranks']} ranks: {point['wall_s'] * 1e3:.1f} ms/step "
               f"wall, {point['cpu_s'] * 1e3:.1f} ms CPU", flush=True)
-    ps_steps = measure_ps_steps([name for name in args.presets.split(",") if name in TUNED_FOR_SYNC])
-    for point in ps_steps:
-        print(f"PS-table step, {point['preset']} {point['algo']} over {point['shards']} server(s): "
-              f"{point['trainer_cpu_s'] * 1e3:.1f} ms CPU on the trainer, {point['server_cpu_s'] * 1e3:.1f} ms on the "
-              f"servers ({point['steps']} steps)", flush=True)
     allreduce = measure_in_worlds(allreduce_points, ranks, args.reps)
     bench_ps = from_bench_ps(json.loads(BENCH_PS.read_text())) if BENCH_PS.exists() else None
     if bench_ps is None or "lookups" not in bench_ps:
@@ -436,7 +394,7 @@ def measure(args: argparse.Namespace) -> None:
         ps = stand_in if bench_ps is None else {**stand_in, **bench_ps, "source": "bench_ps.json, stand-in lookups"}
     else:
         ps = bench_ps
-    measured = {"compute": compute, "sharded_compute": sharded, "ps_steps": ps_steps, "allreduce": allreduce, "ps": ps}
+    measured = {"compute": compute, "sharded_compute": sharded, "allreduce": allreduce, "ps": ps}
     report = {"provisional": not args.quiet_machine, "cores": cores, "load_average": os.getloadavg(),
               "wall_s": time.perf_counter() - started, "measured": measured, "model": fitted(measured, cores)}
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -508,8 +466,7 @@ def gba_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dict[st
         step_s = straggler["step_ms"] / 1e3 or preset.compute_s
         hosts = tm.Hosts(calibration.cores, result["trainers"] + servers, min(1.0, preset.compute_s / step_s))
         job = tm.Job(dataclasses.replace(preset, compute_s=step_s), result["trainers"], hosts,
-                     tm.Stragglers(straggler["factor"], count=len(straggler["trainers"])), shards=servers, ps_tables=True,
-                     colocated=True, step_budget_s=straggler["step_ms"] / 1e3)
+                     tm.Stragglers(straggler["factor"], count=len(straggler["trainers"])), shards=servers, ps_tables=True)
         points.append(point("bench_gba", f"{run['algo']} {servers} shard(s)", result, run["rep"], job,
                             PREDICTED_AS[run["algo"]], run["metrics"]["samples_per_s"],
                             cpu_bound=not straggler["step_ms"] and (not straggler["trainers"] or straggler["factor"] == 1)))

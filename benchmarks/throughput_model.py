@@ -34,14 +34,6 @@ trainer i and a per-step jitter J (lognormal, mean 1):
   the per-push cost c does not shrink with S, which caps what more shards buy.
 - Shards needed: the smallest S whose server pushes/s is at least (1 + headroom) x the trainers'
   push rate.
-- A whole PS-table job on one host (`Job.colocated`, how this machine runs the validation): every
-  trainer step costs the host the CPU measured for it on both sides (`StepCPU`: the trainer's own
-  compute and call costs, the servers' work for it). GBA: trainer i's demand is that CPU per
-  m_i x (its own CPU or the simulated budget) seconds; where the demands exceed the cores every
-  rank slows alike, so a CPU-bound job runs at cores x B / CPU per step. Sync: the trainers'
-  compute phase takes max(one trainer's CPU, budget, N x CPU per step / cores), then the slowed
-  trainer finishes (m x the phase with real compute, which its sleep is measured from; m budgets
-  with simulated compute).
 """
 
 from __future__ import annotations
@@ -108,11 +100,6 @@ class Preset:
     ranks (its all-to-alls of ids, pooled rows and their gradients included), by rank count, as
     measured on the calibration machine; empty: not measured."""
 
-    ps_step_cpu: dict[str, "StepCPU"] = dataclasses.field(default_factory=dict)
-    """CPU seconds one trainer step costs in a job with the tables on the parameter servers, by
-    "<algorithm>/<dense shards>" (`StepCPU.key`), measured with every rank on a core of its own;
-    what prices a whole job run on one host's shared cores (`Job.colocated`). Empty: not measured."""
-
     def step_compute_s(self, sharded_over: int) -> float:
         """One step's compute when the tables are TorchRec-sharded over `sharded_over` ranks (1: local
         tables, `compute_s`): the measurement at the largest measured rank count not above it, so
@@ -124,26 +111,6 @@ class Preset:
     def dense_bytes(self) -> int:
         """Size of the dense vector (float32): what sync all-reduces, a shadow round averages, GBA pushes."""
         return 4 * self.dense_params
-
-
-@dataclasses.dataclass(frozen=True)
-class StepCPU:
-    """The CPU seconds one trainer step of a PS-table job costs on each side: the trainer's process
-    (its compute and its side of the lookups, row pushes and dense pushes) and every server rank
-    together (serving the rows, taking their gradients and the dense push, its share of the optimizer
-    step, the parameters it sends back)."""
-
-    trainer_s: float
-    server_s: float
-
-    @staticmethod
-    def key(algorithm: str, shards: int) -> str:
-        """How `Preset.ps_step_cpu` names the job of `algorithm` over `shards` dense shards."""
-        return f"{algorithm}/{shards}"
-
-    @property
-    def total_s(self) -> float:
-        return self.trainer_s + self.server_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,8 +211,7 @@ class Calibration:
         model = raw["model"]
         return cls(
             presets={name: Preset(name=name, **{**fields, "sharded_compute_s": {
-                int(ranks): seconds for ranks, seconds in fields.get("sharded_compute_s", {}).items()},
-                "ps_step_cpu": {key: StepCPU(**cpu) for key, cpu in fields.get("ps_step_cpu", {}).items()}})
+                int(ranks): seconds for ranks, seconds in fields.get("sharded_compute_s", {}).items()}})
                 for name, fields in model["presets"].items()},
             allreduce=AllReduce(**model["allreduce"]),
             shard_push=LinearCost(**model["shard_push"]),
@@ -280,12 +246,6 @@ class Job:
     `sharded_compute_s` measured at this many trainers (bench_scaling's jobs)."""
     interval_s: float = 0.2
     """Shadow thread's target time between rounds (`sync.interval_ms`)."""
-    colocated: bool = False
-    """Every rank, trainers and servers, shares `hosts.cores` (a whole job on one machine, as the
-    validation runs it): with PS tables, sync and GBA are priced from the preset's measured CPU per
-    trainer step (`Preset.ps_step_cpu`) shared out over those cores (`colocated_cpu`)."""
-    step_budget_s: float = 0.0
-    """Simulated compute: a fast trainer's step is padded by sleeping up to this (0: real compute)."""
 
     def lookup_s(self, calibration: Calibration) -> float:
         """A trainer's per-step wait for its embedding rows (zero with local tables)."""
@@ -315,28 +275,9 @@ class Prediction:
     detail: dict[str, float]
 
 
-def colocated_cpu(job: Job, algorithm: str) -> StepCPU | None:
-    """The measured CPU per trainer step of `job` under `algorithm` when every rank shares one host's
-    cores (`Job.colocated`); None where that does not apply or was not measured."""
-    if not (job.colocated and job.ps_tables):
-        return None
-    return job.preset.ps_step_cpu.get(StepCPU.key(algorithm, job.shards))
-
-
 def predict_sync(job: Job, calibration: Calibration) -> Prediction:
-    """Every step waits for the slowest trainer, then all-reduces the dense gradient.
-
-    Colocated (`colocated_cpu`): in a step every trainer computes at once and the servers serve them,
-    so that phase lasts the step's CPU over all trainers spread over the cores (at least one
-    trainer's own CPU, or the simulated budget). Then the slowest finishes: with real compute the
-    slowed trainer sleeps (m - 1) x its phase, with simulated compute it is padded to m budgets."""
-    cpu = colocated_cpu(job, "sync")
-    slowest = job.stragglers.expected_max(job.trainers)
-    if cpu is None:
-        compute = job.compute_s() * slowest + job.lookup_s(calibration)
-    else:
-        phase = max(cpu.trainer_s, job.step_budget_s, job.trainers * cpu.total_s / job.hosts.cores)
-        compute = max(slowest * job.step_budget_s, phase) if job.step_budget_s else slowest * phase
+    """Every step waits for the slowest trainer, then all-reduces the dense gradient."""
+    compute = job.compute_s() * job.stragglers.expected_max(job.trainers) + job.lookup_s(calibration)
     allreduce = job.allreduce_s(calibration)
     rate = job.trainers * job.preset.batch_size / (compute + allreduce)
     bound = "all-reduce" if allreduce > compute else "slowest trainer"
@@ -380,21 +321,9 @@ def server_pushes_per_s(job: Job, calibration: Calibration, shards: int) -> floa
 
 
 def predict_gba(job: Job, calibration: Calibration) -> Prediction:
-    """No trainer waits for another; the servers' ingest bounds the total push rate.
-
-    Colocated (`colocated_cpu`): each trainer steps at its own pace (its CPU, or the simulated
-    budget, times its multiplier: a slowed trainer sleeps the rest), and every step costs the
-    cores the trainer's and the servers' CPU; where that demand exceeds the cores every rank slows
-    by the same factor, so a CPU-bound job runs at cores x batch / CPU per step."""
-    cpu = colocated_cpu(job, "gba")
-    if cpu is None:
-        step_s = job.compute_s() + job.lookup_s(calibration)
-        computed = own_pace(job, step_s)
-    else:
-        step_s = max(cpu.trainer_s, job.step_budget_s)
-        demand = sum(cpu.total_s / (step_s * multiplier) for multiplier in job.stragglers.multipliers(job.trainers))
-        step_s *= max(1.0, demand / job.hosts.cores)
-        computed = own_pace(job, step_s)
+    """No trainer waits for another; the servers' ingest bounds the total push rate."""
+    step_s = job.compute_s() + job.lookup_s(calibration)
+    computed = own_pace(job, step_s)
     capacity = server_pushes_per_s(job, calibration, job.shards) * job.preset.batch_size
     bound = "servers" if capacity < computed else "compute"
     return Prediction("gba", min(computed, capacity), computed, bound,

@@ -145,7 +145,6 @@ def test_a_calibration_written_as_calibrate_fits_it_loads_into_the_model(tmp_pat
     measured = {
         "compute": [compute],
         "sharded_compute": [{"preset": "small", "ranks": n, "wall_s": 0.04, "cpu_s": 0.02 + 0.005 * n} for n in (2, 4)],
-        "ps_steps": [{"preset": "small", "algo": "gba", "shards": 2, "trainer_cpu_s": 0.03, "server_cpu_s": 0.01}],
         "allreduce": [{"ranks": n, "bytes": b, "wall_s": ring.time_s(b, n, n / 2)} for n in (2, 4) for b in (1 << 10, 1 << 20)],
         "ps": {"pushes": [{"bytes": b, "wall_s": 1e-3 + b * 1e-9} for b in (1 << 10, 1 << 20)],
                "lookups": [{"bytes": b, "wall_s": 2e-4 + b * 1e-9} for b in (1 << 10, 1 << 20)],
@@ -154,8 +153,7 @@ def test_a_calibration_written_as_calibrate_fits_it_loads_into_the_model(tmp_pat
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"provisional": True, "model": calibrate.fitted(measured, cores=2)}))
     loaded = tm.Calibration.load(path)
-    assert loaded.presets["small"] == tm.Preset("small", 0.02, 338_241, 512, 1 << 20, {2: 0.03, 4: 0.04},
-                                                {"gba/2": tm.StepCPU(0.03, 0.01)})
+    assert loaded.presets["small"] == tm.Preset("small", 0.02, 338_241, 512, 1 << 20, {2: 0.03, 4: 0.04})
     assert loaded.shard_push.fixed_s == pytest.approx(1e-3) and loaded.shard_push.per_unit_s == pytest.approx(1e-9)
     assert loaded.allreduce.latency_s == pytest.approx(1e-5) and loaded.shadow_steal == 0.05
 
@@ -216,23 +214,3 @@ def test_allreduce_fit_without_crowded_points_has_no_scheduling_wait() -> None:
     points = [{"ranks": 2, "bytes": b, "wall_s": ring.time_s(b, 2)} for b in calibrate.SIZES]
     found = calibrate.fit_allreduce(points, cores=2)
     assert found.switch_s == 0.0 and found.latency_s == pytest.approx(40e-6, rel=1e-6)
-
-
-def test_a_whole_job_on_one_hosts_cores_is_priced_from_its_measured_cpu_per_step() -> None:
-    """Colocated: GBA's ranks share the cores by their CPU demand (a slowed trainer sleeps most of
-    its step), so a CPU-bound GBA job runs at cores x batch / CPU per step; sync's trainers all
-    compute at once, then the slowed one finishes (m x that phase, or m simulated budgets)."""
-    preset = dataclasses.replace(PRESET, ps_step_cpu={"gba/1": tm.StepCPU(0.10, 0.02), "sync/1": tm.StepCPU(0.10, 0.01)})
-    job = tm.Job(preset, 4, tm.Hosts(cores=2, ranks_per_host=5), STRAGGLER, ps_tables=True, colocated=True)
-    gba = tm.predict_gba(job, CALIBRATION)
-    assert gba.computed_samples_per_s == pytest.approx(2 * 512 / 0.12)  # demand 0.12 x (3 / 0.1 + 1 / 0.3) = 4 cores
-    sync = tm.predict_sync(job, CALIBRATION)
-    assert sync.samples_per_s == pytest.approx(4 * 512 / (3 * (4 * 0.11 / 2) + job.allreduce_s(CALIBRATION)))
-    simulated = dataclasses.replace(job, step_budget_s=0.6)
-    assert tm.predict_gba(simulated, CALIBRATION).computed_samples_per_s == pytest.approx(512 * (3 / 0.6 + 1 / 1.8))
-    assert tm.predict_sync(simulated, CALIBRATION).samples_per_s == pytest.approx(
-        4 * 512 / (1.8 + job.allreduce_s(CALIBRATION)))
-    unmeasured = dataclasses.replace(job, shards=2)  # no measured CPU for 2 shards: the cores-stretch model
-    assert tm.colocated_cpu(unmeasured, "gba") is None
-    assert tm.predict_gba(unmeasured, CALIBRATION).computed_samples_per_s == pytest.approx(
-        tm.own_pace(unmeasured, unmeasured.compute_s() + unmeasured.lookup_s(CALIBRATION)))
