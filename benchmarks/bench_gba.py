@@ -53,7 +53,9 @@ checkpoints; then, for each algorithm, a job resumes from that checkpoint (dense
 optimizer, tables and their optimizer, data position) and trains `--global-samples` more under the
 straggler: what a team sees when it switches a tuned synchronous job to GBA mid-training, the GBA
 paper's scenario. Plain async is left out (its global step counts local batches, so its stopping
-rule cannot count the synchronous samples before it). A resumed run is timed from its first step. Every run also reports its resources: CPU ms per sample of all ranks, servers included, peak
+rule cannot count the synchronous samples before it). A resumed run is timed from its first step.
+
+Every run also reports its resources: CPU ms per sample of all ranks, servers included, peak
 memory per trainer and per server, a trainer's extra memory as a multiple of the dense size.
 
 Prints a Markdown table and writes every run's numbers as JSON (default runs/bench_gba_<compute>.json).
@@ -131,6 +133,11 @@ class WarmStart:
     """The synchronous run's results (its held-out AUC is where the algorithms start from)."""
 
 
+def run_label(seed: int, preset: str, shards: int, what: str) -> str:
+    """How a job is named in the progress lines and in a failure."""
+    return f"seed {seed} {preset} {shards} shard(s) {what}"
+
+
 def job_arguments(algo: str, seed: int, preset: str, shards: int, args: argparse.Namespace,
                   extra: Sequence[str]) -> list[str]:
     """What every job of `algo` at `preset` on `shards` servers gets, whatever its straggler and stop."""
@@ -155,7 +162,7 @@ def run_once(
     if warm_start is not None:
         samples += warm_start.samples
         resume = ["--checkpoint-dir", str(warm_start.directory), "--resume"]
-    label = f"seed {seed} {preset} {shards} shard(s) {algo}"
+    label = run_label(seed, preset, shards, algo)
     result = run_example(label, args.trainers + shards, [
         *job_arguments(algo, seed, preset, shards, args, extra), *straggler, "--train.global_samples", str(samples),
         *resume], output)
@@ -177,7 +184,7 @@ def warm_start(seed: int, preset: str, shards: int, args: argparse.Namespace, ex
     global_batch = args.trainers * config.data.batch_size
     steps = -(-args.warm_start_samples // global_batch)
     directory = scratch / f"warm_start_seed{seed}_{preset}_{shards}"
-    result = run_example(f"seed {seed} {preset} {shards} shard(s) warm start", args.trainers + shards, [
+    result = run_example(run_label(seed, preset, shards, "warm start"), args.trainers + shards, [
         *job_arguments("sync", seed, preset, shards, args, extra), "--train.steps", str(steps),
         "--checkpoint-dir", str(directory), "--checkpoint-every", str(steps), "--checkpoint-keep", "1"],
         scratch / "warm_start.json")
@@ -344,14 +351,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                     if start is not None:
                         warm_starts.append({"seed": seed, "preset": preset, "shards": shards, "steps": start.steps,
                                             "samples": start.samples, "auc": start.result["auc"], "result": start.result})
-                        print(f"seed {seed} {preset} {shards} shard(s) warm start: {start.samples:,} samples, "
+                        print(f"{run_label(seed, preset, shards, 'warm start')}: {start.samples:,} samples, "
                               f"AUC {start.result['auc']:.4f}", flush=True)
                     for algo in algos:
                         result = run_once(algo, seed, preset, shards, args, extra, Path(scratch) / "result.json", start)
                         metrics = run_metrics(result, args.slow_trainer)
                         runs.append({"algo": algo, "rep": rep, "seed": seed, "preset": preset, "shards": shards,
                                      "metrics": metrics, "result": result})
-                        print(f"seed {seed} {preset} {shards} shard(s) {algo}: {metrics['samples_per_s']:,.0f} "
+                        print(f"{run_label(seed, preset, shards, algo)}: {metrics['samples_per_s']:,.0f} "
                               f"samples/s over {result['window_s']:.1f} s, AUC {metrics['auc']:.4f}", flush=True)
                     if start is not None:
                         shutil.rmtree(start.directory)  # a production checkpoint holds 1.3 GB of tables
