@@ -1,9 +1,15 @@
 """The small interface every synchronization algorithm implements, and the machinery they share.
 
 An algorithm sees the dense parameters of one trainer as a single flat tensor (the *snapshot* `s`)
-and returns a *target* `t` for the round; the runtime then writes `w <- w + (t - s)` back into the
+and computes a *target* `t` for the round; the runtime then writes `w <- w + (t - s)` back into the
 live parameters, so local progress made while the round was in flight survives. Algorithms never
 touch the live parameters themselves, which keeps them testable on plain tensors.
+
+A round turns the snapshot's buffer, in place, into that *delta* `t - s`: the delta needs a
+dense-sized buffer and the snapshot is not needed once the delta is known, so the runtime keeps one
+buffer for both. With the all-reduce buffer also holding each round's intermediate values (EASGD's
+pull, BMUF's block update and target), an algorithm holds its state, the snapshot and the
+all-reduce buffer, and nothing else dense-sized: MA 2 dense sizes, EASGD 3, BMUF 4.
 
 Stop protocol (why ranks that finish at different steps cannot hang): every round performs exactly
 one collective on the algorithm's process group, and that collective carries a *stop flag* in its
@@ -60,11 +66,8 @@ def is_finite(tensor: torch.Tensor) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class RoundResult:
-    """What one round produced."""
+    """What one round produced, besides the delta it left in the snapshot's buffer."""
 
-    target: torch.Tensor
-    """Flat target `t`; the runtime writes back `w <- w + (t - s)`. One of the algorithm's buffers
-    (or a view of one), which the next round overwrites: use it before then."""
     stop: bool
     """True when some rank raised its stop flag in this round: every rank leaves after it."""
     bytes_moved: int
@@ -75,7 +78,7 @@ class RoundResult:
     """Ranks that aborted in this round (contributed nothing, raised their stop flag)."""
     kept_local: bool = False
     """True when this rank takes nothing from the round (its own contribution was left out, or no
-    rank's counted): `target` is a copy of the snapshot and there is nothing to write back."""
+    rank's counted): the delta is zero and there is nothing to write back."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +106,9 @@ class FlaggedAllReduce:
     """A sum all-reduce of a flat payload with the round's flags riding in a trailer:
     `[payload | stop | status of rank 0 ... status of rank n-1]` (see the module docstring).
 
-    The buffer is allocated once; `Reduced.total` is a view into it that the next call overwrites,
-    so callers copy what they keep.
+    The buffer is allocated once; `Reduced.total` is a view into it (`payload`) that the next call
+    overwrites, so callers copy what they keep. A caller may also compute its payload into `payload`
+    directly and pass that: it is then summed where it is, without a copy.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, like: torch.Tensor) -> None:
@@ -112,6 +116,8 @@ class FlaggedAllReduce:
         self.rank = dist.get_rank(group)
         self._size = like.numel()
         self._buffer = torch.empty(self._size + 1 + dist.get_world_size(group), dtype=like.dtype, device=like.device)
+        self.payload = self._buffer[: self._size]
+        """The payload part of the buffer: where `sum` sums, and `Reduced.total` is."""
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -124,14 +130,15 @@ class FlaggedAllReduce:
 
     def sum(self, payload: torch.Tensor | None, stop: bool, aborted: bool = False) -> Reduced:
         """All-reduce (sum) `payload` over the group, unless it holds NaN / Inf: then zeros go in its
-        place and this rank is flagged. `payload=None` (with `aborted`) contributes nothing."""
+        place and this rank is flagged. `payload=None` (with `aborted`) contributes nothing;
+        `payload` may be `self.payload`, filled in place by the caller."""
         if payload is None and not aborted:
             raise ValueError("only an aborting rank may contribute no payload")
-        body, trailer = self._buffer[: self._size], self._buffer[self._size :]
+        body, trailer = self.payload, self._buffer[self._size :]
         status = ABORTED if aborted else 0
-        if payload is not None and is_finite(payload):
+        if payload is not None and payload is not body:
             body.copy_(payload)
-        else:
+        if payload is None or not is_finite(body):
             body.zero_()
             if payload is not None:
                 status |= NONFINITE
@@ -163,8 +170,6 @@ class SyncAlgorithm(abc.ABC):
     """False for algorithms that only talk to a parameter server: no lockstep, no shadow group."""
     Config: ClassVar[type]
     state_names: ClassVar[tuple[str, ...]] = ()
-    scratch_names: ClassVar[tuple[str, ...]] = ()
-    """Attributes holding buffers a round reuses instead of allocating (not state: not checkpointed)."""
     state_guard: ContextManager[Any] = contextlib.nullcontext()
     """Held whenever the state changes: by a round only after its collective (never across one),
     by `start_at` and `load_state_dict`; `state_dict` copies under it. A runtime that reads the
@@ -183,6 +188,7 @@ class SyncAlgorithm(abc.ABC):
 
     def sync(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
         """The round the runtime runs: `round`, except that the job's first round is a consensus start.
+        Either way `snapshot` holds the round's delta `t - s` on return (zero when `kept_local`).
 
         The replicas train alone for `first_round_after` steps before the first round, so by then the
         initial weights that EASGD's centre and BMUF's global model hold are stale: an EASGD round
@@ -201,11 +207,12 @@ class SyncAlgorithm(abc.ABC):
             with self.state_guard:
                 self.start_at(average)
             self.started = True
-        return self.result(snapshot, average, reduced)
+        return self.result(snapshot, reduced, average)
 
     @abc.abstractmethod
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
-        """Run one round from the flat snapshot `s`; raise the stop flag when `stop` is true."""
+        """Run one round from the flat snapshot `s`, turning `snapshot` into the delta `t - s` (zero
+        when `kept_local`); raise the stop flag when `stop` is true."""
 
     def start_at(self, consensus: torch.Tensor) -> None:
         """Place the algorithm's state at `consensus`, the replicas' average (nothing to place for MA)."""
@@ -219,22 +226,26 @@ class SyncAlgorithm(abc.ABC):
     def averaging_round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
         """A round whose target is the replicas' average: MA's every round, every algorithm's first."""
         average, reduced = self.average(snapshot, stop)
-        return self.result(snapshot, average, reduced)
+        return self.result(snapshot, reduced, average)
 
-    def result(self, snapshot: torch.Tensor, target: torch.Tensor | None, reduced: Reduced) -> RoundResult:
-        """This rank's `RoundResult`: `target`, unless its own contribution was left out or `target`
-        is None (no rank counted); then it keeps its snapshot and takes nothing from the round."""
-        kept_local = target is None or not reduced.own_counted
-        return RoundResult(
-            snapshot.clone() if kept_local else target, reduced.stop, self.allreduce.bytes_per_call,
-            reduced.nonfinite_ranks, reduced.aborted_ranks, kept_local,
-        )
+    def result(self, snapshot: torch.Tensor, reduced: Reduced, target: torch.Tensor | None = None) -> RoundResult:
+        """This rank's `RoundResult`, with `snapshot` made the delta: `target - snapshot` when
+        `target` is given, else `snapshot` already holds it (EASGD computes it before its collective).
+        A rank whose own contribution was left out (no rank counted, or not this one) takes nothing
+        from the round: its delta is zero."""
+        kept_local = not reduced.own_counted
+        if kept_local:
+            snapshot.zero_()
+        elif target is not None:
+            torch.sub(target, snapshot, out=snapshot)
+        return RoundResult(reduced.stop, self.allreduce.bytes_per_call, reduced.nonfinite_ranks,
+                           reduced.aborted_ranks, kept_local)
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        """Every dense-sized tensor the algorithm holds, by name: its all-reduce buffer, its state and
-        its scratch. A round allocates none beyond these (its target is one of them, or a view)."""
-        return {"allreduce": self.allreduce.buffer,
-                **{name: getattr(self, name) for name in (*self.state_names, *self.scratch_names)}}
+        """Every dense-sized tensor the algorithm holds, by name: its all-reduce buffer and its state.
+        A round allocates none beyond these and the snapshot: its intermediate values live in the
+        all-reduce buffer's payload, its result in the snapshot's buffer."""
+        return {"allreduce": self.allreduce.buffer, **{name: getattr(self, name) for name in self.state_names}}
 
     def abort_round(self) -> None:
         """This rank's last round when it aborts: no payload, the stop flag with the aborted marker.

@@ -66,27 +66,27 @@ class BlockMomentum(SyncAlgorithm):
         self.zeta = config.block_lr
         self.global_model = initial.clone()
         self.momentum = torch.zeros_like(initial)
-        self.block_start = torch.empty_like(initial)
-        """Scratch for the block's starting point, and the round's target it returns."""
-
-    scratch_names = ("block_start",)
 
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
+        # The average, then the block update, then the target, each in the all-reduce's payload in
+        # place of the one before (no buffer of their own): G = a - start, start = Wg + eta*D.
         average, reduced = self.average(snapshot, stop)
         if average is None:  # no finite snapshot this round: the block update waits for the next
-            return self.result(snapshot, None, reduced)
-        block_update = average.sub_(self._block_start())  # the average is not needed after this
+            return self.result(snapshot, reduced)
+        block_update = average.sub_(self.global_model)
+        if self.config.nesterov:
+            block_update.sub_(self.momentum, alpha=self.eta)
         with self.state_guard:
             self.momentum.mul_(self.eta).add_(block_update, alpha=self.zeta)
             self.global_model += self.momentum
-        return self.result(snapshot, self._block_start(), reduced)
+        return self.result(snapshot, reduced, self._block_start(out=block_update))
 
     def start_at(self, consensus: torch.Tensor) -> None:
         self.global_model.copy_(consensus)
         self.momentum.zero_()
 
-    def _block_start(self) -> torch.Tensor:
-        """Where the replicas start a block: the round's target, computed into `block_start`."""
+    def _block_start(self, out: torch.Tensor) -> torch.Tensor:
+        """Where the replicas start the next block, the round's target (`Wg + eta*D`, or `Wg`), into `out`."""
         if self.config.nesterov:
-            return torch.mul(self.momentum, self.eta, out=self.block_start).add_(self.global_model)
-        return self.block_start.copy_(self.global_model)
+            return torch.mul(self.momentum, self.eta, out=out).add_(self.global_model)
+        return out.copy_(self.global_model)

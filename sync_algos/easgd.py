@@ -61,17 +61,16 @@ class ElasticAveraging(SyncAlgorithm):
         super().__init__(config, group, initial)
         self.alpha = config.alpha if config.alpha is not None else config.beta / self.world_size
         self.center = initial.clone()
-        self.pull = torch.empty_like(initial)
-        """Scratch for this rank's pull `d`, then the round's target `s - d` it returns."""
-
-    scratch_names = ("pull",)
 
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
-        pull = elastic_pull(snapshot, self.center, self.alpha, out=self.pull)
+        # The pull is computed where it is all-reduced, and the delta t - s = -d is taken from it
+        # before the collective overwrites it with the sum of the pulls: no buffer of its own.
+        pull = elastic_pull(snapshot, self.center, self.alpha, out=self.allreduce.payload)
+        torch.neg(pull, out=snapshot)
         reduced = self.allreduce.sum(pull, stop)
         with self.state_guard:
             self.center += reduced.total  # the finite pulls only (a NaN / Inf pull was sent as zeros)
-        return self.result(snapshot, torch.sub(snapshot, pull, out=pull), reduced)
+        return self.result(snapshot, reduced)
 
     def start_at(self, consensus: torch.Tensor) -> None:
         self.center.copy_(consensus)

@@ -60,6 +60,8 @@ class ElasticAveragingPS(SyncAlgorithm):
 
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
         if not is_finite(snapshot):  # never sent: the shared centre would pass it to every trainer
-            return RoundResult(snapshot.clone(), stop, 0, nonfinite_ranks=(self.rank,), kept_local=True)
+            snapshot.zero_()
+            return RoundResult(stop, 0, nonfinite_ranks=(self.rank,), kept_local=True)
         pull = self.centre.exchange(snapshot, self.alpha)
-        return RoundResult(snapshot - pull, stop, 2 * pull.numel() * pull.element_size())
+        torch.neg(pull, out=snapshot)  # the delta t - s = -d
+        return RoundResult(stop, 2 * pull.numel() * pull.element_size())

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
 
 import sync_algos
 from shadowgba.metrics import GBAMetrics
-from sync_algos.base import is_finite
+from sync_algos.base import RoundResult, is_finite
 from sync_algos.easgd import elastic_pull
 from sync_algos.easgd_ps import Centre
 from sync_algos.gba import Admission, AggregationConfig, GlobalBatchRule
@@ -32,9 +31,17 @@ def snapshot_of(rank: int, round_index: int) -> torch.Tensor:
 INITIAL = torch.linspace(-1.0, 1.0, SIZE, dtype=torch.float64)
 
 
+def target_of(round_fn: Callable[..., RoundResult], snapshot: torch.Tensor, stop: bool = False) -> tuple[RoundResult, torch.Tensor]:
+    """Run a round (`algorithm.round` or `.sync`) on a copy of `snapshot`, which the round turns into
+    the delta `t - s`; return its result and the target `s + (t - s)`."""
+    delta = snapshot.clone()
+    result = round_fn(delta, stop=stop)
+    return result, snapshot + delta
+
+
 def run_rounds(rank: int, world_size: int, name: str, options: dict, rounds: int) -> dict:
     algorithm = sync_algos.build_algorithm(name, options, None, INITIAL.clone())
-    targets = [algorithm.round(snapshot_of(rank, r), stop=False).target.clone() for r in range(rounds)]  # a buffer the next round reuses
+    targets = [target_of(algorithm.round, snapshot_of(rank, r))[1] for r in range(rounds)]
     return {"targets": targets, "state": algorithm.state_dict()}
 
 
@@ -164,7 +171,7 @@ def run_synced_rounds(rank: int, world_size: int, name: str, restored: dict | No
         algorithm.load_state_dict(restored)
     targets, states = [], []
     for round_index in range(2):
-        targets.append(algorithm.sync(snapshot_of(rank, round_index), stop=False).target.clone())
+        targets.append(target_of(algorithm.sync, snapshot_of(rank, round_index))[1])
         states.append(algorithm.state_dict())
     return {"targets": targets, "states": states}
 
@@ -296,7 +303,7 @@ def easgd_ps_rounds(rank: int, world_size: int, stops: list[bool]) -> dict:
     pulls = [torch.full((SIZE,), 0.1 * (r + 1), dtype=torch.float64) for r in range(len(stops))]
     centre = ScriptedCentre(pulls)
     algorithm = sync_algos.build_algorithm("easgd_ps", {"beta": 0.6}, None, INITIAL.clone(), centre=centre)
-    results = [algorithm.sync(snapshot_of(rank, r), stop=stop) for r, stop in enumerate(stops)]
+    results = [target_of(algorithm.sync, snapshot_of(rank, r), stop) for r, stop in enumerate(stops)]
     return {"results": results, "pulls": pulls, "initial": centre.initial, "exchanges": centre.exchanges}
 
 
@@ -304,11 +311,11 @@ def test_easgd_ps_targets_its_centres_pull_with_alpha_beta_over_n_and_no_agreeme
     stops = [False, True]
     for rank, result in enumerate(two_ranks["easgd_ps"]):
         torch.testing.assert_close(result["initial"], INITIAL)
-        for r, (round_result, pull) in enumerate(zip(result["results"], result["pulls"])):
+        for r, ((round_result, target), pull) in enumerate(zip(result["results"], result["pulls"])):
             snapshot, alpha = result["exchanges"][r]
             torch.testing.assert_close(snapshot, snapshot_of(rank, r))
             assert alpha == 0.6 / 2
-            torch.testing.assert_close(round_result.target, snapshot - pull)  # no averaging first round
+            torch.testing.assert_close(target, snapshot - pull)  # no averaging first round
             assert round_result.stop == stops[r]  # each trainer's own flag: no collective
             assert round_result.bytes_moved == 2 * SIZE * 8
 
@@ -388,9 +395,8 @@ def nonfinite_and_aborted_rounds(rank: int, world_size: int, names: list[str]) -
                 rounds.append(None)
                 continue
             snapshot = poisoned(rank, r) if rank in bad else snapshot_of(rank, r)
-            result = algorithm.sync(snapshot, stop=False)
-            rounds.append({"result": dataclasses.replace(result, target=result.target.clone()),  # the buffer is reused
-                           "state": algorithm.state_dict()})
+            result, target = target_of(algorithm.sync, snapshot)
+            rounds.append({"result": result, "target": target, "state": algorithm.state_dict()})
         out[name] = rounds
     return out
 
@@ -428,7 +434,7 @@ def test_a_nonfinite_contribution_is_left_out_and_an_aborting_rank_stops_its_pee
                 assert result.nonfinite_ranks == tuple(sorted(bad)) and not result.stop and result.aborted_ranks == ()
                 assert result.kept_local == (rank in bad)
                 if rank in bad:  # its own weights, untouched (NaN where they were NaN)
-                    torch.testing.assert_close(result.target, poisoned(rank, r), equal_nan=True)
+                    torch.testing.assert_close(runs[rank][r]["target"], poisoned(rank, r), equal_nan=True)
                 for value in runs[rank][r]["state"].values():
                     assert torch.isfinite(value).all(), (name, r, rank)
             states = [runs[rank][r]["state"] for rank in range(3)]
@@ -438,7 +444,7 @@ def test_a_nonfinite_contribution_is_left_out_and_an_aborting_rank_stops_its_pee
         good = [0, 2]
         first_average = snapshots(3, 0)[good].mean(0)
         for rank in good:  # round 0: the consensus start over ranks 0 and 2
-            torch.testing.assert_close(runs[rank][0]["result"].target, first_average)
+            torch.testing.assert_close(runs[rank][0]["target"], first_average)
         for key, value in runs[0][1]["state"].items():  # round 1: nobody good, nothing changed
             torch.testing.assert_close(value, runs[0][0]["state"][key])
         second = snapshots(3, 2)
@@ -453,27 +459,27 @@ def test_a_nonfinite_contribution_is_left_out_and_an_aborting_rank_stops_its_pee
             block = second[good].mean(0) - first_average
             expected = {rank: first_average + block + (2 / 3) * block for rank in good}
         for rank in good:
-            torch.testing.assert_close(runs[rank][2]["result"].target, expected[rank])
+            torch.testing.assert_close(runs[rank][2]["target"], expected[rank])
         for rank in (0, 1):  # round 3: rank 2 aborted; ranks 0 and 1 stop, and average without it
             result = runs[rank][3]["result"]
             assert result.stop and result.aborted_ranks == (2,) and result.nonfinite_ranks == () and not result.kept_local
         if name == "ma":
-            torch.testing.assert_close(runs[0][3]["result"].target, snapshots(3, 3)[:2].mean(0))
+            torch.testing.assert_close(runs[0][3]["target"], snapshots(3, 3)[:2].mean(0))
 
 
 def test_easgd_ps_never_sends_a_nonfinite_snapshot_to_its_centre(two_ranks: dict) -> None:
     """Each trainer's own centre: a trainer reports only itself (there is no collective to tell the others)."""
     for rank, result in enumerate(two_ranks["easgd_ps-poisoned"]):
         assert result["exchanges"] == 1  # only the finite snapshot reached the centre
-        bad = result["bad"]
+        bad, target = result["bad"]
         assert bad.kept_local and bad.nonfinite_ranks == (rank,) and bad.bytes_moved == 0
-        torch.testing.assert_close(bad.target, poisoned(rank, 0), equal_nan=True)
+        torch.testing.assert_close(target, poisoned(rank, 0), equal_nan=True)
 
 
 def easgd_ps_poisoned_round(rank: int, world_size: int) -> dict:
     centre = ScriptedCentre([torch.zeros(SIZE, dtype=torch.float64)])
     algorithm = sync_algos.build_algorithm("easgd_ps", {}, None, INITIAL.clone(), centre=centre)
-    bad = algorithm.sync(poisoned(rank, 0), stop=False)
+    bad = target_of(algorithm.sync, poisoned(rank, 0))
     algorithm.sync(snapshot_of(rank, 1), stop=False)
     return {"bad": bad, "exchanges": len(centre.exchanges)}
 

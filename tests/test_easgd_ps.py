@@ -13,6 +13,7 @@ import sync_algos
 from shadowgba.ps import transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from tests.multiprocess import run_ranks
+from tests.test_algorithms import target_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,7 +38,7 @@ def job(rank: int, world_size: int, num_servers: int, rounds: int) -> dict | Non
         if roles.trainer_index == 1:
             while transport.call(0, CENTER_SERVICE, "round_count") < rounds:
                 time.sleep(0.01)
-        targets = [algorithm.round(snapshot(roles.trainer_index, r), stop=False).target.clone() for r in range(rounds)]
+        targets = [target_of(algorithm.round, snapshot(roles.trainer_index, r))[1] for r in range(rounds)]
         centre = torch.cat([transport.call(i, CENTER_SERVICE, "center") for i in range(num_servers)])
         return {"targets": targets, "centre": centre, "alpha": algorithm.alpha}
     finally:

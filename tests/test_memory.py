@@ -117,8 +117,8 @@ def shadow_runs() -> dict[str, list]:
 
 EXPECTED = {
     "ma": {"snapshot", "allreduce"},
-    "easgd": {"snapshot", "allreduce", "center", "pull"},
-    "bmuf": {"snapshot", "allreduce", "global_model", "momentum", "block_start"},
+    "easgd": {"snapshot", "allreduce", "center"},
+    "bmuf": {"snapshot", "allreduce", "global_model", "momentum"},
 }
 
 

@@ -373,9 +373,7 @@ class ShadowSync(DenseSync):
                 self._algorithm.abort_round()
             return True
         with self._round_lock:
-            result = self._algorithm.sync(self._snapshot, stop)
-            if not result.kept_local:  # the delta t - s, in the snapshot's buffer (the target is reused)
-                torch.sub(result.target, self._snapshot, out=self._snapshot)
+            result = self._algorithm.sync(self._snapshot, stop)  # leaves the delta t - s in the snapshot's buffer
         self.metrics.record_round(time.perf_counter() - started, result.bytes_moved)
         if not result.kept_local:  # a rank left out of the round keeps its own weights
             self._writeback.apply(self._snapshot)
