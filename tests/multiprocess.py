@@ -24,6 +24,8 @@ import signal
 import socket
 import time
 import traceback
+from multiprocessing import forkserver
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -35,10 +37,32 @@ PRELOADED = ["torch", "torch.distributed", "torch.distributed.rpc", "torchrec", 
 """What the fork server imports before it forks any rank."""
 
 
+CHECKOUT = str(Path(__file__).resolve().parents[1])
+"""The checkout this file belongs to: the code every rank must run."""
+
+
 def _context() -> Any:
-    """The fork-server context, its preload set before the server first starts."""
+    """The fork-server context, its preload set and its server started (once) from this checkout.
+
+    Python 3.11's fork server does not take the parent's `sys.path` (it is passed to it, and not
+    applied): it imports the preloads, shadowgba included, from its own, which starts with the
+    working directory and then names the checkout the editable install points at. A harness run
+    from another worktree (a before / after comparison) would then measure that code under the
+    other's name. So the server starts with this file's checkout first on its `PYTHONPATH` and
+    without the working directory (`PYTHONSAFEPATH`), in its environment alone."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(PRELOADED)
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [CHECKOUT, saved["PYTHONPATH"]]))
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
     return context
 
 
