@@ -65,18 +65,28 @@ class SyncAllReduce:
         """The one buffer every round reuses: [gradient | control]."""
         return self._buffer
 
+    @property
+    def gradient(self) -> torch.Tensor:
+        """The gradient field: a caller may write its gradient here and pass it to `round`, which
+        then sends it where it is, without a copy (and without a gradient buffer of the caller's)."""
+        return self._gradient
+
     def round(self, group: dist.ProcessGroup | None, gradient: torch.Tensor | None, stop: bool, switch_to_gba: bool,
               compute_s: float, finite: bool = True) -> SyncRound:
         """All-reduce this trainer's `gradient` (None: contribute nothing and apply nothing) and flags
         over `group`; blocking, collective. `finite` False: the gradient is left out and flagged, and
-        this trainer still gets the mean of the others' (the replicas stay identical). The group is
-        the caller's, not kept here: destroying it must free it."""
-        self._buffer.zero_()
+        this trainer still gets the mean of the others' (the replicas stay identical). `gradient`
+        may be the `gradient` field itself. The group is the caller's, not kept here: destroying it
+        must free it."""
+        self._control.zero_()
         if gradient is not None and finite:
-            self._gradient.copy_(gradient)
+            if gradient is not self._gradient:
+                self._gradient.copy_(gradient)
             self._contributors.fill_(1.0)
-        elif gradient is not None:
-            self._nonfinite[self._trainer_index] = 1.0
+        else:
+            self._gradient.zero_()
+            if gradient is not None:
+                self._nonfinite[self._trainer_index] = 1.0
         self._stop.fill_(float(stop))
         self._switch.fill_(float(switch_to_gba))
         self._compute_times[self._trainer_index] = compute_s

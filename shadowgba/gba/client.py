@@ -157,20 +157,24 @@ class GBAClient:
         return min(self.tokens)
 
     # ------------------------------------------------------------------------- training thread
-    def submit(self, gradient: torch.Tensor, compute_s: float, finite: bool = True) -> None:
-        """Queue a copy of `gradient` (computed on the installed parameters), in a reused buffer;
-        drop the oldest if full. `finite` False: the training thread found NaN / Inf in it; shard 0
-        only counts it."""
+    def take_buffer(self) -> torch.Tensor:
+        """A gradient buffer for the training thread to write this step's gradient into, then
+        `submit`: a spare one, or, when the queue is full, the oldest queued gradient's (that
+        gradient is dropped); a new one only while fewer than `queue_size` + 1 exist."""
         with self._queue_ready:
             if len(self._queue) >= self._queue_size:
-                copy = self._queue.popleft().gradient
                 self._metrics.record_queue_drop()
-            else:
-                copy = self._spare.pop() if self._spare else None
-        copy = self._dense.empty() if copy is None else copy
-        copy.copy_(gradient)
+                return self._queue.popleft().gradient
+            if self._spare:
+                return self._spare.pop()
+        return self._dense.empty()
+
+    def submit(self, gradient: torch.Tensor, compute_s: float, finite: bool = True) -> None:
+        """Queue `gradient`, a buffer from `take_buffer` holding a gradient computed on the
+        installed parameters. `finite` False: the training thread found NaN / Inf in it; shard 0
+        only counts it."""
         with self._queue_ready:
-            self._queue.append(_Queued(copy, self.global_step, compute_s, finite))
+            self._queue.append(_Queued(gradient, self.global_step, compute_s, finite))
             self._queue_ready.notify()
 
     def held_tensors(self) -> dict[str, torch.Tensor]:

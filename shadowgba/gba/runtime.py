@@ -192,7 +192,6 @@ class GBASync(DenseSync):
         """The trainer's optimizer: set by start(), None before and after (closed)."""
         self._loaded: tuple[dict[str, Any], dict[str, Any] | None] | None = None
         """A checkpoint loaded before start() (optimizer export, policy state): start() takes it."""
-        self._grad = self.dense.empty()
         self._own_group: dist.ProcessGroup | None = None
         """Without servers: the sync group, created by start() and destroyed at close / abort
         (`_group()`)."""
@@ -212,7 +211,7 @@ class GBASync(DenseSync):
             timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
             self._own_group = dist.new_group(list(self.roles.trainer_ranks), timeout=timeout,
                                              backend="nccl" if self.dense.device.type == "cuda" else "gloo")
-        initial = self._grad  # free until the first step; the flat optimizer copies it
+        initial = self._allreduce.gradient  # free until the first step; the flat optimizer copies it
         self.dense.copy_to(initial)
         with self._collective("the initial broadcast"):
             dist.broadcast(initial, src=self.roles.trainer_ranks[0], group=self._group())
@@ -271,7 +270,7 @@ class GBASync(DenseSync):
             self._after_sync_round(self._sync_round(None, stop=True, compute_s=0.0))
         if self.mode == Mode.LOCAL:
             with self._collective("the closing average"):
-                self.dense.average_(self._group(), self._grad)
+                self.dense.average_(self._group(), self._allreduce.gradient)
 
     def _release(self, discard_queued: bool) -> None:
         """Mark the runtime closed, remove the step hook, stop and join the client's threads, destroy
@@ -371,14 +370,17 @@ class GBASync(DenseSync):
         started = time.perf_counter()
         compute_s = started - self._last_step_end
         self._client.raise_error()
-        self.dense.copy_grads_to(self._grad)
-        finite = is_finite(self._grad)  # no mask as large as the gradient
+        # The gradient goes straight into the buffer that carries it on (a queue buffer in GBA mode,
+        # else the all-reduce's gradient field): no gradient buffer of the runtime's own.
+        gradient = self._client.take_buffer() if self.mode == Mode.GBA else self._allreduce.gradient
+        self.dense.copy_grads_to(gradient)
+        finite = is_finite(gradient)  # no mask as large as the gradient
         if self.mode == Mode.SYNC:
-            self._after_sync_round(self._sync_round(self._grad, stop=False, compute_s=compute_s, finite=finite))
+            self._after_sync_round(self._sync_round(gradient, stop=False, compute_s=compute_s, finite=finite))
         elif self.mode == Mode.GBA:
-            self._gba_step(compute_s, finite)
+            self._gba_step(gradient, compute_s, finite)
         else:
-            self._local_step(finite)
+            self._local_step(gradient, finite)
         self._last_step_end = time.perf_counter()
         self.metrics.record_step(self._last_step_end - started)
 
@@ -397,18 +399,18 @@ class GBASync(DenseSync):
         if result.switch_to_gba or target == Mode.GBA:
             self._enter_gba()
 
-    def _local_step(self, finite: bool) -> None:
+    def _local_step(self, gradient: torch.Tensor, finite: bool) -> None:
         """After a peer closed in sync mode: keep training with the same optimizer, alone (a
         non-finite gradient is skipped or raised on: the closing average would spread it)."""
         if not finite:
             self._nonfinite([self._trainer_name(self.roles.trainer_index)])
             return
-        self._apply(self._grad.clone())
+        self._apply(gradient)
 
-    def _gba_step(self, compute_s: float, finite: bool) -> None:
+    def _gba_step(self, gradient: torch.Tensor, compute_s: float, finite: bool) -> None:
         if not finite:
             self._nonfinite([self._trainer_name(self.roles.trainer_index)], self._shards.fail)
-        self._client.submit(self._grad, compute_s, finite)
+        self._client.submit(gradient, compute_s, finite)
         self._client.install_fresh()
         self._gba_steps += 1
         if self._leave_gba_due():
@@ -542,9 +544,10 @@ class GBASync(DenseSync):
             self._policy.load_state_dict(policy)
 
     def _held_tensors(self) -> dict[str, torch.Tensor]:
-        """The dense-sized tensors this runtime holds of its own (`metrics.memory()`): the gradient,
-        the sync all-reduce's buffer, the flat optimizer's parameters and state, the GBA queue."""
-        held = {"gradient": self._grad, "allreduce": self._allreduce.buffer, **self._client.held_tensors()}
+        """The dense-sized tensors this runtime holds of its own (`metrics.memory()`): the sync
+        all-reduce's buffer (the gradient's, outside GBA mode), the flat optimizer's parameters and
+        state, the GBA queue."""
+        held = {"allreduce": self._allreduce.buffer, **self._client.held_tensors()}
         flat = self._flat
         if flat is not None:
             held["optimizer_param"] = flat.param
