@@ -12,8 +12,10 @@ sync can hold a fast trainer back), at each model preset of `--presets` (`exampl
 and one trainer slowed `--factor` times by `ctrkit.straggler`:
 - sync: `sync_allreduce.yaml` (dense all-reduce every step, GBASync's sync mode);
 - gba: `gba_ps_embeddings.yaml` (global-batch aggregation, staleness decay);
-- async: `async_ps.yaml` (every gradient applied on arrival, no decay).
-All three share the optimizer, learning rates and global batch (N x local batch); the dense
+- async: `async_ps.yaml` (every gradient applied on arrival, no decay);
+- gba-bf16 (not run unless named in `--algos`): gba with `sync.gba.push_dtype: bfloat16`, its pushes
+  at half the bytes.
+All of them share the optimizer, learning rates and global batch (N x local batch); the dense
 learning rate is the one tuned for sync at each preset (`TUNED_FOR_SYNC`), nothing is tuned per algorithm. The
 algorithms run interleaved (for each seed, each preset and each shard count: sync gba async) over one
 repetition per seed of `--seeds` in one invocation, because identical runs differ too much on these machines to compare
@@ -78,12 +80,15 @@ from bench_summary import (
 )
 from example_job import CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, parse_presets, preset_arguments, run_example
 
-ALGOS: dict[str, Path] = {
-    "sync": CONFIGS / "sync_allreduce.yaml",
-    "gba": CONFIGS / "gba_ps_embeddings.yaml",
-    "async": CONFIGS / "async_ps.yaml",
+ALGOS: dict[str, tuple[Path, tuple[str, ...]]] = {
+    "sync": (CONFIGS / "sync_allreduce.yaml", ()),
+    "gba": (CONFIGS / "gba_ps_embeddings.yaml", ()),
+    "async": (CONFIGS / "async_ps.yaml", ()),
+    "gba-bf16": (CONFIGS / "gba_ps_embeddings.yaml", ("--sync.gba.push_dtype", "bfloat16")),
 }
-"""Benchmarked algorithms and their configs."""
+"""Benchmarked algorithms: a config and the overrides that make the variant."""
+DEFAULT_ALGOS = ("sync", "gba", "async")
+"""What `--algos` runs unless told: GBA against its two baselines."""
 
 PS_JOB = ["--model.embeddings", "ps", "--train.embedding_optimizer", "rowwise_adagrad"]
 """The same job shape for all three: the server ranks hold the tables (and GBA's dense shards)."""
@@ -142,7 +147,8 @@ def job_arguments(algo: str, seed: int, preset: str, shards: int, args: argparse
                   extra: Sequence[str]) -> list[str]:
     """What every job of `algo` at `preset` on `shards` servers gets, whatever its straggler and stop."""
     return [
-        "--config", str(ALGOS[algo]), *shared_job(preset), "--sync.ps.num_servers", str(shards), *preset_arguments(preset),
+        "--config", str(ALGOS[algo][0]), *ALGOS[algo][1], *shared_job(preset), "--sync.ps.num_servers", str(shards),
+        *preset_arguments(preset),
         "--train.warmup_steps", str(args.warmup_steps), "--train.seed", str(seed), "--data.synthetic.seed", str(seed),
         *SYNTHETIC_HELDOUT, *extra,
     ]
@@ -179,7 +185,7 @@ def warm_start(seed: int, preset: str, shards: int, args: argparse.Namespace, ex
     from dlrm.config import ExperimentConfig, preset_overrides
     from shadowgba.config import load_config
 
-    config = load_config(ExperimentConfig, ALGOS["sync"], [*preset_overrides(preset), *shared_job(preset),
+    config = load_config(ExperimentConfig, ALGOS["sync"][0], [*preset_overrides(preset), *shared_job(preset),
                                                            "--sync.ps.num_servers", str(shards), *extra])
     global_batch = args.trainers * config.data.batch_size
     steps = -(-args.warm_start_samples // global_batch)
@@ -327,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--global-samples", type=int,
                         help=f"every run stops at this many samples applied (default per preset: {GLOBAL_SAMPLES})")
     parser.add_argument("--warmup-steps", type=int, default=20, help="steps before the timed window")
-    parser.add_argument("--algos", default=",".join(ALGOS), help=f"comma-separated subset of {list(ALGOS)}")
+    parser.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help=f"comma-separated subset of {list(ALGOS)}")
     parser.add_argument("--output", type=Path, help="JSON results (default runs/bench_gba_<compute>.json)")
     parser.add_argument("--warm-start-samples", type=int, default=0,
                         help="train sync alone this many samples first, then continue every algorithm from its "

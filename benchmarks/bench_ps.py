@@ -1,9 +1,11 @@
 """The parameter server alone: how fast its ranks ingest dense pushes and serve embedding rows.
 
     python benchmarks/bench_ps.py [--sizes 1KB,100KB,1MB,10MB] [--trainers 2] [--shards 1,2] \
-        [--in-flight 1,4] [--reps 5] [--duration-s 30] [--embeddings] [--trees after=.,before=/old/checkout]
+        [--in-flight 1,4] [--push-dtypes float32,bfloat16] [--reps 5] [--duration-s 30] [--embeddings] \
+        [--trees after=.,before=/old/checkout]
 
-No model and no training: every trainer rank pushes one fixed gradient of `--sizes` bytes (float32)
+No model and no training: every trainer rank pushes one fixed gradient of `--sizes` bytes as float32
+(`--push-dtypes`: the same parameters also sent as bfloat16, `sync.gba.push_dtype`, half the bytes)
 to the dense shards through `DenseShardClient.push` -- the trainers' real code path, shard 0
 deciding each push with GBA's rule and the others following -- with `--in-flight` pushes
 outstanding per trainer, as fast as the replies come back, while one watcher thread per trainer
@@ -14,7 +16,7 @@ per push is measured: receiving and unpickling the request, validation, the fini
 buffer add, the optimizer step once per global batch, and the reply.
 
 Ingest per server rank = gradient bytes received by that rank per second (a push of B bytes over S
-shards brings B/S to each). CPU seconds are read with getrusage in every process at the start and
+shards brings B/S to each), and the same in parameters per second, which compares push dtypes. CPU seconds are read with getrusage in every process at the start and
 end of each window (steal time does not inflate them): "server CPU s / GiB" is what one GiB of
 ingest costs a server rank, the figure that tells a faster transport from a less loaded machine.
 
@@ -28,10 +30,11 @@ pushes of 4,096 rows (rows/s) against PS-hosted tables of 100K x 64 rows, the sa
 (`PSEmbeddingBagCollection`'s service) the trainers use.
 
 Interleaving: for each repetition, for each world (trainers x shards), for each `--trees` entry, one
-group of processes is spawned and measures every size and in-flight setting in turn; `--trees`
+group of processes is spawned and measures every size, push dtype and in-flight setting in turn; `--trees`
 names checkouts whose `shadowgba` the processes import (e.g. the code before and after an
 optimisation: `--trees after=.,before=/tmp/old`), so their ratio is measured side by side. Each
-figure is the median over repetitions with its min-max; ratios are per repetition, then the median.
+figure is the median over repetitions with its min-max; ratios (of parameters per second) are per
+repetition to the first tree's first push dtype, then the median.
 Prints Markdown tables and writes every window's numbers to runs/bench_ps.json.
 """
 
@@ -147,34 +150,37 @@ def _trainer_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[dic
 
     group = roles.trainer_group
     windows = []
-    for size in plan["sizes"]:
+    for size, push_dtype in ((size, dtype) for size in plan["sizes"] for dtype in plan["push_dtypes"]):
         numel = size // 4
         shards = DenseShardClient(numel, world.shards)
         if roles.trainer_index == 0:
             spec = OptimizerSpec("Adam", {"lr": 1e-4}, LRSchedule())
-            shards.configure(world.trainers, spec, FlatOptimizer(spec, torch.zeros(numel)).export(), GBAConfig(),
+            # float32 is every tree's default: a tree from before push_dtype existed runs it too
+            config = GBAConfig() if push_dtype == "float32" else GBAConfig(push_dtype=push_dtype)
+            shards.configure(world.trainers, spec, FlatOptimizer(spec, torch.zeros(numel)).export(), config,
                              world.trainers * LOCAL_BATCH)
-        gradient = torch.full((numel,), 1e-3)
+        dist.barrier(group=group)  # configured before anyone pushes
+        gradient = torch.full((numel,), 1e-3, dtype=getattr(torch, push_dtype))
         for in_flight in plan["in_flight"]:
             dist.barrier(group=group)
             probe = _server_clock(world.shards) if roles.trainer_index == 0 else None
             pushes, kept, cpu, elapsed = _push_for(shards, roles.trainer_index, gradient, in_flight,
                                                    plan["duration_s"])
-            windows += _dense_window(roles, world, "dense", size, in_flight, probe, (pushes, kept, cpu, elapsed))
+            windows += _dense_window(roles, world, "dense", gradient, in_flight, probe, (pushes, kept, cpu, elapsed))
             if plan["floor"]:
                 dist.barrier(group=group)
                 probe = _server_clock(world.shards) if roles.trainer_index == 0 else None
-                windows += _dense_window(roles, world, "floor", size, in_flight, probe,
+                windows += _dense_window(roles, world, "floor", gradient, in_flight, probe,
                                          _bare_calls_for(world.shards, gradient, in_flight, plan["duration_s"]))
     if plan["embeddings"]:
         windows += _embedding_windows(roles, world, plan)
     return windows
 
 
-def _dense_window(roles: Any, world: World, kind: str, size: int, in_flight: int, probe: list[float] | None,
+def _dense_window(roles: Any, world: World, kind: str, gradient: Any, in_flight: int, probe: list[float] | None,
                   measured: tuple[int, int, float, float]) -> list[dict[str, Any]]:
-    """Every trainer's (pushes, kept, CPU s, seconds) summed into trainer 0's record of one window
-    (collective over the trainers; the others return nothing)."""
+    """Every trainer's (pushes, kept, CPU s, seconds) of pushing `gradient` summed into trainer 0's
+    record of one window (collective over the trainers; the others return nothing)."""
     import torch
     import torch.distributed as dist
 
@@ -184,11 +190,13 @@ def _dense_window(roles: Any, world: World, kind: str, size: int, in_flight: int
     if roles.trainer_index != 0:
         return []
     server_cpu = [end - start for start, end in zip(probe, _server_clock(world.shards))]
-    ingest = totals[0].item() * size / elapsed / world.shards
+    ingest = totals[0].item() * gradient.numel() * gradient.element_size() / elapsed / world.shards
     return [{
-        "kind": kind, "size": size, "in_flight": in_flight, "window_s": elapsed,
+        "kind": kind, "size": gradient.numel() * 4, "push_dtype": str(gradient.dtype).removeprefix("torch."),
+        "in_flight": in_flight, "window_s": elapsed,
         "pushes_per_s": totals[0].item() / elapsed, "kept_fraction": totals[1].item() / max(totals[0].item(), 1),
         "ingest_gib_per_s_per_server": ingest / GIB,
+        "params_per_s_per_server": totals[0].item() * gradient.numel() / elapsed / world.shards,
         "server_cpu_s_per_gib": statistics.mean(server_cpu) / max(ingest * elapsed / GIB, 1e-12),
         "server_cpu_share": statistics.mean(server_cpu) / elapsed,
         "trainer_cpu_s_per_push": totals[2].item() / max(totals[0].item(), 1),
@@ -323,28 +331,31 @@ def run_world(world: World, plan: dict[str, Any], timeout_s: float) -> list[dict
     return windows
 
 
-def summarize(records: list[dict[str, Any]], trees: Sequence[str]) -> list[dict[str, Any]]:
-    """One row per (kind, trainers, shards, size, in-flight, tree): medians, min-max, ratio to the first tree."""
+def summarize(records: list[dict[str, Any]], trees: Sequence[str], push_dtypes: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per (kind, trainers, shards, size, in-flight) and code (tree, and push dtype for the
+    dense windows): medians and min-max of GiB/s per server (rows/s for the embedding side), and the
+    ratio of parameters (rows) per second to the first tree's first push dtype, per repetition."""
     keys = sorted({(r["kind"], r["trainers"], r["shards"], r["size"], r["in_flight"]) for r in records})
-    value = "ingest_gib_per_s_per_server"
     rows = []
     for kind, trainers, shards, size, in_flight in keys:
         cell = [r for r in records if (r["kind"], r["trainers"], r["shards"], r["size"], r["in_flight"]) ==
                 (kind, trainers, shards, size, in_flight)]
-        metric = value if kind in DENSE_KINDS else "rows_per_s"
-        base = [r for r in cell if r["tree"] == trees[0]]
-        for tree in trees:
-            mine = [r for r in cell if r["tree"] == tree]
+        dense = kind in DENSE_KINDS
+        metric, compared = ("ingest_gib_per_s_per_server", "params_per_s_per_server") if dense else ("rows_per_s",) * 2
+        codes = [(tree, dtype) for tree in trees for dtype in (push_dtypes if dense else [None])]
+        base = [r for r in cell if (r["tree"], r.get("push_dtype")) == codes[0]]
+        for tree, dtype in codes:
+            mine = [r for r in cell if (r["tree"], r.get("push_dtype")) == (tree, dtype)]
             values = [r[metric] for r in mine]
             row = {"kind": kind, "trainers": trainers, "shards": shards, "size": size, "in_flight": in_flight,
-                   "tree": tree, "reps": len(mine), "median": statistics.median(values), "min": min(values),
-                   "max": max(values)}
-            if kind in DENSE_KINDS:
+                   "tree": tree, "push_dtype": dtype, "reps": len(mine), "median": statistics.median(values),
+                   "min": min(values), "max": max(values)}
+            if dense:
                 row |= {key: statistics.median(r[key] for r in mine)
-                        for key in ("pushes_per_s", "server_cpu_s_per_gib", "server_cpu_share", "kept_fraction",
-                                    "trainer_cpu_s_per_push")}
-            ratios = ratios_to(mine, base, key=lambda r: r["rep"], value=lambda r: r[metric])
-            row["ratio"] = statistics.median(ratios) if ratios and tree != trees[0] else None
+                        for key in ("pushes_per_s", "params_per_s_per_server", "server_cpu_s_per_gib",
+                                    "server_cpu_share", "kept_fraction", "trainer_cpu_s_per_push")}
+            ratios = ratios_to(mine, base, key=lambda r: r["rep"], value=lambda r: r[compared])
+            row["ratio"] = statistics.median(ratios) if ratios and (tree, dtype) != codes[0] else None
             rows.append(row)
     return rows
 
@@ -358,17 +369,19 @@ def _size(size: int) -> str:
 
 DENSE_COLUMNS: list[Column] = [
     ("trainers x shards", lambda row: f"{row['trainers']} x {row['shards']}"),
-    ("push", lambda row: _size(row["size"])),
+    ("push (as float32)", lambda row: _size(row["size"])),
     ("calls", lambda row: "pushes" if row["kind"] == "dense" else "bare RPC (floor)"),
     ("in flight", lambda row: str(row["in_flight"])),
     ("code", lambda row: row["tree"]),
+    ("push dtype", lambda row: row["push_dtype"]),
     ("GiB/s per server (median)", lambda row: f"{row['median']:.3f}"),
     ("min-max", lambda row: f"{row['min']:.3f}-{row['max']:.3f}"),
-    ("ratio", lambda row: "-" if row["ratio"] is None else f"{row['ratio']:.2f}"),
+    ("M params/s per server", lambda row: f"{row['params_per_s_per_server'] / 1e6:.1f}"),
+    ("ratio (params/s)", lambda row: "-" if row["ratio"] is None else f"{row['ratio']:.2f}"),
     ("pushes/s (all)", lambda row: f"{row['pushes_per_s']:,.0f}"),
     ("server CPU s / GiB", lambda row: f"{row['server_cpu_s_per_gib']:.2f}"),
     ("server CPU busy", lambda row: f"{row['server_cpu_share']:.0%}"),
-    ("server CPU ms / call", lambda row: f"{row['server_cpu_s_per_gib'] * row['size'] / row['shards'] / GIB * 1e3:.3f}"),
+    ("server CPU ms / call", lambda row: f"{row['server_cpu_s_per_gib'] * row['median'] / row['pushes_per_s'] * 1e3:.3f}"),
     ("trainer CPU ms / call", lambda row: f"{row['trainer_cpu_s_per_push'] * 1e3:.3f}"),
     ("kept", lambda row: f"{row['kept_fraction']:.0%}" if row["kind"] == "dense" else "-"),
 ]
@@ -388,6 +401,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--trainers", default="2", help="comma-separated trainer counts")
     parser.add_argument("--shards", default="1,2", help="comma-separated dense shard (server rank) counts")
     parser.add_argument("--in-flight", default="1,4", help="comma-separated pushes outstanding per trainer")
+    parser.add_argument("--push-dtypes", default="float32",
+                        help="comma-separated dtypes the gradients are pushed in (float32, bfloat16)")
     parser.add_argument("--reps", type=int, default=5, help="repetitions of the interleaved sequence")
     parser.add_argument("--duration-s", type=float, default=30.0, help="timed window of each measurement")
     parser.add_argument("--embeddings", action="store_true", help="also measure lookups and row pushes")
@@ -399,9 +414,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     trees = dict(part.split("=", 1) for part in args.trees.split(","))
     plan = {"sizes": [parse_size(size) for size in args.sizes.split(",")],
             "in_flight": [int(value) for value in args.in_flight.split(",")],
-            "duration_s": args.duration_s, "embeddings": args.embeddings, "floor": args.floor}
+            "push_dtypes": args.push_dtypes.split(","), "duration_s": args.duration_s, "embeddings": args.embeddings, "floor": args.floor}
     worlds = [(int(t), int(s)) for t in args.trainers.split(",") for s in args.shards.split(",")]
-    per_world_s = ((1 + args.floor) * len(plan["sizes"]) * len(plan["in_flight"]) + 2 * args.embeddings) * (
+    per_world_s = ((1 + args.floor) * len(plan["sizes"]) * len(plan["push_dtypes"]) * len(plan["in_flight"])
+                   + 2 * args.embeddings) * (
         args.duration_s + 5) + 120
     records = []
     for rep in range(args.reps):
@@ -413,10 +429,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                     shown = (f"{window['ingest_gib_per_s_per_server']:.3f} GiB/s per server, "
                              f"{window['pushes_per_s']:,.0f} pushes/s" if window["kind"] in DENSE_KINDS
                              else f"{window['rows_per_s']:,.0f} rows/s")
-                    what = _size(window["size"]) if window["kind"] in DENSE_KINDS else f"{window['size']:,} rows"
+                    what = (f"{_size(window['size'])} as {window['push_dtype']}" if window["kind"] in DENSE_KINDS
+                            else f"{window['size']:,} rows")
                     print(f"rep {rep} {trainers}x{shards} {name} {window['kind']} {what} "
                           f"in-flight {window['in_flight']}: {shown}", flush=True)
-    rows = summarize(records, list(trees))
+    rows = summarize(records, list(trees), plan["push_dtypes"])
     print(markdown_table(DENSE_COLUMNS, [row for row in rows if row["kind"] in DENSE_KINDS]))
     if args.embeddings:
         print(markdown_table(ROW_COLUMNS, [row for row in rows if row["kind"] not in DENSE_KINDS]))

@@ -39,9 +39,9 @@ class DenseParams:
         self.dtype, self.device = kinds.pop()
         self.numel = sum(p.numel() for p in self.params)
 
-    def empty(self) -> torch.Tensor:
-        """A new uninitialised flat buffer of the right size."""
-        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+    def empty(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A new uninitialised flat buffer of the right size (in `dtype`, default the parameters')."""
+        return torch.empty(self.numel, dtype=dtype or self.dtype, device=self.device)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [piece.view_as(p) for piece, p in zip(flat.split([p.numel() for p in self.params]), self.params)]

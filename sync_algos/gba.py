@@ -176,10 +176,13 @@ class GlobalBatchAggregator:
 
     def _take(self, gradient: torch.Tensor | None, admission: Admission) -> torch.Tensor | None:
         """Add the admitted gradient to the buffer; the mean (the buffer itself) when the decision
-        completes a global step."""
+        completes a global step. A gradient of a narrower dtype than the buffer's (bf16 pushes)
+        is accumulated in the buffer's."""
         if not admission.dropped and gradient is not None:
-            if self._empty:
+            if self._empty and gradient.dtype == self.buffer.dtype:
                 torch.mul(gradient, admission.scale, out=self.buffer)
+            elif self._empty:  # widened first, so the product is rounded in the buffer's dtype
+                self.buffer.copy_(gradient).mul_(admission.scale)
             else:
                 self.buffer.add_(gradient, alpha=admission.scale)
             self._empty = False

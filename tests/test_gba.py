@@ -60,8 +60,8 @@ def train(roles: transport.Roles, options: dict, schedule: list[str | None], loc
             if switch:
                 gba.switch_mode(switch)
             time.sleep(sleep_s)
-        mode = gba.mode
-    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "mode": mode}
+        mode, memory = gba.mode, gba.metrics.memory()
+    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "mode": mode, "memory": memory}
 
 
 def sync_then_state(roles: transport.Roles, steps: int, switches: dict[int, str]) -> dict:
@@ -91,6 +91,7 @@ def four_ranks() -> dict[str, list]:
     steps = [None] * 25
     return run_shared(4, {
         "gba-lockstep": (gba_job, (2, train, {"initial_mode": "gba"}, steps, True)),
+        "gba-lockstep-bf16": (gba_job, (2, train, {"initial_mode": "gba", "push_dtype": "bfloat16"}, steps, True)),
         "sync": (gba_job, (2, train, {"initial_mode": "sync"}, steps, False)),
         "switched": (gba_job, (2, sync_then_state, 30, {9: "gba", 19: "sync"})),
     }, timeout_s=180)
@@ -118,6 +119,20 @@ def test_gba_with_zero_staleness_equals_sync_allreduce_training(four_ranks: dict
         torch.testing.assert_close(results[trainer]["params"], reference[trainer]["params"], rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(results[0]["params"], results[1]["params"], rtol=0, atol=0)
     assert not torch.equal(results[0]["params"], torch.cat([p.detach().reshape(-1) for p in make_model().parameters()]))
+
+
+def test_gba_with_bf16_pushes_is_sync_training_on_gradients_rounded_to_bf16(four_ranks: dict) -> None:
+    """The same lockstep job with `push_dtype: bfloat16`: the trainers queue and push bf16 gradients
+    (a quarter of the float64 model's bytes), the replicas stay identical, and the result is the
+    sync run's up to bf16's rounding of the gradients, which did happen."""
+    results, reference = four_ranks["gba-lockstep-bf16"], four_ranks["sync"]
+    numel = reference[0]["params"].numel()
+    for trainer in (0, 1):
+        queue = [name for name in results[trainer]["memory"] if name.startswith("queue_")]
+        assert queue and all(results[trainer]["memory"][name] == 2 * numel for name in queue)
+        difference = (results[trainer]["params"] - reference[trainer]["params"]).abs().max().item()
+        assert 1e-6 < difference < 1e-2, difference
+    torch.testing.assert_close(results[0]["params"], results[1]["params"], rtol=0, atol=0)
 
 
 def test_switching_sync_gba_sync_carries_parameters_optimizer_state_and_global_step(

@@ -11,6 +11,7 @@ import torch
 
 from shadowgba.flat_optimizer import (SHARD_ALIGN, FlatOptimizer, LRSchedule, OptimizerSpec, concat_exports, shard_bounds,
                                       slice_export)
+from shadowgba.config import from_dict
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
 from shadowgba.ps.dense_server import DenseShard, PushRequest
@@ -156,6 +157,21 @@ def test_malformed_pushes_are_refused_and_leave_the_shard_untouched(args: tuple,
     assert after["buffered_samples"] == before["buffered_samples"] == 1
     assert after["pushes"] == before["pushes"] and after["global_step"] == 0
     torch.testing.assert_close(shard.pull().params, torch.zeros(4))
+
+
+def test_a_shard_for_bf16_pushes_accumulates_them_in_its_own_dtype_and_refuses_any_other() -> None:
+    spec = OptimizerSpec.of(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), LRSchedule())
+    shard = DenseShard()
+    shard.configure(0, 3, 2, spec, FlatOptimizer(spec, torch.zeros(3)).export(),
+                    from_dict(GBAConfig, {"push_dtype": "bfloat16"}), global_batch=4)
+    with pytest.raises(ValueError, match="gradient dtype torch.float32, expected torch.bfloat16 .sync.gba.push_dtype"):
+        shard.push(PushRequest(0, 0, 3, torch.ones(3), 0, 1, 0.0))
+    # 1 + 2^-7 is a bf16 value, 3 times it (3 samples) is not: only a product taken in fp32 is exact
+    fine = torch.full((3,), 1 + 2**-7, dtype=torch.bfloat16)
+    shard.push(PushRequest(0, 0, 3, fine, 0, 3, 0.0))
+    reply = shard.push(PushRequest(1, 0, 3, torch.zeros(3, dtype=torch.bfloat16), 0, 1, 0.0))
+    assert reply.token == 1 and reply.params.dtype == torch.float32
+    torch.testing.assert_close(reply.params, torch.full((3,), -3 * (1 + 2**-7) / 4), rtol=0, atol=0)
 
 
 def test_shard_steps_once_per_global_batch_and_tracks_staleness() -> None:

@@ -72,10 +72,12 @@ class GBAClient:
     """One trainer's asynchronous traffic with the dense shards in GBA mode (see the module docstring)."""
 
     def __init__(self, shards: DenseShardClient, dense: DenseParams, trainer_index: int, local_batch_size: int,
-                 queue_size: int, watch: bool, metrics: GBAMetrics) -> None:
-        """`watch`: run the watcher's long polls while in GBA mode (global-batch aggregation only)."""
+                 queue_size: int, watch: bool, metrics: GBAMetrics, push_dtype: torch.dtype | None = None) -> None:
+        """`watch`: run the watcher's long polls while in GBA mode (global-batch aggregation only);
+        `push_dtype`: the dtype gradients are queued and pushed in (default: the parameters')."""
         self._shards = shards
         self._dense = dense
+        self._push_dtype = push_dtype or dense.dtype
         self._trainer_index = trainer_index
         self._local_batch_size = local_batch_size
         self._queue_size = queue_size
@@ -167,7 +169,7 @@ class GBAClient:
                 return self._queue.popleft().gradient
             if self._spare:
                 return self._spare.pop()
-        return self._dense.empty()
+        return self._dense.empty(self._push_dtype)
 
     def submit(self, gradient: torch.Tensor, compute_s: float, finite: bool = True) -> None:
         """Queue `gradient`, a buffer from `take_buffer` holding a gradient computed on the
@@ -277,8 +279,8 @@ class GBAClient:
                                     queued.compute_s, queued.finite, reply_params=not self._watch)
         if queued.finite:
             self._metrics.record_push(replies[0].weight)  # one decision for the whole push (shard 0's)
-        received = sum(reply.params.numel() for reply in replies if reply.params is not None)
-        self._metrics.record_round(time.perf_counter() - started, (gradient.numel() + received) * gradient.element_size())
+        received = sum(reply.params.numel() * reply.params.element_size() for reply in replies if reply.params is not None)
+        self._metrics.record_round(time.perf_counter() - started, gradient.numel() * gradient.element_size() + received)
         self._offer(replies)
         if replies[0].requested_mode == "sync":
             self._sync_requested.set()

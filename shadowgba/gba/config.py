@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import torch
+
 from shadowgba.flat_optimizer import LRSchedule
 from shadowgba.gba.switch_policy import SwitchPolicyConfig
 from sync_algos.gba import AggregationConfig
@@ -24,11 +26,21 @@ class GBAConfig(AggregationConfig):
     (it never waits); >= 1."""
     switch_policy: SwitchPolicyConfig = dataclasses.field(default_factory=SwitchPolicyConfig)
     """Automatic sync <-> GBA switching."""
+    push_dtype: Literal["float32", "bfloat16"] | None = None
+    """The dtype in which trainers push gradients to the dense shards (and queue them): None, the
+    dense parameters' own. bfloat16 halves the bytes of every push and of the trainer's queued
+    gradients, at 8 bits of mantissa; the shards still accumulate, step and serve the parameters in
+    their own dtype (fp32's range is kept, so no gradient overflows)."""
     lockstep_every: int | None = None
     """When the trainers take every step together anyway (TorchRec-sharded tables: each step's
     all-to-all pairs them), they agree on leaving GBA every this many GBA steps, else one trainer's
     switch barrier would meet a peer's next all-to-all. None: inferred (20 with TorchRec-sharded
     tables, 0 otherwise); 0: trainers step independently (PS-hosted tables)."""
+
+    def push_torch_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of a push for parameters of `param_dtype` (`push_dtype`): the one rule that the
+        trainers' queue and the shards' check of every push share."""
+        return param_dtype if self.push_dtype is None else getattr(torch, self.push_dtype)
 
     def __post_init__(self) -> None:
         if self.queue_size < 1:

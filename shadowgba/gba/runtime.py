@@ -199,7 +199,8 @@ class GBASync(DenseSync):
                                         self.dense.dtype, self.dense.device)
         self._shards = DenseShardClient(self.dense.numel, roles.num_servers)
         self._client = GBAClient(self._shards, self.dense, roles.trainer_index, local_batch_size, config.queue_size,
-                                 watch=config.aggregation == "global_batch", metrics=self.metrics)
+                                 watch=config.aggregation == "global_batch", metrics=self.metrics,
+                                 push_dtype=config.push_torch_dtype(self.dense.dtype))
         self._last_step_end = time.perf_counter()
 
     # ----------------------------------------------------------------------------------- lifecycle

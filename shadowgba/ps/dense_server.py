@@ -145,6 +145,8 @@ class DenseShard:
         self._watchers = 0
         self._optimizer: FlatOptimizer | None = None
         self._aggregator: GlobalBatchAggregator | None = None
+        self._push_dtype: torch.dtype | None = None
+        """The dtype every push's gradient must have (`GBAConfig.push_torch_dtype`)."""
         self._policy: SwitchPolicy | None = None
         self._requested_mode: str | None = None
         self._closing = False
@@ -188,6 +190,7 @@ class DenseShard:
             self.start, self.end, self.num_trainers = start, end, num_trainers
             self._compute_s = [0.0] * num_trainers
             self._optimizer, self._aggregator = optimizer, aggregator
+            self._push_dtype = config.push_torch_dtype(optimizer.param.dtype)
             self._policy = SwitchPolicy(config.switch_policy)
             self._requested_mode = None
             self._closing = False
@@ -420,8 +423,9 @@ class DenseShard:
         if not isinstance(gradient, torch.Tensor):
             raise ValueError(f"{prefix}: gradient must be a tensor, got {type(gradient).__name__}")
         param = self._optimizer.param
-        if gradient.dtype != param.dtype:
-            raise ValueError(f"{prefix}: gradient dtype {gradient.dtype}, expected {param.dtype}")
+        if gradient.dtype != self._push_dtype:
+            raise ValueError(f"{prefix}: gradient dtype {gradient.dtype}, expected {self._push_dtype} "
+                             "(sync.gba.push_dtype must be the same on every trainer and shard)")
         if gradient.shape != param.shape:
             raise ValueError(f"{prefix}: gradient shape {tuple(gradient.shape)}, expected {tuple(param.shape)}")
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
