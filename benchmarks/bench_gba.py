@@ -13,8 +13,9 @@ and one trainer slowed `--factor` times by `ctrkit.straggler`:
 - sync: `sync_allreduce.yaml` (dense all-reduce every step, GBASync's sync mode);
 - gba: `gba_ps_embeddings.yaml` (global-batch aggregation, staleness decay);
 - async: `async_ps.yaml` (every gradient applied on arrival, no decay);
-- gba-bf16 (not run unless named in `--algos`): gba with `sync.gba.push_dtype: bfloat16`, its pushes
-  at half the bytes.
+- gba-bf16 and gba-bf16-both (not run unless named in `--algos`): gba with `sync.gba.push_dtype:
+  bfloat16`, its pushes at half the bytes, and with `params_dtype: bfloat16` too, the parameters
+  sent back at half the bytes.
 All of them share the optimizer, learning rates and global batch (N x local batch); the dense
 learning rate is the one tuned for sync at each preset (`TUNED_FOR_SYNC`), nothing is tuned per algorithm. The
 algorithms run interleaved (for each seed, each preset and each shard count: sync gba async) over one
@@ -85,6 +86,8 @@ ALGOS: dict[str, tuple[Path, tuple[str, ...]]] = {
     "gba": (CONFIGS / "gba_ps_embeddings.yaml", ()),
     "async": (CONFIGS / "async_ps.yaml", ()),
     "gba-bf16": (CONFIGS / "gba_ps_embeddings.yaml", ("--sync.gba.push_dtype", "bfloat16")),
+    "gba-bf16-both": (CONFIGS / "gba_ps_embeddings.yaml",
+                      ("--sync.gba.push_dtype", "bfloat16", "--sync.gba.params_dtype", "bfloat16")),
 }
 """Benchmarked algorithms: a config and the overrides that make the variant."""
 DEFAULT_ALGOS = ("sync", "gba", "async")

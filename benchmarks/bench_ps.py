@@ -1,11 +1,13 @@
 """The parameter server alone: how fast its ranks ingest dense pushes and serve embedding rows.
 
     python benchmarks/bench_ps.py [--sizes 1KB,100KB,1MB,10MB] [--trainers 2] [--shards 1,2] \
-        [--in-flight 1,4] [--push-dtypes float32,bfloat16] [--reps 5] [--duration-s 30] [--embeddings] \
+        [--in-flight 1,4] [--push-dtypes float32,bfloat16] [--params-dtypes float32,bfloat16] [--reps 5] \
+        [--duration-s 30] [--embeddings] \
         [--trees after=.,before=/old/checkout]
 
 No model and no training: every trainer rank pushes one fixed gradient of `--sizes` bytes as float32
-(`--push-dtypes`: the same parameters also sent as bfloat16, `sync.gba.push_dtype`, half the bytes)
+(`--push-dtypes`: the same parameters also sent as bfloat16, `sync.gba.push_dtype`, half the bytes;
+`--params-dtypes`: the watches' parameters sent back as bfloat16, `sync.gba.params_dtype`)
 to the dense shards through `DenseShardClient.push` -- the trainers' real code path, shard 0
 deciding each push with GBA's rule and the others following -- with `--in-flight` pushes
 outstanding per trainer, as fast as the replies come back, while one watcher thread per trainer
@@ -30,11 +32,11 @@ pushes of 4,096 rows (rows/s) against PS-hosted tables of 100K x 64 rows, the sa
 (`PSEmbeddingBagCollection`'s service) the trainers use.
 
 Interleaving: for each repetition, for each world (trainers x shards), for each `--trees` entry, one
-group of processes is spawned and measures every size, push dtype and in-flight setting in turn; `--trees`
+group of processes is spawned and measures every size, dtype pair and in-flight setting in turn; `--trees`
 names checkouts whose `shadowgba` the processes import (e.g. the code before and after an
 optimisation: `--trees after=.,before=/tmp/old`), so their ratio is measured side by side. Each
 figure is the median over repetitions with its min-max; ratios (of parameters per second) are per
-repetition to the first tree's first push dtype, then the median.
+repetition to the first tree's first dtype pair, then the median.
 Prints Markdown tables and writes every window's numbers to runs/bench_ps.json.
 """
 
@@ -150,13 +152,15 @@ def _trainer_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[dic
 
     group = roles.trainer_group
     windows = []
-    for size, push_dtype in ((size, dtype) for size in plan["sizes"] for dtype in plan["push_dtypes"]):
+    for size, push_dtype, params_dtype in ((size, push, params) for size in plan["sizes"]
+                                           for push in plan["push_dtypes"] for params in plan["params_dtypes"]):
         numel = size // 4
         shards = DenseShardClient(numel, world.shards)
         if roles.trainer_index == 0:
             spec = OptimizerSpec("Adam", {"lr": 1e-4}, LRSchedule())
-            # float32 is every tree's default: a tree from before push_dtype existed runs it too
-            config = GBAConfig() if push_dtype == "float32" else GBAConfig(push_dtype=push_dtype)
+            # float32 is every tree's default: a tree from before these settings existed runs it too
+            config = GBAConfig(**{key: dtype for key, dtype in (("push_dtype", push_dtype), ("params_dtype", params_dtype))
+                                  if dtype != "float32"})
             shards.configure(world.trainers, spec, FlatOptimizer(spec, torch.zeros(numel)).export(), config,
                              world.trainers * LOCAL_BATCH)
         dist.barrier(group=group)  # configured before anyone pushes
@@ -166,12 +170,14 @@ def _trainer_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[dic
             probe = _server_clock(world.shards) if roles.trainer_index == 0 else None
             pushes, kept, cpu, elapsed = _push_for(shards, roles.trainer_index, gradient, in_flight,
                                                    plan["duration_s"])
-            windows += _dense_window(roles, world, "dense", gradient, in_flight, probe, (pushes, kept, cpu, elapsed))
-            if plan["floor"]:
+            windows += [window | {"params_dtype": params_dtype} for window in _dense_window(
+                roles, world, "dense", gradient, in_flight, probe, (pushes, kept, cpu, elapsed))]
+            if plan["floor"] and params_dtype == plan["params_dtypes"][0]:  # no watcher: one floor per push dtype
                 dist.barrier(group=group)
                 probe = _server_clock(world.shards) if roles.trainer_index == 0 else None
-                windows += _dense_window(roles, world, "floor", gradient, in_flight, probe,
-                                         _bare_calls_for(world.shards, gradient, in_flight, plan["duration_s"]))
+                windows += [window | {"params_dtype": None} for window in _dense_window(
+                    roles, world, "floor", gradient, in_flight, probe,
+                    _bare_calls_for(world.shards, gradient, in_flight, plan["duration_s"]))]
     if plan["embeddings"]:
         windows += _embedding_windows(roles, world, plan)
     return windows
@@ -331,10 +337,12 @@ def run_world(world: World, plan: dict[str, Any], timeout_s: float) -> list[dict
     return windows
 
 
-def summarize(records: list[dict[str, Any]], trees: Sequence[str], push_dtypes: Sequence[str]) -> list[dict[str, Any]]:
-    """One row per (kind, trainers, shards, size, in-flight) and code (tree, and push dtype for the
-    dense windows): medians and min-max of GiB/s per server (rows/s for the embedding side), and the
-    ratio of parameters (rows) per second to the first tree's first push dtype, per repetition."""
+def summarize(records: list[dict[str, Any]], trees: Sequence[str], push_dtypes: Sequence[str],
+              params_dtypes: Sequence[str] = ("float32",)) -> list[dict[str, Any]]:
+    """One row per (kind, trainers, shards, size, in-flight) and code (tree; push and params dtypes
+    for the dense windows, the push dtype for the floor's): medians and min-max of GiB/s per server
+    (rows/s for the embedding side), and the ratio of parameters (rows) per second to the first
+    code, per repetition."""
     keys = sorted({(r["kind"], r["trainers"], r["shards"], r["size"], r["in_flight"]) for r in records})
     rows = []
     for kind, trainers, shards, size, in_flight in keys:
@@ -342,20 +350,25 @@ def summarize(records: list[dict[str, Any]], trees: Sequence[str], push_dtypes: 
                 (kind, trainers, shards, size, in_flight)]
         dense = kind in DENSE_KINDS
         metric, compared = ("ingest_gib_per_s_per_server", "params_per_s_per_server") if dense else ("rows_per_s",) * 2
-        codes = [(tree, dtype) for tree in trees for dtype in (push_dtypes if dense else [None])]
-        base = [r for r in cell if (r["tree"], r.get("push_dtype")) == codes[0]]
-        for tree, dtype in codes:
-            mine = [r for r in cell if (r["tree"], r.get("push_dtype")) == (tree, dtype)]
+        codes = [(tree, push, params) for tree in trees for push in (push_dtypes if dense else [None])
+                 for params in (params_dtypes if kind == "dense" else [None])]
+
+        def code(record: dict[str, Any]) -> tuple[str, str | None, str | None]:
+            return record["tree"], record.get("push_dtype"), record.get("params_dtype")
+
+        base = [r for r in cell if code(r) == codes[0]]
+        for tree, push, params in codes:
+            mine = [r for r in cell if code(r) == (tree, push, params)]
             values = [r[metric] for r in mine]
             row = {"kind": kind, "trainers": trainers, "shards": shards, "size": size, "in_flight": in_flight,
-                   "tree": tree, "push_dtype": dtype, "reps": len(mine), "median": statistics.median(values),
-                   "min": min(values), "max": max(values)}
+                   "tree": tree, "push_dtype": push, "params_dtype": params, "reps": len(mine),
+                   "median": statistics.median(values), "min": min(values), "max": max(values)}
             if dense:
                 row |= {key: statistics.median(r[key] for r in mine)
                         for key in ("pushes_per_s", "params_per_s_per_server", "server_cpu_s_per_gib",
                                     "server_cpu_share", "kept_fraction", "trainer_cpu_s_per_push")}
             ratios = ratios_to(mine, base, key=lambda r: r["rep"], value=lambda r: r[compared])
-            row["ratio"] = statistics.median(ratios) if ratios and (tree, dtype) != codes[0] else None
+            row["ratio"] = statistics.median(ratios) if ratios and (tree, push, params) != codes[0] else None
             rows.append(row)
     return rows
 
@@ -374,6 +387,7 @@ DENSE_COLUMNS: list[Column] = [
     ("in flight", lambda row: str(row["in_flight"])),
     ("code", lambda row: row["tree"]),
     ("push dtype", lambda row: row["push_dtype"]),
+    ("params dtype", lambda row: row["params_dtype"] or "-"),
     ("GiB/s per server (median)", lambda row: f"{row['median']:.3f}"),
     ("min-max", lambda row: f"{row['min']:.3f}-{row['max']:.3f}"),
     ("M params/s per server", lambda row: f"{row['params_per_s_per_server'] / 1e6:.1f}"),
@@ -403,6 +417,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--in-flight", default="1,4", help="comma-separated pushes outstanding per trainer")
     parser.add_argument("--push-dtypes", default="float32",
                         help="comma-separated dtypes the gradients are pushed in (float32, bfloat16)")
+    parser.add_argument("--params-dtypes", default="float32",
+                        help="comma-separated dtypes the watches' parameters come back in (float32, bfloat16)")
     parser.add_argument("--reps", type=int, default=5, help="repetitions of the interleaved sequence")
     parser.add_argument("--duration-s", type=float, default=30.0, help="timed window of each measurement")
     parser.add_argument("--embeddings", action="store_true", help="also measure lookups and row pushes")
@@ -414,9 +430,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     trees = dict(part.split("=", 1) for part in args.trees.split(","))
     plan = {"sizes": [parse_size(size) for size in args.sizes.split(",")],
             "in_flight": [int(value) for value in args.in_flight.split(",")],
-            "push_dtypes": args.push_dtypes.split(","), "duration_s": args.duration_s, "embeddings": args.embeddings, "floor": args.floor}
+            "push_dtypes": args.push_dtypes.split(","), "params_dtypes": args.params_dtypes.split(","),
+            "duration_s": args.duration_s, "embeddings": args.embeddings, "floor": args.floor}
     worlds = [(int(t), int(s)) for t in args.trainers.split(",") for s in args.shards.split(",")]
-    per_world_s = ((1 + args.floor) * len(plan["sizes"]) * len(plan["push_dtypes"]) * len(plan["in_flight"])
+    per_world_s = ((len(plan["params_dtypes"]) + args.floor) * len(plan["sizes"]) * len(plan["push_dtypes"])
+                   * len(plan["in_flight"])
                    + 2 * args.embeddings) * (
         args.duration_s + 5) + 120
     records = []
@@ -429,11 +447,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                     shown = (f"{window['ingest_gib_per_s_per_server']:.3f} GiB/s per server, "
                              f"{window['pushes_per_s']:,.0f} pushes/s" if window["kind"] in DENSE_KINDS
                              else f"{window['rows_per_s']:,.0f} rows/s")
-                    what = (f"{_size(window['size'])} as {window['push_dtype']}" if window["kind"] in DENSE_KINDS
+                    what = (f"{_size(window['size'])} as {window['push_dtype']}, params {window['params_dtype']}"
+                            if window["kind"] in DENSE_KINDS
                             else f"{window['size']:,} rows")
                     print(f"rep {rep} {trainers}x{shards} {name} {window['kind']} {what} "
                           f"in-flight {window['in_flight']}: {shown}", flush=True)
-    rows = summarize(records, list(trees), plan["push_dtypes"])
+    rows = summarize(records, list(trees), plan["push_dtypes"], plan["params_dtypes"])
     print(markdown_table(DENSE_COLUMNS, [row for row in rows if row["kind"] in DENSE_KINDS]))
     if args.embeddings:
         print(markdown_table(ROW_COLUMNS, [row for row in rows if row["kind"] not in DENSE_KINDS]))

@@ -280,13 +280,14 @@ def measure_stand_in(reps: int) -> dict[str, Any]:
 
 
 def from_bench_ps(raw: dict[str, Any]) -> dict[str, Any] | None:
-    """bench_ps.json's one-shard rows (first tree, float32 pushes; most trainers and pushes in
+    """bench_ps.json's one-shard rows (first tree, float32 both ways; most trainers and pushes in
     flight, where the server is busiest) in the stand-in's shape: per-push time at each size, the
     lookup's per-call wait and the server's time per row byte; None if it has no one-shard dense row."""
     from bench_ps import EMBEDDING_DIM
 
     rows = [row for row in raw["summary"] if row["shards"] == 1]
-    dense = [row for row in rows if row["kind"] == "dense" and row.get("push_dtype", "float32") == "float32"]
+    dense = [row for row in rows if row["kind"] == "dense" and row.get("push_dtype", "float32") == "float32"
+             and row.get("params_dtype", "float32") == "float32"]
     if not dense:
         return None
     dense = [row for row in dense if row["tree"] == dense[0]["tree"]]

@@ -91,7 +91,8 @@ def four_ranks() -> dict[str, list]:
     steps = [None] * 25
     return run_shared(4, {
         "gba-lockstep": (gba_job, (2, train, {"initial_mode": "gba"}, steps, True)),
-        "gba-lockstep-bf16": (gba_job, (2, train, {"initial_mode": "gba", "push_dtype": "bfloat16"}, steps, True)),
+        "gba-lockstep-bf16": (gba_job, (2, train, {"initial_mode": "gba", "push_dtype": "bfloat16",
+                                                   "params_dtype": "bfloat16"}, steps, True)),
         "sync": (gba_job, (2, train, {"initial_mode": "sync"}, steps, False)),
         "switched": (gba_job, (2, sync_then_state, 30, {9: "gba", 19: "sync"})),
     }, timeout_s=180)
@@ -122,9 +123,12 @@ def test_gba_with_zero_staleness_equals_sync_allreduce_training(four_ranks: dict
 
 
 def test_gba_with_bf16_pushes_is_sync_training_on_gradients_rounded_to_bf16(four_ranks: dict) -> None:
-    """The same lockstep job with `push_dtype: bfloat16`: the trainers queue and push bf16 gradients
-    (a quarter of the float64 model's bytes), the replicas stay identical, and the result is the
-    sync run's up to bf16's rounding of the gradients, which did happen."""
+    """The same lockstep job with `push_dtype` and `params_dtype: bfloat16`: the trainers queue and
+    push bf16 gradients (a quarter of the float64 model's bytes), the replicas stay identical, the
+    result is the sync run's up to bf16's rounding of the gradients, which did happen, and the
+    replicas end at the shards' exact parameters, not at bf16's rounding of them. (Lockstep pulls
+    each step's parameters exactly, so the rounded replies' effect is not what this run shows:
+    `test_gba_server` checks which replies are rounded.)"""
     results, reference = four_ranks["gba-lockstep-bf16"], four_ranks["sync"]
     numel = reference[0]["params"].numel()
     for trainer in (0, 1):
@@ -132,6 +136,8 @@ def test_gba_with_bf16_pushes_is_sync_training_on_gradients_rounded_to_bf16(four
         assert queue and all(results[trainer]["memory"][name] == 2 * numel for name in queue)
         difference = (results[trainer]["params"] - reference[trainer]["params"]).abs().max().item()
         assert 1e-6 < difference < 1e-2, difference
+        params = results[trainer]["params"]
+        assert not torch.equal(params, params.bfloat16().double())
     torch.testing.assert_close(results[0]["params"], results[1]["params"], rtol=0, atol=0)
 
 

@@ -174,6 +174,22 @@ def test_a_shard_for_bf16_pushes_accumulates_them_in_its_own_dtype_and_refuses_a
     torch.testing.assert_close(reply.params, torch.full((3,), -3 * (1 + 2**-7) / 4), rtol=0, atol=0)
 
 
+def test_a_shard_for_bf16_parameters_rounds_its_watch_and_push_replies_but_never_its_pulls() -> None:
+    spec = OptimizerSpec.of(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), LRSchedule())
+    shard = DenseShard()
+    shard.configure(0, 3, 2, spec, FlatOptimizer(spec, torch.zeros(3)).export(),
+                    from_dict(GBAConfig, {"params_dtype": "bfloat16"}), global_batch=2)
+    gradient = torch.full((3,), 1 + 2**-10)  # its negative, the new parameters, is no bf16 value
+    shard.push(PushRequest(0, 0, 3, gradient, 0, 1, 0.0))
+    stepped = shard.push(PushRequest(1, 0, 3, gradient, 0, 1, 0.0))
+    watched = shard.watch(token=0, timeout_s=1.0)
+    assert stepped.token == watched.token == 1 and stepped.params is watched.params  # one copy per step
+    assert watched.params.dtype == torch.bfloat16 and torch.equal(watched.params.float(), -torch.ones(3))
+    pulled = shard.pull().params
+    assert pulled.dtype == torch.float32 and torch.equal(pulled, -gradient)  # exact: a phase starts or ends on it
+    assert pulled is not shard._optimizer.param
+
+
 def test_shard_steps_once_per_global_batch_and_tracks_staleness() -> None:
     shard = configured_shard()
     shard.push(PushRequest(0, 0, 4, torch.ones(4), 0, 1, 0.0))

@@ -31,6 +31,11 @@ class GBAConfig(AggregationConfig):
     dense parameters' own. bfloat16 halves the bytes of every push and of the trainer's queued
     gradients, at 8 bits of mantissa; the shards still accumulate, step and serve the parameters in
     their own dtype (fp32's range is kept, so no gradient overflows)."""
+    params_dtype: Literal["float32", "bfloat16"] | None = None
+    """The dtype in which the shards send each new global step's parameters to the trainers (watch
+    and push replies): None, their own. bfloat16 halves that traffic, and the trainers then compute
+    their gradients on the parameters rounded to bf16 (the shards keep and step their own); the
+    pulls that start and end a GBA phase stay exact, so every replica ends at the shards' values."""
     lockstep_every: int | None = None
     """When the trainers take every step together anyway (TorchRec-sharded tables: each step's
     all-to-all pairs them), they agree on leaving GBA every this many GBA steps, else one trainer's
@@ -40,10 +45,19 @@ class GBAConfig(AggregationConfig):
     def push_torch_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         """The dtype of a push for parameters of `param_dtype` (`push_dtype`): the one rule that the
         trainers' queue and the shards' check of every push share."""
-        return param_dtype if self.push_dtype is None else getattr(torch, self.push_dtype)
+        return _torch_dtype(self.push_dtype, param_dtype)
+
+    def params_torch_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the parameters in a shard's watch and push replies (`params_dtype`)."""
+        return _torch_dtype(self.params_dtype, param_dtype)
 
     def __post_init__(self) -> None:
         if self.queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
         if self.lockstep_every is not None and self.lockstep_every < 0:
             raise ValueError(f"lockstep_every must be >= 0 or null, got {self.lockstep_every}")
+
+
+def _torch_dtype(setting: str | None, param_dtype: torch.dtype) -> torch.dtype:
+    """A dtype setting of `GBAConfig` as a torch dtype; None: the parameters' own."""
+    return param_dtype if setting is None else getattr(torch, setting)

@@ -147,6 +147,8 @@ class DenseShard:
         self._aggregator: GlobalBatchAggregator | None = None
         self._push_dtype: torch.dtype | None = None
         """The dtype every push's gradient must have (`GBAConfig.push_torch_dtype`)."""
+        self._params_dtype: torch.dtype | None = None
+        """The dtype of the parameters in watch and push replies (`GBAConfig.params_torch_dtype`)."""
         self._policy: SwitchPolicy | None = None
         self._requested_mode: str | None = None
         self._closing = False
@@ -191,6 +193,7 @@ class DenseShard:
             self._compute_s = [0.0] * num_trainers
             self._optimizer, self._aggregator = optimizer, aggregator
             self._push_dtype = config.push_torch_dtype(optimizer.param.dtype)
+            self._params_dtype = config.params_torch_dtype(optimizer.param.dtype)
             self._policy = SwitchPolicy(config.switch_policy)
             self._requested_mode = None
             self._closing = False
@@ -260,7 +263,7 @@ class DenseShard:
         """The shard's token and mode request, and its parameters unless `with_params` is False."""
         with self._lock:
             self._require_configured()
-            return self._reply(known=None if with_params else self._aggregator.global_step)
+            return self._reply(known=None if with_params else self._aggregator.global_step, exact=True)
 
     def watch(self, token: int, timeout_s: float) -> ShardReply | None:
         """Long poll: the parameters once the global step has passed `token`, or, after
@@ -388,18 +391,24 @@ class DenseShard:
             }
 
     # --------------------------------------------------------------------------------- internals
-    def _reply(self, weight: float = 1.0, decision: Decision | None = None, known: int | None = None) -> ShardReply:
+    def _reply(self, weight: float = 1.0, decision: Decision | None = None, known: int | None = None,
+               exact: bool = False) -> ShardReply:
         """Token and pending mode request, with the published parameters unless the caller holds
-        those of step `known` and k has not passed it (the lock held, configured)."""
+        those of step `known` and k has not passed it (the lock held, configured); `exact`: in the
+        parameters' own dtype whatever `params_dtype` says (a pull)."""
         k = self._aggregator.global_step
-        params = self._published_params(k) if known is None or k > known else None
+        params = self._published_params(k, exact) if known is None or k > known else None
         return ShardReply(params, k, self._requested_mode, weight, decision)
 
-    def _published_params(self, k: int) -> torch.Tensor:
-        """The parameters at global step `k` (the current one), cloned once per step (module
-        docstring); the lock held."""
+    def _published_params(self, k: int, exact: bool = False) -> torch.Tensor:
+        """The parameters at global step `k` (the current one) in the replies' dtype, copied once
+        per step for every reply (module docstring); the lock held. `exact` with another replies'
+        dtype: a copy of their own dtype, made for this reply alone (pulls are rare)."""
+        param = self._optimizer.param.detach()
+        if exact and self._params_dtype != param.dtype:
+            return param.clone()
         if self._published is None or self._published[0] != k:
-            self._published = (k, self._optimizer.param.detach().clone())
+            self._published = (k, param.to(self._params_dtype, copy=True))
         return self._published[1]
 
     def _push_reply(self, request: PushRequest, weight: float, decision: Decision | None = None) -> ShardReply:
