@@ -18,9 +18,10 @@ per push is measured: receiving and unpickling the request, validation, the fini
 buffer add, the optimizer step once per global batch, and the reply.
 
 Ingest per server rank = gradient bytes received by that rank per second (a push of B bytes over S
-shards brings B/S to each), and the same in parameters per second, which compares push dtypes. CPU seconds are read with getrusage in every process at the start and
-end of each window (steal time does not inflate them): "server CPU s / GiB" is what one GiB of
-ingest costs a server rank, the figure that tells a faster transport from a less loaded machine.
+shards brings B/S to each), and the same in parameters per second, which compares dtypes. CPU
+seconds are read with getrusage in every process at the start and end of each window (steal time
+does not inflate them): "server CPU s / GiB" is what one GiB of ingest costs a server rank, the
+figure that tells a faster transport from a less loaded machine.
 
 `--floor` adds, per size and in-flight setting, the same calls made bare: `torch.distributed.rpc`
 sending the same gradient to the server rank, whose function returns at once (`rpc_floor`), one
@@ -170,23 +171,23 @@ def _trainer_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[dic
             probe = _server_clock(world.shards) if roles.trainer_index == 0 else None
             pushes, kept, cpu, elapsed = _push_for(shards, roles.trainer_index, gradient, in_flight,
                                                    plan["duration_s"])
-            windows += [window | {"params_dtype": params_dtype} for window in _dense_window(
-                roles, world, "dense", gradient, in_flight, probe, (pushes, kept, cpu, elapsed))]
+            windows += _dense_window(roles, world, "dense", gradient, params_dtype, in_flight, probe,
+                                     (pushes, kept, cpu, elapsed))
             if plan["floor"] and params_dtype == plan["params_dtypes"][0]:  # no watcher: one floor per push dtype
                 dist.barrier(group=group)
                 probe = _server_clock(world.shards) if roles.trainer_index == 0 else None
-                windows += [window | {"params_dtype": None} for window in _dense_window(
-                    roles, world, "floor", gradient, in_flight, probe,
-                    _bare_calls_for(world.shards, gradient, in_flight, plan["duration_s"]))]
+                windows += _dense_window(roles, world, "floor", gradient, None, in_flight, probe,
+                                         _bare_calls_for(world.shards, gradient, in_flight, plan["duration_s"]))
     if plan["embeddings"]:
         windows += _embedding_windows(roles, world, plan)
     return windows
 
 
-def _dense_window(roles: Any, world: World, kind: str, gradient: Any, in_flight: int, probe: list[float] | None,
-                  measured: tuple[int, int, float, float]) -> list[dict[str, Any]]:
-    """Every trainer's (pushes, kept, CPU s, seconds) of pushing `gradient` summed into trainer 0's
-    record of one window (collective over the trainers; the others return nothing)."""
+def _dense_window(roles: Any, world: World, kind: str, gradient: Any, params_dtype: str | None, in_flight: int,
+                  probe: list[float] | None, measured: tuple[int, int, float, float]) -> list[dict[str, Any]]:
+    """Every trainer's (pushes, kept, CPU s, seconds) of pushing `gradient` (the watches' parameters
+    in `params_dtype`; None: no watcher) summed into trainer 0's record of one window (collective
+    over the trainers; the others return nothing)."""
     import torch
     import torch.distributed as dist
 
@@ -199,7 +200,7 @@ def _dense_window(roles: Any, world: World, kind: str, gradient: Any, in_flight:
     ingest = totals[0].item() * gradient.numel() * gradient.element_size() / elapsed / world.shards
     return [{
         "kind": kind, "size": gradient.numel() * 4, "push_dtype": str(gradient.dtype).removeprefix("torch."),
-        "in_flight": in_flight, "window_s": elapsed,
+        "params_dtype": params_dtype, "in_flight": in_flight, "window_s": elapsed,
         "pushes_per_s": totals[0].item() / elapsed, "kept_fraction": totals[1].item() / max(totals[0].item(), 1),
         "ingest_gib_per_s_per_server": ingest / GIB,
         "params_per_s_per_server": totals[0].item() * gradient.numel() / elapsed / world.shards,
@@ -337,8 +338,14 @@ def run_world(world: World, plan: dict[str, Any], timeout_s: float) -> list[dict
     return windows
 
 
+def _code(record: dict[str, Any]) -> tuple[str, str | None, str | None]:
+    """What a window measured beside its cell: the tree, and the push and params dtypes (None for
+    what does not apply: the floor has no watcher, the embedding side neither)."""
+    return record["tree"], record.get("push_dtype"), record.get("params_dtype")
+
+
 def summarize(records: list[dict[str, Any]], trees: Sequence[str], push_dtypes: Sequence[str],
-              params_dtypes: Sequence[str] = ("float32",)) -> list[dict[str, Any]]:
+              params_dtypes: Sequence[str]) -> list[dict[str, Any]]:
     """One row per (kind, trainers, shards, size, in-flight) and code (tree; push and params dtypes
     for the dense windows, the push dtype for the floor's): medians and min-max of GiB/s per server
     (rows/s for the embedding side), and the ratio of parameters (rows) per second to the first
@@ -352,13 +359,9 @@ def summarize(records: list[dict[str, Any]], trees: Sequence[str], push_dtypes: 
         metric, compared = ("ingest_gib_per_s_per_server", "params_per_s_per_server") if dense else ("rows_per_s",) * 2
         codes = [(tree, push, params) for tree in trees for push in (push_dtypes if dense else [None])
                  for params in (params_dtypes if kind == "dense" else [None])]
-
-        def code(record: dict[str, Any]) -> tuple[str, str | None, str | None]:
-            return record["tree"], record.get("push_dtype"), record.get("params_dtype")
-
-        base = [r for r in cell if code(r) == codes[0]]
+        base = [r for r in cell if _code(r) == codes[0]]
         for tree, push, params in codes:
-            mine = [r for r in cell if code(r) == (tree, push, params)]
+            mine = [r for r in cell if _code(r) == (tree, push, params)]
             values = [r[metric] for r in mine]
             row = {"kind": kind, "trainers": trainers, "shards": shards, "size": size, "in_flight": in_flight,
                    "tree": tree, "push_dtype": push, "params_dtype": params, "reps": len(mine),
