@@ -5,7 +5,7 @@
     python benchmarks/bench_matrix.py --preset quality  # shadow algorithms vs ddp near convergence, 3 seeds
     python benchmarks/bench_matrix.py --report-only     # re-render tables and plots from the JSON
     python benchmarks/bench_matrix.py --preset quick --model-presets small,production [--model-reps 5] \
-        [--model-duration-s 30]                          # plus throughput cells at the model presets
+        [--model-duration-s 30] [--model-stragglers even,straggler]  # plus throughput cells at the model presets
 
 The matrix: algorithm (none, ddp, pma, ma, easgd, bmuf, gba) x mode (shadow / foreground, for ma,
 easgd and bmuf) x straggler (none / trainer 1 three times slower) x dataset (synthetic, MovieLens-100K)
@@ -40,6 +40,8 @@ cells, `--model-reps` repetitions of, for each preset, both straggler settings o
 data with every variant in a row, each a timed window of `--model-duration-s` after warm-up and no
 held-out curve (they measure throughput and resources, not quality); their table has its own rows
 with the ratio to `none` per repetition and the resources (CPU ms per sample, peak memory).
+`--model-stragglers straggler` runs only the straggler cells (bench_sync measures the even setting
+at both presets with the same harness).
 
 Writes the runs as JSON after every cell (an interrupted benchmark keeps what it measured), then a
 Markdown report (`bench_matrix_report`) and PNG plots (`bench_plots`, needs matplotlib:
@@ -222,14 +224,20 @@ MODEL_WARMUP_S = 30.0
 """Upper bound of a model preset's warm-up (`MODEL_WARMUP_STEPS`) on 2 cores, the production preset's."""
 
 
+STRAGGLER_SETTINGS = {"even": False, "straggler": True}
+"""`--model-stragglers` names: which straggler settings the model presets' cells run."""
+
+
 def model_cells(
-    variants: Sequence[str], models: Sequence[str], reps: int, duration_s: float
+    variants: Sequence[str], models: Sequence[str], reps: int, duration_s: float,
+    stragglers: Sequence[bool] = (False, True),
 ) -> list[Cell]:
     """The throughput cells at the model presets, interleaved: for each repetition, each preset and
-    each straggler setting, every variant in a row (synthetic data; the repetition is the seed)."""
+    each straggler setting of `stragglers`, every variant in a row (synthetic data; the repetition is
+    the seed)."""
     return [
         Cell(variant, "synthetic", straggler, rep, 0, model, duration_s)
-        for rep in range(reps) for model in models for straggler in (False, True) for variant in variants
+        for rep in range(reps) for model in models for straggler in stragglers for variant in variants
     ]
 
 
@@ -305,6 +313,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="comma-separated model presets (small, production) to add throughput cells at")
     parser.add_argument("--model-reps", type=int, default=5, help="repetitions of the model presets' cells")
     parser.add_argument("--model-duration-s", type=float, default=30.0, help="timed window of a model preset's cell")
+    parser.add_argument("--model-stragglers", default="even,straggler",
+                        help="comma-separated straggler settings of the model presets' cells: even, straggler "
+                             "(bench_sync measures the even ones at both presets too)")
     args = parser.parse_args(argv)
     args.output = args.output or ROOT / "runs" / f"bench_matrix_{args.preset}.json"
     args.plots = args.plots or ROOT / "runs" / f"plots_{args.preset}"
@@ -312,12 +323,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.report_only:
         preset = PRESETS[args.preset]
         models = parse_presets(args.model_presets) if args.model_presets else []
-        cells = [*preset.cells(), *model_cells(preset.variants, models, args.model_reps, args.model_duration_s)]
+        names = args.model_stragglers.split(",")
+        if sorted(set(names) - set(STRAGGLER_SETTINGS)) or not names:
+            parser.error(f"--model-stragglers must name only {list(STRAGGLER_SETTINGS)}; got {names}")
+        stragglers = [STRAGGLER_SETTINGS[name] for name in names]
+        cells = [*preset.cells(),
+                 *model_cells(preset.variants, models, args.model_reps, args.model_duration_s, stragglers)]
         print(f"preset {args.preset}: {len(cells)} runs, about {estimate_s(cells) / 60:.0f} min on 2 quiet cores "
               f"(variants with servers: {TRAINERS} trainers + 1 parameter-server rank)", flush=True)
         settings = {"preset": args.preset, **dataclasses.asdict(preset), "trainers": TRAINERS,
                     "batch_size": BATCH_SIZE, "straggler": STRAGGLER, "curve_points": CURVE_POINTS,
-                    "model_presets": models, "model_reps": args.model_reps, "model_duration_s": args.model_duration_s}
+                    "model_presets": models, "model_reps": args.model_reps, "model_duration_s": args.model_duration_s,
+                    "model_stragglers": names}
         done = json.loads(args.output.read_text())["runs"] if args.resume and args.output.exists() else []
         run_matrix(cells, args.output, settings, done)
     write_report(args.output, report, args.plots)

@@ -59,6 +59,18 @@ def test_quality_preset_trains_the_shadow_algorithms_and_peers_six_times_longer_
     assert pairs["--data.synthetic.eval_batches"] == "128"  # held-out noise well below the 0.002 target
 
 
+def test_model_preset_cells_interleave_variants_per_repetition_and_run_only_the_chosen_straggler_settings() -> None:
+    variants = PRESETS["quick"].variants
+    both = bench_matrix.model_cells(variants, ["small", "production"], reps=2, duration_s=30.0)
+    assert len(both) == 2 * 2 * 2 * len(variants)
+    assert [(cell.seed, cell.model, cell.straggler) for cell in both[: len(variants)]] == [(0, "small", False)] * len(variants)
+    assert [cell.variant for cell in both[: len(variants)]] == list(variants)
+    slow = bench_matrix.model_cells(variants, ["production"], reps=5, duration_s=30.0, stragglers=[True])
+    assert {(cell.straggler, cell.model, cell.steps, cell.duration_s) for cell in slow} == {(True, "production", 0, 30.0)}
+    assert [cell.seed for cell in slow[:: len(variants)]] == [0, 1, 2, 3, 4]
+    assert STRAGGLER[0] in slow[0].arguments() and "--train.duration_s" in slow[0].arguments()
+
+
 def test_a_cell_names_its_config_seeds_length_curve_and_straggler() -> None:
     cell = Cell("gba", "movielens", True, 2, 52)
     arguments = cell.arguments()
