@@ -8,7 +8,8 @@
 Every run is a `torchrun` job of `benchmarks/train_dlrm.py` with N trainers (`--trainers`, default 4)
 and one parameter-server rank per dense shard (`--shards`: `sync.ps.num_servers`; the tables are
 row-sharded over the same servers), the tables on the PS (no all-to-all, so nothing but the dense
-sync can hold a fast trainer back), at each model preset of `--presets` (`example_job.MODEL_PRESETS`),
+sync can hold a fast trainer back; `--tables torchrec` shards them with TorchRec instead, `TABLES`),
+at each model preset of `--presets` (`example_job.MODEL_PRESETS`),
 and one trainer slowed `--factor` times by `ctrkit.straggler`:
 - sync: `sync_allreduce.yaml` (dense all-reduce every step, GBASync's sync mode);
 - gba: `gba_ps_embeddings.yaml` (global-batch aggregation, staleness decay);
@@ -93,8 +94,13 @@ ALGOS: dict[str, tuple[Path, tuple[str, ...]]] = {
 DEFAULT_ALGOS = ("sync", "gba", "async")
 """What `--algos` runs unless told: GBA against its two baselines."""
 
-PS_JOB = ["--model.embeddings", "ps", "--train.embedding_optimizer", "rowwise_adagrad"]
-"""The same job shape for all three: the server ranks hold the tables (and GBA's dense shards)."""
+TABLES = {"ps": ["--model.embeddings", "ps"], "torchrec": ["--model.embeddings", "torchrec"]}
+"""`--tables`: where every algorithm's tables live. ps (the default): on the server ranks, with GBA's
+rule for the rows too, so that nothing but the dense sync holds a fast trainer back. torchrec:
+TorchRec-sharded over the trainers, whose all-to-all pairs every step (no GBA speed-up: a
+diagnostic that keeps the rows synchronous and leaves GBA only the dense parameters)."""
+ROW_OPTIMIZER = ["--train.embedding_optimizer", "rowwise_adagrad"]
+"""The rows' optimizer of every run, the one the PS tables and TorchRec's fused tables share."""
 
 TUNED_FOR_SYNC = {"small": 0.008, "production": 0.001}
 """Sync all-reduce's best dense learning rate (Adam) for this job at each preset, from a sweep of
@@ -104,9 +110,10 @@ is the GBA paper's protocol: a team switches its tuned synchronous job to asynch
 without retuning. Later `--train.dense_lr` arguments override it."""
 
 
-def shared_job(preset: str) -> list[str]:
-    """What every run of every algorithm at `preset` gets before its straggler and stopping arguments."""
-    return [*PS_JOB, "--train.dense_lr", str(TUNED_FOR_SYNC[preset])]
+def shared_job(preset: str, tables: str) -> list[str]:
+    """What every run of every algorithm at `preset` with its tables in `tables` gets before its
+    straggler and stopping arguments."""
+    return [*TABLES[tables], *ROW_OPTIMIZER, "--train.dense_lr", str(TUNED_FOR_SYNC[preset])]
 
 
 OVERRUN_WARNING = 0.05
@@ -150,7 +157,8 @@ def job_arguments(algo: str, seed: int, preset: str, shards: int, args: argparse
                   extra: Sequence[str]) -> list[str]:
     """What every job of `algo` at `preset` on `shards` servers gets, whatever its straggler and stop."""
     return [
-        "--config", str(ALGOS[algo][0]), *ALGOS[algo][1], *shared_job(preset), "--sync.ps.num_servers", str(shards),
+        "--config", str(ALGOS[algo][0]), *ALGOS[algo][1], *shared_job(preset, args.tables),
+        "--sync.ps.num_servers", str(shards),
         *preset_arguments(preset),
         "--train.warmup_steps", str(args.warmup_steps), "--train.seed", str(seed), "--data.synthetic.seed", str(seed),
         *SYNTHETIC_HELDOUT, *extra,
@@ -188,8 +196,8 @@ def warm_start(seed: int, preset: str, shards: int, args: argparse.Namespace, ex
     from dlrm.config import ExperimentConfig, preset_overrides
     from shadowgba.config import load_config
 
-    config = load_config(ExperimentConfig, ALGOS["sync"][0], [*preset_overrides(preset), *shared_job(preset),
-                                                           "--sync.ps.num_servers", str(shards), *extra])
+    config = load_config(ExperimentConfig, ALGOS["sync"][0], [
+        *preset_overrides(preset), *shared_job(preset, args.tables), "--sync.ps.num_servers", str(shards), *extra])
     global_batch = args.trainers * config.data.batch_size
     steps = -(-args.warm_start_samples // global_batch)
     directory = scratch / f"warm_start_seed{seed}_{preset}_{shards}"
@@ -337,6 +345,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help=f"every run stops at this many samples applied (default per preset: {GLOBAL_SAMPLES})")
     parser.add_argument("--warmup-steps", type=int, default=20, help="steps before the timed window")
     parser.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help=f"comma-separated subset of {list(ALGOS)}")
+    parser.add_argument("--tables", choices=sorted(TABLES), default="ps",
+                        help="where every run's tables live: ps (default), or torchrec (rows synchronous, "
+                             "GBA on the dense parameters only; every step paired, so no speed-up)")
     parser.add_argument("--output", type=Path, help="JSON results (default runs/bench_gba_<compute>.json)")
     parser.add_argument("--warm-start-samples", type=int, default=0,
                         help="train sync alone this many samples first, then continue every algorithm from its "
@@ -389,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"effect; rerun with a larger --step-ms")
     output.parent.mkdir(parents=True, exist_ok=True)
     settings = {key: str(value) for key, value in vars(args).items()} | {
-        "overrides": {preset: [*shared_job(preset), *extra] for preset in presets}}
+        "overrides": {preset: [*shared_job(preset, args.tables), *extra] for preset in presets}}
     report = {"settings": settings, "ideal_ratio": ideal, "summary": rows, "runs": runs, "warm_starts": warm_starts}
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {output}")

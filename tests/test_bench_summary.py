@@ -177,7 +177,8 @@ def test_a_warm_started_run_resumes_the_sync_checkpoint_and_stops_that_many_samp
 
     monkeypatch.setattr(bench_gba, "run_example", fake_run)
     args = bench_gba.argparse.Namespace(trainers=4, warm_start_samples=5000, warmup_steps=1, slow_trainer=3,
-                                        factor=3.0, compute="real", step_ms=None, global_samples=1000)
+                                        factor=3.0, compute="real", step_ms=None, global_samples=1000,
+                                        tables="ps")
     start = bench_gba.warm_start(0, "small", 1, args, [], tmp_path)
     flags = dict(zip(jobs[0][1][::2], jobs[0][1][1::2]))
     assert (start.steps, start.samples) == (3, 3 * 4 * 512)  # 5000 samples -> 3 global batches of 2048
@@ -191,3 +192,21 @@ def test_a_warm_started_run_resumes_the_sync_checkpoint_and_stops_that_many_samp
         bench_gba.run_once("sync", 0, "small", 1, args, [], tmp_path / "r.json", start)
     with pytest.raises(SystemExit):
         bench_gba.main(["--compute", "real", "--algos", "sync,async", "--warm-start-samples", "1000"])
+
+
+def test_bench_gba_puts_every_algorithms_tables_where_tables_says(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """--tables ps (default) and torchrec: the last --model.embeddings of every job's arguments, which
+    overrides its config's; every algorithm keeps the same row optimizer and dense rate."""
+    jobs: list[list[str]] = []
+    monkeypatch.setattr(bench_gba, "run_example", lambda label, nproc, arguments, output: jobs.append(arguments) or {})
+    args = bench_gba.argparse.Namespace(trainers=4, warmup_steps=1, slow_trainer=3, factor=1.0, compute="real",
+                                        step_ms=None, global_samples=1000, tables="ps")
+    for tables in ("ps", "torchrec"):
+        args.tables = tables
+        for algo in ("sync", "gba"):
+            bench_gba.run_once(algo, 0, "production", 1, args, [], tmp_path / "r.json")
+    for arguments, tables in zip(jobs, ("ps", "ps", "torchrec", "torchrec")):
+        last = max(index for index, flag in enumerate(arguments) if flag == "--model.embeddings")
+        assert arguments[last + 1] == tables
+        assert arguments[arguments.index("--train.embedding_optimizer") + 1] == "rowwise_adagrad"
+        assert arguments[arguments.index("--train.dense_lr") + 1] == str(bench_gba.TUNED_FOR_SYNC["production"])
