@@ -85,7 +85,7 @@ def throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
     for dataset in distinct(run["dataset"] for run in runs):
         for straggler in distinct(run["straggler"] for run in select(runs, dataset=dataset)):
             mine = select(runs, dataset=dataset, straggler=straggler)
-            none = select(mine, variant="none")
+            none, ddp = select(mine, variant="none"), select(mine, variant="ddp")
             for variant in distinct(run["variant"] for run in mine):
                 cells = select(mine, variant=variant)
                 speeds = [samples_per_s(run) for run in cells]
@@ -103,13 +103,13 @@ def throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
 
 def model_throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
     """Per model preset, straggler setting and variant (the model presets' cells): samples/s and the
-    per-repetition ratio to none, median and min-max, and the resources."""
+    per-repetition ratios to none and to ddp, median and min-max, and the resources."""
     rows = []
     cells_of_models = [run for run in runs if run.get("model")]
     for model in distinct(run["model"] for run in cells_of_models):
         for straggler in (False, True):
             mine = select(cells_of_models, model=model, straggler=straggler)
-            none = select(mine, variant="none")
+            none, ddp = select(mine, variant="none"), select(mine, variant="ddp")
             for variant in distinct(run["variant"] for run in mine):
                 cells = select(mine, variant=variant)
                 rows.append({
@@ -117,6 +117,7 @@ def model_throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
                     "dense_params": cells[0]["result"]["dense_params"],
                     "samples_per_s": spread([samples_per_s(run) for run in cells]),
                     "ratio_to_none": ratio_spread(cells, none, seed_of, samples_per_s),
+                    "ratio_to_ddp": ratio_spread(cells, ddp, seed_of, samples_per_s),
                     **resource_spreads([run["result"] for run in cells]),
                     "extra_x_dense_over_none": difference_spread(
                         cells, none, seed_of, lambda run: extra_x_dense(run["result"])),
@@ -162,6 +163,7 @@ MODEL_THROUGHPUT_COLUMNS: list[Column] = [
     ("algorithm", lambda row: row["variant"]),
     ("samples/s (min-max)", lambda row: spread_cell(row["samples_per_s"], ",.0f")),
     ("ratio to none", lambda row: spread_cell(row["ratio_to_none"], ".3f")),
+    ("ratio to ddp", lambda row: spread_cell(row["ratio_to_ddp"], ".3f")),
     *RESOURCE_COLUMNS,
     EXTRA_OVER_NONE_COLUMN,
     ("reps", lambda row: str(row["reps"])),

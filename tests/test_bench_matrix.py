@@ -115,6 +115,21 @@ def test_throughput_ratio_to_none_is_the_median_of_per_repetition_ratios() -> No
     assert rows["none"]["ratio_to_none_median"] == 1.0 and rows["none"]["sync_gap_median"] is None
 
 
+def test_model_preset_rows_take_ratios_to_none_and_to_ddp_per_repetition() -> None:
+    from bench_matrix_report import model_throughput_rows
+    resources = {"cpu_s_per_sample": 1e-4, "trainer_peak_rss_mib_max": 600.0, "server_peak_rss_mib_max": None,
+                 "trainer_extra_x_dense_max": 3.0}
+    speeds = {"none": (100.0, 200.0, 400.0), "ddp": (50.0, 200.0, 100.0), "ma-shadow": (90.0, 100.0, 380.0)}
+    runs = [{**fake_run(variant, seed, 0.7, speed, True, resources=resources, dense_params=10), "model": "production"}
+            for seed in range(3) for variant, by_seed in speeds.items() for speed in [by_seed[seed]]]
+    rows = {row["variant"]: row for row in model_throughput_rows(runs)}
+    assert set(rows) == set(speeds) and all(row["straggler"] and row["reps"] == 3 for row in rows.values())
+    ma = rows["ma-shadow"]
+    assert ma["ratio_to_none"] == pytest.approx((0.9, 0.5, 0.95))  # median, min, max of 0.9, 0.5, 0.95
+    assert ma["ratio_to_ddp"] == pytest.approx((1.8, 0.5, 3.8))  # 1.8, 0.5, 3.8
+    assert rows["ddp"]["ratio_to_ddp"] == (1.0, 1.0, 1.0)
+
+
 def test_report_has_one_row_per_dataset_and_variant_and_per_straggler_setting() -> None:
     runs = [
         fake_run(variant, seed, 0.7, 100.0, straggler, dataset)
