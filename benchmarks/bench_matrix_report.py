@@ -85,7 +85,7 @@ def throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
     for dataset in distinct(run["dataset"] for run in runs):
         for straggler in distinct(run["straggler"] for run in select(runs, dataset=dataset)):
             mine = select(runs, dataset=dataset, straggler=straggler)
-            none, ddp = select(mine, variant="none"), select(mine, variant="ddp")
+            none = select(mine, variant="none")
             for variant in distinct(run["variant"] for run in mine):
                 cells = select(mine, variant=variant)
                 speeds = [samples_per_s(run) for run in cells]
