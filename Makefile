@@ -10,17 +10,27 @@ NPROC ?= 2
 CONFIG ?= examples/configs/bmuf.yaml
 PRESET ?=
 
-.PHONY: setup run test bench bench-quick bench-quality bench-scaling bench-gba bench-ps soak clean
+.PHONY: setup run test test-newer bench bench-quick bench-quality bench-scaling bench-gba bench-ps soak clean
 
 setup: $(STAMP)
 
-# torchrec goes in last with --no-deps: its declared fbgemm-gpu (CUDA) would overwrite fbgemm-gpu-cpu
-# (docs/design.md, "Dependencies: torch and TorchRec on CPU machines").
-$(STAMP): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e ".[test]"
-	$(PIP) install --quiet --no-deps torchrec==1.8.0
+# $(call install,VENV,LOCK): VENV holds exactly LOCK's packages (a tested stack, installed --no-deps:
+# see the lock's header) and this checkout, editable. The wheel leaves ctrkit/ (the benchmark kit) out,
+# so a .pth file puts the checkout itself on the path, for the benchmark scripts and their torchrun ranks.
+define install
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet --no-deps -r $(2)
+	$(1)/bin/python -m pip install --quiet --no-deps -e .
+	$(1)/bin/python -c "import site, sys; open(site.getsitepackages()[0] + '/shadowgba-checkout.pth', 'w').write(sys.argv[1])" $(CURDIR)
+endef
+
+DEV_STACK := requirements/torch-2.13-cpu.txt
+NEWER_STACK := requirements/torch-2.14-cpu.txt
+NEWER_VENV := .venv-torch2.14
+
+$(STAMP): pyproject.toml Makefile $(DEV_STACK)
+	$(call install,$(VENV),$(DEV_STACK))
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -29,6 +39,13 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# The suite on the other tested stack (torch 2.14, TorchRec 1.9, fbgemm-gpu-cpu 1.9; README, "Supported
+# versions") from a fresh virtual environment of its own: not part of `make test`.
+test-newer:
+	rm -rf $(NEWER_VENV)
+	$(call install,$(NEWER_VENV),$(NEWER_STACK))
+	$(NEWER_VENV)/bin/python -m pytest tests
 
 # The benchmark matrix (benchmarks/bench_matrix.py): every algorithm x mode x straggler x dataset x 3 seeds,
 # JSON, Markdown and plots under runs/; bench-quick is the < 10 min subset. Plots need the bench extra.
@@ -70,4 +87,4 @@ soak: $(STAMP)
 	$(PY) benchmarks/soak.py --minutes $(SOAK_MINUTES)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(NEWER_VENV) .pytest_cache

@@ -27,7 +27,7 @@ import dataclasses
 import itertools
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,10 +39,13 @@ from shadowgba.dense import trainable_named_parameters
 from shadowgba.errors import SetupError, SyncError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.interface import DenseSync
+from shadowgba import optional
 from shadowgba.ps import transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
-from shadowgba.ps.embedding import DEFAULT_SERVICE, EmbeddingShard, PSEmbeddingBagCollection, PSEmbeddingConfig
 from shadowgba.shadow.runtime import ShadowSync
+
+if TYPE_CHECKING:  # PS-hosted tables need TorchRec: imported where used (`shadowgba.optional`)
+    from shadowgba.ps.embedding import PSEmbeddingBagCollection, PSEmbeddingConfig
 
 _JOB_NUMBERS = itertools.count()
 """Numbers the jobs this process joins (`Job.name`)."""
@@ -99,15 +102,14 @@ class Job:
 
     def dmp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `DistributedModelParallel`: shard over the trainers only, no dense DDP."""
-        from shadowgba.integrations import torchrec as torchrec_integration
-
-        return torchrec_integration.dmp_kwargs(self.trainer_group)
+        return optional.torchrec_integration("Job.dmp_kwargs()").dmp_kwargs(self.trainer_group)
 
     def ps_embeddings(self) -> PSEmbeddingBagCollection:
         """The trainer side of the PS-hosted tables given to `join` (an EmbeddingBagCollection)."""
         if self.tables is None or self.table_options is None:
             raise SetupError("ps_embeddings() needs join(config, tables=..., table_options=...)")
-        return PSEmbeddingBagCollection(list(self.tables), self.table_options, self.roles.num_servers)
+        embedding = optional.ps_embedding("Job.ps_embeddings()")
+        return embedding.PSEmbeddingBagCollection(list(self.tables), self.table_options, self.roles.num_servers)
 
     def centre(self) -> CenterClient:
         """Under easgd_ps, the trainer side of the S-EASGD centre on the servers: one per job, the
@@ -197,10 +199,10 @@ def join(
         _serve(job)
         job.close()
         return job
-    from shadowgba.integrations import torchrec as torchrec_integration
-
-    job.sharding_guard = torchrec_integration.ShardingGuard(roles.trainer_group, roles.num_servers)
-    job.sharding_guard.install()
+    if optional.available("torchrec"):  # without TorchRec there is no DMP to guard
+        torchrec_integration = optional.torchrec_integration("the sharding guard")
+        job.sharding_guard = torchrec_integration.ShardingGuard(roles.trainer_group, roles.num_servers)
+        job.sharding_guard.install()
     job.heartbeat = transport.Heartbeat(job.name, roles.rank).start()
     return job
 
@@ -214,6 +216,7 @@ def ps_table_options(
     the same `sync.gba.decay`; without aggregation (plain async PS) and under S-EASGD they are applied
     on arrival (Hogwild)."""
     aggregate = config.algo == "gba" and config.gba.aggregation == "global_batch"
+    PSEmbeddingConfig = optional.ps_embedding("ps_table_options()").PSEmbeddingConfig
     return PSEmbeddingConfig(
         optimizer=optimizer, lr=lr, seed=seed, max_in_flight=config.ps.max_in_flight,
         mode="aggregate" if aggregate else "hogwild",
@@ -286,17 +289,17 @@ def _serve(job: Job) -> None:
     else:
         serve_dense_shard()
     if job.tables is not None:
-        shard = EmbeddingShard(list(job.tables), job.table_options, job.roles.server_index, job.roles.num_servers)
-        transport.serve(DEFAULT_SERVICE, shard)
+        embedding = optional.ps_embedding("PS-hosted tables")
+        shard = embedding.EmbeddingShard(list(job.tables), job.table_options, job.roles.server_index,
+                                         job.roles.num_servers)
+        transport.serve(embedding.DEFAULT_SERVICE, shard)
 
 
 def _torchrec_integration() -> Any:
     """The TorchRec adapter when torchrec is loaded (a model cannot be a DMP otherwise), else None."""
     if "torchrec" not in sys.modules:
         return None
-    from shadowgba.integrations import torchrec as torchrec_integration
-
-    return torchrec_integration
+    return optional.torchrec_integration("a TorchRec model")
 
 
 def _dense_named_parameters(model: nn.Module, torchrec_integration: Any) -> Iterable[tuple[str, nn.Parameter]]:

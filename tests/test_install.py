@@ -1,0 +1,91 @@
+"""The built wheel as a user installs it: into a fresh virtual environment that holds torch and nothing
+else of the development stack (no TorchRec, no fbgemm, no checkout on the path), next to that torch
+without replacing it, and the plain PyTorch example runs from outside the repository with ma and bmuf.
+
+One virtual environment and one wheel serve every test here (module fixtures): creating the
+environment and installing torch into it is most of this file's time."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH = torch.__version__.split("+")[0]
+"""The torch the user already has: the version this suite runs on."""
+
+
+def run(command: list[str], cwd: Path, timeout_s: float) -> str:
+    """Run `command` (no PYTHONPATH: nothing of the checkout leaks in) and return its standard output; it
+    must exit 0."""
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    done = subprocess.run(command, cwd=cwd, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel `pip wheel --no-deps` builds from this checkout."""
+    out = tmp_path_factory.mktemp("wheel")
+    run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out),
+         str(ROOT)], cwd=out, timeout_s=120)
+    (built,) = out.glob("shadowgba-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def user_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtual environment holding this suite's torch version (and its own dependencies) only."""
+    venv = tmp_path_factory.mktemp("user") / "venv"
+    run([sys.executable, "-m", "venv", str(venv)], cwd=venv.parent, timeout_s=60)
+    run([str(venv / "bin/python"), "-m", "pip", "install", "--quiet", f"torch=={TORCH}"],
+        cwd=venv.parent, timeout_s=240)
+    return venv
+
+
+@pytest.mark.timeout(420)
+def test_the_wheel_installs_next_to_the_user_s_torch_and_the_plain_example_runs_from_outside_the_repository(
+    wheel: Path, user_env: Path, tmp_path: Path
+) -> None:
+    python = str(user_env / "bin/python")
+    names = run([python, "-m", "zipfile", "-l", str(wheel)], cwd=tmp_path, timeout_s=30)
+    assert "shadowgba/" in names and "sync_algos/" in names and "ctrkit/" not in names
+
+    # Resolving the wheel with its dependencies keeps the installed torch and adds only PyYAML.
+    report = run([python, "-m", "pip", "install", "--quiet", "--dry-run", "--report", "-", str(wheel)],
+                 cwd=tmp_path, timeout_s=120)
+    planned = {item["metadata"]["name"].lower(): item["metadata"]["version"]
+               for item in json.loads(report)["install"]}
+    assert planned.keys() == {"shadowgba", "pyyaml"}, planned
+
+    run([python, "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall", str(wheel)], cwd=tmp_path,
+        timeout_s=120)
+    run([python, "-m", "pip", "install", "--quiet", "pyyaml"], cwd=tmp_path, timeout_s=120)
+    probe = run([python, "-c", "import importlib.util as u, shadowgba, torch; print(shadowgba.__file__, torch.__version__, "
+                 "[name for name in ('torchrec', 'fbgemm_gpu', 'ctrkit') if u.find_spec(name)])"],
+                cwd=tmp_path, timeout_s=60)
+    assert str(user_env) in probe and TORCH in probe and probe.strip().endswith("[]"), probe
+
+    script = tmp_path / "plain_loop.py"  # the example copied out: its folder is the first on the path
+    shutil.copy(ROOT / "examples/plain_loop.py", script)
+    jobs = {
+        algo: subprocess.Popen(
+            [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+             "--config", str(ROOT / "examples/configs" / f"{algo}.yaml"), "--steps", "30", "--sync.interval_ms=5"],
+            cwd=tmp_path, env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for algo in ("ma", "bmuf")
+    }
+    for algo, job in jobs.items():
+        output, _ = job.communicate(timeout=180)
+        assert job.returncode == 0, output[-4000:]
+        assert f"{algo}: final loss" in output and "steps=30" in output, output[-4000:]
