@@ -78,7 +78,13 @@ class SyncConfig:
     refused either way. skip: leave that rank's contribution out, warn and count it in the metrics
     (one bad batch does not stop a days-long job); fail: raise `SyncError` naming the rank."""
     log_interval_s: float = 30.0
-    """Seconds between metric log lines (logger `shadowgba`); 0 disables them."""
+    """Seconds between reports of the runtime's metrics (`shadowgba.reporting`): an INFO line on the
+    `shadowgba` logger and, with a TensorBoard writer, its scalars; 0 disables them (TensorBoard then
+    gets the last values only). Both runtimes, through `dense_sync`."""
+    tensorboard_dir: str | None = None
+    """A directory for TensorBoard: each trainer writes the metrics' scalars (`shadowgba/<name>`) into
+    `<dir>/trainer<i>` every `log_interval_s` and at the end. Needs `shadowgba[tensorboard]`; a
+    `SummaryWriter` passed to `dense_sync(summary_writer=...)` takes its place."""
     control_file: str | None = None
     """Optional YAML file polled while the job runs; it may change interval_ms and foreground_every
     live (see shadowgba.shadow.control). Ignored by gba."""
@@ -107,6 +113,8 @@ class SyncConfig:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.log_interval_s < 0:
             raise ConfigError(f"log_interval_s must be >= 0, got {self.log_interval_s}")
+        if self.tensorboard_dir is not None and (not isinstance(self.tensorboard_dir, str) or not self.tensorboard_dir):
+            raise ConfigError(f"tensorboard_dir must be a directory path or null, got {self.tensorboard_dir!r}")
         if self.algo == "easgd_ps" and not self.ps.num_servers:
             raise ConfigError("ps.num_servers: sync.algo easgd_ps keeps the EASGD centre on the servers; needs >= 1")
         if self.algo == "gba" and self.gba.initial_mode == "gba" and not self.ps.num_servers:

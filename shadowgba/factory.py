@@ -34,14 +34,16 @@ import torch.distributed as dist
 from torch import nn
 
 import sync_algos
+from shadowgba import optional, reporting
+from shadowgba.batch_size import check_first_batch
 from shadowgba.config import PS_ALGOS, SyncConfig, load_config
 from shadowgba.dense import trainable_named_parameters
 from shadowgba.errors import SetupError, SyncError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.interface import DenseSync
-from shadowgba import optional
 from shadowgba.ps import transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
+from shadowgba.reporting import MetricsReporter
 from shadowgba.shadow.runtime import ShadowSync
 
 if TYPE_CHECKING:  # PS-hosted tables need TorchRec: imported where used (`shadowgba.optional`)
@@ -232,19 +234,23 @@ def dense_sync(
     local_batch_size: int | None = None,
     params: Iterable[tuple[str, nn.Parameter]] | None = None,
     end_job: bool = True,
+    summary_writer: Any = None,
 ) -> DenseSync:
     """The runtime that keeps `model`'s dense parameters in sync under `job.config.algo` (not started).
 
     `optimizer` is the one whose `step()` marks a step boundary (a torch optimizer, or TorchRec's
     keyed / combined optimizer). `local_batch_size` (samples per trainer step) is needed by gba,
-    whose global batch is trainers x local batch. `params` overrides which parameters are dense
+    whose global batch is trainers x local batch; when given, a first batch of another size is
+    warned about (`shadowgba.batch_size`). `params` overrides which parameters are dense
     (default: all trainable ones minus TorchRec-sharded tables). With `end_job`, a `with` block
     over the sync that ends normally also ends this trainer's part of the job (`job.close()`,
     releasing the servers once every trainer has); pass False to use the servers after it (e.g.
     evaluating on PS-hosted tables) and call `job.close()` yourself. Whatever `end_job` says, a
     `with` block that ends by an exception (the user's, or the sync's own) announces it to the job
     and leaves it at once (`Job.announce_failure`, `Job.abort`): the peers and servers end naming
-    this trainer instead of waiting for it.
+    this trainer instead of waiting for it. The runtime's metrics are logged every
+    `sync.log_interval_s` and written to TensorBoard when `summary_writer` (a `SummaryWriter`) is
+    given or `sync.tensorboard_dir` names a directory (`shadowgba.reporting`).
     """
     if isinstance(job, SyncConfig):
         if job.ps.num_servers:
@@ -256,6 +262,7 @@ def dense_sync(
     config = job.config
     torchrec_integration = _torchrec_integration()
     if torchrec_integration is not None:
+        torchrec_integration.refuse_dense_ddp(model)  # DDP and the sync both: the user forgot dmp_kwargs()
         torchrec_integration.check_batches(model)  # malformed batches refused before TorchRec sees them
     named = list(params) if params is not None else list(_dense_named_parameters(model, torchrec_integration))
     if sync_algos.get_algorithm(config.algo).kind == "gradient":
@@ -276,6 +283,12 @@ def dense_sync(
         if config.algo == "easgd_ps":
             group, resources = transport.sync_group(), {"centre": job.centre()}
         sync = ShadowSync(model, optimizer, config, process_group=group, params=named, algorithm_kwargs=resources)
+    if local_batch_size is not None:
+        check_first_batch(model, local_batch_size)
+    owns_writer = summary_writer is None and config.tensorboard_dir is not None
+    if owns_writer:
+        summary_writer = reporting.summary_writer(config.tensorboard_dir, job.trainer_index)
+    sync.reporter = MetricsReporter(sync.metrics, config.log_interval_s, summary_writer, owns_writer)
     sync.call_on_failure(job.announce_failure, job.abort)
     if end_job:
         sync.call_after_exit(job.close)

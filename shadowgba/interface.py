@@ -37,6 +37,7 @@ import types
 from typing import Any, Callable, ClassVar
 
 from shadowgba.errors import ConfigError
+from shadowgba.reporting import MetricsReporter
 
 logger = logging.getLogger("shadowgba")
 
@@ -53,6 +54,11 @@ class DenseSync(abc.ABC):
     metrics: Any
     """Counters of this trainer's rounds / pushes, latency, bytes and training-thread cost
     (`metrics.summary()` is a flat dict)."""
+
+    reporter: MetricsReporter | None = None
+    """Where `metrics` go at an interval and at the end (`shadowgba.reporting`: the log, TensorBoard);
+    `shadowgba.dense_sync` sets it. The runtime calls `_report_step()` at every step boundary and
+    `_end_report()` when it closes or aborts."""
 
     def __enter__(self) -> "DenseSync":
         self.start()
@@ -108,6 +114,14 @@ class DenseSync(abc.ABC):
     def switch_mode(self, mode: str) -> None:
         """Ask every trainer to switch to `mode` at an agreed step (algorithms with `modes`)."""
         raise ConfigError(f"{type(self).__name__} has no modes to switch; '{mode}' needs sync.algo gba")
+
+    def _report_step(self) -> None:
+        if self.reporter is not None:
+            self.reporter.on_step()
+
+    def _end_report(self) -> None:
+        if self.reporter is not None:
+            self.reporter.close()
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:

@@ -81,6 +81,7 @@ def test_a_section_of_a_larger_job_file_loads_alone_and_ignores_the_application_
         ("", ["--sync.timeout_s", ".inf"], r"sync\.timeout_s: expected a finite number, got inf"),
         ("", ["--sync.interval_ms", ".nan"], r"sync\.interval_ms: expected a finite number, got nan"),
         ("sync: {log_interval_s: -.inf}", [], r"sync\.log_interval_s: expected a finite number, got -inf"),
+        ("sync: {tensorboard_dir: ''}", [], r"sync\.tensorboard_dir must be a directory path or null, got ''"),
         ("sync: {algo: easgd, easgd: {beta: .nan}}", [], r"sync\.easgd\.beta: expected a finite number, got nan"),
         ("sync: {algo: easgd, easgd: {alpha: .inf}}", [], r"sync\.easgd\.alpha: expected a finite number, got inf"),
         ("sync: {algo: bmuf, bmuf: {block_lr: .inf}}", [], r"sync\.bmuf\.block_lr: expected a finite number, got inf"),

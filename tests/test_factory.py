@@ -67,10 +67,14 @@ def gba_with_switches(model: torch.nn.Module, optimizer: object, rank: int, sync
 def trainers_and_a_server(rank: int, world_size: int) -> dict:
     from tests import tiny_dmp
 
+    from tests.test_reporting import RecordingWriter, capture_logs
+
     result: dict = {}
-    job = shadowgba.join(from_dict(SyncConfig, {"algo": "gba", "ps": {"num_servers": 1}, "timeout_s": 60}))
+    job = shadowgba.join(from_dict(SyncConfig, {"algo": "gba", "ps": {"num_servers": 1}, "timeout_s": 60,
+                                                "log_interval_s": 0.01}))
     if job.is_server:
         return {"server": True}
+    records, writer = capture_logs(), RecordingWriter()
     # the pitfall: TorchRec's default environment shards over every rank, the server included
     started = time.monotonic()
     try:
@@ -79,9 +83,12 @@ def trainers_and_a_server(rank: int, world_size: int) -> dict:
         result["refused"] = (str(error), time.monotonic() - started)
     model, optimizer = tiny_dmp.build(dmp_kwargs=job.dmp_kwargs(), golden_optimizer=True)
     # end_job=False: the replicas are compared on the trainer group after the sync has closed
-    with shadowgba.dense_sync(model, optimizer, job, local_batch_size=tiny_dmp.BATCH, end_job=False) as sync:
+    with shadowgba.dense_sync(model, optimizer, job, local_batch_size=tiny_dmp.BATCH, end_job=False,
+                              summary_writer=writer) as sync:
         result["modes"] = gba_with_switches(model, optimizer, rank, sync)
     result["gba"] = {"metrics": sync.metrics.summary(), "spread": replica_spread(model, job.trainer_group)}
+    result["logs"] = [(record.levelname, record.getMessage()) for record in records]
+    result["switches_written"] = [value for tag, value, _ in writer.scalars if tag == "shadowgba/mode_switches"]
     job.close()
     return result
 
@@ -98,6 +105,13 @@ def test_gba_wraps_a_torchrec_pipeline_switches_inside_the_loop_and_refuses_a_dm
         assert modes[0] == "gba" and "sync" in modes[SWITCH_TO_SYNC_AT:SWITCH_TO_GBA_AT] and modes[-1] == "gba", modes
         assert trainer["gba"]["metrics"]["mode_switches"] == 2
         assert trainer["gba"]["spread"] == 0.0
+        # starting in initial_mode gba is no switch: logged at info; the two switches are warnings
+        switches = [(level, message.split(" switched ")[1].split(" at ")[0]) for level, message in trainer["logs"]
+                    if " switched " in message]
+        assert switches == [("INFO", "sync -> gba"), ("WARNING", "gba -> sync"), ("WARNING", "sync -> gba")], switches
+        assert not [message for level, message in trainer["logs"] if level == "WARNING" and " switched " not in message]
+        assert any(message.startswith("shadowgba: rounds=") for _, message in trainer["logs"])  # log_interval_s
+        assert trainer["switches_written"][-1] == 2  # the writer got the last values at close
     assert trainer0["modes"] == trainer1["modes"]  # lockstep trainers switch at the same step
 
 

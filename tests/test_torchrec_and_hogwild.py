@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +12,7 @@ import shadowgba
 from shadowgba import SyncConfig
 from shadowgba.shadow.runtime import ShadowSync
 from shadowgba.shadow.hogwild import HogwildThreads, shared_replicas
+from tests import tiny_dmp
 from tests.multiprocess import run_shared
 
 pytestmark = pytest.mark.timeout(300)
@@ -86,6 +89,49 @@ def test_every_shadow_algorithm_wraps_a_torchrec_pipeline_through_the_factory(tw
         assert result["spread"] == 0.0, label
 
 
+def adoption_pitfalls(rank: int, world_size: int) -> dict:
+    """What a user adopting shadowgba on a DMP can get wrong, caught at start-up: a DMP built without
+    `job.dmp_kwargs()` (TorchRec's DDP on the dense part) is refused; a `local_batch_size` that is not
+    the batch's is warned about. And the shadow runtime's metrics reach the log and a writer."""
+    from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+
+    from tests.test_reporting import RecordingWriter, capture_logs
+
+    result: dict = {}
+    model, optimizer = tiny_dmp.build(wrapper=DefaultDataParallelWrapper())
+    try:
+        shadowgba.dense_sync(model, optimizer, SyncConfig(algo="ma"))
+    except shadowgba.SetupError as error:
+        result["ddp_refused"] = str(error)
+    records, writer = capture_logs(), RecordingWriter()
+    model, optimizer = tiny_dmp.build()
+    config = SyncConfig(algo="ma", mode="foreground", foreground_every=5, log_interval_s=0.01)
+    with shadowgba.dense_sync(model, optimizer, config, local_batch_size=2 * tiny_dmp.BATCH,
+                              summary_writer=writer) as sync:
+        for index in range(30):
+            train_loop(model, optimizer, rank, 1, use_pipeline=False)
+            time.sleep(0.001)  # at least one log interval passes whatever the machine's speed
+    result["logs"] = [(record.levelname, record.getMessage()) for record in records]
+    result["scalars"] = {tag: (value, step) for tag, value, step in writer.scalars}  # the last of each
+    result["writer"] = (writer.flushed, writer.closed)
+    result["steps"] = sync.metrics.summary()["steps"]
+    return result
+
+
+def test_a_dmp_with_ddp_is_refused_a_wrong_batch_size_warned_about_and_metrics_reach_log_and_writer(
+    two_ranks: dict
+) -> None:
+    for result in two_ranks["pitfalls"]:
+        assert "wraps its dense part in DDP" in result["ddp_refused"]
+        assert "DistributedModelParallel(..., **job.dmp_kwargs())" in result["ddp_refused"]
+        warnings = [message for level, message in result["logs"] if level == "WARNING"]
+        assert len(warnings) == 1 and f"holds {tiny_dmp.BATCH} samples" in warnings[0], warnings
+        periodic = [message for level, message in result["logs"] if level == "INFO" and message.startswith("shadowgba: rounds=")]
+        assert periodic, result["logs"]
+        assert result["steps"] == 30 and result["scalars"]["shadowgba/steps"] == (30, 30)
+        assert result["scalars"]["shadowgba/rounds"][0] >= 6 and result["writer"] == (1, 0)
+
+
 W_TRUE = torch.arange(8.0).unsqueeze(1) / 8
 INITIAL_LOSS = float((W_TRUE**2).sum())  # E[(x @ w)^2] for x ~ N(0, I), from w = 0-ish
 
@@ -127,6 +173,7 @@ def two_ranks() -> dict[str, list]:
     return run_shared(2, {
         "torchrec": (train_dmp_under_every_shadow_algorithm, ()),
         "hogwild-threads": (train_hogwild_threads, (2, 300)),
+        "pitfalls": (adoption_pitfalls, ()),
     }, timeout_s=270)
 
 

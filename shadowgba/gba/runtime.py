@@ -275,7 +275,7 @@ class GBASync(DenseSync):
 
     def _release(self, discard_queued: bool) -> None:
         """Mark the runtime closed, remove the step hook, stop and join the client's threads, destroy
-        this runtime's own sync group (always)."""
+        this runtime's own sync group (always), and send the metrics' last values to their sinks."""
         self._flat = None
         try:
             self._step_hook.remove()
@@ -286,6 +286,7 @@ class GBASync(DenseSync):
                 group, self._own_group = self._own_group, None
                 if group is not None:
                     dist.destroy_process_group(group)
+                self._end_report()
 
     # ------------------------------------------------------------------------------- public API
     def switch_mode(self, mode: str) -> None:
@@ -384,6 +385,7 @@ class GBASync(DenseSync):
             self._local_step(gradient, finite)
         self._last_step_end = time.perf_counter()
         self.metrics.record_step(self._last_step_end - started)
+        self._report_step()
 
     def _after_sync_round(self, result: SyncRound) -> None:
         """Act on a sync all-reduce's result: the non-finite rule, apply the mean gradient, then stop,
@@ -524,11 +526,14 @@ class GBASync(DenseSync):
         transport.barrier(name, self.timeout_s)
 
     def _switch_to(self, mode: Mode, counted: bool = True) -> None:
+        """Enter `mode`. A switch between sync and GBA (counted) changes how the job trains and is
+        logged as a warning; start's entry into `initial_mode` gba and closing's sync -> local are
+        the runtime's own course (`Mode`), not counted, and logged at info."""
         previous, self.mode = self.mode, mode
         if counted:
             self.metrics.record_switch()
-        logger.warning("shadowgba: trainer %d switched %s -> %s at global step %d",
-                       self.roles.trainer_index, previous, mode, self.global_step)
+        (logger.warning if counted else logger.info)("shadowgba: trainer %d switched %s -> %s at global step %d",
+                                                     self.roles.trainer_index, previous, mode, self.global_step)
 
     # -------------------------------------------------------------------------- the flat optimizer
     def _apply(self, gradient: torch.Tensor) -> None:

@@ -6,6 +6,8 @@
   places the module on its device, leaving the dense replicas to the sync runtime. The same code
   path serves gloo on CPU and NCCL on GPUs.
 - `dense_named_parameters`: a DMP's parameters minus its sharded tables.
+- `refuse_dense_ddp`: a DMP built without `dmp_kwargs` has its dense part in TorchRec's DDP, which
+  all-reduces every gradient inside backward; with a sync on top the job pays both, silently. Refused.
 - `dmp_kwargs` / `ShardingGuard`: with parameter-server ranks in the job, TorchRec must shard
   over the trainers only; a DMP over the whole world would wait forever for the servers in its
   planner's collectives and all-to-all, so its construction is refused, naming the fix.
@@ -33,6 +35,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
@@ -45,7 +48,7 @@ from shadowgba.ps.embedding import id_out_of_range, ids_outside
 
 __all__ = [
     "BatchCheck", "ShadowDataParallelWrapper", "ShardingGuard", "check_batches", "dense_named_parameters",
-    "dense_optimizer", "dmp_kwargs", "give_lazy_state", "has_sharded_tables",
+    "dense_optimizer", "dmp_kwargs", "give_lazy_state", "has_sharded_tables", "refuse_dense_ddp",
 ]
 
 
@@ -78,6 +81,17 @@ def dense_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter
 def has_sharded_tables(model: nn.Module) -> bool:
     """Whether `model` is a DMP with sharded tables (whose per-step all-to-all pairs the trainers)."""
     return bool(_sharded_names(model))
+
+
+def refuse_dense_ddp(model: nn.Module) -> None:
+    """Raise `SetupError` if `model` is a DMP whose dense part TorchRec wrapped in DDP (its default
+    `DataParallelWrapper`): the sync would run on top of an all-reduce in every backward."""
+    if isinstance(model, DistributedModelParallel) and isinstance(model._dmp_wrapped_module, DistributedDataParallel):
+        raise SetupError(
+            "this DistributedModelParallel wraps its dense part in DDP (TorchRec's default data_parallel_wrapper), "
+            "which all-reduces every dense gradient in backward; shadowgba's sync would run on top of it. Build it "
+            "as DistributedModelParallel(..., **job.dmp_kwargs()) to leave the dense replicas to shadowgba"
+        )
 
 
 class BatchCheck:

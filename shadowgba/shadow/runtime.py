@@ -107,7 +107,6 @@ class ShadowSync(DenseSync):
         self._error: BaseException | None = None
         self._error_reported = False
         self._thread: threading.Thread | None = None
-        self._last_log = time.monotonic()
         self._group: dist.ProcessGroup | None = None
         self._owns_group = False
         self._algorithm: sync_algos.SyncAlgorithm | None = None
@@ -224,6 +223,7 @@ class ShadowSync(DenseSync):
             if last is not None and last.is_alive():
                 logger.warning("shadowgba: the aborted round still waits for a peer after %gs; it is left to "
                                "the process's exit", min(self.config.timeout_s, ABORT_ROUND_S))
+                self._end_report()
             else:
                 self._release(group)
         if failure:
@@ -240,6 +240,7 @@ class ShadowSync(DenseSync):
                 self._rounds_finished = True
 
     def _release(self, group: dist.ProcessGroup) -> None:
+        self._end_report()
         if self._owns_group:
             dist.destroy_process_group(group)
 
@@ -341,8 +342,8 @@ class ShadowSync(DenseSync):
         elif not self._rounds_finished and self._step % self._foreground_every == 0:
             self._foreground_round()
             self._raise_unreported_error()
-            self._maybe_log()
         self.metrics.record_step(time.perf_counter() - started)
+        self._report_step()
 
     def _raise_unreported_error(self) -> None:
         """Raise the rounds' failure once, in the calling training thread: a `SyncError` of ours
@@ -436,7 +437,6 @@ class ShadowSync(DenseSync):
                     started = time.monotonic()
                     if self._run_round():
                         break
-                    self._maybe_log()
                     self._stop_requested.wait(max(0.0, self._interval_s - (time.monotonic() - started)))
                 wait_for_device(self.dense.device)
         except BaseException as error:  # surfaced in the training thread at its next step
@@ -449,7 +449,3 @@ class ShadowSync(DenseSync):
         if self._control is not None and (settings := self._control.poll()) is not None:
             self.apply_live(settings)
 
-    def _maybe_log(self) -> None:
-        if self.config.log_interval_s and time.monotonic() - self._last_log >= self.config.log_interval_s:
-            self._last_log = time.monotonic()
-            logger.info("shadowgba: %s", self.metrics.format())
