@@ -154,15 +154,28 @@ def gba_run(rank: int, world_size: int) -> dict[str, Any] | None:
         with GBASync(model, optimizer, config, roles, local_batch_size=4) as gba:
             for _ in range(WARMUP_STEPS):
                 step(model, optimizer, rank)
-            before = account(gba, model, optimizer)
+            before = quiet_account(gba, model, optimizer)
             watcher = NewTensors(dense_numel(model))
             with watcher:
                 for _ in range(STEPS):
                     step(model, optimizer, rank)
-            after = account(gba, model, optimizer)
+            after = quiet_account(gba, model, optimizer)
         return {"before": before, "after": after, "allocations": watcher.allocations, "numel": dense_numel(model)}
     finally:
         transport.stop()
+
+
+def quiet_account(gba: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`account` with GBA's background threads quiet: its pusher moves a buffer from the queue to
+    "in flight" to the spares and its watcher delivers parameters while the tensors are counted from
+    the outside, so the two counts would be of different moments whenever a push is under way. The
+    client leaves GBA's traffic as a switch to sync does (its pushes answered, none arriving), is
+    counted, and enters again."""
+    gba._client.leave()
+    try:
+        return account(gba, model, optimizer)
+    finally:
+        gba._client.enter()
 
 
 def queue_buffers(memory: dict[str, int]) -> list[str]:
