@@ -190,7 +190,8 @@ def _init_process_group(backend: str) -> None:
 
 
 def _summary(results: dict[str, Any], output: Path) -> str:
-    """A few human lines: what ran, how fast, how good, what the sync cost (all of it is in `output`)."""
+    """A few lines a user reads once: what ran, how fast, how good, what the sync did and what memory
+    and CPU the job took, each number named in words (all of them, and more, are in `output`)."""
     config = results["config"]
     algo = config["baseline"] or config["sync"]["algo"]
     how = f"{config['sync']['mode']} mode" if algo in ("ma", "easgd", "bmuf", "easgd_ps") else (
@@ -200,7 +201,8 @@ def _summary(results: dict[str, Any], output: Path) -> str:
         f"{results['dense_params']:,} dense parameters ({results['dense_mib']:.1f} MiB)"
         + (f", preset {results['preset']}" if results["preset"] else ""),
         f"  throughput   {results['samples_per_s_total']:,.0f} samples/s "
-        f"({results['samples_per_s_per_trainer']:,.0f} per trainer) over a common {results['window_s']:.1f} s window",
+        f"({results['samples_per_s_per_trainer']:,.0f} per trainer), over the {results['window_s']:.1f} s "
+        "in which every trainer was training",
     ]
     quality = f"  held-out     AUC {results['auc']:.4f}, log loss {results['log_loss']:.4f}"
     if "teacher_auc" in results:
@@ -210,21 +212,23 @@ def _summary(results: dict[str, Any], output: Path) -> str:
     if sync:
         gap = sync.get("sync_gap_steps_mean")
         lines.append(
-            f"  sync         {sync['rounds']} rounds ({sync['rounds_per_s']:.1f}/s), "
-            + (f"sync gap {gap:.1f} steps mean, " if gap is not None else "")
-            + f"training-thread sync cost {sync['training_sync_s']:.3f} s"
+            f"  sync         {sync['rounds']} rounds ({sync['rounds_per_s']:.1f}/s); "
+            + (f"a round's result reached the weights every {gap:.1f} steps on average; " if gap is not None else "")
+            + f"the training loop spent {sync['training_sync_s']:.3f} s in sync code"
         )
     resources = results["resources"]
-    per_sample = resources["cpu_s_per_sample"]
     lines.append(
-        "  resources    "
-        + (f"{1e3 * per_sample:.3f} CPU ms per sample (all ranks), " if per_sample is not None else "")
-        + f"peak RSS {resources['trainer_peak_rss_mib_max']:,.0f} MiB per trainer"
+        f"  memory       peak {resources['trainer_peak_rss_mib_max']:,.0f} MiB per trainer"
         + (f", {resources['server_peak_rss_mib_max']:,.0f} MiB per server"
            if resources["server_peak_rss_mib_max"] is not None else "")
-        + f", extra {resources['trainer_extra_rss_mib_max']:,.0f} MiB per trainer "
-        f"({resources['trainer_extra_x_dense_max']:.1f}x the dense size)"
+        + f"; {resources['trainer_extra_rss_mib_max']:,.0f} MiB of a trainer's added after the sync was built "
+        "(training, batches and sync together)"
     )
+    if sync and "memory_bytes" in sync:
+        lines.append(f"  sync memory  {sync['memory_bytes'] / 2**20:.2f} MiB held by the sync runtime "
+                     f"({sync['memory_bytes'] / 2**20 / results['dense_mib']:.1f}x the dense parameters)")
+    if resources["cpu_s_per_sample"] is not None:
+        lines.append(f"  CPU          {1e3 * resources['cpu_s_per_sample']:.3f} ms per sample trained (all ranks)")
     lines.append(f"  full record  {output}")
     return "\n".join(lines)
 

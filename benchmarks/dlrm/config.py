@@ -82,7 +82,8 @@ class TrainConfig:
     seed: int = 0
     """Seeds model initialization (identical on every rank)."""
     progress: bool = True
-    """Show a progress bar on rank 0."""
+    """Show progress on trainer 0: a bar on a terminal, a plain line every few seconds in a log
+    (`dlrm.progress`)."""
 
     def __post_init__(self) -> None:
         if self.duration_s < 0 or self.global_samples < 0:

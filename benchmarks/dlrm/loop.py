@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.datasets.utils import Batch
-from tqdm import tqdm
 
 from dlrm.config import TrainConfig
 from dlrm.model import BuiltModel
+from dlrm.progress import progress
 from ctrkit.ctr_data import CTRData
 from ctrkit.evaluation import all_gather_rows, log_loss, roc_auc
 from shadowgba.ps import transport
@@ -112,10 +112,8 @@ def train(
     resumed past its warm-up times every step it takes)."""
     roles = stop.roles
     model.module.train()
-    bar = tqdm(
-        total=None if config.duration_s or config.global_samples else config.steps, initial=start_step,
-        unit="step", disable=roles.trainer_index != 0 or not config.progress,
-    )
+    bar = progress(total=None if config.duration_s or config.global_samples else config.steps, initial=start_step,
+                   enabled=roles.trainer_index == 0 and config.progress)
     dist.barrier(group=roles.trainer_group)  # the common start
     origin = time.perf_counter()
     straggler = Straggler(straggler_config, roles.trainer_index, len(roles.trainer_ranks))
