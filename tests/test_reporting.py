@@ -1,12 +1,11 @@
 """The metrics' standard sinks (`shadowgba.reporting`), the first-batch check of `local_batch_size`
 (`shadowgba.batch_size`) and the optional dependencies' errors (`shadowgba.optional`), in one process.
-Their wiring into both runtimes runs in the multi-rank jobs of test_factory.py (GBA) and
-test_torchrec_and_hogwild.py (the shadow runtime)."""
+Their wiring into both runtimes runs in the multi-rank jobs of test_factory.py (GBA, a writer of the
+user's) and test_torchrec_and_hogwild.py (the shadow runtime, TensorBoard through sync.tensorboard_dir)."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import sys
 
@@ -85,8 +84,8 @@ def test_a_reporter_with_interval_zero_never_logs_and_leaves_a_user_s_writer_ope
     assert writer.scalars and (writer.flushed, writer.closed) == (1, 0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
-def test_a_tensorboard_dir_without_tensorboard_names_what_to_install(tmp_path) -> None:
+def test_a_tensorboard_dir_without_tensorboard_names_what_to_install(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if it were not installed
     with pytest.raises(SetupError, match=r"sync\.tensorboard_dir needs tensorboard.*pip install 'shadowgba\[tensorboard\]'"):
         reporting.summary_writer(tmp_path, trainer_index=0)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,13 +90,13 @@ def test_every_shadow_algorithm_wraps_a_torchrec_pipeline_through_the_factory(tw
         assert result["spread"] == 0.0, label
 
 
-def adoption_pitfalls(rank: int, world_size: int) -> dict:
+def adoption_pitfalls(rank: int, world_size: int, tensorboard_dir: str) -> dict:
     """What a user adopting shadowgba on a DMP can get wrong, caught at start-up: a DMP built without
     `job.dmp_kwargs()` (TorchRec's DDP on the dense part) is refused; a `local_batch_size` that is not
-    the batch's is warned about. And the shadow runtime's metrics reach the log and a writer."""
+    the batch's is warned about. And the shadow runtime's metrics reach the log and TensorBoard."""
     from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 
-    from tests.test_reporting import RecordingWriter, capture_logs
+    from tests.test_reporting import capture_logs
 
     result: dict = {}
     model, optimizer = tiny_dmp.build(wrapper=DefaultDataParallelWrapper())
@@ -103,33 +104,35 @@ def adoption_pitfalls(rank: int, world_size: int) -> dict:
         shadowgba.dense_sync(model, optimizer, SyncConfig(algo="ma"))
     except shadowgba.SetupError as error:
         result["ddp_refused"] = str(error)
-    records, writer = capture_logs(), RecordingWriter()
+    records = capture_logs()
     model, optimizer = tiny_dmp.build()
-    config = SyncConfig(algo="ma", mode="foreground", foreground_every=5, log_interval_s=0.01)
-    with shadowgba.dense_sync(model, optimizer, config, local_batch_size=2 * tiny_dmp.BATCH,
-                              summary_writer=writer) as sync:
+    config = SyncConfig(algo="ma", mode="foreground", foreground_every=5, log_interval_s=0.01,
+                        tensorboard_dir=tensorboard_dir)
+    with shadowgba.dense_sync(model, optimizer, config, local_batch_size=2 * tiny_dmp.BATCH) as sync:
         for index in range(30):
             train_loop(model, optimizer, rank, 1, use_pipeline=False)
             time.sleep(0.001)  # at least one log interval passes whatever the machine's speed
     result["logs"] = [(record.levelname, record.getMessage()) for record in records]
-    result["scalars"] = {tag: (value, step) for tag, value, step in writer.scalars}  # the last of each
-    result["writer"] = (writer.flushed, writer.closed)
     result["steps"] = sync.metrics.summary()["steps"]
     return result
 
 
-def test_a_dmp_with_ddp_is_refused_a_wrong_batch_size_warned_about_and_metrics_reach_log_and_writer(
-    two_ranks: dict
+def test_a_dmp_with_ddp_is_refused_a_wrong_batch_size_warned_about_and_metrics_reach_log_and_tensorboard(
+    two_ranks: dict, tensorboard_dir: Path
 ) -> None:
-    for result in two_ranks["pitfalls"]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for trainer, result in enumerate(two_ranks["pitfalls"]):
         assert "wraps its dense part in DDP" in result["ddp_refused"]
         assert "DistributedModelParallel(..., **job.dmp_kwargs())" in result["ddp_refused"]
         warnings = [message for level, message in result["logs"] if level == "WARNING"]
         assert len(warnings) == 1 and f"holds {tiny_dmp.BATCH} samples" in warnings[0], warnings
         periodic = [message for level, message in result["logs"] if level == "INFO" and message.startswith("shadowgba: rounds=")]
         assert periodic, result["logs"]
-        assert result["steps"] == 30 and result["scalars"]["shadowgba/steps"] == (30, 30)
-        assert result["scalars"]["shadowgba/rounds"][0] >= 6 and result["writer"] == (1, 0)
+        events = EventAccumulator(str(tensorboard_dir / f"trainer{trainer}")).Reload()
+        steps, rounds = events.Scalars("shadowgba/steps"), events.Scalars("shadowgba/rounds")
+        assert len(steps) >= 2 and (steps[-1].step, steps[-1].value) == (30, 30)  # periodic, and the last at close
+        assert result["steps"] == 30 and rounds[-1].value >= 6
 
 
 W_TRUE = torch.arange(8.0).unsqueeze(1) / 8
@@ -168,12 +171,17 @@ def test_hogwild_threads_share_storage_and_feed_one_shadow_thread(two_ranks: dic
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> dict[str, list]:
+def tensorboard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tensorboard")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tensorboard_dir: Path) -> dict[str, list]:
     """Both 2-rank jobs of this file, one after another in one spawned group (see `run_shared`)."""
     return run_shared(2, {
         "torchrec": (train_dmp_under_every_shadow_algorithm, ()),
         "hogwild-threads": (train_hogwild_threads, (2, 300)),
-        "pitfalls": (adoption_pitfalls, ()),
+        "pitfalls": (adoption_pitfalls, (str(tensorboard_dir),)),
     }, timeout_s=270)
 
 
