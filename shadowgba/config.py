@@ -26,6 +26,7 @@ import sync_algos
 from shadowgba.errors import ConfigError
 from shadowgba.gba.config import GBAConfig
 from shadowgba.ps.config import PSConfig
+from shadowgba.shadow.tables import TableSyncConfig
 from sync_algos.bmuf import BMUFConfig
 from sync_algos.easgd import EASGDConfig
 from sync_algos.ma import MAConfig
@@ -92,6 +93,14 @@ class SyncConfig:
     """Options of `gba`: initial mode, aggregation, staleness decay, schedule, switch policy."""
     ps: PSConfig = dataclasses.field(default_factory=PSConfig)
     """Parameter-server ranks (gba, easgd_ps)."""
+    sharding_group_size: int = 0
+    """The 2D layout (`shadowgba.layout`): trainers per replica group. TorchRec shards the tables
+    over the k ranks of a group only (its all-to-all pairs no rank outside it), every group holds
+    replicas of the same shards, and the shadow runtime averages those replicas across groups in
+    the background, one fragment at a time (`tables`), with the dense parameters as usual. 0: the
+    flat layout, tables sharded over every trainer. Needs ma, easgd or bmuf and no servers."""
+    tables: TableSyncConfig = dataclasses.field(default_factory=TableSyncConfig)
+    """2D jobs: how the table replicas are averaged (fragment size, optimizer state)."""
 
     def __post_init__(self) -> None:
         allowed = sync_algos.algorithm_names()
@@ -115,6 +124,14 @@ class SyncConfig:
             raise ConfigError(
                 f"timeout_s: with parameter servers need ps.rpc_timeout_s ({self.ps.rpc_timeout_s:g}) <= timeout_s "
                 f"({self.timeout_s:g}) <= ps.trainer_timeout_s ({self.ps.trainer_timeout_s:g})"
+            )
+        if self.sharding_group_size < 0:
+            raise ConfigError(f"sharding_group_size must be >= 0 (0: the flat layout), got {self.sharding_group_size}")
+        if self.sharding_group_size and (self.algo in PS_ALGOS or self.ps.num_servers):
+            raise ConfigError(
+                f"sharding_group_size: the 2D layout keeps table replicas in sync with ma, easgd or bmuf on the "
+                f"trainers alone, not with sync.algo '{self.algo}' or parameter servers (ps.num_servers "
+                f"{self.ps.num_servers}); set sharding_group_size: 0 for those"
             )
         if self.ps.num_servers and self.algo not in PS_ALGOS:
             raise ConfigError(

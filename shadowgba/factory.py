@@ -15,6 +15,11 @@ return only when every trainer has called `job.close()`. The trainers' own colle
 run on `job.trainer_group`: `job.dmp_kwargs()` gives TorchRec the trainer-only sharding environment
 (and no dense DDP), and `dense_sync` refuses a DMP that spans the servers, naming that fix.
 
+With `config.sharding_group_size: k` (the 2D layout, `shadowgba.layout`) the trainers form replica
+groups of k ranks: `job.dmp_kwargs()` shards the tables over this rank's group only, the guard
+gives every group the same plan, and `dense_sync` hands the shadow runtime this rank's table
+shards to average with their replicas in the other groups (`shadowgba.shadow.tables`).
+
 `dense_sync` picks the runtime: `ShadowSync` for ma, easgd, bmuf and easgd_ps (shadow thread or
 foreground rounds), `GBASync` for gba (GBA, sync all-reduce, plain async). Both are `DenseSync`s.
 For gba it also finds the dense torch optimizer inside TorchRec's keyed / combined optimizers and
@@ -39,10 +44,12 @@ from shadowgba.dense import trainable_named_parameters
 from shadowgba.errors import SetupError, SyncError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.interface import DenseSync
+from shadowgba.layout import ReplicaLayout
 from shadowgba.ps import transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from shadowgba.ps.embedding import DEFAULT_SERVICE, EmbeddingShard, PSEmbeddingBagCollection, PSEmbeddingConfig
 from shadowgba.shadow.runtime import ShadowSync
+from shadowgba.shadow.tables import TableFragments
 
 _JOB_NUMBERS = itertools.count()
 """Numbers the jobs this process joins (`Job.name`)."""
@@ -75,6 +82,8 @@ class Job:
     heartbeat: transport.Heartbeat | None = None
     """On trainers: this trainer's beat on the notice board, by which a peer whose collective failed
     names a trainer that was killed or is stuck (it posts no notice)."""
+    layout: ReplicaLayout | None = None
+    """In a 2D job (`sync.sharding_group_size` > 0): this rank's sharding and replica groups."""
     _centre: CenterClient | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -98,10 +107,12 @@ class Job:
         return len(self.roles.trainer_ranks)
 
     def dmp_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `DistributedModelParallel`: shard over the trainers only, no dense DDP."""
+        """Keyword arguments for `DistributedModelParallel`: shard over the trainers only (in a 2D
+        job, over this rank's sharding group), no dense DDP."""
         from shadowgba.integrations import torchrec as torchrec_integration
 
-        return torchrec_integration.dmp_kwargs(self.trainer_group)
+        group = self.layout.sharding_group if self.layout is not None else self.trainer_group
+        return torchrec_integration.dmp_kwargs(group)
 
     def ps_embeddings(self) -> PSEmbeddingBagCollection:
         """The trainer side of the PS-hosted tables given to `join` (an EmbeddingBagCollection)."""
@@ -188,6 +199,13 @@ def join(
             dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
         roles = transport.Roles.assign(dist.get_rank(), dist.get_world_size(), num_servers=0)
         job = Job(config, dataclasses.replace(roles, trainer_group=dist.group.WORLD))
+        if config.sharding_group_size:
+            from shadowgba.integrations import torchrec as torchrec_integration
+
+            job.layout = ReplicaLayout.build(roles.trainer_ranks, roles.rank, config.sharding_group_size,
+                                             config.timeout_s)
+            job.sharding_guard = torchrec_integration.ShardingGuard(job.trainer_group, 0, job.layout)
+            job.sharding_guard.install()
         job.heartbeat = transport.Heartbeat(job.name, roles.rank).start()
         return job
     roles = transport.start(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s,
@@ -269,10 +287,17 @@ def dense_sync(
                                   timeout_s=config.timeout_s)
     else:
         # S-EASGD's broadcast and final average run on the library's own group, never on TorchRec's
-        group, resources = job.trainer_group, None
+        group, resources, tables = job.trainer_group, None, None
         if config.algo == "easgd_ps":
             group, resources = transport.sync_group(), {"centre": job.centre()}
-        sync = ShadowSync(model, optimizer, config, process_group=group, params=named, algorithm_kwargs=resources)
+        if job.layout is not None:
+            if torchrec_integration is None or not torchrec_integration.has_sharded_tables(model):
+                raise SetupError("sync.sharding_group_size > 0 needs a DistributedModelParallel built with "
+                                 "**job.dmp_kwargs(): its tables are what the replica groups keep in sync")
+            shards = torchrec_integration.fused_table_shards(model, config.tables.optimizer_state)
+            tables = TableFragments(shards, job.layout.replica_group, config.tables)
+        sync = ShadowSync(model, optimizer, config, process_group=group, params=named, algorithm_kwargs=resources,
+                          tables=tables)
     sync.call_on_failure(job.announce_failure, job.abort)
     if end_job:
         sync.call_after_exit(job.close)

@@ -50,6 +50,7 @@ from shadowgba.config import SyncConfig
 from shadowgba.errors import CheckpointError, SyncError
 from shadowgba.interface import DenseSync
 from shadowgba.shadow.control import ControlFile, LiveSettings
+from shadowgba.shadow.tables import TableFragments
 from shadowgba.metrics import SyncMetrics
 from shadowgba.step_hook import StepHook
 from shadowgba.dense import DenseParams, trainable_named_parameters
@@ -71,6 +72,8 @@ class ShadowSync(DenseSync):
     (S-EASGD: the client of its centre). `process_group` is the group whose ranks synchronize (default: world);
     the shadow traffic gets a new group over those ranks (unless the algorithm only talks to a
     parameter server: then `process_group` itself carries the initial broadcast and final average).
+    `tables` (2D jobs): this rank's table shards, averaged on their replica group one fragment after
+    each dense round (`shadowgba.shadow.tables`), through the same step-boundary handoff.
     """
 
     def __init__(
@@ -81,12 +84,14 @@ class ShadowSync(DenseSync):
         process_group: dist.ProcessGroup | None = None,
         params: Iterable[tuple[str, nn.Parameter]] | None = None,
         algorithm_kwargs: dict[str, Any] | None = None,
+        tables: TableFragments | None = None,
     ) -> None:
         self.config = config
+        self.tables = tables
         optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
         self._step_hook = StepHook(optimizers, self._after_step)
         self.dense = DenseParams(list(params if params is not None else trainable_named_parameters(model)))
-        self.metrics = SyncMetrics(self._held_tensors)
+        self.metrics = SyncMetrics(self._held_tensors, self._fragment_ages if tables is not None else None)
         self._parent_group = process_group
         self._algorithm_kwargs = algorithm_kwargs or {}
         self._interval_s = config.interval_ms / 1e3
@@ -112,6 +117,7 @@ class ShadowSync(DenseSync):
         self._owns_group = False
         self._algorithm: sync_algos.SyncAlgorithm | None = None
         self._writeback: WriteBack | None = None
+        self._table_writeback: WriteBack | None = None
         self._snapshot = self.dense.empty()
 
     # ----------------------------------------------------------------------------------- lifecycle
@@ -142,10 +148,12 @@ class ShadowSync(DenseSync):
             self.config.algo, self.config.algorithm_config(), self._group, initial, **self._algorithm_kwargs
         )
         self._algorithm.state_guard = self._state_lock
-        if self.config.mode == "shadow" and self.config.writeback == "handoff":
-            self._writeback = HandoffWriteBack(self.dense, self._record_applied)
-        else:
-            self._writeback = DirectWriteBack(self.dense, self._record_applied)
+        # the fused optimizer writes table rows inside backward: only a step boundary may touch them
+        handoff = self.config.mode == "shadow" and self.config.writeback == "handoff"
+        self._writeback = (HandoffWriteBack if handoff else DirectWriteBack)(self.dense, self._record_applied)
+        if self.tables is not None:
+            self._table_writeback = (HandoffWriteBack if self.config.mode == "shadow" else DirectWriteBack)(
+                self.tables, self._record_table_applied)
         self._step_hook.install()
         if self.config.mode == "shadow":
             self._thread = threading.Thread(target=self._shadow_loop, name="shadowgba-shadow", daemon=True)
@@ -172,9 +180,9 @@ class ShadowSync(DenseSync):
         try:
             if self._thread is not None:
                 while self._thread.is_alive():
-                    self._writeback.on_step_boundary()
+                    self._on_step_boundary()
                     self._thread.join(timeout=0.002)
-                self._writeback.on_step_boundary()
+                self._on_step_boundary()
             elif not self._rounds_finished and self._error is None:
                 self._foreground_round()
         finally:
@@ -184,6 +192,8 @@ class ShadowSync(DenseSync):
             if self._error is None and final_sync:
                 nonfinite = self.dense.average_(group, self._snapshot, self._algorithm.allreduce)
                 self._check_flags(self._global_ranks(nonfinite, group), (), "the final average")
+                if self.tables is not None and self._error is None:
+                    self._table_rounds(len(self.tables.fragments), DirectWriteBack(self.tables, self._record_table_applied))
         finally:
             self._release(group)
         self._raise_unreported_error()
@@ -210,6 +220,8 @@ class ShadowSync(DenseSync):
         try:
             if self._thread is not None:
                 self._writeback.cancel()  # a snapshot request would wait for a step that never comes
+                if self._table_writeback is not None:
+                    self._table_writeback.cancel()
                 last = self._thread
             elif not self._rounds_finished and self._error is None:
                 last = threading.Thread(target=self._last_foreground_round, args=(failure,),
@@ -286,6 +298,8 @@ class ShadowSync(DenseSync):
         held = {"snapshot": self._snapshot}
         if self._algorithm is not None:
             held.update(self._algorithm.buffers())
+        if self.tables is not None:
+            held.update(self.tables.held())
         return held
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -337,7 +351,7 @@ class ShadowSync(DenseSync):
         if self._thread is not None:
             if self._step >= self.config.first_round_after:
                 self._first_round_due.set()
-            self._writeback.on_step_boundary()
+            self._on_step_boundary()
         elif not self._rounds_finished and self._step % self._foreground_every == 0:
             self._foreground_round()
             self._raise_unreported_error()
@@ -354,8 +368,45 @@ class ShadowSync(DenseSync):
             where = "shadow thread" if self._thread is not None else "foreground sync round"
             raise SyncError(f"{where} failed: {self._error!r}") from self._error
 
+    def _on_step_boundary(self) -> None:
+        self._writeback.on_step_boundary()
+        if self._table_writeback is not None:
+            self._table_writeback.on_step_boundary()
+
     def _record_applied(self) -> None:
         self.metrics.record_applied(self._step)
+
+    def _record_table_applied(self) -> None:
+        self.tables.mark_applied(self._step)
+
+    def _fragment_ages(self) -> dict[str, float]:
+        """The tables' counters for `metrics`: cycles done, and the age of the fragments in steps."""
+        oldest, mean = self.tables.ages(self._step)
+        return {"table_cycles": self.tables.cycles, "fragment_age_steps_max": oldest,
+                "fragment_age_steps_mean": mean}
+
+    def _table_rounds(self, count: int, writeback: WriteBack) -> bool:
+        """`count` table rounds on the replica group, each one fragment: snapshot it at a step
+        boundary, average it with the partners, hand the delta back. Returns True when a snapshot
+        was cancelled (this rank is aborting): it then sends an empty contribution with its aborted
+        marker, which the partners leave out, so nobody waits for it in this collective; its next
+        dense round tells every rank. NaN / Inf rows are left out on every partner alike and acted
+        on as in a dense round (`_check_flags`)."""
+        buffer = self.tables.buffer
+        for _ in range(count):
+            started = time.perf_counter()
+            if self._aborting.is_set() or not writeback.snapshot(buffer):
+                self.tables.allreduce.sum(None, stop=False, aborted=True)
+                return True
+            reduced = self.tables.average(buffer)
+            self.metrics.record_table_round(time.perf_counter() - started, self.tables.allreduce.bytes_per_call)
+            if reduced.own_counted:
+                writeback.apply(buffer)
+            group = self.tables.group
+            nonfinite = tuple(dist.get_global_rank(group, rank) for rank in reduced.nonfinite_ranks)
+            if self._check_flags(nonfinite, (), "a table round"):
+                return False
+        return False
 
     def _run_round(self) -> bool:
         """One round: snapshot, communicate, write back. Returns True when every rank must stop
@@ -380,6 +431,11 @@ class ShadowSync(DenseSync):
         failed = self._check_flags(
             self._global_ranks(result.nonfinite_ranks), self._global_ranks(result.aborted_ranks), "a round"
         )
+        if self.tables is not None and not failed:  # every rank alike: the flags are the same everywhere
+            whole_cycle = self.config.mode == "foreground"  # TorchRec's sync(): every table each time
+            if self._table_rounds(len(self.tables.fragments) if whole_cycle else 1, self._table_writeback):
+                return False  # aborting: the next round is this rank's aborted dense round
+            failed = self._error is not None
         return result.stop or failed
 
     def _check_flags(self, nonfinite: Sequence[int], aborted: Sequence[int], where: str) -> bool:
