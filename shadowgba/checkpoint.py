@@ -112,15 +112,19 @@ class Setup:
     """Dense parameter names and element counts, in order."""
     trainers: int
     servers: int
+    sharding_group_size: int = 0
+    """A 2D job's ranks per replica group (0: flat): each group's table replicas are saved apart."""
 
     @classmethod
-    def of(cls, algo: str, dense: Iterable[tuple[str, torch.Tensor]], trainers: int, servers: int) -> "Setup":
+    def of(cls, algo: str, dense: Iterable[tuple[str, torch.Tensor]], trainers: int, servers: int,
+           sharding_group_size: int = 0) -> "Setup":
         """The setup of a job with these named dense parameters."""
-        return cls(algo, tuple((name, int(param.numel())) for name, param in dense), trainers, servers)
+        return cls(algo, tuple((name, int(param.numel())) for name, param in dense), trainers, servers,
+                   sharding_group_size)
 
     def to_json(self) -> dict[str, Any]:
         return {"algo": self.algo, "dense": [list(entry) for entry in self.dense],
-                "trainers": self.trainers, "servers": self.servers}
+                "trainers": self.trainers, "servers": self.servers, "sharding_group_size": self.sharding_group_size}
 
     def difference(self, saved: Mapping[str, Any]) -> str | None:
         """What differs between this job and a checkpoint's saved setup, in words; None if nothing."""
@@ -130,6 +134,9 @@ class Setup:
             return f"it was made by {saved.get('trainers')} trainers, this job has {self.trainers}"
         if saved.get("servers") != self.servers:
             return f"it was made with {saved.get('servers')} parameter servers, this job has {self.servers}"
+        if saved.get("sharding_group_size", 0) != self.sharding_group_size:
+            return (f"it was made with sync.sharding_group_size {saved.get('sharding_group_size', 0)}, this job has "
+                    f"{self.sharding_group_size}")
         theirs = [tuple(entry) for entry in saved.get("dense", [])]
         if theirs != list(self.dense):
             for index, (mine, other) in enumerate(zip(self.dense, theirs)):
@@ -163,21 +170,39 @@ class PerTrainer:
         self.target.load_state_dict(loaded)
 
 
+class PerReplica:
+    """A `Stateful` whose sharded state (TorchRec's tables, their fused optimizer) is one replica
+    group's of a 2D job: saved under the group's key, so DCP writes every group's replicas of the
+    same shards apart (they differ between rounds) instead of de-duplicating them to one group's."""
+
+    def __init__(self, target: Any, replica_index: int) -> None:
+        self.target = target
+        self.key = f"replica{replica_index}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.key: self.target.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.target.load_state_dict(state[self.key])
+
+
 class ModelState:
     """A `Stateful` model: sharded tensors (TorchRec tables, DTensors) through DCP's sharded path,
-    everything else (the dense replica) under this trainer's key (see the module docstring)."""
+    everything else (the dense replica) under this trainer's key (see the module docstring). In a
+    2D job (`replica_index`) the sharded tensors are saved under the replica group's key."""
 
-    def __init__(self, model: nn.Module, trainer_index: int) -> None:
+    def __init__(self, model: nn.Module, trainer_index: int, replica_index: int | None = None) -> None:
         self.model = model
         self.key = f"trainer{trainer_index}"
+        self.sharded_key = "sharded" if replica_index is None else f"sharded_replica{replica_index}"
 
     def state_dict(self) -> dict[str, Any]:
         sharded, local = self._split(self.model.state_dict())
-        return {"sharded": sharded, self.key: _to_bytes(local)}
+        return {self.sharded_key: sharded, self.key: _to_bytes(local)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         local = _from_bytes(state[self.key], self.key)
-        self.model.load_state_dict({**state["sharded"], **local})
+        self.model.load_state_dict({**state[self.sharded_key], **local})
 
     @staticmethod
     def _split(full: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

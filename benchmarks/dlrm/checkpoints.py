@@ -36,7 +36,7 @@ from typing import Any
 import shadowgba
 from dlrm.config import ExperimentConfig
 from dlrm.model import BuiltModel
-from shadowgba.checkpoint import Checkpointer, ModelState, PerTrainer, Setup, TrainState
+from shadowgba.checkpoint import Checkpointer, ModelState, PerReplica, PerTrainer, Setup, TrainState
 from shadowgba.errors import ConfigError
 from shadowgba.integrations.torchrec import dense_named_parameters
 
@@ -77,18 +77,20 @@ class JobCheckpoints:
         self.options = options
         self.batch_size = config.data.batch_size
         self.train_state = TrainState(job.trainer_index)
-        setup = Setup.of(config.algo, dense_named_parameters(model.module), job.num_trainers, job.roles.num_servers)
+        setup = Setup.of(config.algo, dense_named_parameters(model.module), job.num_trainers, job.roles.num_servers,
+                         config.sync.sharding_group_size)
+        replica = job.layout.group_index if job.layout is not None else None
         self.checkpointer = Checkpointer(
             options.directory, setup, keep_last=options.keep_last, async_save=options.async_save,
             process_group=job.trainer_group, timeout_s=config.sync.timeout_s,
         )
         self.state: dict[str, Any] = {
-            "model": ModelState(model.module, job.trainer_index),
+            "model": ModelState(model.module, job.trainer_index, replica),
             "dense_optimizer": PerTrainer(optimizer, job.trainer_index),
         }
         fused = getattr(model.module, "fused_optimizer", None)
         if fused is not None:
-            self.state["embedding_optimizer"] = fused
+            self.state["embedding_optimizer"] = fused if replica is None else PerReplica(fused, replica)
         if model.ps_embeddings is not None:
             self.state["ps_embeddings"] = model.ps_embeddings
         if sync is not None:

@@ -291,6 +291,7 @@ class ShadowSync(DenseSync):
             "param_names": list(self.dense.names),
             "algorithm": self._algorithm.state_dict(),
             "step": self._step,
+            **({"tables": self.tables.state_dict()} if self.tables is not None else {}),
         }
 
     def _held_tensors(self) -> dict[str, torch.Tensor]:
@@ -326,10 +327,17 @@ class ShadowSync(DenseSync):
         step = state.get("step", 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"ShadowSync state's step must be an integer >= 0, got {step!r}")
+        if (self.tables is not None) != ("tables" in state):
+            raise CheckpointError("checkpoint and job differ in table replicas: one is a 2D job "
+                                  "(sync.sharding_group_size), the other is not")
         with self._round_lock:
             try:
+                if self.tables is not None:
+                    self.tables.check_state(state["tables"])
                 algorithm.load_state_dict(state["algorithm"])
-            except ValueError as error:  # the algorithm refused it before changing anything
+                if self.tables is not None:
+                    self.tables.load_state_dict(state["tables"])
+            except ValueError as error:  # refused before changing anything
                 raise CheckpointError(f"checkpoint refused: {error}") from None
             self._step = step
             self._step_counter = itertools.count(step + 1)

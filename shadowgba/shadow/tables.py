@@ -30,7 +30,7 @@ apart as each group trains on its own data; this module brings them back togethe
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -163,6 +163,23 @@ class TableFragments:
         else:
             snapshot.zero_()
         return reduced
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the rotation stands (the fragment count names the cycle it belongs to)."""
+        return {"fragments": len(self.fragments), "cursor": self.cursor, "applied": self.applied,
+                "applied_at": list(self.applied_at)}
+
+    def check_state(self, state: Any) -> None:
+        """`ValueError` unless `state` is a `state_dict()` of this cycle (it changes nothing)."""
+        if not isinstance(state, Mapping) or state.get("fragments") != len(self.fragments):
+            found = state.get("fragments") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"table state is for a cycle of {found} fragments, this job's has {len(self.fragments)} "
+                             "(other tables, shards or sync.tables.fragment_mb)")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()` output; `ValueError` (changing nothing) for another cycle."""
+        self.check_state(state)
+        self.cursor, self.applied, self.applied_at = int(state["cursor"]), int(state["applied"]), list(state["applied_at"])
 
     @property
     def numel(self) -> int:
