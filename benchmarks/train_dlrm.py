@@ -51,10 +51,11 @@ from dlrm.job import (
     timed_window,
 )
 from dlrm.loop import (
-    StopRule, common_window, dense_replica_spread, evaluate, global_steps_per_s, sum_over_trainers, train,
+    StopRule, common_window, evaluate, replica_spread, global_steps_per_s, sum_over_trainers, train,
 )
 from dlrm.model import DENSE_OPTIMIZERS, build_model
 from shadowgba.config import ConfigError, load_config, to_dict
+from shadowgba.integrations.torchrec import fused_table_shards
 from ctrkit.evaluation import all_gather_rows, log_loss, roc_auc
 import shadowgba
 from ctrkit.ctr_data import CTRData
@@ -129,7 +130,11 @@ def run_trainer(
     dist.barrier(group=roles.trainer_group)  # every trainer's row gradients have landed
     window = common_window(stats, config.data.batch_size, roles, device)
     wall_window = clock.intervals(*timed_window(stats, roles, device))
-    spread = dense_replica_spread(model.dense_params, roles)
+    spread = replica_spread(model.dense_params, roles.trainer_group)
+    table_spread = None
+    if job.layout is not None:  # each rank's table shards against their replicas in the other groups
+        shards = [tensor for shard in fused_table_shards(model.module) for tensor in shard.tensors]
+        table_spread = replica_spread(shards, job.layout.replica_group)
     quality = evaluate(model.module, data, roles, device)
     curve.finish(quality, stats.step_end_s[-1])
     ceiling = data.teacher_heldout() if isinstance(data, SyntheticCTR) else None  # only synthetic data has one
@@ -150,6 +155,7 @@ def run_trainer(
         "dense_params": sum(param.numel() for param in model.dense_params),
         "dense_mib": sum(param.numel() * param.element_size() for param in model.dense_params) / MiB,
         "dense_replica_max_abs_diff": spread,
+        "table_replica_max_abs_diff": table_spread,
         "samples_computed_total": sum_over_trainers(stats.steps * config.data.batch_size, roles, device),
         "straggler_sleep_s_total": sum_over_trainers(stats.straggler_sleep_s, roles, device),
         "straggler_overrun_fraction_by_trainer": all_gather_rows(  # simulated compute that did not hold

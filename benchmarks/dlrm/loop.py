@@ -197,13 +197,15 @@ def evaluate(
     return {"auc": roc_auc(all_logits, all_labels), "log_loss": log_loss(all_logits, all_labels)}
 
 
-def dense_replica_spread(params: Sequence[torch.Tensor], roles: transport.Roles) -> float:
-    """Max over trainers and elements of |w - mean over trainers of w|: 0 when replicas are identical."""
-    flat = torch.cat([param.detach().flatten() for param in params])
+def replica_spread(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> float:
+    """Max over the ranks of `group` and the elements of `tensors` of |w - mean over the ranks of w|:
+    0 when every rank of `group` holds the same values (the dense replicas over the trainers; a 2D
+    job's table shards over their replica group)."""
+    flat = torch.cat([tensor.detach().flatten().float() for tensor in tensors])
     mean = flat.clone()
-    dist.all_reduce(mean, group=roles.trainer_group)
-    spread = (flat - mean / len(roles.trainer_ranks)).abs().max()
-    dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=roles.trainer_group)
+    dist.all_reduce(mean, group=group)
+    spread = (flat - mean / dist.get_world_size(group)).abs().max()
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=group)
     return spread.item()
 
 

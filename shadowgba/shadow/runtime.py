@@ -193,7 +193,7 @@ class ShadowSync(DenseSync):
                 nonfinite = self.dense.average_(group, self._snapshot, self._algorithm.allreduce)
                 self._check_flags(self._global_ranks(nonfinite, group), (), "the final average")
                 if self.tables is not None and self._error is None:
-                    self._table_rounds(len(self.tables.fragments), DirectWriteBack(self.tables, self._record_table_applied))
+                    self._table_rounds(len(self.tables.fragments), None)
         finally:
             self._release(group)
         self._raise_unreported_error()
@@ -393,9 +393,10 @@ class ShadowSync(DenseSync):
         return {"table_cycles": self.tables.cycles, "fragment_age_steps_max": oldest,
                 "fragment_age_steps_mean": mean}
 
-    def _table_rounds(self, count: int, writeback: WriteBack) -> bool:
+    def _table_rounds(self, count: int, writeback: WriteBack | None) -> bool:
         """`count` table rounds on the replica group, each one fragment: snapshot it at a step
-        boundary, average it with the partners, hand the delta back. Returns True when a snapshot
+        boundary, average it with the partners, hand the delta back (`writeback`; None: the final
+        sync, in the training thread after the rounds ended, assigns the average). Returns True when a snapshot
         was cancelled (this rank is aborting): it then sends an empty contribution with its aborted
         marker, which the partners leave out, so nobody waits for it in this collective; its next
         dense round tells every rank. NaN / Inf rows are left out on every partner alike and acted
@@ -403,12 +404,17 @@ class ShadowSync(DenseSync):
         buffer = self.tables.buffer
         for _ in range(count):
             started = time.perf_counter()
-            if self._aborting.is_set() or not writeback.snapshot(buffer):
+            if writeback is None:
+                self.tables.copy_to(buffer)
+            elif self._aborting.is_set() or not writeback.snapshot(buffer):
                 self.tables.allreduce.sum(None, stop=False, aborted=True)
                 return True
-            reduced = self.tables.average(buffer)
+            reduced = self.tables.average(buffer, delta=writeback is not None)
             self.metrics.record_table_round(time.perf_counter() - started, self.tables.allreduce.bytes_per_call)
-            if reduced.own_counted:
+            if reduced.own_counted and writeback is None:
+                self.tables.copy_from(buffer)
+                self._record_table_applied()
+            elif reduced.own_counted:
                 writeback.apply(buffer)
             group = self.tables.group
             nonfinite = tuple(dist.get_global_rank(group, rank) for rank in reduced.nonfinite_ranks)

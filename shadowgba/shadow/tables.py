@@ -133,10 +133,21 @@ class TableFragments:
 
     def add_(self, flat_delta: torch.Tensor) -> None:
         """Rows of the current fragment += their part of `flat_delta`."""
-        offset = 0
+        for piece, part in self._parts(flat_delta):
+            piece.add_(part)
+
+    def copy_from(self, flat: torch.Tensor) -> None:
+        """Rows of the current fragment <- their part of `flat` (the final sync: exact, not a delta)."""
+        for piece, part in self._parts(flat):
+            piece.copy_(part)
+
+    def _parts(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The current fragment's row pieces, each with its part of `flat`."""
+        parts, offset = [], 0
         for piece in self._pieces(self.current):
-            piece.add_(flat_delta[offset:offset + piece.numel()].view_as(piece).to(piece.dtype))
+            parts.append((piece, flat[offset:offset + piece.numel()].view_as(piece)))
             offset += piece.numel()
+        return parts
 
     def mark_applied(self, step: int) -> None:
         """The current fragment's delta reached the rows at training step `step`."""
@@ -153,13 +164,18 @@ class TableFragments:
         """Whole cycles of fragments averaged (every row once per cycle)."""
         return self.applied // len(self.fragments)
 
-    def average(self, snapshot: torch.Tensor) -> Reduced:
+    def average(self, snapshot: torch.Tensor, delta: bool = True) -> Reduced:
         """Collective on the replica group: `snapshot` (a `copy_to` result) becomes the delta
-        `avg - s` of the finite partners' fragments, or zero when this rank's was left out."""
+        `avg - s` of the finite partners' fragments, or zero when this rank's was left out; with
+        `delta=False`, the average itself (the final sync assigns it: `s + (avg - s)` is `avg` only
+        up to rounding, which would leave the replicas apart by an ulp)."""
         reduced = self.allreduce.sum(snapshot, stop=False)
         mean = reduced.mean_()
         if reduced.own_counted and mean is not None:
-            torch.sub(mean, snapshot, out=snapshot)
+            if delta:
+                torch.sub(mean, snapshot, out=snapshot)
+            else:
+                snapshot.copy_(mean)
         else:
             snapshot.zero_()
         return reduced
