@@ -12,7 +12,6 @@ N is `sync.foreground_every`.
 from __future__ import annotations
 
 import time
-import types
 from typing import Any
 
 import torch
@@ -21,9 +20,8 @@ from torch import nn
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
+from dlrm.stepped import AfterEveryStep
 from shadowgba.integrations.torchrec import fused_table_shards
-from shadowgba.metrics import SyncMetrics
-from shadowgba.step_hook import StepHook
 
 
 class WorldDDP(DefaultDataParallelWrapper):
@@ -37,26 +35,18 @@ class WorldDDP(DefaultDataParallelWrapper):
         super().wrap(dmp, ShardingEnv.from_process_group(self.group), device)
 
 
-class ReplicaSync:
+class ReplicaSync(AfterEveryStep):
     """Context manager: while entered, every `every`-th `optimizer.step()` is followed by the
     blocking average of this rank's table shards over `replica_group` (`DMPCollection.sync()`)."""
 
     def __init__(self, model: nn.Module, optimizer: Any, every: int, replica_group: dist.ProcessGroup) -> None:
+        super().__init__(optimizer)
         self.tensors = [tensor for shard in fused_table_shards(model) for tensor in shard.tensors]
         self.every = every
         self.group = replica_group
         self.replicas = dist.get_world_size(replica_group)
-        self.metrics = SyncMetrics()
         self._bytes_per_round = sum(tensor.numel() * tensor.element_size() for tensor in self.tensors)
-        self._hook = StepHook([optimizer], self._after_step)
         self._step = 0
-
-    def __enter__(self) -> "ReplicaSync":
-        self._hook.install()
-        return self
-
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
-        self._hook.remove()
 
     def _after_step(self) -> None:
         started = time.perf_counter()
