@@ -163,6 +163,10 @@ class ShadowSync(DenseSync):
             self.config.algo, self.config.mode, self.config.writeback, self.dense.numel,
             self.dense.numel * self._snapshot.element_size() / 2**20, dist.get_world_size(self._group),
         )
+        if self.tables is not None:
+            logger.info("shadowgba tables: %d shards, %d values in a cycle of %d fragments, averaged over %d replicas",
+                        len(self.tables.shards), self.tables.numel, len(self.tables.fragments),
+                        dist.get_world_size(self.tables.group))
 
     def close(self, final_sync: bool | None = None) -> None:
         """Stop rounds on every rank together, then (optionally) average the replicas once, blocking.
