@@ -104,6 +104,12 @@ class NonFiniteGuard:
         with self._lock:
             return not self._caught
 
+    def discard_step(self) -> None:
+        """Forget what was caught in the current step without judging it: the runtime has raised for
+        that step itself (its own `on_nonfinite: fail` error, naming this trainer)."""
+        with self._lock:
+            self._caught = []
+
     def end_step(self) -> bool:
         """End this trainer's step: True when it was clean. Else, under `fail`, raise `SyncError`
         naming this trainer and what was caught; under `skip`, count it (the caller has left its

@@ -12,8 +12,9 @@ ranks, `tiny_dmp`'s model, wired as a user does: `join` + `dense_sync`) runs, in
   are dropped and counted by the server instead of ending the job.
 - ma (3 trainers, a round every step) under fail: the bad trainer's own error names it and what
   was caught; every other trainer's names it, and only it.
-- ma under skip with `max_skipped_steps` 3: the bad trainer (whose weights no round repairs) skips
-  three steps, then ends the job naming itself; the others name it.
+- ma under skip with `max_skipped_steps` 3, trained by TorchRec's `TrainPipelineSparseDist` (it calls
+  the sharded tables' `compute_and_output_dist` itself, where the hook sits): the bad trainer (whose
+  weights no round repairs) skips three steps, then ends the job naming itself; the others name it.
 
 Every job: the fault fired on trainer 1 alone, and every other trainer's dense weights and table
 shards (or the server's tables) end finite. The ma jobs come last: a trainer that ends by an error
@@ -29,6 +30,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 import shadowgba
 from dlrm.faults import FaultInjector
@@ -58,6 +60,9 @@ def test_the_guard_zeroes_and_records_what_is_not_finite_and_fail_names_the_trai
     with pytest.raises(SyncError, match=r"^trainer 1 \(rank 1\): NaN / Inf in its embedding gradients of tables t0; "
                                         r"dense gradients at its step 2; .*\(sync.on_nonfinite: fail\)"):
         guard.end_step()
+    guard.note("dense gradients")
+    guard.discard_step()  # the runtime raised for this step itself: the next one starts clean
+    assert guard.step_finite and guard.end_step()
     guard.enabled = False  # its runtime ended: a hook left on the model passes values through
     assert guard.clean(bad, "embedding gradients") is bad
 
@@ -102,24 +107,29 @@ def nan_job(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     faults = FaultInjector(job.trainer_index, params=dense).nan_at(1, NAN_STEP)
     record: dict[str, Any] = {"role": f"trainer {job.trainer_index}", "error": None, "steps": 0}
     sync = shadowgba.dense_sync(model, optimizer, job, local_batch_size=tiny_dmp.BATCH)
+    pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("cpu")) if case.get("pipeline") else None
+    batches = iter([tiny_dmp.batch(job.trainer_index, step) for step in range(case["steps"] + 2)])
     try:
         with sync:
             for step in range(case["steps"]):
-                loss, _ = model(tiny_dmp.batch(job.trainer_index, step))
-                optimizer.zero_grad()
-                loss.backward()
-                if ps_tables:
-                    model.ebc.push_gradients()
-                optimizer.step()
+                if pipeline is not None:
+                    pipeline.progress(batches)  # forward, backward and optimizer.step of one batch
+                else:
+                    loss, _ = model(next(batches))
+                    optimizer.zero_grad()
+                    loss.backward()
+                    if ps_tables:
+                        model.ebc.push_gradients()
+                    optimizer.step()
                 record["steps"] = step + 1
                 faults.after_step(step + 1)
-            if config.algo == "gba":  # the servers' counts, before the job ends
-                model.ebc.flush() if ps_tables else None
+            if ps_tables:  # the servers' counts, before the job ends
+                model.ebc.flush()
+                record["embedding_shards"] = model.ebc.server_stats()
+                record["tables_finite"] = all(bool(torch.isfinite(model.ebc.read_table(t)).all())
+                                              for t in tiny_dmp.TABLES)
+            if config.algo == "gba":
                 record["dense_shards"] = sync.server_stats()
-                if ps_tables:
-                    record["embedding_shards"] = model.ebc.server_stats()
-                    record["tables_finite"] = all(bool(torch.isfinite(model.ebc.read_table(t)).all())
-                                                  for t in tiny_dmp.TABLES)
     except Exception as error:  # noqa: BLE001 (what the rank saw is the test's evidence)
         record["error"] = {"type": type(error).__name__, "message": str(error),
                            "text": " ".join([str(error), *getattr(error, "__notes__", [])])}
@@ -145,7 +155,7 @@ JOBS = {
     "ma-fail": {"tables": "torchrec", "steps": MA_STEPS, "sync": sync_section(
         "ma", 0, mode="foreground", foreground_every=1, on_nonfinite="fail")},
     "ma-skip": {"tables": "torchrec", "steps": MA_STEPS, "sync": sync_section(
-        "ma", 0, mode="foreground", foreground_every=1, max_skipped_steps=3)},
+        "ma", 0, mode="foreground", foreground_every=1, max_skipped_steps=3), "pipeline": True},
 }
 
 

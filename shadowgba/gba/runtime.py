@@ -384,12 +384,16 @@ class GBASync(DenseSync):
         self.dense.copy_grads_to(gradient)
         self.guard.check(gradient, "dense gradients")  # a sum: no mask as large as the gradient
         finite = self.guard.step_finite  # also False when the tables' gradients or row pushes were not
-        if self.mode == Mode.SYNC:
-            self._after_sync_round(self._sync_round(gradient, stop=False, compute_s=compute_s, finite=finite))
-        elif self.mode == Mode.GBA:
-            self._gba_step(gradient, compute_s, finite)
-        else:
-            self._local_step(gradient, finite)
+        try:
+            if self.mode == Mode.SYNC:
+                self._after_sync_round(self._sync_round(gradient, stop=False, compute_s=compute_s, finite=finite))
+            elif self.mode == Mode.GBA:
+                self._gba_step(gradient, compute_s, finite)
+            else:
+                self._local_step(gradient, finite)
+        except BaseException:
+            self.guard.discard_step()  # the error raised is this step's verdict
+            raise
         self.guard.end_step()  # this trainer's skipped step counted; a run of them ends the job
         self._last_step_end = time.perf_counter()
         self.metrics.record_step(self._last_step_end - started)
