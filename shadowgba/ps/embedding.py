@@ -298,8 +298,8 @@ class EmbeddingShard:
     def stats(self) -> dict[str, object]:
         """Counters: pushes, updates (optimizer applications; the global step in aggregate mode),
         rows_applied, pending_rows, pending_samples, nonfinite_dropped (pushes with NaN / Inf rows
-        dropped under skip), failure (why pushes are refused under fail), and in aggregate mode the pushes' staleness
-        histogram and how many were decayed (0 < weight < 1) and dropped (weight 0)."""
+        dropped under skip), failure (why pushes are refused under fail), and in aggregate mode the
+        pushes' staleness histogram and how many were decayed (0 < weight < 1) and dropped (weight 0)."""
         with self._lock:
             return {
                 "pushes": self._pushes,
