@@ -122,6 +122,8 @@ class ShadowSync(DenseSync):
         self._algorithm: sync_algos.SyncAlgorithm | None = None
         self._writeback: WriteBack | None = None
         self._snapshot = self.dense.empty()
+        self._check_s = 0.0
+        """The last step's gradient check (`_before_step`), part of its time in sync code."""
 
     # ----------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -342,8 +344,11 @@ class ShadowSync(DenseSync):
 
     def _before_step(self, optimizer: Any) -> bool:
         """Whether the user's optimizer may step: its gradients, and whatever else the guard saw in
-        this step (embedding gradients, row pushes), are finite. A sum per gradient."""
+        this step (embedding gradients, row pushes), are finite. A sum per gradient, counted in the
+        step's `training_sync_s`."""
+        started = time.perf_counter()
         self.guard.check_all(gradients(optimizer), "dense gradients")
+        self._check_s = time.perf_counter() - started
         return self.guard.step_finite
 
     def _after_step(self) -> None:
@@ -360,7 +365,7 @@ class ShadowSync(DenseSync):
             self._foreground_round()
             self._raise_unreported_error()
             self._maybe_log()
-        self.metrics.record_step(time.perf_counter() - started)
+        self.metrics.record_step(time.perf_counter() - started + self._check_s)
 
     def _raise_unreported_error(self) -> None:
         """Raise the rounds' failure once, in the calling training thread: a `SyncError` of ours
