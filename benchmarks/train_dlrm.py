@@ -102,7 +102,7 @@ def run_trainer(
     stop = StopRule(config.train, config.lockstep, roles, device, applied_samples(gba, config) if gba else None)
     curve = heldout_curve(config, model.module, data, roles, device, sync)
     checkpoints = JobCheckpoints(options, config, model, optimizer, sync, job) if options.directory else None
-    fault = FaultInjector.from_env(roles.trainer_index)
+    fault = FaultInjector.from_env(roles.trainer_index, model.dense_params)
     clock = StepWallClock()
 
     def between_steps(step: int, elapsed_s: float) -> float:

@@ -76,8 +76,15 @@ class SyncConfig:
     before a server gives up on a trainer, so the error a user sees names the cause."""
     on_nonfinite: Literal["skip", "fail"] = "skip"
     """A round, all-reduce or push that would bring NaN / Inf into other replicas or the servers is
-    refused either way. skip: leave that rank's contribution out, warn and count it in the metrics
-    (one bad batch does not stop a days-long job); fail: raise `SyncError` naming the rank."""
+    refused either way, and so are embedding gradients bound for a peer's table shards and row
+    pushes to PS-hosted tables (`shadowgba.nonfinite`). skip: leave that rank's contribution and
+    step out, warn and count it in the metrics (one bad batch does not stop a days-long job); fail:
+    raise `SyncError` naming the rank where it began."""
+    max_skipped_steps: int = 100
+    """Under on_nonfinite skip: after this many of a trainer's steps in a row were skipped for NaN /
+    Inf (in its loss's gradients, dense or embedding; `shadowgba.nonfinite`), it raises `SyncError`
+    naming itself and the job ends. A trainer whose every step is skipped trains nothing; one bad
+    batch now and then stays far below this."""
     log_interval_s: float = 30.0
     """Seconds between metric log lines (logger `shadowgba`); 0 disables them."""
     control_file: str | None = None
@@ -114,6 +121,8 @@ class SyncConfig:
             raise ConfigError(f"foreground_every must be >= 1, got {self.foreground_every}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_skipped_steps < 1:
+            raise ConfigError(f"max_skipped_steps must be >= 1, got {self.max_skipped_steps}")
         if self.log_interval_s < 0:
             raise ConfigError(f"log_interval_s must be >= 0, got {self.log_interval_s}")
         if self.algo == "easgd_ps" and not self.ps.num_servers:

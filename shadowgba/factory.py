@@ -45,6 +45,7 @@ from shadowgba.errors import SetupError, SyncError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.interface import DenseSync
 from shadowgba.layout import ReplicaLayout
+from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.ps import transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from shadowgba.ps.embedding import DEFAULT_SERVICE, EmbeddingShard, PSEmbeddingBagCollection, PSEmbeddingConfig
@@ -236,7 +237,7 @@ def ps_table_options(
         optimizer=optimizer, lr=lr, seed=seed, max_in_flight=config.ps.max_in_flight,
         mode="aggregate" if aggregate else "hogwild",
         global_batch=num_trainers * local_batch_size if aggregate else 0,
-        decay=config.gba.decay if aggregate else PSEmbeddingConfig().decay,
+        decay=config.gba.decay if aggregate else PSEmbeddingConfig().decay, on_nonfinite=config.on_nonfinite,
     )
 
 
@@ -260,6 +261,10 @@ def dense_sync(
     `with` block that ends by an exception (the user's, or the sync's own) announces it to the job
     and leaves it at once (`Job.announce_failure`, `Job.abort`): the peers and servers end naming
     this trainer instead of waiting for it.
+
+    The runtime's `NonFiniteGuard` is also given to the model's tables (TorchRec-sharded and
+    PS-hosted): NaN / Inf in this trainer's embedding gradients or row pushes is stopped before any
+    peer or server receives it, and its step is skipped or the job fails naming it (`sync.on_nonfinite`).
     """
     if isinstance(job, SyncConfig):
         if job.ps.num_servers:
@@ -269,9 +274,12 @@ def dense_sync(
     if job.is_server:
         raise SetupError("dense_sync() runs on trainer ranks; a server's part of the job ends in join()")
     config = job.config
+    guard = NonFiniteGuard(f"trainer {job.trainer_index} (rank {job.roles.rank})", config.on_nonfinite,
+                           config.max_skipped_steps)
     torchrec_integration = _torchrec_integration()
     if torchrec_integration is not None:
         torchrec_integration.check_batches(model)  # malformed batches refused before TorchRec sees them
+        torchrec_integration.guard_tables(model, guard)  # NaN / Inf caught before it reaches a peer's shards
     named = list(params) if params is not None else list(_dense_named_parameters(model, torchrec_integration))
     if sync_algos.get_algorithm(config.algo).kind == "gradient":
         if local_batch_size is None or local_batch_size < 1:
@@ -284,7 +292,7 @@ def dense_sync(
                 lockstep_every = LOCKSTEP_EVERY
         sync: DenseSync = GBASync(model, dense_optimizer, config.gba, job.roles, local_batch_size, named,
                                   lockstep_every=lockstep_every or 0, on_nonfinite=config.on_nonfinite,
-                                  timeout_s=config.timeout_s)
+                                  timeout_s=config.timeout_s, guard=guard)
     else:
         # S-EASGD's broadcast and final average run on the library's own group, never on TorchRec's
         group, resources, tables = job.trainer_group, None, None
@@ -297,7 +305,7 @@ def dense_sync(
             shards = torchrec_integration.fused_table_shards(model, config.tables.optimizer_state)
             tables = TableFragments(shards, job.layout.replica_group, config.tables)
         sync = ShadowSync(model, optimizer, config, process_group=group, params=named, algorithm_kwargs=resources,
-                          tables=tables)
+                          guard=guard, tables=tables)
     sync.call_on_failure(job.announce_failure, job.abort)
     if end_job:
         sync.call_after_exit(job.close)

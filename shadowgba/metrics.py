@@ -12,6 +12,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from shadowgba.nonfinite import NonFiniteGuard
 from sync_algos.staleness import StalenessCounts
 
 HeldTensors = Callable[[], Mapping[str, torch.Tensor]]
@@ -38,11 +39,14 @@ def held_bytes(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
 class SyncMetrics:
     """Rounds, round latency, sync gap, bytes moved and the training thread's cost of syncing."""
 
-    def __init__(self, held: HeldTensors | None = None, tables: TableCounters | None = None) -> None:
+    def __init__(self, held: HeldTensors | None = None, guard: NonFiniteGuard | None = None,
+                 tables: TableCounters | None = None) -> None:
         """`held`: the runtime's account of its dense-sized tensors (`memory`), read when asked;
+        `guard`: the runtime's non-finite guard, whose skipped steps the summary reports;
         `tables`: a 2D runtime's table counters, read when asked (table rounds are counted here)."""
         self._lock = threading.Lock()
         self._held = held
+        self._guard = guard
         self._tables = tables
         self.table_rounds = 0
         self.table_round_time_total_s = 0.0
@@ -125,6 +129,7 @@ class SyncMetrics:
                 "sync_gap_steps_max": self.sync_gap_max_steps,
                 "training_sync_s": self.training_sync_s,
                 "nonfinite_rounds_skipped": self.nonfinite_rounds_skipped,
+                "nonfinite_steps_skipped": self._guard.skipped_steps if self._guard is not None else 0,
                 "memory_bytes": memory_bytes,
                 "elapsed_s": elapsed,
             }
@@ -139,6 +144,7 @@ class SyncMetrics:
             f"moved={s['bytes_moved'] / 2**20:.1f} MiB training_sync={s['training_sync_s']:.3f}s "
             f"held={s['memory_bytes'] / 2**20:.1f} MiB"
             + (f" nonfinite_skipped={s['nonfinite_rounds_skipped']}" if s["nonfinite_rounds_skipped"] else "")
+            + (f" own_steps_skipped={s['nonfinite_steps_skipped']}" if s["nonfinite_steps_skipped"] else "")
             + (f" table_rounds={s['table_rounds']} table_cycles={s['table_cycles']} "
                f"fragment_age={s['fragment_age_steps_mean']:.1f} steps (max {s['fragment_age_steps_max']})"
                if "table_rounds" in s else "")
@@ -148,8 +154,8 @@ class SyncMetrics:
 class GBAMetrics(SyncMetrics):
     """SyncMetrics plus what is particular to GBA: queue drops, decayed / dropped pushes, switches."""
 
-    def __init__(self, held: HeldTensors | None = None) -> None:
-        super().__init__(held)
+    def __init__(self, held: HeldTensors | None = None, guard: NonFiniteGuard | None = None) -> None:
+        super().__init__(held, guard)
         self.queue_dropped = 0
         self.push_weights = StalenessCounts()
         """The decay weights this trainer's pushes got back from the shards (decayed / dropped)."""

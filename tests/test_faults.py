@@ -413,13 +413,18 @@ def test_a_trainer_stalled_for_longer_than_the_timeout_ends_the_job_as_a_kill_do
 def test_the_harness_arms_faults_from_the_environment_and_refuses_a_malformed_spec(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SHADOWGBA_TEST_KILL_AT_STEP", "1:15")
-    monkeypatch.setenv("SHADOWGBA_TEST_FAULTS", "fail:0:20, stall:1:10:2.5,freeze:1:30:4")
+    monkeypatch.setenv("SHADOWGBA_TEST_FAULTS", "fail:0:20, stall:1:10:2.5,freeze:1:30:4,nan:1:40")
     monkeypatch.setenv("SHADOWGBA_TEST_FAULT_LOG", str(tmp_path / "faults.jsonl"))
-    injector = FaultInjector.from_env(1)
+    weights = [torch.ones(3), torch.ones(2, 2)]
+    injector = FaultInjector.from_env(1, weights)
     assert injector.faults == [Fault("kill", 1, 15), Fault("fail", 0, 20), Fault("stall", 1, 10, 2.5),
-                               Fault("freeze", 1, 30, 4.0)]
+                               Fault("freeze", 1, 30, 4.0), Fault("nan", 1, 40)]
     assert injector.log == tmp_path / "faults.jsonl"
-    for spec in ("kill:1", "stall:1:10", "fail:1:10:3", "explode:1:10", "fail:one:10"):
+    injector.after_step(40)  # the nan fault: the first value of every dense parameter, and it is logged
+    assert [int(torch.isnan(weight).sum()) for weight in weights] == [1, 1] and injector.fired[-1]["kind"] == "nan"
+    with pytest.raises(ValueError, match="nan_at needs FaultInjector"):
+        FaultInjector.from_env(1)
+    for spec in ("kill:1", "stall:1:10", "fail:1:10:3", "explode:1:10", "fail:one:10", "nan:1:10:2"):
         monkeypatch.setenv("SHADOWGBA_TEST_FAULTS", spec)
         with pytest.raises(ValueError, match="SHADOWGBA_TEST_FAULTS a list of"):
             FaultInjector.from_env(0)

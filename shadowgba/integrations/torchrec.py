@@ -25,6 +25,12 @@
   a warning); FBGEMM's CPU kernels then read out of bounds silently or crash, and a rank that fails
   inside the all-to-all leaves its peers waiting in it. `ShardingGuard` installs the check on every
   DMP the trainers of a job with servers build; `check_batches(model)` installs it on any DMP.
+- `guard_tables(model, guard)`: the gradient of a sharded `EmbeddingBagCollection`'s pooled
+  embeddings is checked on the rank that computed it, before TorchRec's backward all-to-all (or
+  reduce-scatter) carries it to the ranks owning the shards, whose fused optimizer applies it
+  inside backward. A NaN / Inf one is replaced by zeros (the collective still runs: every peer
+  waits for this rank's part) and recorded in the guard (`shadowgba.nonfinite`), which skips or
+  fails this rank's step: no peer's shard ever receives it.
 """
 
 from __future__ import annotations
@@ -48,16 +54,18 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from shadowgba.errors import SetupError
 from shadowgba.layout import ReplicaLayout
-from shadowgba.ps.embedding import id_out_of_range, ids_outside
+from shadowgba.nonfinite import NonFiniteGuard
+from shadowgba.ps.embedding import PSEmbeddingBagCollection, id_out_of_range, ids_outside
 from shadowgba.shadow.tables import TableShard
 
 __all__ = [
     "BatchCheck", "ShadowDataParallelWrapper", "ShardingGuard", "check_batches", "dense_named_parameters",
-    "dense_optimizer", "dmp_kwargs", "fused_table_shards", "give_lazy_state", "group_plan", "has_sharded_tables",
+    "dense_optimizer", "dmp_kwargs", "fused_table_shards", "give_lazy_state", "group_plan", "guard_tables",
+    "has_sharded_tables",
 ]
 
 FUSED_KERNELS = ("fused", "fused_uvm")
@@ -258,6 +266,53 @@ def check_batches(model: nn.Module) -> int:
                 module.input_dist = _CheckedInputDist(module.input_dist, BatchCheck(module._embedding_bag_configs))
             checked += 1
     return checked
+
+
+class _GuardedOutputDist:
+    """A sharded EBC's `compute_and_output_dist` or `output_dist` (every pipeline and a plain forward
+    call one of them, feature-processed and managed-collision EBCs the second) whose result, the
+    pooled embeddings, gets a gradient hook: the guard's `clean`, run on this rank before autograd
+    hands the gradient to the output distribution's backward, the collective that sends it to the
+    shards' owners."""
+
+    def __init__(self, dist: Any, guard: NonFiniteGuard, what: str) -> None:
+        self.dist = dist
+        self.guard = guard
+        self.what = what
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        awaitable = self.dist(*args, **kwargs)
+        awaitable.callbacks.append(self._hook)
+        return awaitable
+
+    def _hook(self, pooled: KeyedTensor) -> KeyedTensor:
+        values = pooled.values()
+        if values.requires_grad:
+            values.register_hook(lambda gradient: self.guard.clean(gradient, self.what))
+        return pooled
+
+
+def guard_tables(model: nn.Module, guard: NonFiniteGuard) -> int:
+    """Give every table module in `model` this trainer's `guard`: a sharded `EmbeddingBagCollection`
+    checks (and under NaN / Inf zeroes) the gradient of its pooled embeddings before TorchRec's backward
+    sends it to a peer (`_GuardedOutputDist`), a `PSEmbeddingBagCollection` its row gradients before a
+    push. A module guarded before (an earlier sync of the same model) takes the new guard. Returns how
+    many are guarded."""
+    guarded = 0
+    for module in model.modules():
+        if isinstance(module, PSEmbeddingBagCollection):
+            module.guard = guard
+            guarded += 1
+        elif isinstance(module, ShardedEmbeddingBagCollection):
+            what = f"embedding gradients of tables {', '.join(config.name for config in module._embedding_bag_configs)}"
+            for name in ("compute_and_output_dist", "output_dist"):
+                current = module.__dict__.get(name)
+                if isinstance(current, _GuardedOutputDist):
+                    current.guard = guard
+                else:
+                    setattr(module, name, _GuardedOutputDist(getattr(module, name), guard, what))
+            guarded += 1
+    return guarded
 
 
 class ShardingGuard:

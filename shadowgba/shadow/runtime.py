@@ -52,6 +52,7 @@ from shadowgba.interface import DenseSync
 from shadowgba.shadow.control import ControlFile, LiveSettings
 from shadowgba.shadow.tables import TableFragments
 from shadowgba.metrics import SyncMetrics
+from shadowgba.nonfinite import NonFiniteGuard, gradients
 from shadowgba.step_hook import StepHook
 from shadowgba.dense import DenseParams, trainable_named_parameters
 from shadowgba.shadow.writeback import DirectWriteBack, HandoffWriteBack, WriteBack, wait_for_device
@@ -72,6 +73,10 @@ class ShadowSync(DenseSync):
     (S-EASGD: the client of its centre). `process_group` is the group whose ranks synchronize (default: world);
     the shadow traffic gets a new group over those ranks (unless the algorithm only talks to a
     parameter server: then `process_group` itself carries the initial broadcast and final average).
+    `guard`: this trainer's `NonFiniteGuard` (`shadowgba.dense_sync` shares it with the model's
+    tables); default one of its own. A step whose gradients, or whatever the guard caught in it
+    (embedding gradients, row pushes), hold NaN / Inf does not run the user's optimizer: the
+    weights stay as they were, and the guard skips and counts it or ends the job (`sync.on_nonfinite`).
     `tables` (2D jobs): this rank's table shards, averaged on their replica group one fragment after
     each dense round (`shadowgba.shadow.tables`), through the same step-boundary handoff.
     """
@@ -84,14 +89,18 @@ class ShadowSync(DenseSync):
         process_group: dist.ProcessGroup | None = None,
         params: Iterable[tuple[str, nn.Parameter]] | None = None,
         algorithm_kwargs: dict[str, Any] | None = None,
+        guard: NonFiniteGuard | None = None,
         tables: TableFragments | None = None,
     ) -> None:
         self.config = config
         self.tables = tables
         optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-        self._step_hook = StepHook(optimizers, self._after_step)
+        self._step_hook = StepHook(optimizers, self._after_step, before_step=self._before_step)
         self.dense = DenseParams(list(params if params is not None else trainable_named_parameters(model)))
-        self.metrics = SyncMetrics(self._held_tensors, self._fragment_ages if tables is not None else None)
+        self.guard = guard if guard is not None else NonFiniteGuard(
+            f"rank {dist.get_rank()}" if dist.is_initialized() else "this rank", config.on_nonfinite,
+            config.max_skipped_steps)
+        self.metrics = SyncMetrics(self._held_tensors, self.guard, self._fragment_ages if tables is not None else None)
         self._parent_group = process_group
         self._algorithm_kwargs = algorithm_kwargs or {}
         self._interval_s = config.interval_ms / 1e3
@@ -119,6 +128,8 @@ class ShadowSync(DenseSync):
         self._writeback: WriteBack | None = None
         self._table_writeback: WriteBack | None = None
         self._snapshot = self.dense.empty()
+        self._check_s = 0.0
+        """The last step's gradient check (`_before_step`), part of its time in sync code."""
 
     # ----------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -191,6 +202,7 @@ class ShadowSync(DenseSync):
                 self._foreground_round()
         finally:
             self._step_hook.remove()
+            self.guard.enabled = False
             group, self._group = self._group, None
         try:
             if self._error is None and final_sync:
@@ -235,6 +247,7 @@ class ShadowSync(DenseSync):
                 last.join(timeout=min(self.config.timeout_s, ABORT_ROUND_S))
         finally:
             self._step_hook.remove()
+            self.guard.enabled = False
             group, self._group = self._group, None
             self._error_reported = True  # the caller's exception is the one that matters
             if last is not None and last.is_alive():
@@ -355,10 +368,20 @@ class ShadowSync(DenseSync):
     def _group_rank0(self) -> int:
         return 0 if self._parent_group is None else dist.get_process_group_ranks(self._parent_group)[0]
 
+    def _before_step(self, optimizer: Any) -> bool:
+        """Whether the user's optimizer may step: its gradients, and whatever else the guard saw in
+        this step (embedding gradients, row pushes), are finite. A sum per gradient, counted in the
+        step's `training_sync_s`."""
+        started = time.perf_counter()
+        self.guard.check_all(gradients(optimizer), "dense gradients")
+        self._check_s = time.perf_counter() - started
+        return self.guard.step_finite
+
     def _after_step(self) -> None:
         """Step-boundary work of a training thread; kept to a few attribute checks when idle."""
         started = time.perf_counter()
         self._step = next(self._step_counter)
+        self.guard.end_step()  # a skipped step is counted here; under fail it raises, naming this rank
         self._raise_unreported_error()
         if self._thread is not None:
             if self._step >= self.config.first_round_after:
@@ -368,7 +391,7 @@ class ShadowSync(DenseSync):
             self._foreground_round()
             self._raise_unreported_error()
             self._maybe_log()
-        self.metrics.record_step(time.perf_counter() - started)
+        self.metrics.record_step(time.perf_counter() - started + self._check_s)
 
     def _raise_unreported_error(self) -> None:
         """Raise the rounds' failure once, in the calling training thread: a `SyncError` of ours
