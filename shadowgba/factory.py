@@ -9,7 +9,7 @@
             ...
 
 `join` reads `config.ps.num_servers`: without servers every rank is a trainer and the trainer group
-is the default group; with servers the last ranks become servers, start serving what `config.algo`
+is a new group over every rank whose collectives time out after `sync.timeout_s`; with servers the last ranks become servers, start serving what `config.algo`
 needs (GBA's dense shards or the S-EASGD centre, plus embedding shards when `tables` are given) and
 return only when every trainer has called `job.close()`. The trainers' own collectives must then
 run on `job.trainer_group`: `job.dmp_kwargs()` gives TorchRec the trainer-only sharding environment
@@ -24,6 +24,7 @@ infers lockstep from TorchRec-sharded tables (their per-step all-to-all pairs th
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import itertools
 import sys
 from pathlib import Path
@@ -187,7 +188,10 @@ def join(
         if not dist.is_initialized():
             dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
         roles = transport.Roles.assign(dist.get_rank(), dist.get_world_size(), num_servers=0)
-        job = Job(config, dataclasses.replace(roles, trainer_group=dist.group.WORLD))
+        # not the default group: its timeout is the user's (torch's 30 min), and a peer stopped for
+        # good would hold TorchRec's all-to-all that long; this one gives up after sync.timeout_s
+        trainers = dist.new_group(timeout=datetime.timedelta(seconds=config.timeout_s))
+        job = Job(config, dataclasses.replace(roles, trainer_group=trainers))
         job.heartbeat = transport.Heartbeat(job.name, roles.rank).start()
         return job
     roles = transport.start(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s,

@@ -28,6 +28,13 @@ Faults, all on trainer 1 (global rank 1) unless said otherwise:
   survivors before the frozen rank comes back, naming rank 1; the frozen rank ends too once
   continued. ma (collective timeout), gba over TorchRec tables (the all-to-all and close) and gba
   over PS tables (RPC timeouts and the servers' trainer timeout).
+- `stop` (trainer 1 SIGSTOPped for good) without servers: the survivor ends within `sync.timeout_s`
+  (KILL_TIMEOUT_S) plus STOP_MARGIN_S naming rank 1, though the default group keeps torch's 30-minute
+  timeout: TorchRec's all-to-all runs on the trainer group `join` made with `sync.timeout_s`. ma and
+  sync all-reduce (`STOPPED_CELLS`).
+
+No group sets the default group's timeout: the library's own groups (the trainer group included)
+carry `sync.timeout_s`, and the default group keeps torch's, as under a plain torchrun.
 
 Every fault is asserted to have fired, on the rank and step it was armed for. How the cases share
 spawned groups, and why, is `matrix_groups`'s docstring; the groups run PARALLEL_GROUPS at a time.
@@ -69,6 +76,9 @@ KILL_MARGIN_S = 5.0
 LONG_TIMEOUT_S = 5.0
 """`sync.timeout_s` (and the RPC and server timeouts) of the long freeze."""
 LONG_STALL_S = 14.0
+STOP_MARGIN_S = 30.0
+"""What a survivor may take beyond `sync.timeout_s` to end after a peer stopped for good: naming the
+silent peer and aborting (issue 26's bound, loose on loaded cores)."""
 STALL_RUN_STEPS = 40
 """The short-stall run's steps, on every trainer (lockstep cells need equal counts)."""
 RUN_CAP_S = TIMEOUT_S + 10
@@ -221,13 +231,15 @@ def long_freeze_trainer_1(faults: FaultInjector) -> None:
     faults.stall_at(1, FAULT_STEP, LONG_STALL_S, freeze=True)
 
 
+def stop_trainer_1(faults: FaultInjector) -> None:
+    faults.stop_at(1, FAULT_STEP)
+
+
 def run_group(cell: Cell, cases: list[Case], deadline_s: float) -> list[RankOutcome]:
-    """`cases` in one spawned group of `cell`. Without servers the default group is the trainers'
-    own (TorchRec's all-to-all runs on it), so it gets the longest of the cases' timeouts, as a user
-    sets it (never shorter than a case's own); with servers the library makes the trainer group and
-    the default one keeps torch's timeout (a short one fails gloo's connect on loaded cores)."""
-    group_timeout_s = max(case.timeout_s for case in cases) if not cell.servers else None
-    return run_ranks_outcomes(cell_group, cell.world_size, cases, timeout_s=deadline_s, group_timeout_s=group_timeout_s)
+    """`cases` in one spawned group of `cell`, the default group at torch's timeout (30 minutes): every
+    collective of the library, TorchRec's all-to-all included, runs on groups that `join` and the
+    runtimes made with `sync.timeout_s`."""
+    return run_ranks_outcomes(cell_group, cell.world_size, cases, timeout_s=deadline_s)
 
 
 # ---------------------------------------------------------------------------------- the assertions
@@ -302,6 +314,9 @@ SERVER_KILLED_CELLS = [GBA_PS]
 """Server kill: gba over PS tables (dense shard and tables on the killed server); easgd_ps's centre
 fails through the same transport path."""
 LONG_FROZEN_CELLS = [MA, GBA_TORCHREC, GBA_PS]
+STOPPED_CELLS = [MA, Cell("sync", "torchrec")]
+"""A trainer stopped for good without servers: the shadow runtime and GBASync's sync all-reduce, both
+over TorchRec's all-to-all."""
 PARALLEL_GROUPS = 4
 """Spawned groups run at once: a group spends most of its time waiting (freezes, timeouts), not
 computing, so the matrix's wall time is about a quarter of the groups' total."""
@@ -332,6 +347,7 @@ def matrix_groups(root: Path) -> dict[str, list[Case]]:
                for cell in SERVER_KILLED_CELLS}
     groups |= {f"freeze-{cell.name}": [case("freeze", cell, long_freeze_trainer_1, LONG_TIMEOUT_S)]
                for cell in LONG_FROZEN_CELLS}
+    groups |= {f"stop-{cell.name}": [case("stop", cell, stop_trainer_1, KILL_TIMEOUT_S)] for cell in STOPPED_CELLS}
     return groups
 
 
@@ -409,17 +425,26 @@ def test_a_trainer_stalled_for_longer_than_the_timeout_ends_the_job_as_a_kill_do
     assert frozen["ended_at"] - fault["at"] < LONG_STALL_S + END_WITHIN_S, ran
 
 
+@pytest.mark.parametrize("cell", STOPPED_CELLS, ids=lambda cell: cell.name)
+def test_a_trainer_stopped_for_good_without_servers_ends_every_other_rank_naming_it(
+        matrix: dict[tuple[str, str], Ran], cell: Cell) -> None:
+    ran = matrix[cell.name, "stop"]
+    fault = assert_fired(ran, "stop", 1)
+    assert ran.outcomes[1].stopped, ran  # still stopped when the survivor had ended; the harness killed it
+    assert_others_end_naming(ran, 1, TRAINER_1, fault["at"], KILL_TIMEOUT_S + STOP_MARGIN_S)
+
+
 # ------------------------------------------------------------------------- the injector, in-process
 def test_the_harness_arms_faults_from_the_environment_and_refuses_a_malformed_spec(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SHADOWGBA_TEST_KILL_AT_STEP", "1:15")
-    monkeypatch.setenv("SHADOWGBA_TEST_FAULTS", "fail:0:20, stall:1:10:2.5,freeze:1:30:4")
+    monkeypatch.setenv("SHADOWGBA_TEST_FAULTS", "fail:0:20, stall:1:10:2.5,freeze:1:30:4,stop:1:40")
     monkeypatch.setenv("SHADOWGBA_TEST_FAULT_LOG", str(tmp_path / "faults.jsonl"))
     injector = FaultInjector.from_env(1)
     assert injector.faults == [Fault("kill", 1, 15), Fault("fail", 0, 20), Fault("stall", 1, 10, 2.5),
-                               Fault("freeze", 1, 30, 4.0)]
+                               Fault("freeze", 1, 30, 4.0), Fault("stop", 1, 40)]
     assert injector.log == tmp_path / "faults.jsonl"
-    for spec in ("kill:1", "stall:1:10", "fail:1:10:3", "explode:1:10", "fail:one:10"):
+    for spec in ("kill:1", "stall:1:10", "fail:1:10:3", "stop:1:10:3", "explode:1:10", "fail:one:10"):
         monkeypatch.setenv("SHADOWGBA_TEST_FAULTS", spec)
         with pytest.raises(ValueError, match="SHADOWGBA_TEST_FAULTS a list of"):
             FaultInjector.from_env(0)
