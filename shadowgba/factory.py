@@ -37,7 +37,7 @@ from torch import nn
 import sync_algos
 from shadowgba.config import PS_ALGOS, SyncConfig, load_config
 from shadowgba.dense import trainable_named_parameters
-from shadowgba.errors import SetupError, SyncError
+from shadowgba.errors import PeerLost, SetupError, SyncError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.interface import DenseSync
 from shadowgba.ps import transport
@@ -132,7 +132,8 @@ class Job:
         that had posted first is named in a note on `error`: its failure is likely this one's cause.
         Without such a notice, one whose heartbeat stopped (`transport.silent_peers`: killed or stuck,
         it posts nothing) is named instead, in a note and in this trainer's notice, so that servers
-        and peers name it too; a `SyncError` that neither explains says the lost rank is unknown."""
+        and peers name it too; a `SyncError` that neither explains, and that names no rank itself
+        (no `PeerLost` in it or its causes), says the lost rank is unknown."""
         if self.closed or self.failure is not None:
             return
         peers = [rank for rank in self.roles.trainer_ranks if rank != self.roles.rank]
@@ -144,7 +145,7 @@ class Job:
                   "died or is stuck" for rank in silent]
         for cause in causes:
             error.add_note(f"shadowgba: before this rank failed, {cause} (the likely cause)")
-        if not posted and not silent and isinstance(error, SyncError):
+        if not posted and not silent and isinstance(error, SyncError) and not _names_a_peer(error):
             error.add_note("shadowgba: no peer posted a failure and every peer's heartbeat is alive: rank unknown")
         reason = "; before it, ".join([repr(error), *causes])
         self.failure = transport.failure_message(self.roles, reason)
@@ -167,6 +168,18 @@ class Job:
             self.sharding_guard.remove()
         if self.roles.num_servers:
             end_transport()
+
+
+def _names_a_peer(error: BaseException) -> bool:
+    """Whether `error` or one of its causes is a `PeerLost`, whose message names the lost rank."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, PeerLost):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def join(

@@ -11,8 +11,9 @@ spawning, but a rank does not pay the imports (seconds of CPU each, most of a sm
 `run_ranks_outcomes` is the same harness for fault-injection tests: it never raises for a rank,
 and returns each rank's `RankOutcome` instead, so that a rank killed on purpose (SIGKILL) reads as
 killed, and a test can report every rank's message and end time, hung ranks included. A rank
-stopped for good (SIGSTOP, never continued) cannot end by itself: once every other rank has sent
-its result, the harness kills it at once (no wait for the deadline) and reports it as stopped.
+stopped for good (SIGSTOP, never continued) cannot end by itself: with `stopped_for_good`, once
+every other rank has sent its result, the harness kills a stopped one at once (no wait for the
+deadline) and reports it as stopped.
 """
 
 from __future__ import annotations
@@ -110,8 +111,11 @@ class RankOutcome:
         return not (self.traceback is not None or self.killed or self.stopped or self.hung)
 
 
-def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0) -> list[RankOutcome]:
-    """Run `fn` on `world_size` ranks; every rank's `RankOutcome`, in rank order."""
+def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0,
+                       stopped_for_good: bool = False) -> list[RankOutcome]:
+    """Run `fn` on `world_size` ranks; every rank's `RankOutcome`, in rank order. `stopped_for_good`:
+    the job stops a rank and never continues it, so a rank found stopped when every other one has
+    sent its result is killed then (without it, a stopped rank may yet be continued: it is waited for)."""
     context = _context()
     results = context.Queue()
     port = free_port()
@@ -135,7 +139,7 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, time
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 waiting = [processes[rank] for rank in range(world_size) if rank not in received]
-                if results.empty() and all(not p.is_alive() or _is_stopped(p) for p in waiting):
+                if results.empty() and all(not p.is_alive() or (stopped_for_good and _is_stopped(p)) for p in waiting):
                     stopped = {rank for rank in range(world_size) if rank not in received and processes[rank].is_alive()}
                     break
                 continue
