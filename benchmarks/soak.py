@@ -11,8 +11,11 @@ Not part of `make test`. Each job is one `torchrun --standalone --max-restarts=1
   3x, so that it has something to switch on) or a plain `--sync.gba.initial_mode` choice;
 - the step count and `--checkpoint-every`, always with `--resume`;
 - in about half the jobs a fault on a random trainer and step (`dlrm.faults`, armed through
-  `SHADOWGBA_TEST_FAULTS`): the trainer SIGKILLs itself (`kill`) or its loop raises (`fail`);
-  torchrun answers either by restarting the job, which resumes from its checkpoint.
+  `SHADOWGBA_TEST_FAULTS`): the trainer SIGKILLs itself (`kill`), its loop raises (`fail`), or its
+  process is stopped for good (`stop`: SIGSTOP, never continued; such a job runs under
+  `sync.timeout_s` STOP_TIMEOUT_S, so that the survivors give up on it within it, naming it, and
+  torchrun's agent kills the stopped worker when it tears the attempt down); torchrun answers each
+  by restarting the job, which resumes from its checkpoint.
 A job that runs past `--job-timeout-s` is a hang: torchrun and every worker are killed. A job that exits
 non-zero is an error; so is a finished job whose results contradict its schedule (no restart after
 a fault that fired, a fault that did not fire, a resume from another step than the last checkpoint
@@ -48,6 +51,10 @@ SMALL = [  # the tests' small model and data: a job takes seconds
     "--data.synthetic.batch_size", str(BATCH), "--data.synthetic.eval_batches", "2",
     "--data.synthetic.calibration_samples", "2048",
 ]
+STOP_TIMEOUT_S = 15
+"""`sync.timeout_s` of a job with a `stop` fault (its RPC timeout: STOP_RPC_TIMEOUT_S, below it): the
+survivors must notice the stopped trainer well within the job's time limit."""
+STOP_RPC_TIMEOUT_S = 5
 CONFIGS: dict[str, tuple[str, int, list[str]]] = {  # name: (config file, ranks, extra arguments)
     **{f"{algo}_{mode}": (f"{algo}.yaml", 2, ["--sync.mode", mode])
        for algo in ("ma", "easgd", "bmuf") for mode in ("shadow", "foreground")},
@@ -77,7 +84,9 @@ def draw_job(rng: random.Random, index: int) -> dict[str, Any]:
         else:
             gba = f"initial_mode {(initial := rng.choice(['sync', 'gba']))}"
             args += ["--sync.gba.initial_mode", initial]
-    fault = (rng.choice(["kill", "fail"]), rng.randrange(trainers), rng.randrange(3, steps - 2)) if rng.random() < 0.5 else None
+    fault = (rng.choice(["kill", "fail", "stop"]), rng.randrange(trainers), rng.randrange(3, steps - 2)) if rng.random() < 0.5 else None
+    if fault and fault[0] == "stop":
+        args += ["--sync.timeout_s", str(STOP_TIMEOUT_S), "--sync.ps.rpc_timeout_s", str(STOP_RPC_TIMEOUT_S)]
     return {"index": index, "name": name, "ranks": ranks, "trainers": trainers, "steps": steps,
             "checkpoint_every": every, "gba": gba, "fault": fault, "args": args}
 

@@ -200,28 +200,6 @@ class Roles:
         return server_name(self.server_index) if self.is_server else f"trainer{self.trainer_index}"
 
 
-@dataclasses.dataclass
-class _Started:
-    roles: Roles
-    owns_default_group: bool
-    timeout_s: float
-    """The trainer group's collective timeout, also the deadline of `barrier()`."""
-    sync_group: dist.ProcessGroup | None
-    """The library's own group over the trainers (`sync_group()`); None on servers."""
-    barriers: dict[str, int] = dataclasses.field(default_factory=dict)
-    """Per barrier name, how often this trainer has entered it (every trainer counts alike)."""
-    notified: bool = False
-    """Whether `notify_abort` has told the servers this trainer failed."""
-    lost_after_s: float = 0.0
-    """Server: how long a trainer may answer no ping before it is lost (`_watch_trainers`)."""
-    watch_ended: threading.Event = dataclasses.field(default_factory=threading.Event)
-    """Server: set by the tear-down to end `_watch_trainers`."""
-    watch: threading.Thread | None = None
-    """Server: the thread of `_watch_trainers`."""
-    calls: "_Calls" = dataclasses.field(default_factory=lambda: _Calls())
-    """Trainer: the numbers of its calls to the servers, and how many were retried."""
-
-
 class _Calls:
     """A trainer's calls to the servers, numbered: a server runs each number once (`_Replies`), and
     forgets its reply once told that this trainer has settled the call (no retry can follow)."""
@@ -279,8 +257,10 @@ class _Replies:
             if reply is None:
                 reply = replies[number] = _Reply()
         if first:
-            reply.value = work()
-            reply.done.set()
+            try:
+                reply.value = work()
+            finally:  # a retry waiting for this run never waits for ever
+                reply.done.set()
         else:
             reply.done.wait()
         return reply.value
@@ -288,6 +268,28 @@ class _Replies:
     def clear(self) -> None:
         with self._lock:
             self._by_trainer.clear()
+
+
+@dataclasses.dataclass
+class _Started:
+    roles: Roles
+    owns_default_group: bool
+    timeout_s: float
+    """The trainer group's collective timeout, also the deadline of `barrier()`."""
+    sync_group: dist.ProcessGroup | None
+    """The library's own group over the trainers (`sync_group()`); None on servers."""
+    barriers: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Per barrier name, how often this trainer has entered it (every trainer counts alike)."""
+    notified: bool = False
+    """Whether `notify_abort` has told the servers this trainer failed."""
+    lost_after_s: float = 0.0
+    """Server: how long a trainer may answer no ping before it is lost (`_watch_trainers`)."""
+    watch_ended: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Server: set by the tear-down to end `_watch_trainers`."""
+    watch: threading.Thread | None = None
+    """Server: the thread of `_watch_trainers`."""
+    calls: _Calls = dataclasses.field(default_factory=_Calls)
+    """Trainer: the numbers of its calls to the servers, and how many were retried."""
 
 
 @dataclasses.dataclass
