@@ -9,9 +9,10 @@
             ...
 
 `join` reads `config.ps.num_servers`: without servers every rank is a trainer and the trainer group
-is a new group over every rank whose collectives time out after `sync.timeout_s`; with servers the last ranks become servers, start serving what `config.algo`
-needs (GBA's dense shards or the S-EASGD centre, plus embedding shards when `tables` are given) and
-return only when every trainer has called `job.close()`. The trainers' own collectives must then
+is a new group over every rank whose collectives time out after `sync.timeout_s`; with servers the
+last ranks become servers, start serving what `config.algo` needs (GBA's dense shards or the
+S-EASGD centre, plus embedding shards when `tables` are given) and return only when every trainer
+has called `job.close()`. The trainers' own collectives must then
 run on `job.trainer_group`: `job.dmp_kwargs()` gives TorchRec the trainer-only sharding environment
 (and no dense DDP), and `dense_sync` refuses a DMP that spans the servers, naming that fix.
 
