@@ -11,10 +11,13 @@ Not part of `make test`. Each job is one `torchrun --standalone --max-restarts=1
   3x, so that it has something to switch on) or a plain `--sync.gba.initial_mode` choice;
 - the step count and `--checkpoint-every`, always with `--resume`;
 - in about half the jobs a fault on a random trainer and step (`dlrm.faults`, armed through
-  `SHADOWGBA_TEST_FAULTS`): the trainer SIGKILLs itself (`kill`), its loop raises (`fail`) or its
-  dense weights turn NaN (`nan`). torchrun answers a kill or failure by restarting the job, which
-  resumes from its checkpoint. A NaN trainer is caught by its own guard (`shadowgba.nonfinite`)
-  before anything of it reaches a peer: where a shared optimizer owns the dense weights (gba, sync
+  `SHADOWGBA_TEST_FAULTS`): the trainer SIGKILLs itself (`kill`), its loop raises (`fail`), its
+  process is stopped for good (`stop`: SIGSTOP, never continued; such a job runs under
+  `sync.timeout_s` STOP_TIMEOUT_S, so that the survivors give up on it within it, naming it, and
+  torchrun's agent kills the stopped worker when it tears the attempt down), or its dense weights
+  turn NaN (`nan`). torchrun answers a kill, failure or stop by restarting the job, which resumes
+  from its checkpoint. A NaN trainer is caught by its own guard (`shadowgba.nonfinite`) before
+  anything of it reaches a peer: where a shared optimizer owns the dense weights (gba, sync
   all-reduce: `REPAIRED`) its steps are skipped until it takes them back and the job finishes
   without a restart, with a finite held-out loss; elsewhere nothing repairs its replica, so the
   job runs with `--sync.max_skipped_steps 1`: it ends at the next step (before a checkpoint could
@@ -55,6 +58,10 @@ SMALL = [  # the tests' small model and data: a job takes seconds
     "--data.synthetic.batch_size", str(BATCH), "--data.synthetic.eval_batches", "2",
     "--data.synthetic.calibration_samples", "2048",
 ]
+STOP_TIMEOUT_S = 15
+"""`sync.timeout_s` of a job with a `stop` fault (its RPC timeout: STOP_RPC_TIMEOUT_S, below it): the
+survivors must notice the stopped trainer well within the job's time limit."""
+STOP_RPC_TIMEOUT_S = 5
 CONFIGS: dict[str, tuple[str, int, list[str]]] = {  # name: (config file, ranks, extra arguments)
     **{f"{algo}_{mode}": (f"{algo}.yaml", 2, ["--sync.mode", mode])
        for algo in ("ma", "easgd", "bmuf") for mode in ("shadow", "foreground")},
@@ -89,7 +96,10 @@ def draw_job(rng: random.Random, index: int) -> dict[str, Any]:
         else:
             gba = f"initial_mode {(initial := rng.choice(['sync', 'gba']))}"
             args += ["--sync.gba.initial_mode", initial]
-    fault = (rng.choice(["kill", "fail", "nan"]), rng.randrange(trainers), rng.randrange(3, steps - 2)) if rng.random() < 0.5 else None
+    kinds = ["kill", "fail", "stop", "nan"]
+    fault = (rng.choice(kinds), rng.randrange(trainers), rng.randrange(3, steps - 2)) if rng.random() < 0.5 else None
+    if fault and fault[0] == "stop":
+        args += ["--sync.timeout_s", str(STOP_TIMEOUT_S), "--sync.ps.rpc_timeout_s", str(STOP_RPC_TIMEOUT_S)]
     if fault and fault[0] == "nan" and name not in REPAIRED:
         args += ["--sync.max_skipped_steps", "1"]
     return {"index": index, "name": name, "ranks": ranks, "trainers": trainers, "steps": steps,

@@ -249,10 +249,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--checkpoint-keep", type=int, default=2, metavar="K", help="keep the last K (default: 2)")
     parser.add_argument("--checkpoint-async", action="store_true", help="write checkpoints in the background")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest good checkpoint in --checkpoint-dir, if there is one")
+                        help="continue from the newest good checkpoint in --checkpoint-dir, if there is one "
+                             "(fails when there are checkpoints and every one is corrupted)")
+    parser.add_argument("--resume-allow-fresh-start", action="store_true",
+                        help="with --resume: when every checkpoint is corrupted, train from step 0 instead of failing")
     args, overrides = parser.parse_known_args(argv)
     checkpoints = CheckpointOptions(args.checkpoint_dir, args.checkpoint_every, args.resume, args.checkpoint_keep,
-                                    args.checkpoint_async)
+                                    args.checkpoint_async, args.resume_allow_fresh_start)
     try:
         config = load_config(ExperimentConfig, args.config,
                              [*(preset_overrides(args.preset) if args.preset else []), *overrides])

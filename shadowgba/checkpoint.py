@@ -48,7 +48,9 @@ order), another trainer count or another server count; a checkpoint that is corr
 (a file missing, of another size, or failing its CRC-32; a missing or unreadable `shadowgba.json`).
 `load(path)` raises on either; `load_latest` skips a corrupted checkpoint (logging why) and falls
 back to the newest good one, but raises on a setup mismatch: resuming an older checkpoint of this
-setup behind a newer one of another would silently train from the wrong state.
+setup behind a newer one of another would silently train from the wrong state. Nor does it start
+over silently: when checkpoints exist and every one is corrupted, it raises, listing each and why
+(`allow_fresh_start=True` makes that a logged fresh start instead).
 
 Resharding. DCP itself can load sharded tensors into another sharding and another world size (its
 load planner reads any overlap of saved shards). This module refuses a different trainer or
@@ -338,13 +340,16 @@ class Checkpointer:
     def path_of(self, step: int) -> Path:
         return self.directory / f"step_{step:08d}"
 
-    def load_latest(self, state: Mapping[str, Any]) -> int | None:
+    def load_latest(self, state: Mapping[str, Any], allow_fresh_start: bool = False) -> int | None:
         """Restore the newest good checkpoint into `state` (collective); its step, or None if there is
-        none. A corrupted one is skipped (logged), a setup mismatch raises `CheckpointError`."""
+        none. A corrupted one is skipped (logged), a setup mismatch raises `CheckpointError`. When
+        checkpoints exist and none verifies, `CheckpointError` lists each and why: a resume that
+        silently started from step 0 would throw the run's work away. With `allow_fresh_start` that
+        case returns None instead (logged), as an empty directory does."""
         choice: list[Any] = [None]
         if self.rank == 0:
             try:
-                choice[0] = self._choose()
+                choice[0] = self._choose(allow_fresh_start)
             except CheckpointError as error:
                 choice[0] = error
         dist.broadcast_object_list(choice, src=dist.get_global_rank(self.group, 0), group=self.group)
@@ -399,8 +404,11 @@ class Checkpointer:
         return step
 
     # ---------------------------------------------------------------------------------- internals
-    def _choose(self) -> tuple[int, str] | None:
-        """The newest checkpoint that verifies (trainer 0); a setup mismatch raises."""
+    def _choose(self, allow_fresh_start: bool) -> tuple[int, str] | None:
+        """The newest checkpoint that verifies (trainer 0); None when there is none at all. A setup
+        mismatch raises; so does a directory whose every checkpoint is corrupted, unless
+        `allow_fresh_start`."""
+        refused = []
         for step, path in reversed(self.checkpoints()):
             try:
                 self.verify(path)
@@ -408,8 +416,16 @@ class Checkpointer:
                 if "does not fit this job" in str(error):
                     raise
                 logger.warning("shadowgba: skipping checkpoint: %s", error)
+                refused.append(str(error))
                 continue
             return step, str(path)
+        if refused and not allow_fresh_start:
+            raise CheckpointError(f"none of the {len(refused)} checkpoints in {self.directory} loads, so the run "
+                                  "would start over from step 0 (allow a fresh start explicitly to do that): "
+                                  + "; ".join(refused))
+        if refused:
+            logger.warning("shadowgba: every checkpoint in %s is corrupted; starting from step 0 (fresh start "
+                           "allowed)", self.directory)
         return None
 
     def _load_verified(self, path: Path, state: Mapping[str, Any]) -> None:

@@ -69,8 +69,9 @@ class SyncConfig:
     """On close, average the dense replicas once more (blocking) so every rank ends identical.
     Ignored by gba, whose trainers always end identical."""
     timeout_s: float = 300.0
-    """Timeout of every collective the library issues (the shadow group, GBA's trainer group, which
-    TorchRec's all-to-all shares in a job with servers): a dead peer fails the round after this.
+    """Timeout of every collective the library issues and of the trainer group TorchRec's all-to-all
+    runs on (`job.trainer_group`, with or without servers): a dead or stuck peer fails the round after
+    this. With servers also how long a call that timed out on a live server is retried.
     With servers, the order the timeouts must respect is rpc_timeout_s <= timeout_s <=
     trainer_timeout_s (`sync.ps`): a call fails before a collective gives up on a peer, and both
     before a server gives up on a trainer, so the error a user sees names the cause."""

@@ -9,9 +9,10 @@
             ...
 
 `join` reads `config.ps.num_servers`: without servers every rank is a trainer and the trainer group
-is the default group; with servers the last ranks become servers, start serving what `config.algo`
-needs (GBA's dense shards or the S-EASGD centre, plus embedding shards when `tables` are given) and
-return only when every trainer has called `job.close()`. The trainers' own collectives must then
+is a new group over every rank whose collectives time out after `sync.timeout_s`; with servers the
+last ranks become servers, start serving what `config.algo` needs (GBA's dense shards or the
+S-EASGD centre, plus embedding shards when `tables` are given) and return only when every trainer
+has called `job.close()`. The trainers' own collectives must then
 run on `job.trainer_group`: `job.dmp_kwargs()` gives TorchRec the trainer-only sharding environment
 (and no dense DDP), and `dense_sync` refuses a DMP that spans the servers, naming that fix.
 
@@ -29,6 +30,7 @@ infers lockstep from TorchRec-sharded tables (their per-step all-to-all pairs th
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import itertools
 import sys
 from pathlib import Path
@@ -41,7 +43,7 @@ from torch import nn
 import sync_algos
 from shadowgba.config import PS_ALGOS, SyncConfig, load_config
 from shadowgba.dense import trainable_named_parameters
-from shadowgba.errors import SetupError, SyncError
+from shadowgba.errors import PeerLost, SetupError, SyncError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.interface import DenseSync
 from shadowgba.layout import ReplicaLayout
@@ -143,7 +145,8 @@ class Job:
         that had posted first is named in a note on `error`: its failure is likely this one's cause.
         Without such a notice, one whose heartbeat stopped (`transport.silent_peers`: killed or stuck,
         it posts nothing) is named instead, in a note and in this trainer's notice, so that servers
-        and peers name it too; a `SyncError` that neither explains says the lost rank is unknown."""
+        and peers name it too; a `SyncError` that neither explains, and that names no rank itself
+        (no `PeerLost` in it or its causes), says the lost rank is unknown."""
         if self.closed or self.failure is not None:
             return
         peers = [rank for rank in self.roles.trainer_ranks if rank != self.roles.rank]
@@ -155,7 +158,7 @@ class Job:
                   "died or is stuck" for rank in silent]
         for cause in causes:
             error.add_note(f"shadowgba: before this rank failed, {cause} (the likely cause)")
-        if not posted and not silent and isinstance(error, SyncError):
+        if not posted and not silent and isinstance(error, SyncError) and not _names_a_peer(error):
             error.add_note("shadowgba: no peer posted a failure and every peer's heartbeat is alive: rank unknown")
         reason = "; before it, ".join([repr(error), *causes])
         self.failure = transport.failure_message(self.roles, reason)
@@ -180,6 +183,18 @@ class Job:
             end_transport()
 
 
+def _names_a_peer(error: BaseException) -> bool:
+    """Whether `error` or one of its causes is a `PeerLost`, whose message names the lost rank."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, PeerLost):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def join(
     config: SyncConfig | str | Path,
     tables: Sequence[Any] | None = None,
@@ -199,7 +214,10 @@ def join(
         if not dist.is_initialized():
             dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
         roles = transport.Roles.assign(dist.get_rank(), dist.get_world_size(), num_servers=0)
-        job = Job(config, dataclasses.replace(roles, trainer_group=dist.group.WORLD))
+        # not the default group: its timeout is the user's (torch's 30 min), and a peer stopped for
+        # good would hold TorchRec's all-to-all that long; this one gives up after sync.timeout_s
+        trainers = dist.new_group(timeout=datetime.timedelta(seconds=config.timeout_s))
+        job = Job(config, dataclasses.replace(roles, trainer_group=trainers))
         if config.sharding_group_size:
             from shadowgba.integrations import torchrec as torchrec_integration
 

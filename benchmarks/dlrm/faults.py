@@ -6,6 +6,7 @@ rank the same way, each fired by the trainer it names, right after its training 
     faults.kill_at(1, step=20)                   # trainer 1 SIGKILLs itself (no clean-up of any kind)
     faults.stall_at(1, step=20, seconds=3)       # trainer 1's training thread sleeps 3 s
     faults.stall_at(1, step=20, seconds=3, freeze=True)  # its whole process is stopped (SIGSTOP) for 3 s
+    faults.stop_at(1, step=20)                   # trainer 1's process is stopped for good (never continued)
     faults.kill_server_at(0, step=20, trainer=0)  # trainer 0 SIGKILLs server 0's process
     faults.nan_at(1, step=20)                    # trainer 1's dense weights turn NaN (needs params=)
     fail_round_after(sync, rounds=3)             # the shadow thread's 4th round raises InjectedFailure
@@ -19,6 +20,8 @@ a replica gone bad, whose every later gradient is NaN, as a diverged step or a b
 A plain sleep stalls only the training thread: the shadow thread, RPC threads and the pings a
 server sends still run, as under a slow batch. `freeze` stops every thread of the process, as a
 descheduled or swapped-out host would: a helper process (started before the stop) continues it.
+`stop` starts no helper: the process stays stopped, as a hung host would, until someone kills it
+(a test harness, torchrun's agent tearing the job down); SIGKILL ends a stopped process.
 
 Every fault that fires is recorded before it acts (`FaultInjector.fired`, and one JSON line
 `{"kind", "trainer", "step", "restart_count", "pid", "at"}` appended to `log`, flushed and synced
@@ -30,7 +33,7 @@ attempt (`TORCHELASTIC_RESTART_COUNT`, 0 when unset): the attempt torchrun resta
 The harness arms the injector from the environment (`FaultInjector.from_env`):
 
     SHADOWGBA_TEST_KILL_AT_STEP=1:15          # trainer 1 is killed right after step 15 (and its checkpoint)
-    SHADOWGBA_TEST_FAULTS="fail:0:20,stall:1:10:2.5,freeze:1:30:4,kill:1:40,nan:1:50"
+    SHADOWGBA_TEST_FAULTS="fail:0:20,stall:1:10:2.5,freeze:1:30:4,kill:1:40,nan:1:50,stop:1:60"
     SHADOWGBA_TEST_FAULT_LOG=faults.jsonl     # where fired faults are recorded
 
 Killing a server needs its pid, which only a collective can tell a trainer (`exchange_pids`), so
@@ -86,7 +89,7 @@ class Fault:
     """One armed fault: `trainer` fires it right after its step `step`."""
 
     kind: str
-    """fail | kill | stall | freeze | kill_server | nan."""
+    """fail | kill | stall | freeze | stop | kill_server | nan."""
     trainer: int
     step: int
     seconds: float = 0.0
@@ -112,7 +115,7 @@ class FaultInjector:
         self.fired: list[dict[str, object]] = []
         self._actions: dict[str, Callable[[Fault], None]] = {
             "fail": self._fail, "kill": self._kill, "stall": self._stall, "freeze": self._freeze,
-            "kill_server": self._kill_server, "nan": self._nan,
+            "stop": self._stop, "kill_server": self._kill_server, "nan": self._nan,
         }
 
     @classmethod
@@ -127,10 +130,12 @@ class FaultInjector:
             kind, *numbers = spec.strip().split(":")
             try:
                 trainer, step, *seconds = (float(number) for number in numbers)
-                if kind not in ("fail", "kill", "stall", "freeze", "nan") or len(seconds) != (kind in ("stall", "freeze")):
+                if kind not in ("fail", "kill", "stop", "stall", "freeze", "nan") or len(seconds) != (
+                        kind in ("stall", "freeze")):
                     raise ValueError
             except ValueError:
-                raise ValueError(f"{KILL_ENV} must be TRAINER:STEP and {FAULTS_ENV} a list of fail|kill|nan:TRAINER:STEP "
+                raise ValueError(f"{KILL_ENV} must be TRAINER:STEP and {FAULTS_ENV} a list of "
+                                 f"fail|kill|stop|nan:TRAINER:STEP "
                                  f"or stall|freeze:TRAINER:STEP:SECONDS, got {spec!r}") from None
             if kind == "nan":
                 injector.nan_at(int(trainer), int(step))
@@ -150,6 +155,11 @@ class FaultInjector:
         """Trainer `trainer` stalls for `seconds` after step `step`: its training thread sleeps, or
         with `freeze` its whole process is stopped (SIGSTOP) and continued (SIGCONT) by a helper."""
         return self._arm(Fault("freeze" if freeze else "stall", trainer, step, seconds))
+
+    def stop_at(self, trainer: int, step: int) -> "FaultInjector":
+        """Trainer `trainer` stops its whole process (SIGSTOP) after step `step`, for good: nothing
+        continues it (a hung host); only a kill ends it."""
+        return self._arm(Fault("stop", trainer, step))
 
     def kill_server_at(self, server_rank: int, step: int, trainer: int = 0) -> "FaultInjector":
         """Trainer `trainer` SIGKILLs the process of global rank `server_rank` after step `step`."""
@@ -210,6 +220,9 @@ class FaultInjector:
 
     def _freeze(self, fault: Fault) -> None:
         subprocess.Popen(["sh", "-c", f"sleep {fault.seconds}; kill -CONT {os.getpid()}"], start_new_session=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    def _stop(self, fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
     def _nan(self, fault: Fault) -> None:
