@@ -47,8 +47,8 @@ from dlrm.faults import FaultInjector, restart_count
 from dlrm.host import MiB
 from dlrm.curve import heldout_curve
 from dlrm.job import (
-    Interval, ResourceMeter, StepWallClock, applied_samples, dense_sync, gather_resources, join, resource_summary,
-    timed_window,
+    Interval, ResourceMeter, StepWallClock, applied_samples, dense_sync, gather_resources, join, paired_trainers,
+    resource_summary, timed_window,
 )
 from dlrm.loop import (
     StopRule, common_window, evaluate, replica_spread, global_steps_per_s, sum_over_trainers, train,
@@ -99,7 +99,8 @@ def run_trainer(
     sync = dense_sync(config, model.module, optimizer, job)
     gba = sync if config.algo == "gba" else None
     num_trainers = len(roles.trainer_ranks)
-    stop = StopRule(config.train, config.lockstep, roles, device, applied_samples(gba, config) if gba else None)
+    stop = StopRule(config.train, config.lockstep, roles, device, applied_samples(gba, config) if gba else None,
+                    paired_trainers(config, job))
     curve = heldout_curve(config, model.module, data, roles, device, sync)
     checkpoints = JobCheckpoints(options, config, model, optimizer, sync, job) if options.directory else None
     fault = FaultInjector.from_env(roles.trainer_index, model.dense_params)

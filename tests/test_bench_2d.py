@@ -36,12 +36,12 @@ def test_flat_ddp_shards_over_every_trainer_and_the_2d_variants_over_a_group() -
 
 
 def test_the_fast_group_is_the_one_without_the_slowed_trainer() -> None:
-    sync = {"rounds_per_s": 2.0, "table_rounds": 51, "table_cycles": 1, "fragment_age_steps_mean": 3.5,
-            "fragment_age_steps_max": 9}
+    sync = {"rounds_per_s": 2.0, "table_rounds": 51, "table_cycles": 1, "fragment_refresh_age_steps_mean": 3.5,
+            "fragment_refresh_age_steps_max": 9}
     metrics = throughput_metrics(result(1000.0, [10, 10, 30, 29], [1.0, 0.0, 0.1, 0.3], sync, 40.0), 1, 2)
     assert metrics["group_step_ratio"] == pytest.approx(2.95)  # trainers 2 and 3 over 0 and 1
     assert metrics["overrun_fast_group"] == pytest.approx(0.2)  # trainer 0 waits on its slow partner: left out
-    assert metrics["table_rounds"] == 51 and metrics["fragment_age_steps_max"] == 9 and metrics["extra_mib"] == 40.0
+    assert metrics["table_rounds"] == 51 and metrics["fragment_refresh_age_steps_max"] == 9 and metrics["extra_mib"] == 40.0
     assert not metrics["stopped_together"]
     ddp = throughput_metrics(result(500.0, [10, 10, 10, 10], [0.0] * 4, {}, 20.0, stopped_at=40), 1, 2)
     assert ddp["sync_rounds_per_s"] is None and ddp["table_cycles"] is None and ddp["stopped_together"]
@@ -87,7 +87,7 @@ def test_warnings_name_overruns_only_where_the_fast_group_never_waits_and_paired
 
 def test_quality_gaps_are_paired_by_seed() -> None:
     runs = [{"compute": "simulated", "straggler": "straggler", "variant": variant, "rep": rep, "seed": seed,
-             "result": result(0.0, [0] * 4, [0.0] * 4, {}, 0.0, stopped_at=3000, auc=auc)}
+             "overrun_fast_group": 0.0, "result": result(0.0, [0] * 4, [0.0] * 4, {}, 0.0, stopped_at=3000, auc=auc)}
             for rep, (seed, aucs) in enumerate(((0, (0.80, 0.79, 0.801)), (1, (0.70, 0.71, 0.698))))
             for variant, auc in zip(("torchrec_2d", "ddp", "ma-shadow"), aucs)]
     rows = {row["variant"]: row for row in quality_rows(runs, [("simulated", "straggler")],
@@ -100,7 +100,8 @@ def test_quality_gaps_are_paired_by_seed() -> None:
 
 
 def test_option_lists_refuse_unknown_names() -> None:
-    assert bench_2d.parse_quality_cells("simulated:straggler,real:even") == [("simulated", "straggler"), ("real", "even")]
+    assert bench_2d.parse_quality_cells("simulated:straggler,real:even") == [
+        ("simulated", "straggler"), ("real", "even")]
     assert bench_2d.parse_quality_cells("") == []
     with pytest.raises(SystemExit, match="COMPUTE:STRAGGLER"):
         bench_2d.parse_quality_cells("simulated")

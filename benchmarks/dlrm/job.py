@@ -66,6 +66,16 @@ def dense_sync(config: ExperimentConfig, model: nn.Module, optimizer: Any, job: 
     return shadowgba.dense_sync(model, optimizer, job, local_batch_size=config.data.batch_size, end_job=False)
 
 
+def paired_trainers(config: ExperimentConfig, job: shadowgba.Job) -> tuple[dist.ProcessGroup, int]:
+    """The trainers whose steps pair every step, which must stop at the same step, and the global
+    rank that decides for them: every trainer (TorchRec's all-to-all over all of them, or dense DDP
+    over all of them as in torchrec_2d), or in a 2D job this rank's sharding group alone: its
+    all-to-all is all that pairs its steps, and a group must not wait for another to stop."""
+    if job.layout is None or config.baseline == "torchrec_2d":
+        return job.trainer_group, job.roles.trainer_ranks[0]
+    return job.layout.sharding_group, job.layout.global_rank(0)
+
+
 def applied_samples(sync: Any, config: ExperimentConfig) -> Callable[[], int]:
     """A counter of the samples the dense parameters have been updated with under gba, read from the
     global step k: one global batch per step, or one local batch per step under GBA without

@@ -415,10 +415,13 @@ class ShadowSync(DenseSync):
         self.tables.mark_applied(self._step)
 
     def _fragment_ages(self) -> dict[str, float]:
-        """The tables' counters for `metrics`: cycles done, and the age of the fragments in steps."""
-        oldest, mean = self.tables.ages(self._step)
-        return {"table_cycles": self.tables.cycles, "fragment_age_steps_max": oldest,
-                "fragment_age_steps_mean": mean}
+        """The tables' counters for `metrics`: cycles done, the age of the fragments now in steps,
+        and over the run how many steps a fragment had gone unaveraged when it was refreshed."""
+        tables = self.tables
+        oldest, mean = tables.ages(self._step)
+        return {"table_cycles": tables.cycles, "fragment_age_steps_max": oldest, "fragment_age_steps_mean": mean,
+                "fragment_refresh_age_steps_max": tables.refresh_age_max,
+                "fragment_refresh_age_steps_mean": tables.refresh_age_total / max(tables.applied, 1)}
 
     def _table_rounds(self, count: int, writeback: WriteBack | None) -> bool:
         """`count` table rounds on the replica group, each one fragment: snapshot it at a step

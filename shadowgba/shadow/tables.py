@@ -114,6 +114,9 @@ class TableFragments:
         """Fragment deltas added since the start (`cycles`)."""
         self.applied_at = [0] * len(self.fragments)
         """Per fragment, the training step at which its last delta was added (0: never)."""
+        self.refresh_age_max = 0
+        self.refresh_age_total = 0
+        """Over the run: the steps each fragment had gone unaveraged when its delta was added."""
 
     @property
     def current(self) -> Fragment:
@@ -151,6 +154,9 @@ class TableFragments:
 
     def mark_applied(self, step: int) -> None:
         """The current fragment's delta reached the rows at training step `step`."""
+        age = step - self.applied_at[self.cursor]
+        self.refresh_age_max = max(self.refresh_age_max, age)
+        self.refresh_age_total += age
         self.applied += 1
         self.applied_at[self.cursor] = step
 
