@@ -10,7 +10,7 @@ NPROC ?= 2
 CONFIG ?= examples/configs/bmuf.yaml
 PRESET ?=
 
-.PHONY: setup run test test-newer bench bench-quick bench-quality bench-scaling bench-gba bench-ps soak clean
+.PHONY: setup run test test-newer bench bench-quick bench-quality bench-scaling bench-gba bench-2d bench-ps soak clean
 
 setup: $(STAMP)
 
@@ -73,6 +73,12 @@ bench-scaling: $(BENCH_STAMP)
 bench-gba: $(STAMP)
 	$(PY) benchmarks/bench_gba.py --compute simulated
 	$(PY) benchmarks/bench_gba.py --compute real
+
+# The 2D layout (2 replica groups x 2 ranks, one rank 3x slow, and without it), simulated and real compute:
+# shadowgba 2D vs TorchRec's 2D recipe, flat DDP and no cross-group sync, then held-out AUC at equal samples
+# (benchmarks/bench_2d.py; runs/bench_2d.json)
+bench-2d: $(STAMP)
+	$(PY) benchmarks/bench_2d.py
 
 # The parameter server alone: dense ingest per server rank vs push size, shards and pushes in flight,
 # and embedding lookups / row pushes (benchmarks/bench_ps.py; runs/bench_ps.json)

@@ -11,8 +11,17 @@ Not part of `make test`. Each job is one `torchrun --standalone --max-restarts=1
   3x, so that it has something to switch on) or a plain `--sync.gba.initial_mode` choice;
 - the step count and `--checkpoint-every`, always with `--resume`;
 - in about half the jobs a fault on a random trainer and step (`dlrm.faults`, armed through
-  `SHADOWGBA_TEST_FAULTS`): the trainer SIGKILLs itself (`kill`) or its loop raises (`fail`);
-  torchrun answers either by restarting the job, which resumes from its checkpoint.
+  `SHADOWGBA_TEST_FAULTS`): the trainer SIGKILLs itself (`kill`), its loop raises (`fail`), its
+  process is stopped for good (`stop`: SIGSTOP, never continued; such a job runs under
+  `sync.timeout_s` STOP_TIMEOUT_S, so that the survivors give up on it within it, naming it, and
+  torchrun's agent kills the stopped worker when it tears the attempt down), or its dense weights
+  turn NaN (`nan`). torchrun answers a kill, failure or stop by restarting the job, which resumes
+  from its checkpoint. A NaN trainer is caught by its own guard (`shadowgba.nonfinite`) before
+  anything of it reaches a peer: where a shared optimizer owns the dense weights (gba, sync
+  all-reduce: `REPAIRED`) its steps are skipped until it takes them back and the job finishes
+  without a restart, with a finite held-out loss; elsewhere nothing repairs its replica, so the
+  job runs with `--sync.max_skipped_steps 1`: it ends at the next step (before a checkpoint could
+  keep the NaN) and the restart resumes as after a failure.
 A job that runs past `--job-timeout-s` is a hang: torchrun and every worker are killed. A job that exits
 non-zero is an error; so is a finished job whose results contradict its schedule (no restart after
 a fault that fired, a fault that did not fire, a resume from another step than the last checkpoint
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
 import signal
@@ -48,6 +58,10 @@ SMALL = [  # the tests' small model and data: a job takes seconds
     "--data.synthetic.batch_size", str(BATCH), "--data.synthetic.eval_batches", "2",
     "--data.synthetic.calibration_samples", "2048",
 ]
+STOP_TIMEOUT_S = 15
+"""`sync.timeout_s` of a job with a `stop` fault (its RPC timeout: STOP_RPC_TIMEOUT_S, below it): the
+survivors must notice the stopped trainer well within the job's time limit."""
+STOP_RPC_TIMEOUT_S = 5
 CONFIGS: dict[str, tuple[str, int, list[str]]] = {  # name: (config file, ranks, extra arguments)
     **{f"{algo}_{mode}": (f"{algo}.yaml", 2, ["--sync.mode", mode])
        for algo in ("ma", "easgd", "bmuf") for mode in ("shadow", "foreground")},
@@ -56,6 +70,11 @@ CONFIGS: dict[str, tuple[str, int, list[str]]] = {  # name: (config file, ranks,
     "gba_ps_tables": ("gba_ps_embeddings.yaml", 3, []),
     "sync_allreduce": ("sync_allreduce.yaml", 2, []),
 }
+
+
+REPAIRED = frozenset({"gba_torchrec", "gba_ps_tables", "sync_allreduce"})
+"""Configurations whose dense weights a shared optimizer owns (GBA's shards, or the sync
+all-reduce's flat optimizer on every trainer): a trainer whose weights turn NaN takes them back."""
 
 
 def draw_job(rng: random.Random, index: int) -> dict[str, Any]:
@@ -77,7 +96,12 @@ def draw_job(rng: random.Random, index: int) -> dict[str, Any]:
         else:
             gba = f"initial_mode {(initial := rng.choice(['sync', 'gba']))}"
             args += ["--sync.gba.initial_mode", initial]
-    fault = (rng.choice(["kill", "fail"]), rng.randrange(trainers), rng.randrange(3, steps - 2)) if rng.random() < 0.5 else None
+    kinds = ["kill", "fail", "stop", "nan"]
+    fault = (rng.choice(kinds), rng.randrange(trainers), rng.randrange(3, steps - 2)) if rng.random() < 0.5 else None
+    if fault and fault[0] == "stop":
+        args += ["--sync.timeout_s", str(STOP_TIMEOUT_S), "--sync.ps.rpc_timeout_s", str(STOP_RPC_TIMEOUT_S)]
+    if fault and fault[0] == "nan" and name not in REPAIRED:
+        args += ["--sync.max_skipped_steps", "1"]
     return {"index": index, "name": name, "ranks": ranks, "trainers": trainers, "steps": steps,
             "checkpoint_every": every, "gba": gba, "fault": fault, "args": args}
 
@@ -153,6 +177,12 @@ def run_job(job: dict[str, Any], workdir: Path, timeout_s: float) -> dict[str, A
         kind, trainer, step = job["fault"]
         if [(f["kind"], f["trainer"], f["step"], f["restart_count"]) for f in fired] != [(kind, trainer, step, 0)]:
             problems.append(f"fault {kind}:{trainer}:{step} armed, fired: {fired}")
+        if kind == "nan" and not math.isfinite(results["log_loss"]):
+            problems.append(f"held-out log loss {results['log_loss']} after a NaN trainer")
+    if job["fault"] and job["fault"][0] == "nan" and job["name"] in REPAIRED:
+        if restarts:
+            problems.append(f"restart_count {restarts} after a NaN trainer that its shared optimizer repairs")
+    elif job["fault"]:
         expected = step // every * every
         if restarts != 1 or (resumed_from or 0) != expected:
             problems.append(f"after the fault at step {step}: restart_count {restarts}, resumed from "

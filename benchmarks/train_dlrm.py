@@ -47,14 +47,15 @@ from dlrm.faults import FaultInjector, restart_count
 from dlrm.host import MiB
 from dlrm.curve import heldout_curve
 from dlrm.job import (
-    Interval, ResourceMeter, StepWallClock, applied_samples, dense_sync, gather_resources, join, resource_summary,
-    timed_window,
+    Interval, ResourceMeter, StepWallClock, applied_samples, dense_sync, gather_resources, join, paired_trainers,
+    resource_summary, timed_window,
 )
 from dlrm.loop import (
-    StopRule, common_window, dense_replica_spread, evaluate, global_steps_per_s, sum_over_trainers, train,
+    StopRule, common_window, evaluate, replica_spread, global_steps_per_s, sum_over_trainers, train,
 )
 from dlrm.model import DENSE_OPTIMIZERS, build_model
 from shadowgba.config import ConfigError, load_config, to_dict
+from shadowgba.integrations.torchrec import fused_table_shards
 from ctrkit.evaluation import all_gather_rows, log_loss, roc_auc
 import shadowgba
 from ctrkit.ctr_data import CTRData
@@ -98,10 +99,11 @@ def run_trainer(
     sync = dense_sync(config, model.module, optimizer, job)
     gba = sync if config.algo == "gba" else None
     num_trainers = len(roles.trainer_ranks)
-    stop = StopRule(config.train, config.lockstep, roles, device, applied_samples(gba, config) if gba else None)
+    stop = StopRule(config.train, config.lockstep, roles, device, applied_samples(gba, config) if gba else None,
+                    paired_trainers(config, job))
     curve = heldout_curve(config, model.module, data, roles, device, sync)
     checkpoints = JobCheckpoints(options, config, model, optimizer, sync, job) if options.directory else None
-    fault = FaultInjector.from_env(roles.trainer_index)
+    fault = FaultInjector.from_env(roles.trainer_index, model.dense_params)
     clock = StepWallClock()
 
     def between_steps(step: int, elapsed_s: float) -> float:
@@ -129,7 +131,11 @@ def run_trainer(
     dist.barrier(group=roles.trainer_group)  # every trainer's row gradients have landed
     window = common_window(stats, config.data.batch_size, roles, device)
     wall_window = clock.intervals(*timed_window(stats, roles, device))
-    spread = dense_replica_spread(model.dense_params, roles)
+    spread = replica_spread(model.dense_params, roles.trainer_group)
+    table_spread = None
+    if job.layout is not None:  # each rank's table shards against their replicas in the other groups
+        shards = [tensor for shard in fused_table_shards(model.module) for tensor in shard.tensors]
+        table_spread = replica_spread(shards, job.layout.replica_group)
     quality = evaluate(model.module, data, roles, device)
     curve.finish(quality, stats.step_end_s[-1])
     ceiling = data.teacher_heldout() if isinstance(data, SyntheticCTR) else None  # only synthetic data has one
@@ -150,6 +156,7 @@ def run_trainer(
         "dense_params": sum(param.numel() for param in model.dense_params),
         "dense_mib": sum(param.numel() * param.element_size() for param in model.dense_params) / MiB,
         "dense_replica_max_abs_diff": spread,
+        "table_replica_max_abs_diff": table_spread,
         "samples_computed_total": sum_over_trainers(stats.steps * config.data.batch_size, roles, device),
         "straggler_sleep_s_total": sum_over_trainers(stats.straggler_sleep_s, roles, device),
         "straggler_overrun_fraction_by_trainer": all_gather_rows(  # simulated compute that did not hold
@@ -247,10 +254,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--checkpoint-keep", type=int, default=2, metavar="K", help="keep the last K (default: 2)")
     parser.add_argument("--checkpoint-async", action="store_true", help="write checkpoints in the background")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest good checkpoint in --checkpoint-dir, if there is one")
+                        help="continue from the newest good checkpoint in --checkpoint-dir, if there is one "
+                             "(fails when there are checkpoints and every one is corrupted)")
+    parser.add_argument("--resume-allow-fresh-start", action="store_true",
+                        help="with --resume: when every checkpoint is corrupted, train from step 0 instead of failing")
     args, overrides = parser.parse_known_args(argv)
     checkpoints = CheckpointOptions(args.checkpoint_dir, args.checkpoint_every, args.resume, args.checkpoint_keep,
-                                    args.checkpoint_async)
+                                    args.checkpoint_async, args.resume_allow_fresh_start)
     try:
         config = load_config(ExperimentConfig, args.config,
                              [*(preset_overrides(args.preset) if args.preset else []), *overrides])

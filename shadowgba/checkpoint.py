@@ -48,7 +48,9 @@ order), another trainer count or another server count; a checkpoint that is corr
 (a file missing, of another size, or failing its CRC-32; a missing or unreadable `shadowgba.json`).
 `load(path)` raises on either; `load_latest` skips a corrupted checkpoint (logging why) and falls
 back to the newest good one, but raises on a setup mismatch: resuming an older checkpoint of this
-setup behind a newer one of another would silently train from the wrong state.
+setup behind a newer one of another would silently train from the wrong state. Nor does it start
+over silently: when checkpoints exist and every one is corrupted, it raises, listing each and why
+(`allow_fresh_start=True` makes that a logged fresh start instead).
 
 Resharding. DCP itself can load sharded tensors into another sharding and another world size (its
 load planner reads any overlap of saved shards). This module refuses a different trainer or
@@ -112,15 +114,19 @@ class Setup:
     """Dense parameter names and element counts, in order."""
     trainers: int
     servers: int
+    sharding_group_size: int = 0
+    """A 2D job's ranks per replica group (0: flat): each group's table replicas are saved apart."""
 
     @classmethod
-    def of(cls, algo: str, dense: Iterable[tuple[str, torch.Tensor]], trainers: int, servers: int) -> "Setup":
+    def of(cls, algo: str, dense: Iterable[tuple[str, torch.Tensor]], trainers: int, servers: int,
+           sharding_group_size: int = 0) -> "Setup":
         """The setup of a job with these named dense parameters."""
-        return cls(algo, tuple((name, int(param.numel())) for name, param in dense), trainers, servers)
+        return cls(algo, tuple((name, int(param.numel())) for name, param in dense), trainers, servers,
+                   sharding_group_size)
 
     def to_json(self) -> dict[str, Any]:
         return {"algo": self.algo, "dense": [list(entry) for entry in self.dense],
-                "trainers": self.trainers, "servers": self.servers}
+                "trainers": self.trainers, "servers": self.servers, "sharding_group_size": self.sharding_group_size}
 
     def difference(self, saved: Mapping[str, Any]) -> str | None:
         """What differs between this job and a checkpoint's saved setup, in words; None if nothing."""
@@ -130,6 +136,9 @@ class Setup:
             return f"it was made by {saved.get('trainers')} trainers, this job has {self.trainers}"
         if saved.get("servers") != self.servers:
             return f"it was made with {saved.get('servers')} parameter servers, this job has {self.servers}"
+        if saved.get("sharding_group_size", 0) != self.sharding_group_size:
+            return (f"it was made with sync.sharding_group_size {saved.get('sharding_group_size', 0)}, this job has "
+                    f"{self.sharding_group_size}")
         theirs = [tuple(entry) for entry in saved.get("dense", [])]
         if theirs != list(self.dense):
             for index, (mine, other) in enumerate(zip(self.dense, theirs)):
@@ -163,21 +172,39 @@ class PerTrainer:
         self.target.load_state_dict(loaded)
 
 
+class PerReplica:
+    """A `Stateful` whose sharded state (TorchRec's tables, their fused optimizer) is one replica
+    group's of a 2D job: saved under the group's key, so DCP writes every group's replicas of the
+    same shards apart (they differ between rounds) instead of de-duplicating them to one group's."""
+
+    def __init__(self, target: Any, replica_index: int) -> None:
+        self.target = target
+        self.key = f"replica{replica_index}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.key: self.target.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.target.load_state_dict(state[self.key])
+
+
 class ModelState:
     """A `Stateful` model: sharded tensors (TorchRec tables, DTensors) through DCP's sharded path,
-    everything else (the dense replica) under this trainer's key (see the module docstring)."""
+    everything else (the dense replica) under this trainer's key (see the module docstring). In a
+    2D job (`replica_index`) the sharded tensors are saved under the replica group's key."""
 
-    def __init__(self, model: nn.Module, trainer_index: int) -> None:
+    def __init__(self, model: nn.Module, trainer_index: int, replica_index: int | None = None) -> None:
         self.model = model
         self.key = f"trainer{trainer_index}"
+        self.sharded_key = "sharded" if replica_index is None else f"sharded_replica{replica_index}"
 
     def state_dict(self) -> dict[str, Any]:
         sharded, local = self._split(self.model.state_dict())
-        return {"sharded": sharded, self.key: _to_bytes(local)}
+        return {self.sharded_key: sharded, self.key: _to_bytes(local)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         local = _from_bytes(state[self.key], self.key)
-        self.model.load_state_dict({**state["sharded"], **local})
+        self.model.load_state_dict({**state[self.sharded_key], **local})
 
     @staticmethod
     def _split(full: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -313,13 +340,16 @@ class Checkpointer:
     def path_of(self, step: int) -> Path:
         return self.directory / f"step_{step:08d}"
 
-    def load_latest(self, state: Mapping[str, Any]) -> int | None:
+    def load_latest(self, state: Mapping[str, Any], allow_fresh_start: bool = False) -> int | None:
         """Restore the newest good checkpoint into `state` (collective); its step, or None if there is
-        none. A corrupted one is skipped (logged), a setup mismatch raises `CheckpointError`."""
+        none. A corrupted one is skipped (logged), a setup mismatch raises `CheckpointError`. When
+        checkpoints exist and none verifies, `CheckpointError` lists each and why: a resume that
+        silently started from step 0 would throw the run's work away. With `allow_fresh_start` that
+        case returns None instead (logged), as an empty directory does."""
         choice: list[Any] = [None]
         if self.rank == 0:
             try:
-                choice[0] = self._choose()
+                choice[0] = self._choose(allow_fresh_start)
             except CheckpointError as error:
                 choice[0] = error
         dist.broadcast_object_list(choice, src=dist.get_global_rank(self.group, 0), group=self.group)
@@ -374,8 +404,11 @@ class Checkpointer:
         return step
 
     # ---------------------------------------------------------------------------------- internals
-    def _choose(self) -> tuple[int, str] | None:
-        """The newest checkpoint that verifies (trainer 0); a setup mismatch raises."""
+    def _choose(self, allow_fresh_start: bool) -> tuple[int, str] | None:
+        """The newest checkpoint that verifies (trainer 0); None when there is none at all. A setup
+        mismatch raises; so does a directory whose every checkpoint is corrupted, unless
+        `allow_fresh_start`."""
+        refused = []
         for step, path in reversed(self.checkpoints()):
             try:
                 self.verify(path)
@@ -383,8 +416,16 @@ class Checkpointer:
                 if "does not fit this job" in str(error):
                     raise
                 logger.warning("shadowgba: skipping checkpoint: %s", error)
+                refused.append(str(error))
                 continue
             return step, str(path)
+        if refused and not allow_fresh_start:
+            raise CheckpointError(f"none of the {len(refused)} checkpoints in {self.directory} loads, so the run "
+                                  "would start over from step 0 (allow a fresh start explicitly to do that): "
+                                  + "; ".join(refused))
+        if refused:
+            logger.warning("shadowgba: every checkpoint in %s is corrupted; starting from step 0 (fresh start "
+                           "allowed)", self.directory)
         return None
 
     def _load_verified(self, path: Path, state: Mapping[str, Any]) -> None:

@@ -26,6 +26,7 @@ import sync_algos
 from shadowgba.errors import ConfigError
 from shadowgba.gba.config import GBAConfig
 from shadowgba.ps.config import PSConfig
+from shadowgba.shadow.tables import TableSyncConfig
 from sync_algos.bmuf import BMUFConfig
 from sync_algos.easgd import EASGDConfig
 from sync_algos.ma import MAConfig
@@ -68,15 +69,23 @@ class SyncConfig:
     """On close, average the dense replicas once more (blocking) so every rank ends identical.
     Ignored by gba, whose trainers always end identical."""
     timeout_s: float = 300.0
-    """Timeout of every collective the library issues (the shadow group, GBA's trainer group, which
-    TorchRec's all-to-all shares in a job with servers): a dead peer fails the round after this.
+    """Timeout of every collective the library issues and of the trainer group TorchRec's all-to-all
+    runs on (`job.trainer_group`, with or without servers): a dead or stuck peer fails the round after
+    this. With servers also how long a call that timed out on a live server is retried.
     With servers, the order the timeouts must respect is rpc_timeout_s <= timeout_s <=
     trainer_timeout_s (`sync.ps`): a call fails before a collective gives up on a peer, and both
     before a server gives up on a trainer, so the error a user sees names the cause."""
     on_nonfinite: Literal["skip", "fail"] = "skip"
     """A round, all-reduce or push that would bring NaN / Inf into other replicas or the servers is
-    refused either way. skip: leave that rank's contribution out, warn and count it in the metrics
-    (one bad batch does not stop a days-long job); fail: raise `SyncError` naming the rank."""
+    refused either way, and so are embedding gradients bound for a peer's table shards and row
+    pushes to PS-hosted tables (`shadowgba.nonfinite`). skip: leave that rank's contribution and
+    step out, warn and count it in the metrics (one bad batch does not stop a days-long job); fail:
+    raise `SyncError` naming the rank where it began."""
+    max_skipped_steps: int = 100
+    """Under on_nonfinite skip: after this many of a trainer's steps in a row were skipped for NaN /
+    Inf (in its loss's gradients, dense or embedding; `shadowgba.nonfinite`), it raises `SyncError`
+    naming itself and the job ends. A trainer whose every step is skipped trains nothing; one bad
+    batch now and then stays far below this."""
     log_interval_s: float = 30.0
     """Seconds between reports of the runtime's metrics (`shadowgba.reporting`): an INFO line on the
     `shadowgba` logger and, with a TensorBoard writer, its scalars; 0 disables them (TensorBoard then
@@ -98,6 +107,14 @@ class SyncConfig:
     """Options of `gba`: initial mode, aggregation, staleness decay, schedule, switch policy."""
     ps: PSConfig = dataclasses.field(default_factory=PSConfig)
     """Parameter-server ranks (gba, easgd_ps)."""
+    sharding_group_size: int = 0
+    """The 2D layout (`shadowgba.layout`): trainers per replica group. TorchRec shards the tables
+    over the k ranks of a group only (its all-to-all pairs no rank outside it), every group holds
+    replicas of the same shards, and the shadow runtime averages those replicas across groups in
+    the background, one fragment at a time (`tables`), with the dense parameters as usual. 0: the
+    flat layout, tables sharded over every trainer. Needs ma, easgd or bmuf and no servers."""
+    tables: TableSyncConfig = dataclasses.field(default_factory=TableSyncConfig)
+    """2D jobs: how the table replicas are averaged (fragment size, optimizer state)."""
 
     def __post_init__(self) -> None:
         allowed = sync_algos.algorithm_names()
@@ -111,6 +128,8 @@ class SyncConfig:
             raise ConfigError(f"foreground_every must be >= 1, got {self.foreground_every}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_skipped_steps < 1:
+            raise ConfigError(f"max_skipped_steps must be >= 1, got {self.max_skipped_steps}")
         if self.log_interval_s < 0:
             raise ConfigError(f"log_interval_s must be >= 0, got {self.log_interval_s}")
         if self.tensorboard_dir is not None and (not isinstance(self.tensorboard_dir, str) or not self.tensorboard_dir):
@@ -123,6 +142,14 @@ class SyncConfig:
             raise ConfigError(
                 f"timeout_s: with parameter servers need ps.rpc_timeout_s ({self.ps.rpc_timeout_s:g}) <= timeout_s "
                 f"({self.timeout_s:g}) <= ps.trainer_timeout_s ({self.ps.trainer_timeout_s:g})"
+            )
+        if self.sharding_group_size < 0:
+            raise ConfigError(f"sharding_group_size must be >= 0 (0: the flat layout), got {self.sharding_group_size}")
+        if self.sharding_group_size and (self.algo in PS_ALGOS or self.ps.num_servers):
+            raise ConfigError(
+                f"sharding_group_size: the 2D layout keeps table replicas in sync with ma, easgd or bmuf on the "
+                f"trainers alone, not with sync.algo '{self.algo}' or parameter servers (ps.num_servers "
+                f"{self.ps.num_servers}); set sharding_group_size: 0 for those"
             )
         if self.ps.num_servers and self.algo not in PS_ALGOS:
             raise ConfigError(

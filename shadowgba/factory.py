@@ -9,11 +9,17 @@
             ...
 
 `join` reads `config.ps.num_servers`: without servers every rank is a trainer and the trainer group
-is the default group; with servers the last ranks become servers, start serving what `config.algo`
-needs (GBA's dense shards or the S-EASGD centre, plus embedding shards when `tables` are given) and
-return only when every trainer has called `job.close()`. The trainers' own collectives must then
+is a new group over every rank whose collectives time out after `sync.timeout_s`; with servers the
+last ranks become servers, start serving what `config.algo` needs (GBA's dense shards or the
+S-EASGD centre, plus embedding shards when `tables` are given) and return only when every trainer
+has called `job.close()`. The trainers' own collectives must then
 run on `job.trainer_group`: `job.dmp_kwargs()` gives TorchRec the trainer-only sharding environment
 (and no dense DDP), and `dense_sync` refuses a DMP that spans the servers, naming that fix.
+
+With `config.sharding_group_size: k` (the 2D layout, `shadowgba.layout`) the trainers form replica
+groups of k ranks: `job.dmp_kwargs()` shards the tables over this rank's group only, the guard
+gives every group the same plan, and `dense_sync` hands the shadow runtime this rank's table
+shards to average with their replicas in the other groups (`shadowgba.shadow.tables`).
 
 `dense_sync` picks the runtime: `ShadowSync` for ma, easgd, bmuf and easgd_ps (shadow thread or
 foreground rounds), `GBASync` for gba (GBA, sync all-reduce, plain async). Both are `DenseSync`s.
@@ -24,6 +30,7 @@ infers lockstep from TorchRec-sharded tables (their per-step all-to-all pairs th
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import itertools
 import sys
 from pathlib import Path
@@ -38,13 +45,16 @@ from shadowgba import optional, reporting
 from shadowgba.batch_size import check_first_batch
 from shadowgba.config import PS_ALGOS, SyncConfig, load_config
 from shadowgba.dense import trainable_named_parameters
-from shadowgba.errors import SetupError, SyncError
+from shadowgba.errors import PeerLost, SetupError, SyncError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.interface import DenseSync
+from shadowgba.layout import ReplicaLayout
+from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.ps import transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from shadowgba.reporting import MetricsReporter
 from shadowgba.shadow.runtime import ShadowSync
+from shadowgba.shadow.tables import TableFragments
 
 if TYPE_CHECKING:  # PS-hosted tables need TorchRec: imported where used (`shadowgba.optional`)
     from shadowgba.ps.embedding import PSEmbeddingBagCollection, PSEmbeddingConfig
@@ -80,6 +90,8 @@ class Job:
     heartbeat: transport.Heartbeat | None = None
     """On trainers: this trainer's beat on the notice board, by which a peer whose collective failed
     names a trainer that was killed or is stuck (it posts no notice)."""
+    layout: ReplicaLayout | None = None
+    """In a 2D job (`sync.sharding_group_size` > 0): this rank's sharding and replica groups."""
     _centre: CenterClient | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -103,8 +115,10 @@ class Job:
         return len(self.roles.trainer_ranks)
 
     def dmp_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `DistributedModelParallel`: shard over the trainers only, no dense DDP."""
-        return optional.torchrec_integration("Job.dmp_kwargs()").dmp_kwargs(self.trainer_group)
+        """Keyword arguments for `DistributedModelParallel`: shard over the trainers only (in a 2D
+        job, over this rank's sharding group), no dense DDP."""
+        group = self.layout.sharding_group if self.layout is not None else self.trainer_group
+        return optional.torchrec_integration("Job.dmp_kwargs()").dmp_kwargs(group)
 
     def ps_embeddings(self) -> PSEmbeddingBagCollection:
         """The trainer side of the PS-hosted tables given to `join` (an EmbeddingBagCollection)."""
@@ -135,7 +149,8 @@ class Job:
         that had posted first is named in a note on `error`: its failure is likely this one's cause.
         Without such a notice, one whose heartbeat stopped (`transport.silent_peers`: killed or stuck,
         it posts nothing) is named instead, in a note and in this trainer's notice, so that servers
-        and peers name it too; a `SyncError` that neither explains says the lost rank is unknown."""
+        and peers name it too; a `SyncError` that neither explains, and that names no rank itself
+        (no `PeerLost` in it or its causes), says the lost rank is unknown."""
         if self.closed or self.failure is not None:
             return
         peers = [rank for rank in self.roles.trainer_ranks if rank != self.roles.rank]
@@ -147,7 +162,7 @@ class Job:
                   "died or is stuck" for rank in silent]
         for cause in causes:
             error.add_note(f"shadowgba: before this rank failed, {cause} (the likely cause)")
-        if not posted and not silent and isinstance(error, SyncError):
+        if not posted and not silent and isinstance(error, SyncError) and not _names_a_peer(error):
             error.add_note("shadowgba: no peer posted a failure and every peer's heartbeat is alive: rank unknown")
         reason = "; before it, ".join([repr(error), *causes])
         self.failure = transport.failure_message(self.roles, reason)
@@ -172,6 +187,18 @@ class Job:
             end_transport()
 
 
+def _names_a_peer(error: BaseException) -> bool:
+    """Whether `error` or one of its causes is a `PeerLost`, whose message names the lost rank."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, PeerLost):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def join(
     config: SyncConfig | str | Path,
     tables: Sequence[Any] | None = None,
@@ -191,7 +218,16 @@ def join(
         if not dist.is_initialized():
             dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
         roles = transport.Roles.assign(dist.get_rank(), dist.get_world_size(), num_servers=0)
-        job = Job(config, dataclasses.replace(roles, trainer_group=dist.group.WORLD))
+        # not the default group: its timeout is the user's (torch's 30 min), and a peer stopped for
+        # good would hold TorchRec's all-to-all that long; this one gives up after sync.timeout_s
+        trainers = dist.new_group(timeout=datetime.timedelta(seconds=config.timeout_s))
+        job = Job(config, dataclasses.replace(roles, trainer_group=trainers))
+        if config.sharding_group_size:
+            torchrec_integration = optional.torchrec_integration("sync.sharding_group_size (the 2D layout)")
+            job.layout = ReplicaLayout.build(roles.trainer_ranks, roles.rank, config.sharding_group_size,
+                                             config.timeout_s)
+            job.sharding_guard = torchrec_integration.ShardingGuard(job.trainer_group, 0, job.layout)
+            job.sharding_guard.install()
         job.heartbeat = transport.Heartbeat(job.name, roles.rank).start()
         return job
     roles = transport.start(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s,
@@ -223,7 +259,7 @@ def ps_table_options(
         optimizer=optimizer, lr=lr, seed=seed, max_in_flight=config.ps.max_in_flight,
         mode="aggregate" if aggregate else "hogwild",
         global_batch=num_trainers * local_batch_size if aggregate else 0,
-        decay=config.gba.decay if aggregate else PSEmbeddingConfig().decay,
+        decay=config.gba.decay if aggregate else PSEmbeddingConfig().decay, on_nonfinite=config.on_nonfinite,
     )
 
 
@@ -251,6 +287,10 @@ def dense_sync(
     this trainer instead of waiting for it. The runtime's metrics are logged every
     `sync.log_interval_s` and written to TensorBoard when `summary_writer` (a `SummaryWriter`) is
     given or `sync.tensorboard_dir` names a directory (`shadowgba.reporting`).
+
+    The runtime's `NonFiniteGuard` is also given to the model's tables (TorchRec-sharded and
+    PS-hosted): NaN / Inf in this trainer's embedding gradients or row pushes is stopped before any
+    peer or server receives it, and its step is skipped or the job fails naming it (`sync.on_nonfinite`).
     """
     if isinstance(job, SyncConfig):
         if job.ps.num_servers:
@@ -260,10 +300,13 @@ def dense_sync(
     if job.is_server:
         raise SetupError("dense_sync() runs on trainer ranks; a server's part of the job ends in join()")
     config = job.config
+    guard = NonFiniteGuard(f"trainer {job.trainer_index} (rank {job.roles.rank})", config.on_nonfinite,
+                           config.max_skipped_steps)
     torchrec_integration = _torchrec_integration()
     if torchrec_integration is not None:
         torchrec_integration.refuse_dense_ddp(model)  # DDP and the sync both: the user forgot dmp_kwargs()
         torchrec_integration.check_batches(model)  # malformed batches refused before TorchRec sees them
+        torchrec_integration.guard_tables(model, guard)  # NaN / Inf caught before it reaches a peer's shards
     named = list(params) if params is not None else list(_dense_named_parameters(model, torchrec_integration))
     if sync_algos.get_algorithm(config.algo).kind == "gradient":
         if local_batch_size is None or local_batch_size < 1:
@@ -276,13 +319,20 @@ def dense_sync(
                 lockstep_every = LOCKSTEP_EVERY
         sync: DenseSync = GBASync(model, dense_optimizer, config.gba, job.roles, local_batch_size, named,
                                   lockstep_every=lockstep_every or 0, on_nonfinite=config.on_nonfinite,
-                                  timeout_s=config.timeout_s)
+                                  timeout_s=config.timeout_s, guard=guard)
     else:
         # S-EASGD's broadcast and final average run on the library's own group, never on TorchRec's
-        group, resources = job.trainer_group, None
+        group, resources, tables = job.trainer_group, None, None
         if config.algo == "easgd_ps":
             group, resources = transport.sync_group(), {"centre": job.centre()}
-        sync = ShadowSync(model, optimizer, config, process_group=group, params=named, algorithm_kwargs=resources)
+        if job.layout is not None:
+            if torchrec_integration is None or not torchrec_integration.has_sharded_tables(model):
+                raise SetupError("sync.sharding_group_size > 0 needs a DistributedModelParallel built with "
+                                 "**job.dmp_kwargs(): its tables are what the replica groups keep in sync")
+            shards = torchrec_integration.fused_table_shards(model, config.tables.optimizer_state)
+            tables = TableFragments(shards, job.layout.replica_group, config.tables)
+        sync = ShadowSync(model, optimizer, config, process_group=group, params=named, algorithm_kwargs=resources,
+                          guard=guard, tables=tables)
     if local_batch_size is not None:
         check_first_batch(model, local_batch_size)
     owns_writer = summary_writer is None and config.tensorboard_dir is not None

@@ -126,13 +126,20 @@ class FlatOptimizer:
         self.global_step = int(exported["global_step"])
 
 
+def _per_element(value: Any, numel: int) -> bool:
+    """Whether an optimizer state entry holds one value per element of a vector of `numel` (Adam's
+    moments), rather than one for the whole vector (its scalar `step`, which a 1-element vector's
+    moments would otherwise be mistaken for): what `slice_export` slices and `concat_exports` joins."""
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
+
+
 def slice_export(exported: dict[str, Any], start: int, end: int) -> dict[str, Any]:
     """The part of an `export()` that belongs to elements [start, end)."""
     numel = exported["param"].numel()
     return {
         "param": exported["param"][start:end].clone(),
         "state": {
-            key: value[start:end].clone() if torch.is_tensor(value) and value.numel() == numel else value
+            key: value[start:end].clone() if _per_element(value, numel) else value
             for key, value in exported["state"].items()
         },
         "global_step": exported["global_step"],
@@ -147,7 +154,7 @@ def concat_exports(parts: list[dict[str, Any]]) -> dict[str, Any]:
     first = parts[0]["state"]
     state: dict[str, Any] = {}
     for key, value in first.items():
-        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == parts[0]["param"].numel():
+        if _per_element(value, parts[0]["param"].numel()):
             state[key] = torch.cat([part["state"][key] for part in parts])
         else:
             state[key] = value

@@ -12,11 +12,15 @@ from typing import Callable, Mapping
 
 import torch
 
+from shadowgba.nonfinite import NonFiniteGuard
 from sync_algos.staleness import StalenessCounts
 
 HeldTensors = Callable[[], Mapping[str, torch.Tensor]]
 """A runtime's account of the dense-sized tensors it holds of its own, by name (not the model's
 parameters, nor the user's optimizer state)."""
+
+TableCounters = Callable[[], Mapping[str, float]]
+"""A 2D runtime's account of its table replicas: cycles done and the fragments' age in steps."""
 
 
 def held_bytes(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
@@ -35,10 +39,18 @@ def held_bytes(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
 class SyncMetrics:
     """Rounds, round latency, sync gap, bytes moved and the training thread's cost of syncing."""
 
-    def __init__(self, held: HeldTensors | None = None) -> None:
-        """`held`: the runtime's account of its dense-sized tensors (`memory`), read when asked."""
+    def __init__(self, held: HeldTensors | None = None, guard: NonFiniteGuard | None = None,
+                 tables: TableCounters | None = None) -> None:
+        """`held`: the runtime's account of its dense-sized tensors (`memory`), read when asked;
+        `guard`: the runtime's non-finite guard, whose skipped steps the summary reports;
+        `tables`: a 2D runtime's table counters, read when asked (table rounds are counted here)."""
         self._lock = threading.Lock()
         self._held = held
+        self._guard = guard
+        self._tables = tables
+        self.table_rounds = 0
+        self.table_round_time_total_s = 0.0
+        self.table_bytes_moved = 0
         self._started = time.monotonic()
         self.rounds = 0
         self.round_time_total_s = 0.0
@@ -61,6 +73,13 @@ class SyncMetrics:
             self.round_time_total_s += seconds
             self.round_time_max_s = max(self.round_time_max_s, seconds)
             self.bytes_moved += bytes_moved
+
+    def record_table_round(self, seconds: float, bytes_moved: int) -> None:
+        """One table fragment was averaged on the replica group."""
+        with self._lock:
+            self.table_rounds += 1
+            self.table_round_time_total_s += seconds
+            self.table_bytes_moved += bytes_moved
 
     def record_applied(self, step: int) -> None:
         """A round's result reached the live weights at training step `step`."""
@@ -92,9 +111,13 @@ class SyncMetrics:
         """A consistent snapshot of every counter plus derived rates, and `memory_bytes`, the sum of
         `memory()`."""
         memory_bytes = sum(self.memory().values())
+        tables = dict(self._tables()) if self._tables is not None else None
         with self._lock:
             elapsed = max(time.monotonic() - self._started, 1e-9)
-            return {
+            if tables is not None:
+                tables.update(table_rounds=self.table_rounds, table_bytes_moved=self.table_bytes_moved,
+                              table_round_latency_ms_mean=1e3 * self.table_round_time_total_s / max(self.table_rounds, 1))
+            return (tables or {}) | {
                 "rounds": self.rounds,
                 "rounds_per_s": self.rounds / elapsed,
                 "round_latency_ms_mean": 1e3 * self.round_time_total_s / max(self.rounds, 1),
@@ -106,6 +129,7 @@ class SyncMetrics:
                 "sync_gap_steps_max": self.sync_gap_max_steps,
                 "training_sync_s": self.training_sync_s,
                 "nonfinite_rounds_skipped": self.nonfinite_rounds_skipped,
+                "nonfinite_steps_skipped": self._guard.skipped_steps if self._guard is not None else 0,
                 "memory_bytes": memory_bytes,
                 "elapsed_s": elapsed,
             }
@@ -120,14 +144,18 @@ class SyncMetrics:
             f"moved={s['bytes_moved'] / 2**20:.1f} MiB training_sync={s['training_sync_s']:.3f}s "
             f"held={s['memory_bytes'] / 2**20:.1f} MiB"
             + (f" nonfinite_skipped={s['nonfinite_rounds_skipped']}" if s["nonfinite_rounds_skipped"] else "")
+            + (f" own_steps_skipped={s['nonfinite_steps_skipped']}" if s["nonfinite_steps_skipped"] else "")
+            + (f" table_rounds={s['table_rounds']} table_cycles={s['table_cycles']} "
+               f"fragment_age={s['fragment_age_steps_mean']:.1f} steps (max {s['fragment_age_steps_max']})"
+               if "table_rounds" in s else "")
         )
 
 
 class GBAMetrics(SyncMetrics):
     """SyncMetrics plus what is particular to GBA: queue drops, decayed / dropped pushes, switches."""
 
-    def __init__(self, held: HeldTensors | None = None) -> None:
-        super().__init__(held)
+    def __init__(self, held: HeldTensors | None = None, guard: NonFiniteGuard | None = None) -> None:
+        super().__init__(held, guard)
         self.queue_dropped = 0
         self.push_weights = StalenessCounts()
         """The decay weights this trainer's pushes got back from the shards (decayed / dropped)."""

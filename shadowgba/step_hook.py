@@ -12,22 +12,28 @@ from typing import Any, Callable, Sequence
 
 
 class StepHook:
-    """Runs `on_step` at every optimizer step: after the original step, or instead of it."""
+    """Runs `on_step` at every optimizer step: after the original step, or instead of it. With
+    `before_step`, the original step runs only if `before_step(optimizer)` says so (a step whose
+    gradients hold NaN / Inf is skipped); `on_step` runs either way."""
 
-    def __init__(self, optimizers: Sequence[Any], on_step: Callable[[], None], replace_step: bool = False) -> None:
+    def __init__(self, optimizers: Sequence[Any], on_step: Callable[[], None], replace_step: bool = False,
+                 before_step: Callable[[Any], bool] | None = None) -> None:
         for optimizer in optimizers:
             if not callable(getattr(optimizer, "step", None)):
                 raise TypeError(f"{type(optimizer).__name__} has no step() to hook")
         self.optimizers = list(optimizers)
         self._on_step = on_step
         self._replace_step = replace_step
+        self._before_step = before_step
 
     def install(self) -> None:
         for optimizer in self.optimizers:
             original = optimizer.step
 
-            def step(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-                result = None if self._replace_step else _original(*args, **kwargs)
+            def step(*args: Any, _original: Callable[..., Any] = original, _optimizer: Any = optimizer,
+                     **kwargs: Any) -> Any:
+                run = not self._replace_step and (self._before_step is None or self._before_step(_optimizer))
+                result = _original(*args, **kwargs) if run else None
                 self._on_step()
                 return result
 

@@ -10,7 +10,10 @@ spawning, but a rank does not pay the imports (seconds of CPU each, most of a sm
 
 `run_ranks_outcomes` is the same harness for fault-injection tests: it never raises for a rank,
 and returns each rank's `RankOutcome` instead, so that a rank killed on purpose (SIGKILL) reads as
-killed, and a test can report every rank's message and end time, hung ranks included.
+killed, and a test can report every rank's message and end time, hung ranks included. A rank
+stopped for good (SIGSTOP, never continued) cannot end by itself: with `stopped_for_good`, once
+every other rank has sent its result, the harness kills a stopped one at once (no wait for the
+deadline) and reports it as stopped.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import io
 import os
 import dataclasses
-import datetime
 import queue
 import signal
 import socket
@@ -73,13 +75,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any,
-           group_timeout_s: float | None = None) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
     try:
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        timeout = {} if group_timeout_s is None else {"timeout": datetime.timedelta(seconds=group_timeout_s)}
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, **timeout)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
         encoded = io.BytesIO()
         torch.save(value, encoded)  # bytes, not shared-memory tensors that die with this process
@@ -91,7 +91,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
 
 @dataclasses.dataclass
 class RankOutcome:
-    """How one rank of `run_ranks_outcomes` ended: exactly one of returned, raised, killed, hung."""
+    """How one rank of `run_ranks_outcomes` ended: exactly one of returned, raised, killed, stopped, hung."""
 
     value: Any = None
     """What `fn` returned (when it returned)."""
@@ -99,6 +99,8 @@ class RankOutcome:
     """The formatted traceback of what `fn` raised (when it raised)."""
     killed: bool = False
     """The process died by SIGKILL before sending a result."""
+    stopped: bool = False
+    """The process was stopped (SIGSTOP) when every other rank had sent its result; the harness killed it."""
     hung: bool = False
     """Still alive at the deadline (then killed by the harness), or gone without a result otherwise."""
     exitcode: int | None = None
@@ -106,24 +108,26 @@ class RankOutcome:
 
     @property
     def returned(self) -> bool:
-        return not (self.traceback is not None or self.killed or self.hung)
+        return not (self.traceback is not None or self.killed or self.stopped or self.hung)
 
 
 def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0,
-                       group_timeout_s: float | None = None) -> list[RankOutcome]:
-    """Run `fn` on `world_size` ranks; every rank's `RankOutcome`, in rank order. `group_timeout_s`:
-    the default group's collective timeout (None: torch's default)."""
+                       stopped_for_good: bool = False) -> list[RankOutcome]:
+    """Run `fn` on `world_size` ranks; every rank's `RankOutcome`, in rank order. `stopped_for_good`:
+    the job stops a rank and never continues it, so a rank found stopped when every other one has
+    sent its result is killed then (without it, a stopped rank may yet be continued: it is waited for)."""
     context = _context()
     results = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_entry, args=(fn, rank, world_size, port, args, results, group_timeout_s), daemon=True)
+        context.Process(target=_entry, args=(fn, rank, world_size, port, args, results), daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:
         process.start()
     received: dict[int, tuple[bool, Any]] = {}
     alive_at_deadline: set[int] = set()
+    stopped: set[int] = set()
     try:
         deadline = time.monotonic() + timeout_s
         while len(received) < world_size:
@@ -134,13 +138,15 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, time
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                if all(not p.is_alive() for p in processes) and results.empty():
+                waiting = [processes[rank] for rank in range(world_size) if rank not in received]
+                if results.empty() and all(not p.is_alive() or (stopped_for_good and _is_stopped(p)) for p in waiting):
+                    stopped = {rank for rank in range(world_size) if rank not in received and processes[rank].is_alive()}
                     break
                 continue
             received[rank] = (ok, value)
     finally:
         for rank, process in enumerate(processes):
-            process.join(timeout=0 if rank in alive_at_deadline else 5)
+            process.join(timeout=0 if rank in alive_at_deadline | stopped else 5)
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -151,6 +157,8 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, time
             ok, value = received[rank]
             outcomes.append(RankOutcome(value=torch.load(io.BytesIO(value), weights_only=False), exitcode=exitcode)
                             if ok else RankOutcome(traceback=value, exitcode=exitcode))
+        elif rank in stopped:
+            outcomes.append(RankOutcome(stopped=True, exitcode=exitcode))
         elif rank not in alive_at_deadline and exitcode == -signal.SIGKILL:
             outcomes.append(RankOutcome(killed=True, exitcode=exitcode))
         else:
@@ -158,12 +166,21 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, time
     return outcomes
 
 
+def _is_stopped(process: Any) -> bool:
+    """Whether `process` is alive and stopped by a signal (state T in /proc/<pid>/stat)."""
+    try:
+        stat = Path(f"/proc/{process.pid}/stat").read_text()
+    except OSError:  # gone already
+        return False
+    return stat.rpartition(")")[2].split()[0] == "T"
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0) -> list[Any]:
     """Run `fn` on `world_size` ranks; return their results or raise with the failures."""
     outcomes = run_ranks_outcomes(fn, world_size, *args, timeout_s=timeout_s)
     failures = [f"rank {rank}:\n{outcome.traceback}" for rank, outcome in enumerate(outcomes)
                 if outcome.traceback is not None]
-    missing = [rank for rank, outcome in enumerate(outcomes) if outcome.killed or outcome.hung]
+    missing = [rank for rank, outcome in enumerate(outcomes) if outcome.killed or outcome.stopped or outcome.hung]
     if missing:
         failures.append(f"ranks {missing} hung or died without a result (deadline {timeout_s}s)")
     if failures:

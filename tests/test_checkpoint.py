@@ -185,6 +185,17 @@ def _refusals(rank: int, directory: Path) -> dict[str, Any]:
             out[f"setup_{label}"] = str(error)
     out["still_loads"] = checkpointer.load(checkpointer.path_of(2), state)
     out["tmp_left"] = sorted(path.name for path in directory.glob(".tmp-*"))
+    # every kept checkpoint damaged (step 2's metadata truncated too): a resume fails, listing each
+    if rank == 0:
+        meta = checkpointer.path_of(2) / "shadowgba.json"
+        meta.write_text(meta.read_text()[:20])
+    dist.barrier()
+    try:
+        out["all_damaged"] = checkpointer.load_latest(state)
+    except CheckpointError as error:
+        out["all_damaged"] = str(error)
+    train.step = 99
+    out["fresh_start"] = checkpointer.load_latest(state, allow_fresh_start=True), train.step
     return out
 
 
@@ -215,6 +226,17 @@ def test_corrupted_and_truncated_checkpoints_are_refused_and_the_previous_one_lo
     assert "step_00000004 is truncated" in refusals["load_4"]
     assert refusals["latest"] == 2 and refusals["restored"]
     assert refusals["still_loads"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_a_resume_with_every_checkpoint_corrupted_fails_listing_each_unless_a_fresh_start_is_allowed(
+        shared: dict) -> None:
+    refusals = shared["refusals"]
+    damaged = refusals["all_damaged"]
+    assert isinstance(damaged, str) and "none of the 3 checkpoints" in damaged and "start over from step 0" in damaged
+    assert "step_00000006 is corrupted" in damaged and "step_00000004 is truncated" in damaged
+    assert "step_00000002 is corrupted or incomplete: cannot read shadowgba.json" in damaged
+    assert refusals["fresh_start"] == (None, 99)  # nothing loaded, nothing changed
 
 
 @pytest.mark.timeout(180)

@@ -70,6 +70,7 @@ def test_a_section_of_a_larger_job_file_loads_alone_and_ignores_the_application_
         ("sync: {mode: async}", [], r"sync\.mode: 'async' is not allowed; allowed values: \['shadow', 'foreground'\]"),
         ("sync: {interval_ms: -1}", [], r"sync\.interval_ms must be >= 0, got -1"),
         ("sync: {foreground_every: 0}", [], r"sync\.foreground_every must be >= 1"),
+        ("sync: {max_skipped_steps: 0}", [], r"sync\.max_skipped_steps must be >= 1, got 0"),
         ("sync: {interval_ms: fast}", [], r"sync\.interval_ms: expected a number, got 'fast'"),
         ("sync: {final_sync: 1}", [], r"sync\.final_sync: expected true or false, got 1"),
         ("sync: {algo: bmuf, bmuf: {block_momentum: 1.5}}", [], r"sync\.bmuf\.block_momentum must be in \[0, 1\)"),

@@ -16,8 +16,11 @@ Faults, all on trainer 1 (global rank 1) unless said otherwise:
   trainer 1 / rank 1; every rank ends within END_WITHIN_S of the fault (`sync.timeout_s` is
   TIMEOUT_S: a fault must be noticed, not waited out). Every cell.
 - `stall` (a short freeze: the whole process SIGSTOPped for SHORT_STALL_S, under timeouts of
-  SHORT_STALL_TIMEOUT_S): the job carries on, the frozen trainer takes steps after the stall and
-  every rank finishes normally. Every cell; run first in the cell's group, which it leaves usable
+  SHORT_STALL_TIMEOUT_S but an RPC timeout of SHORT_STALL_RPC_TIMEOUT_S): the job carries on, the
+  frozen trainer takes steps after the stall and every rank finishes normally. With servers, a call
+  in flight when the trainer was stopped times out once it is continued; it is retried, not blamed
+  on the server (issue 26's 60-90 s stop under a 60 s RPC timeout and a 300 s `sync.timeout_s`,
+  scaled down: the same order of the three). Every cell; run first in the cell's group, which it leaves usable
   (the failure case after it joins a new job in the same processes).
 - `kill` (SIGKILL trainer 1): survivors end within the timeout (KILL_TIMEOUT_S, plus
   KILL_MARGIN_S to leave) naming rank 1: a dead process and a stopped one look alike, only the
@@ -28,6 +31,13 @@ Faults, all on trainer 1 (global rank 1) unless said otherwise:
   survivors before the frozen rank comes back, naming rank 1; the frozen rank ends too once
   continued. ma (collective timeout), gba over TorchRec tables (the all-to-all and close) and gba
   over PS tables (RPC timeouts and the servers' trainer timeout).
+- `stop` (trainer 1 SIGSTOPped for good) without servers: the survivor ends within `sync.timeout_s`
+  (KILL_TIMEOUT_S) plus STOP_MARGIN_S naming rank 1, though the default group keeps torch's 30-minute
+  timeout: TorchRec's all-to-all runs on the trainer group `join` made with `sync.timeout_s`. ma and
+  sync all-reduce (`STOPPED_CELLS`).
+
+No group sets the default group's timeout: the library's own groups (the trainer group included)
+carry `sync.timeout_s`, and the default group keeps torch's, as under a plain torchrun.
 
 Every fault is asserted to have fired, on the rank and step it was armed for. How the cases share
 spawned groups, and why, is `matrix_groups`'s docstring; the groups run PARALLEL_GROUPS at a time.
@@ -50,6 +60,7 @@ from torch import nn
 import shadowgba
 from dlrm.faults import Fault, FaultInjector, InjectedFailure, exchange_pids
 from shadowgba.config import from_dict
+from shadowgba.ps import transport
 from tests import tiny_dmp
 from tests.multiprocess import RankOutcome, run_ranks_outcomes
 
@@ -60,7 +71,9 @@ END_WITHIN_S = TIMEOUT_S / 2
 FAULT_STEP = 12
 SHORT_STALL_S = 4.0
 SHORT_STALL_TIMEOUT_S = 10.0
-"""`sync.timeout_s` (and the RPC and server timeouts) of the short freeze: 2.5 times the freeze."""
+"""`sync.timeout_s` (and the server timeout) of the short freeze: 2.5 times the freeze."""
+SHORT_STALL_RPC_TIMEOUT_S = 1.0
+"""`sync.ps.rpc_timeout_s` of the short freeze: shorter than the freeze."""
 KILL_TIMEOUT_S = 10.0
 """`sync.timeout_s` (and the RPC and server timeouts) of the kill cases: a killed rank must be named
 within it (a dead process and a stopped one look alike; only the clock tells them apart)."""
@@ -69,6 +82,9 @@ KILL_MARGIN_S = 5.0
 LONG_TIMEOUT_S = 5.0
 """`sync.timeout_s` (and the RPC and server timeouts) of the long freeze."""
 LONG_STALL_S = 14.0
+STOP_MARGIN_S = 30.0
+"""What a survivor may take beyond `sync.timeout_s` to end after a peer stopped for good: naming the
+silent peer and aborting (issue 26's bound, loose on loaded cores)."""
 STALL_RUN_STEPS = 40
 """The short-stall run's steps, on every trainer (lockstep cells need equal counts)."""
 RUN_CAP_S = TIMEOUT_S + 10
@@ -103,12 +119,12 @@ class Cell:
     def name(self) -> str:
         return f"{self.algo}-{self.tables}" + ("-foreground" if self.mode == "foreground" else "")
 
-    def sync_config(self, timeout_s: float) -> shadowgba.SyncConfig:
+    def sync_config(self, timeout_s: float, rpc_timeout_s: float) -> shadowgba.SyncConfig:
         return from_dict(shadowgba.SyncConfig, {
             "algo": "gba" if self.algo == "sync" else self.algo, "mode": self.mode, "interval_ms": 5.0,
             "foreground_every": 3,
             "first_round_after": 2, "log_interval_s": 0.0, "timeout_s": timeout_s,
-            "ps": {"num_servers": self.servers, "rpc_timeout_s": timeout_s, "trainer_timeout_s": timeout_s},
+            "ps": {"num_servers": self.servers, "rpc_timeout_s": rpc_timeout_s, "trainer_timeout_s": timeout_s},
             "gba": {"initial_mode": "sync" if self.algo == "sync" else "gba", "switch_policy": {"enabled": False}},
         })
 
@@ -145,6 +161,8 @@ class Case:
     timeout_s: float = TIMEOUT_S
     steps: int | None = None
     """Steps every trainer takes; None: until a fault stops it, or RUN_CAP_S."""
+    rpc_timeout_s: float | None = None
+    """`sync.ps.rpc_timeout_s`; None: `timeout_s`."""
 
 
 def run_case(rank: int, case: Case, pids: list[int]) -> None:
@@ -153,7 +171,7 @@ def run_case(rank: int, case: Case, pids: list[int]) -> None:
     record: dict[str, Any] = {"rank": rank, "error": None, "steps": 0, "step_end": []}
     started = time.time()
     try:
-        config = cell.sync_config(case.timeout_s)
+        config = cell.sync_config(case.timeout_s, case.rpc_timeout_s or case.timeout_s)
         tables = options = None
         if cell.tables == "ps":
             tables, options = tiny_dmp.table_configs(), shadowgba.ps_table_options(config, 2, tiny_dmp.BATCH)
@@ -190,6 +208,8 @@ def train(cell: Cell, job: shadowgba.Job, faults: FaultInjector, steps: int | No
             step += 1
             record["steps"] = step
             record["step_end"].append(time.time())
+            if cell.servers:  # calls sent again after a timeout: reported, as the freeze may catch none in flight
+                record["retried_calls"] = transport.retried_calls()
             faults.after_step(step)
 
 
@@ -221,13 +241,16 @@ def long_freeze_trainer_1(faults: FaultInjector) -> None:
     faults.stall_at(1, FAULT_STEP, LONG_STALL_S, freeze=True)
 
 
+def stop_trainer_1(faults: FaultInjector) -> None:
+    faults.stop_at(1, FAULT_STEP)
+
+
 def run_group(cell: Cell, cases: list[Case], deadline_s: float) -> list[RankOutcome]:
-    """`cases` in one spawned group of `cell`. Without servers the default group is the trainers'
-    own (TorchRec's all-to-all runs on it), so it gets the longest of the cases' timeouts, as a user
-    sets it (never shorter than a case's own); with servers the library makes the trainer group and
-    the default one keeps torch's timeout (a short one fails gloo's connect on loaded cores)."""
-    group_timeout_s = max(case.timeout_s for case in cases) if not cell.servers else None
-    return run_ranks_outcomes(cell_group, cell.world_size, cases, timeout_s=deadline_s, group_timeout_s=group_timeout_s)
+    """`cases` in one spawned group of `cell`, the default group at torch's timeout (30 minutes): every
+    collective of the library, TorchRec's all-to-all included, runs on groups that `join` and the
+    runtimes made with `sync.timeout_s`."""
+    stopped_for_good = any(case.arm is stop_trainer_1 for case in cases)
+    return run_ranks_outcomes(cell_group, cell.world_size, cases, timeout_s=deadline_s, stopped_for_good=stopped_for_good)
 
 
 # ---------------------------------------------------------------------------------- the assertions
@@ -263,7 +286,7 @@ class Ran:
             error = record["error"]
             said = "no error" if error is None else f"{error['type']}: {error['message'][:300]} chain={error['chain'][:3]}"
             lines.append(f"rank {rank} ({record.get('role')}): {said}; {record['steps']} steps, "
-                         f"ended {record['elapsed_s']:.1f} s after its start")
+                         f"{record.get('retried_calls', 0)} calls retried, ended {record['elapsed_s']:.1f} s after its start")
         return f"{self.case.cell.name} {self.case.name}:\n  " + "\n  ".join(lines)
 
     __repr__ = __str__  # what an assertion message shows
@@ -302,6 +325,9 @@ SERVER_KILLED_CELLS = [GBA_PS]
 """Server kill: gba over PS tables (dense shard and tables on the killed server); easgd_ps's centre
 fails through the same transport path."""
 LONG_FROZEN_CELLS = [MA, GBA_TORCHREC, GBA_PS]
+STOPPED_CELLS = [MA, Cell("sync", "torchrec")]
+"""A trainer stopped for good without servers: the shadow runtime and GBASync's sync all-reduce, both
+over TorchRec's all-to-all."""
 PARALLEL_GROUPS = 4
 """Spawned groups run at once: a group spends most of its time waiting (freezes, timeouts), not
 computing, so the matrix's wall time is about a quarter of the groups' total."""
@@ -315,13 +341,14 @@ def matrix_groups(root: Path) -> dict[str, list[Case]]:
     its group. So the PS-table cells share one group (each short freeze, then each failure) that
     ends with gba over TorchRec tables; every other TorchRec cell gets a group of its own."""
     def case(name: str, cell: Cell, arm: Callable[[FaultInjector], Any], timeout_s: float = TIMEOUT_S,
-             steps: int | None = None) -> Case:
+             steps: int | None = None, rpc_timeout_s: float | None = None) -> Case:
         directory = root / f"{cell.name}-{name}"
         directory.mkdir(parents=True)
-        return Case(name, cell, arm, str(directory), timeout_s, steps)
+        return Case(name, cell, arm, str(directory), timeout_s, steps, rpc_timeout_s)
 
     def stall_then_fail(cell: Cell) -> list[Case]:
-        return [case("stall", cell, short_freeze_trainer_1, SHORT_STALL_TIMEOUT_S, STALL_RUN_STEPS),
+        return [case("stall", cell, short_freeze_trainer_1, SHORT_STALL_TIMEOUT_S, STALL_RUN_STEPS,
+                     SHORT_STALL_RPC_TIMEOUT_S),
                 case("fail", cell, fail_trainer_1)]
 
     with_servers = [cell for cell in CELLS if cell.tables == "ps"] + [GBA_TORCHREC]
@@ -332,6 +359,7 @@ def matrix_groups(root: Path) -> dict[str, list[Case]]:
                for cell in SERVER_KILLED_CELLS}
     groups |= {f"freeze-{cell.name}": [case("freeze", cell, long_freeze_trainer_1, LONG_TIMEOUT_S)]
                for cell in LONG_FROZEN_CELLS}
+    groups |= {f"stop-{cell.name}": [case("stop", cell, stop_trainer_1, KILL_TIMEOUT_S)] for cell in STOPPED_CELLS}
     return groups
 
 
@@ -394,6 +422,8 @@ def test_a_killed_server_ends_every_trainer_naming_it(matrix: dict[tuple[str, st
     fault = assert_fired(ran, "kill_server", 0)
     assert fault["rank"] == 2 and ran.outcomes[2].killed, ran
     assert_others_end_naming(ran, 2, SERVER, fault["at"], KILL_TIMEOUT_S + KILL_MARGIN_S)
+    for record in ran.records[:2]:  # the error names the server: no note may call the rank unknown
+        assert record is not None and not any("rank unknown" in note for note in record["error"]["notes"]), ran
 
 
 @pytest.mark.parametrize("cell", LONG_FROZEN_CELLS, ids=lambda cell: cell.name)
@@ -409,17 +439,31 @@ def test_a_trainer_stalled_for_longer_than_the_timeout_ends_the_job_as_a_kill_do
     assert frozen["ended_at"] - fault["at"] < LONG_STALL_S + END_WITHIN_S, ran
 
 
+@pytest.mark.parametrize("cell", STOPPED_CELLS, ids=lambda cell: cell.name)
+def test_a_trainer_stopped_for_good_without_servers_ends_every_other_rank_naming_it(
+        matrix: dict[tuple[str, str], Ran], cell: Cell) -> None:
+    ran = matrix[cell.name, "stop"]
+    fault = assert_fired(ran, "stop", 1)
+    assert ran.outcomes[1].stopped, ran  # still stopped when the survivor had ended; the harness killed it
+    assert_others_end_naming(ran, 1, TRAINER_1, fault["at"], KILL_TIMEOUT_S + STOP_MARGIN_S)
+
+
 # ------------------------------------------------------------------------- the injector, in-process
 def test_the_harness_arms_faults_from_the_environment_and_refuses_a_malformed_spec(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SHADOWGBA_TEST_KILL_AT_STEP", "1:15")
-    monkeypatch.setenv("SHADOWGBA_TEST_FAULTS", "fail:0:20, stall:1:10:2.5,freeze:1:30:4")
+    monkeypatch.setenv("SHADOWGBA_TEST_FAULTS", "fail:0:20, stall:1:10:2.5,freeze:1:30:4,stop:1:35,nan:1:40")
     monkeypatch.setenv("SHADOWGBA_TEST_FAULT_LOG", str(tmp_path / "faults.jsonl"))
-    injector = FaultInjector.from_env(1)
+    weights = [torch.ones(3), torch.ones(2, 2)]
+    injector = FaultInjector.from_env(1, weights)
     assert injector.faults == [Fault("kill", 1, 15), Fault("fail", 0, 20), Fault("stall", 1, 10, 2.5),
-                               Fault("freeze", 1, 30, 4.0)]
+                               Fault("freeze", 1, 30, 4.0), Fault("stop", 1, 35), Fault("nan", 1, 40)]
     assert injector.log == tmp_path / "faults.jsonl"
-    for spec in ("kill:1", "stall:1:10", "fail:1:10:3", "explode:1:10", "fail:one:10"):
+    injector.after_step(40)  # the nan fault: the first value of every dense parameter, and it is logged
+    assert [int(torch.isnan(weight).sum()) for weight in weights] == [1, 1] and injector.fired[-1]["kind"] == "nan"
+    with pytest.raises(ValueError, match="nan_at needs FaultInjector"):
+        FaultInjector.from_env(1)
+    for spec in ("kill:1", "stall:1:10", "fail:1:10:3", "stop:1:10:3", "explode:1:10", "fail:one:10", "nan:1:10:2"):
         monkeypatch.setenv("SHADOWGBA_TEST_FAULTS", spec)
         with pytest.raises(ValueError, match="SHADOWGBA_TEST_FAULTS a list of"):
             FaultInjector.from_env(0)

@@ -14,7 +14,8 @@ from shadowgba.flat_optimizer import (SHARD_ALIGN, FlatOptimizer, LRSchedule, Op
 from shadowgba.config import from_dict
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
-from shadowgba.ps.dense_server import DenseShard, PushRequest
+from shadowgba.ps import dense_server
+from shadowgba.ps.dense_server import DenseShard, DenseShardClient, PushRequest
 from sync_algos.gba import GlobalBatchAggregator
 from sync_algos.staleness import StalenessDecayConfig
 
@@ -115,6 +116,20 @@ def test_flat_optimizer_state_slices_and_concatenates_exactly(name: str, numel: 
     assert same(merged["param"], reference["param"])
     for key, value in reference["state"].items():
         assert same(torch.as_tensor(merged["state"][key]), torch.as_tensor(value)), key
+
+
+def test_a_one_element_vector_slices_and_concatenates_with_its_scalar_step_kept_whole() -> None:
+    """Adam's moments of a 1-element vector have as many values as its scalar `step`: only the
+    moments are sliced (slicing the 0-dim step raised IndexError)."""
+    spec = OptimizerSpec.of(torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=0.1), LRSchedule())
+    whole = FlatOptimizer(spec, torch.ones(1))
+    whole.step(torch.full((1,), 0.5))
+    exported = whole.export()
+    part = slice_export(exported, 0, 1)
+    assert part["state"]["step"].dim() == 0 and part["state"]["exp_avg"].shape == (1,)
+    merged = concat_exports([part])
+    for key, value in exported["state"].items():
+        assert torch.equal(merged["state"][key], value), key
 
 
 def test_unsupported_optimizer_is_refused_by_name() -> None:
@@ -328,6 +343,22 @@ def test_a_dropped_push_has_no_decision_and_a_broken_part_keeps_k_in_step() -> N
     follower.push(PushRequest(1, 2, 4, ones, 1, 1, 0.0, True, completing))
     assert [shard.stats()["global_step"] for shard in (leader, follower)] == [2, 2]
     assert torch.isfinite(follower.pull().params).all()
+
+
+def test_the_client_reports_a_dropped_push_as_dropped_by_every_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push shard 0 dropped reaches no other shard: their replies (pulls) carry weight 0, not 1."""
+    shards = sharded(on_nonfinite="skip", kind="drop", threshold=0, max_staleness=4)
+    monkeypatch.setattr(dense_server.transport, "call",
+                        lambda server, service, method, *args: getattr(shards[server], method)(*args))
+    monkeypatch.setattr(dense_server.transport, "call_each", lambda service, method, args_by_server, first=0: [
+        getattr(shards[first + index], method)(*args) for index, args in enumerate(args_by_server)])
+    client = DenseShardClient(4, 2)
+    for trainer in (0, 1):
+        assert [reply.weight for reply in client.push(trainer, torch.ones(4), 0, 1, 0.0)] == [1.0, 1.0]
+    stale = client.push(0, torch.ones(4), 0, 1, 0.0)  # staleness 1 > threshold 0
+    assert [reply.weight for reply in stale] == [0.0, 0.0] and [reply.token for reply in stale] == [1, 1]
+    nonfinite = client.push(0, torch.ones(4), 1, 1, 0.0, finite=False)
+    assert [reply.weight for reply in nonfinite] == [0.0, 0.0]
 
 
 def test_non_finite_pushes_are_dropped_and_counted_under_skip_and_end_the_job_under_fail() -> None:

@@ -12,6 +12,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from shadowgba.config import ConfigError
+from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.ps import transport
 from shadowgba.ps.embedding import EmbeddingShard, PSEmbeddingBagCollection, PSEmbeddingConfig, checked_tables
 from sync_algos.staleness import StalenessDecayConfig
@@ -117,7 +118,9 @@ def train_one_step(roles: transport.Roles) -> dict:
 
 
 def check_refusals(module: PSEmbeddingBagCollection) -> None:
-    """A malformed push over RPC and NaN gradients from the module are refused; nothing changes."""
+    """A malformed push over RPC is refused; NaN gradients from the module (marked, no rows sent, its
+    guard told) and NaN rows pushed over RPC (found by the shard) are dropped (on_nonfinite skip,
+    counted by the shards); nothing changes."""
     before = {name: module.read_table(name) for name in ("users", "products")}
     float64_rows = {"users": (torch.tensor([0, 2]), torch.ones(2, 4, dtype=torch.float64))}
     with pytest.raises(ValueError, match=r"push refused: table 'users': rows must be a torch.float32 tensor"):
@@ -126,9 +129,11 @@ def check_refusals(module: PSEmbeddingBagCollection) -> None:
         transport.call(0, "hogwild", "push", {"users": (torch.tensor([3]), torch.ones(1, 4))}, 1)
     pooled = module(batch(0))
     (pooled.values() * math.nan).sum().backward()
+    module.guard = NonFiniteGuard("trainer 0 (rank 0)")
     module.push_gradients()
-    with pytest.raises(ValueError, match="push refused: table '(users|products)': rows contain NaN"):
-        module.flush()
+    module.flush()  # dropped and counted by every server, not refused: the trainer carries on
+    assert module.guard.caught == "row gradients of PS-hosted tables"
+    transport.call(0, "hogwild", "push", {"users": (torch.tensor([0]), torch.full((1, 4), math.nan))}, 1, None, 0)
     with pytest.raises(ValueError, match=r"lookup refused: table 'users': id 10 out of range \[0, 10\)"):
         module(KeyedJaggedTensor.from_lengths_sync(
             keys=["user", "item", "history"], values=torch.tensor([10]), lengths=torch.tensor([1, 0, 0])
@@ -142,8 +147,10 @@ def check_refusals(module: PSEmbeddingBagCollection) -> None:
 
 def test_ps_module_matches_torchrec_forward_and_one_step_with_two_trainers_and_two_servers() -> None:
     stats = run_ranks(ps_against_torchrec, 4, timeout_s=90)[0]
-    for shard in stats["hogwild"]:  # one push per trainer per server, the refused ones not counted
-        assert (shard["pushes"], shard["updates"], shard["pending_rows"]) == (2, 2, 0)
+    for server, shard in enumerate(stats["hogwild"]):  # one push per trainer per server, the refused ones not
+        dropped = 2 if server == 0 else 1  # counted, the NaN ones counted and dropped (server 0 got two)
+        assert (shard["pushes"], shard["updates"], shard["pending_rows"]) == (2 + dropped, 2, 0)
+        assert (shard["nonfinite_dropped"], shard["failure"]) == (dropped, None)
     for shard in stats["gba"]:
         assert (shard["pushes"], shard["updates"], shard["pending_samples"]) == (2, 1, 0)
 
@@ -169,7 +176,7 @@ def test_hogwild_sgd_sums_repeated_ids_and_serves_only_its_own_rows() -> None:
     torch.testing.assert_close(rows(built, [1, 3]), expected)
     assert built.stats() == {
         "pushes": 1, "updates": 1, "rows_applied": 2, "pending_rows": 0, "pending_samples": 0,
-        "decayed": 0, "dropped": 0, "staleness_histogram": {},  # hogwild: no tokens
+        "nonfinite_dropped": 0, "failure": None, "decayed": 0, "dropped": 0, "staleness_histogram": {},  # hogwild: no tokens
     }
 
 
@@ -194,7 +201,7 @@ def test_aggregate_mode_applies_the_sample_weighted_mean_once_a_global_batch_has
     torch.testing.assert_close(rows(built, list(range(10))), initial)  # nothing applied yet
     assert built.stats() | {"rows_applied": None} == {
         "pushes": 1, "updates": 0, "rows_applied": None, "pending_rows": 2, "pending_samples": 4,
-        "decayed": 0, "dropped": 0, "staleness_histogram": {"0": 1},
+        "nonfinite_dropped": 0, "failure": None, "decayed": 0, "dropped": 0, "staleness_histogram": {"0": 1},
     }
     built.push({"t": (torch.tensor([2, 5]), second)}, 4, 0)  # equal batches: the mean of the two pushes
     expected = initial.clone()
@@ -202,7 +209,7 @@ def test_aggregate_mode_applies_the_sample_weighted_mean_once_a_global_batch_has
     torch.testing.assert_close(rows(built, list(range(10))), expected)
     assert built.stats() == {
         "pushes": 2, "updates": 1, "rows_applied": 3, "pending_rows": 0, "pending_samples": 0,
-        "decayed": 0, "dropped": 0, "staleness_histogram": {"0": 2},
+        "nonfinite_dropped": 0, "failure": None, "decayed": 0, "dropped": 0, "staleness_histogram": {"0": 2},
     }
     built.push({"t": (torch.tensor([7]), first[:1])}, 2, 1)  # unequal batches: weighted by samples
     built.push({"t": (torch.tensor([7]), second[:1])}, 6, 1)
@@ -219,7 +226,6 @@ MALFORMED = {
     "float64 rows": ({"t": (torch.tensor([2]), torch.ones(1, 2).double())}, 1, "rows must be a torch.float32 tensor"),
     "wrong width": ({"t": (torch.tensor([2]), torch.ones(1, 3))}, 1, "shape \\(1, 2\\), got .* shape \\(1, 3\\)"),
     "too few rows": ({"t": (torch.tensor([2, 4]), torch.ones(1, 2))}, 1, "shape \\(2, 2\\)"),
-    "infinite": ({"t": (torch.tensor([2]), torch.tensor([[1.0, math.inf]]))}, 1, "NaN or infinity"),
     "not a pair": ({"t": torch.tensor([2])}, 1, "expected \\(ids, rows\\)"),
     "no samples": ({"t": (torch.tensor([2]), torch.ones(1, 2))}, 0, "num_samples must be an integer >= 1"),
     "token from the future": ({"t": (torch.tensor([2]), torch.ones(1, 2))}, 1, "token 1 is from the future"),
@@ -243,6 +249,29 @@ def test_malformed_pushes_are_refused_and_leave_the_shard_untouched(case: str, o
         built.push(request, num_samples, token)
     torch.testing.assert_close(rows(built, list(range(10))), weights, rtol=0, atol=0)
     assert built.stats() == stats
+
+
+def test_non_finite_row_pushes_are_dropped_and_counted_under_skip_and_end_the_job_under_fail() -> None:
+    """Marked by the trainer (no rows sent) or found by the shard, a NaN / Inf push changes no row and
+    counts no sample (every shard drops a marked push alike); under fail it is refused naming the
+    trainer, and so is every later push, any trainer's."""
+    inf_rows = {"t": (torch.tensor([2]), torch.tensor([[1.0, math.inf]]))}
+    skipping = shard(PSEmbeddingConfig(mode="aggregate", global_batch=2))
+    weights = rows(skipping, list(range(10)))
+    skipping.push(inf_rows, 1, 0, 1)
+    skipping.push({}, 1, 0, 1, finite=False)
+    torch.testing.assert_close(rows(skipping, list(range(10))), weights, rtol=0, atol=0)
+    stats = skipping.stats()
+    assert (stats["pushes"], stats["nonfinite_dropped"], stats["pending_samples"], stats["updates"]) == (2, 2, 0, 0)
+    failing = shard(PSEmbeddingConfig(on_nonfinite="fail"))
+    with pytest.raises(ValueError, match=r"push refused: trainer 1's row gradients have NaN or inf values "
+                                         r"\(sync.on_nonfinite: fail\)"):
+        failing.push(inf_rows, 1, None, 1)
+    with pytest.raises(ValueError, match="push refused: the job failed: trainer 1's row gradients"):
+        failing.push({"t": (torch.tensor([2]), torch.ones(1, 2))}, 1, None, 0)
+    assert failing.stats()["failure"] == "trainer 1's row gradients have NaN or inf values (sync.on_nonfinite: fail)"
+    with pytest.raises(ValueError, match="load refused: table 't': rows contain NaN or infinity"):
+        failing.load_rows(inf_rows)  # loading never takes them, whatever on_nonfinite says
 
 
 def test_aggregate_mode_decays_or_drops_stale_row_gradients_as_the_dense_gba_shards_do() -> None:

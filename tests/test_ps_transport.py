@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -181,11 +182,79 @@ def stalls_watched(rank: int, world_size: int) -> dict:
         transport.PING_INTERVAL_S, transport.ABORT_GRACE_S = pinged_every, grace
 
 
+class Counter:
+    """A toy service that counts the pushes it applied; each push takes the time it is told."""
+
+    def __init__(self) -> None:
+        self.applied = 0
+        self._lock = threading.Lock()
+
+    def push(self, seconds: float) -> int:
+        time.sleep(seconds)
+        with self._lock:
+            self.applied += 1
+            return self.applied
+
+    def count(self) -> int:
+        return self.applied
+
+
+PAUSE_RPC_TIMEOUT_S = 1.0
+"""The paused job's `rpc_timeout_s`; its `timeout_s` is PAUSE_TIMEOUT_S."""
+PAUSE_TIMEOUT_S = 20.0
+PAUSE_S = 2.0
+"""How long trainer 1 is stopped with a call in flight, and how long a push takes: both longer than
+the RPC timeout, shorter than `timeout_s`."""
+SERVER_STOP_S = 4.0
+"""How long trainer 0 stops the server: longer than the RPC timeout and the ping after it."""
+
+
+def paused_calls(rank: int, world_size: int) -> dict:
+    """3 ranks, 1 server, `rpc_timeout_s` PAUSE_RPC_TIMEOUT_S, `timeout_s` PAUSE_TIMEOUT_S. Trainer 1
+    sends a push and is stopped (SIGSTOP) for PAUSE_S right after, then sends a push the server takes
+    PAUSE_S to apply: both calls outlive the RPC timeout on a live server. Then trainer 0 stops the
+    server for SERVER_STOP_S and calls it: that call fails naming the server. Once the server is
+    continued every rank stops normally: what each saw."""
+    from dlrm.faults import exchange_pids  # the harness's helper; this file's torchrun run needs no dlrm
+
+    pids = exchange_pids()
+    alive_within, transport.ALIVE_WITHIN_S = transport.ALIVE_WITHIN_S, 1.0
+    try:
+        roles = transport.start(num_servers=1, timeout_s=PAUSE_TIMEOUT_S, rpc_timeout_s=PAUSE_RPC_TIMEOUT_S)
+        seen: dict = {}
+        if roles.is_server:
+            transport.serve("counter", Counter())
+        elif roles.trainer_index == 1:
+            paused = transport.call_async(0, "counter", "push", 0.1)
+            freeze_self(PAUSE_S)
+            slow = transport.call_async(0, "counter", "push", PAUSE_S)
+            seen["replies"] = [paused.wait(), slow.wait()]
+            seen["applied"] = transport.call(0, "counter", "count")
+            seen["retried"] = transport.retried_calls()
+        dist.barrier()  # the default group: trainer 0 stops the server only after trainer 1's calls
+        if roles.trainer_index == 0:
+            server = pids[roles.server_ranks[0]]
+            subprocess.Popen(["sh", "-c", f"kill -STOP {server}; sleep {SERVER_STOP_S}; kill -CONT {server}"])
+            time.sleep(0.5)  # the shell has stopped it
+            started = time.monotonic()
+            with pytest.raises(PeerLost) as silent:
+                transport.call(0, "counter", "push", 0.0)
+            seen["silent_server"] = (str(silent.value), list(getattr(silent.value, "__notes__", [])),
+                                     time.monotonic() - started)
+            time.sleep(SERVER_STOP_S)  # the server is continued before the job stops
+        if not roles.is_server:  # trainer 1 calls the server again (in stop()) once it is continued
+            dist.barrier(group=roles.trainer_group)
+        transport.stop()
+        return seen
+    finally:
+        transport.ALIVE_WITHIN_S = alive_within
+
+
 @pytest.fixture(scope="module")
 def spawned() -> dict[str, list]:
     """The spawned-rank cases of this file, one after another in one group of 3 ranks."""
     return run_shared(3, {"calls": (exercise_transport, ()), "abort": (abort_and_barriers, ()),
-                          "stalls": (stalls_watched, ())}, timeout_s=90)
+                          "stalls": (stalls_watched, ()), "paused": (paused_calls, ())}, timeout_s=120)
 
 
 def test_roles_calls_and_remote_errors_on_three_spawned_ranks(spawned: dict[str, list]) -> None:
@@ -230,6 +299,42 @@ def test_a_trainer_frozen_for_less_than_the_timeout_carries_on_and_one_frozen_lo
     assert lost.search(trainer1["call"]), trainer1["call"]
     for seen in (trainer0, trainer1, server):
         assert lost.fullmatch(seen["stop"][0]), seen["stop"][0]
+
+
+def test_a_call_that_outlives_the_rpc_timeout_on_a_live_server_is_retried_and_applied_once(
+        spawned: dict[str, list]) -> None:
+    """Trainer 1 stopped with a push in flight, and a push slower than the RPC timeout: both return
+    (retried: the server answered the ping after the timeout), and each is applied once."""
+    trainer1 = spawned["paused"][1]
+    assert trainer1["replies"] == [1, 2] and trainer1["applied"] == 2, trainer1
+    assert trainer1["retried"] >= 1, trainer1  # the slow push at least: 2 s on a 1 s RPC timeout
+
+
+def test_a_call_to_a_stopped_server_fails_naming_it_within_the_rpc_timeout_and_a_ping(spawned: dict[str, list]) -> None:
+    message, notes, waited = spawned["paused"][0]["silent_server"]
+    assert message.startswith("server 0 (ps0, rank 2) failed counter.push for trainer0: "), message
+    assert notes == ["shadowgba: ps0 answered no ping within 1 s either"], notes
+    assert waited < SERVER_STOP_S, waited  # told while the server is still stopped
+
+
+def test_a_server_runs_each_call_number_once_and_forgets_the_replies_its_trainer_settled() -> None:
+    replies, runs = transport._Replies(), []
+
+    def work(value: str) -> str:
+        runs.append(value)
+        return value
+
+    assert replies.run_once((0, 0, ()), lambda: work("first")) == "first"
+    assert replies.run_once((0, 0, ()), lambda: work("retry")) == "first"  # a retry: the first run's reply
+    assert replies.run_once((1, 0, ()), lambda: work("other trainer")) == "other trainer"
+    assert replies.run_once((0, 1, (0,)), lambda: work("next")) == "next"  # trainer 0 settled call 0
+    assert runs == ["first", "other trainer", "next"]
+    assert sorted(replies._by_trainer[0]) == [1]  # call 0's reply is forgotten, call 1's kept
+    calls = transport._Calls()
+    assert [calls.begin(0), calls.begin(1)] == [(0, ()), (1, ())]
+    calls.settled(0, 0)
+    calls.settled(1, 1)
+    assert calls.begin(0) == (2, (0,)) and calls.begin(0) == (3, ()) and calls.begin(1) == (4, (1,))
 
 
 def test_the_same_checks_pass_under_torchrun() -> None:

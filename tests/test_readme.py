@@ -44,15 +44,16 @@ def test_every_yaml_block_of_the_readme_loads(index: int, tmp_path: Path) -> Non
     [
         ("torchrec_dlrm.py", "gba.yaml", 3, "gba: rounds="),  # TorchRec pipeline, 2 trainers + 1 server
         ("plain_loop.py", "easgd_ps.yaml", 3, "easgd_ps: final loss"),  # plain loop, S-EASGD centre on the server
+        ("torchrec_2d.py", "bmuf_2d.yaml", 4, "(group 1): "),  # 2 replica groups x 2 ranks
     ],
 )
 def test_example_scripts_run_as_shipped(script: str, config: str, nproc: int, expected: str) -> None:
-    assert {path.name for path in EXAMPLES} == {"torchrec_dlrm.py", "plain_loop.py"}  # each one is run here
+    assert {path.name for path in EXAMPLES} == {"torchrec_dlrm.py", "plain_loop.py", "torchrec_2d.py"}  # each run here
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         str(ROOT / "examples" / script), "--config", str(ROOT / "examples/configs" / config), "--steps", "60",
     ]
-    if script == "torchrec_dlrm.py":
+    if script.startswith("torchrec"):
         command += ["--batch-size", "64"]
     job = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
     output = job.stdout + job.stderr

@@ -282,6 +282,34 @@ def test_reading_the_state_never_waits_for_a_round_that_waits_for_a_peer_in_anot
         assert torch.isfinite(result["centre"]).all()
 
 
+def close_right_after_a_round(rank: int, world_size: int) -> dict:
+    """Foreground BMUF, SGD on a small MLP, 60 steps with a round every 5: the weights after the last
+    step's round, and after close() (its stop round and final average)."""
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    config = SyncConfig(algo="bmuf", mode="foreground", foreground_every=5, log_interval_s=0.0)
+    sync = ShadowSync(model, optimizer, config)
+    with sync:
+        for step in range(60):
+            inputs = torch.randn(16, 4, generator=torch.Generator().manual_seed(100 * rank + step))
+            model(inputs).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        after_last_round = flat(model).clone()
+    return {"after_last_round": after_last_round, "closed": flat(model), "rounds": sync.metrics.rounds}
+
+
+def test_bmuf_close_right_after_a_round_leaves_the_model_where_training_left_it(two_ranks: dict) -> None:
+    """The stop round takes the average and no outer step: a momentum step after training ended
+    would move the replicas (by 5.7e-3 before the fix, on this job)."""
+    results = two_ranks["bmuf-close-after-round"]
+    assert results[0]["rounds"] == 60 // 5 + 1  # the 12 rounds at steps 5 ... 60, then close()'s stop round
+    torch.testing.assert_close(results[0]["after_last_round"], results[1]["after_last_round"], rtol=0, atol=0)
+    for result in results:
+        torch.testing.assert_close(result["closed"], result["after_last_round"], rtol=0, atol=1e-7)
+
+
 @pytest.fixture(scope="module")
 def two_ranks() -> dict[str, list]:
     """Every 2-rank job of this file but the dead peer's (which kills its group), one after another
@@ -295,6 +323,7 @@ def two_ranks() -> dict[str, list]:
         ),
         "pacing": (paced_rounds, ()),
         "checkpoint-often": (checkpoint_often, ()),
+        "bmuf-close-after-round": (close_right_after_a_round, ()),
     }, timeout_s=150)
 
 

@@ -15,7 +15,9 @@ read and skipped line by line up to the position (cost linear in the samples alr
 
 Resuming (`--resume`) loads the newest good checkpoint if there is one, after the sync's `start()`
 (which broadcasts trainer 0's replica: each trainer's own one is restored after it); the run then
-trains until `train.steps` counted from step 0, so a resumed run trains the same total steps.
+trains until `train.steps` counted from step 0, so a resumed run trains the same total steps. When
+the directory holds checkpoints and every one is corrupted, the job fails listing each and why,
+unless `--resume-allow-fresh-start` says to train from step 0 then.
 Under `torchrun --max-restarts=N` a restarted attempt resumes by itself when `--resume` is given.
 
 Not supported (refused at start-up): the pma baseline (torch's averager keeps a step counter that
@@ -36,7 +38,7 @@ from typing import Any
 import shadowgba
 from dlrm.config import ExperimentConfig
 from dlrm.model import BuiltModel
-from shadowgba.checkpoint import Checkpointer, ModelState, PerTrainer, Setup, TrainState
+from shadowgba.checkpoint import Checkpointer, ModelState, PerReplica, PerTrainer, Setup, TrainState
 from shadowgba.errors import ConfigError
 from shadowgba.integrations.torchrec import dense_named_parameters
 
@@ -51,9 +53,13 @@ class CheckpointOptions:
     resume: bool = False
     keep_last: int = 2
     async_save: bool = False
+    allow_fresh_start: bool = False
+    """With `resume`: when every checkpoint in the directory is corrupted, start from step 0 rather than fail."""
 
     def check(self, config: ExperimentConfig) -> None:
         """Refuse what cannot run, before any process group exists."""
+        if self.allow_fresh_start and not self.resume:
+            raise ConfigError("--resume-allow-fresh-start needs --resume")
         if self.directory is None:
             if self.every or self.resume:
                 raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
@@ -77,18 +83,20 @@ class JobCheckpoints:
         self.options = options
         self.batch_size = config.data.batch_size
         self.train_state = TrainState(job.trainer_index)
-        setup = Setup.of(config.algo, dense_named_parameters(model.module), job.num_trainers, job.roles.num_servers)
+        setup = Setup.of(config.algo, dense_named_parameters(model.module), job.num_trainers, job.roles.num_servers,
+                         config.sync.sharding_group_size)
+        replica = job.layout.group_index if job.layout is not None else None
         self.checkpointer = Checkpointer(
             options.directory, setup, keep_last=options.keep_last, async_save=options.async_save,
             process_group=job.trainer_group, timeout_s=config.sync.timeout_s,
         )
         self.state: dict[str, Any] = {
-            "model": ModelState(model.module, job.trainer_index),
+            "model": ModelState(model.module, job.trainer_index, replica),
             "dense_optimizer": PerTrainer(optimizer, job.trainer_index),
         }
         fused = getattr(model.module, "fused_optimizer", None)
         if fused is not None:
-            self.state["embedding_optimizer"] = fused
+            self.state["embedding_optimizer"] = fused if replica is None else PerReplica(fused, replica)
         if model.ps_embeddings is not None:
             self.state["ps_embeddings"] = model.ps_embeddings
         if sync is not None:
@@ -104,7 +112,7 @@ class JobCheckpoints:
         """Load the newest checkpoint when --resume says so (collective); the step to continue from."""
         if self.options.resume:
             started = time.perf_counter()
-            self.resumed_from = self.checkpointer.load_latest(self.state)
+            self.resumed_from = self.checkpointer.load_latest(self.state, self.options.allow_fresh_start)
             self.load_s = time.perf_counter() - started if self.resumed_from is not None else 0.0
         self._start_step = self.train_state.step
         return self._start_step

@@ -102,10 +102,13 @@ class TrainConfig:
 class ExperimentConfig:
     """Everything one run reads."""
 
-    baseline: Literal["none", "ddp", "pma"] | None = None
-    """Run a baseline instead of shadowgba (then `sync` is not used, but for pma's
-    `sync.foreground_every`): none trains locally only, ddp is TorchRec's default dense DDP, pma is
-    torch's periodic model averaging every `sync.foreground_every` steps (`dlrm.pma`)."""
+    baseline: Literal["none", "ddp", "pma", "torchrec_2d"] | None = None
+    """Run a baseline instead of shadowgba (then `sync` is not used, but for pma's and torchrec_2d's
+    `sync.foreground_every` and the 2D layout's `sync.sharding_group_size`): none trains locally only
+    (in a 2D job: no sync across replica groups), ddp is TorchRec's default dense DDP, pma is torch's
+    periodic model averaging every `sync.foreground_every` steps (`dlrm.pma`), torchrec_2d is
+    TorchRec's 2D recipe: dense DDP over every trainer, tables averaged across replica groups every
+    `sync.foreground_every` steps in the step (`dlrm.torchrec_2d`)."""
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     """Dense synchronization (shadowgba), parameter-server ranks included (`sync.ps`)."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -120,6 +123,10 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         if self.baseline is not None and self.sync.ps.num_servers:
             raise ConfigError(f"sync.ps.num_servers: the {self.baseline} baseline runs without parameter servers")
+        if (self.baseline == "torchrec_2d") != bool(self.sync.sharding_group_size) and self.baseline in (
+                "torchrec_2d", "ddp", "pma"):
+            raise ConfigError(f"sync.sharding_group_size: the {self.baseline} baseline "
+                              + ("needs the 2D layout (> 0)" if self.baseline == "torchrec_2d" else "is flat (0)"))
         if self.train.global_samples and self.algo != "gba":
             raise ConfigError(
                 f"train.global_samples: counted by the GBA global step; needs sync.algo gba, not '{self.algo}'"

@@ -6,15 +6,22 @@ rank the same way, each fired by the trainer it names, right after its training 
     faults.kill_at(1, step=20)                   # trainer 1 SIGKILLs itself (no clean-up of any kind)
     faults.stall_at(1, step=20, seconds=3)       # trainer 1's training thread sleeps 3 s
     faults.stall_at(1, step=20, seconds=3, freeze=True)  # its whole process is stopped (SIGSTOP) for 3 s
+    faults.stop_at(1, step=20)                   # trainer 1's process is stopped for good (never continued)
     faults.kill_server_at(0, step=20, trainer=0)  # trainer 0 SIGKILLs server 0's process
+    faults.nan_at(1, step=20)                    # trainer 1's dense weights turn NaN (needs params=)
     fail_round_after(sync, rounds=3)             # the shadow thread's 4th round raises InjectedFailure
     for step in ...:
         ...; optimizer.step()
         faults.after_step(step)
 
+`nan` writes NaN into the first value of every dense parameter the injector was given (`params`):
+a replica gone bad, whose every later gradient is NaN, as a diverged step or a bit flip leaves it.
+
 A plain sleep stalls only the training thread: the shadow thread, RPC threads and the pings a
 server sends still run, as under a slow batch. `freeze` stops every thread of the process, as a
 descheduled or swapped-out host would: a helper process (started before the stop) continues it.
+`stop` starts no helper: the process stays stopped, as a hung host would, until someone kills it
+(a test harness, torchrun's agent tearing the job down); SIGKILL ends a stopped process.
 
 Every fault that fires is recorded before it acts (`FaultInjector.fired`, and one JSON line
 `{"kind", "trainer", "step", "restart_count", "pid", "at"}` appended to `log`, flushed and synced
@@ -26,7 +33,7 @@ attempt (`TORCHELASTIC_RESTART_COUNT`, 0 when unset): the attempt torchrun resta
 The harness arms the injector from the environment (`FaultInjector.from_env`):
 
     SHADOWGBA_TEST_KILL_AT_STEP=1:15          # trainer 1 is killed right after step 15 (and its checkpoint)
-    SHADOWGBA_TEST_FAULTS="fail:0:20,stall:1:10:2.5,freeze:1:30:4,kill:1:40"
+    SHADOWGBA_TEST_FAULTS="fail:0:20,stall:1:10:2.5,freeze:1:30:4,kill:1:40,nan:1:50,stop:1:60"
     SHADOWGBA_TEST_FAULT_LOG=faults.jsonl     # where fired faults are recorded
 
 Killing a server needs its pid, which only a collective can tell a trainer (`exchange_pids`), so
@@ -45,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from shadowgba.ps.transport import restart_count  # re-exported: the harness reads it here
@@ -81,7 +89,7 @@ class Fault:
     """One armed fault: `trainer` fires it right after its step `step`."""
 
     kind: str
-    """fail | kill | stall | freeze | kill_server."""
+    """fail | kill | stall | freeze | stop | kill_server | nan."""
     trainer: int
     step: int
     seconds: float = 0.0
@@ -94,38 +102,45 @@ class FaultInjector:
     """The faults of a job, armed alike on every rank; `after_step` fires this trainer's own."""
 
     def __init__(self, trainer_index: int | None, log: str | os.PathLike[str] | None = None,
-                 pids: Sequence[int] | None = None) -> None:
+                 pids: Sequence[int] | None = None, params: Sequence[torch.Tensor] | None = None) -> None:
         """`trainer_index`: this rank's index among the trainers (None on a server: nothing fires
         there). `log`: a file each fired fault is appended to. `pids`: every rank's process id by
-        global rank (`exchange_pids`), needed by `kill_server_at`."""
+        global rank (`exchange_pids`), needed by `kill_server_at`. `params`: this trainer's dense
+        parameters, needed by `nan_at`."""
         self.trainer_index = trainer_index
         self.log = Path(log) if log is not None else None
         self.pids = list(pids) if pids is not None else None
+        self.params = list(params) if params is not None else None
         self.faults: list[Fault] = []
         self.fired: list[dict[str, object]] = []
         self._actions: dict[str, Callable[[Fault], None]] = {
             "fail": self._fail, "kill": self._kill, "stall": self._stall, "freeze": self._freeze,
-            "kill_server": self._kill_server,
+            "stop": self._stop, "kill_server": self._kill_server, "nan": self._nan,
         }
 
     @classmethod
-    def from_env(cls, trainer_index: int) -> "FaultInjector":
+    def from_env(cls, trainer_index: int, params: Sequence[torch.Tensor] | None = None) -> "FaultInjector":
         """The harness's injector: faults from `SHADOWGBA_TEST_KILL_AT_STEP` (TRAINER:STEP, a kill)
         and `SHADOWGBA_TEST_FAULTS` (comma-separated KIND:TRAINER:STEP[:SECONDS]), logged to
-        `SHADOWGBA_TEST_FAULT_LOG`."""
-        injector = cls(trainer_index, os.environ.get(LOG_ENV) or None)
+        `SHADOWGBA_TEST_FAULT_LOG`; `params` for a `nan` fault."""
+        injector = cls(trainer_index, os.environ.get(LOG_ENV) or None, params=params)
         specs = [f"kill:{spec}" for spec in [os.environ.get(KILL_ENV, "")] if spec]
         specs += [spec for spec in os.environ.get(FAULTS_ENV, "").split(",") if spec]
         for spec in specs:
             kind, *numbers = spec.strip().split(":")
             try:
                 trainer, step, *seconds = (float(number) for number in numbers)
-                if kind not in ("fail", "kill", "stall", "freeze") or len(seconds) != (kind in ("stall", "freeze")):
+                if kind not in ("fail", "kill", "stop", "stall", "freeze", "nan") or len(seconds) != (
+                        kind in ("stall", "freeze")):
                     raise ValueError
             except ValueError:
-                raise ValueError(f"{KILL_ENV} must be TRAINER:STEP and {FAULTS_ENV} a list of fail|kill:TRAINER:STEP "
+                raise ValueError(f"{KILL_ENV} must be TRAINER:STEP and {FAULTS_ENV} a list of "
+                                 f"fail|kill|stop|nan:TRAINER:STEP "
                                  f"or stall|freeze:TRAINER:STEP:SECONDS, got {spec!r}") from None
-            injector._arm(Fault(kind, int(trainer), int(step), *seconds))
+            if kind == "nan":
+                injector.nan_at(int(trainer), int(step))
+            else:
+                injector._arm(Fault(kind, int(trainer), int(step), *seconds))
         return injector
 
     def fail_at(self, trainer: int, step: int) -> "FaultInjector":
@@ -141,11 +156,22 @@ class FaultInjector:
         with `freeze` its whole process is stopped (SIGSTOP) and continued (SIGCONT) by a helper."""
         return self._arm(Fault("freeze" if freeze else "stall", trainer, step, seconds))
 
+    def stop_at(self, trainer: int, step: int) -> "FaultInjector":
+        """Trainer `trainer` stops its whole process (SIGSTOP) after step `step`, for good: nothing
+        continues it (a hung host); only a kill ends it."""
+        return self._arm(Fault("stop", trainer, step))
+
     def kill_server_at(self, server_rank: int, step: int, trainer: int = 0) -> "FaultInjector":
         """Trainer `trainer` SIGKILLs the process of global rank `server_rank` after step `step`."""
         if self.pids is None:
             raise ValueError("kill_server_at needs FaultInjector(..., pids=exchange_pids())")
         return self._arm(Fault("kill_server", trainer, step, rank=server_rank))
+
+    def nan_at(self, trainer: int, step: int) -> "FaultInjector":
+        """Trainer `trainer` writes NaN into the first value of each of its dense parameters after step `step`."""
+        if self.params is None:
+            raise ValueError("nan_at needs FaultInjector(..., params=the trainer's dense parameters)")
+        return self._arm(Fault("nan", trainer, step))
 
     def after_step(self, step: int) -> None:
         """Fire this trainer's faults due at `step` (call it right after each training step)."""
@@ -195,6 +221,15 @@ class FaultInjector:
     def _freeze(self, fault: Fault) -> None:
         subprocess.Popen(["sh", "-c", f"sleep {fault.seconds}; kill -CONT {os.getpid()}"], start_new_session=True)
         os.kill(os.getpid(), signal.SIGSTOP)
+
+    def _stop(self, fault: Fault) -> None:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    def _nan(self, fault: Fault) -> None:
+        assert self.params is not None  # nan_at checked it
+        with torch.no_grad():
+            for param in self.params:
+                param.view(-1)[0] = float("nan")
 
     def _kill_server(self, fault: Fault) -> None:
         assert self.pids is not None and fault.rank is not None  # kill_server_at checked both

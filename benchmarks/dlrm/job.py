@@ -6,7 +6,8 @@
   tables). Everything a trainer does collectively (TorchRec's all-to-all, held-out evaluation,
   throughput sums, the replica check) runs on `job.trainer_group`, never on the default group.
 - `dense_sync` is `shadowgba.dense_sync` for every shadowgba algorithm, torch's periodic model
-  averager for the pma baseline (`dlrm.pma`), or nothing (none / ddp).
+  averager for the pma baseline (`dlrm.pma`), TorchRec's 2D table averaging for the torchrec_2d
+  baseline (`dlrm.torchrec_2d`), or nothing (none / ddp).
 - Resources, every rank's: `ResourceMeter` samples this process's CPU seconds (user + sys) all along,
   since a server rank cannot know when the trainers' timed window opens or closes; `StepWallClock`
   maps the trainers' window (their loop clock, pauses left out) to wall-clock intervals; once the
@@ -36,6 +37,7 @@ from dlrm.host import MiB, cpu_seconds, peak_rss_mib
 from dlrm.loop import TrainStats
 from dlrm.model import tables
 from dlrm.pma import PeriodicAveraging
+from dlrm.torchrec_2d import ReplicaSync
 from shadowgba.integrations.torchrec import dense_named_parameters
 from shadowgba.ps import transport
 
@@ -57,9 +59,21 @@ def dense_sync(config: ExperimentConfig, model: nn.Module, optimizer: Any, job: 
     if config.baseline == "pma":
         params = [param for _, param in dense_named_parameters(model)]
         return PeriodicAveraging(params, optimizer, config.sync.foreground_every, job.trainer_group)
+    if config.baseline == "torchrec_2d":
+        return ReplicaSync(model, optimizer, config.sync.foreground_every, job.layout.replica_group)
     if config.baseline is not None:
         return None
     return shadowgba.dense_sync(model, optimizer, job, local_batch_size=config.data.batch_size, end_job=False)
+
+
+def paired_trainers(config: ExperimentConfig, job: shadowgba.Job) -> tuple[dist.ProcessGroup, int]:
+    """The trainers whose steps pair every step, which must stop at the same step, and the global
+    rank that decides for them: every trainer (TorchRec's all-to-all over all of them, or dense DDP
+    over all of them as in torchrec_2d), or in a 2D job this rank's sharding group alone: its
+    all-to-all is all that pairs its steps, and a group must not wait for another to stop."""
+    if job.layout is None or config.baseline == "torchrec_2d":
+        return job.trainer_group, job.roles.trainer_ranks[0]
+    return job.layout.sharding_group, job.layout.global_rank(0)
 
 
 def applied_samples(sync: Any, config: ExperimentConfig) -> Callable[[], int]:

@@ -67,12 +67,17 @@ class StopRule:
         roles: transport.Roles,
         device: torch.device,
         applied_samples: Callable[[], int] | None,
+        paired: tuple[dist.ProcessGroup, int] | None = None,
     ) -> None:
+        """`paired`: the group of trainers whose steps pair every step (they must stop at the same
+        one; `dlrm.job.paired_trainers`) and the global rank that decides for them; default every
+        trainer, trainer 0 deciding."""
         if config.global_samples and applied_samples is None:
             raise ValueError("train.global_samples needs a counter of applied samples (GBA)")
         self.config = config
         self.lockstep = lockstep
         self.roles = roles
+        self.group, self.source = paired or (roles.trainer_group, roles.trainer_ranks[0])
         self.device = device
         self.applied_samples = applied_samples
 
@@ -90,7 +95,7 @@ class StopRule:
         if not self.lockstep:
             return stop
         decision = torch.tensor([stop], device=self.device)
-        dist.broadcast(decision, src=self.roles.trainer_ranks[0], group=self.roles.trainer_group)
+        dist.broadcast(decision, src=self.source, group=self.group)
         return bool(decision.item())
 
 
@@ -195,13 +200,19 @@ def evaluate(
     return {"auc": roc_auc(all_logits, all_labels), "log_loss": log_loss(all_logits, all_labels)}
 
 
-def dense_replica_spread(params: Sequence[torch.Tensor], roles: transport.Roles) -> float:
-    """Max over trainers and elements of |w - mean over trainers of w|: 0 when replicas are identical."""
-    flat = torch.cat([param.detach().flatten() for param in params])
-    mean = flat.clone()
-    dist.all_reduce(mean, group=roles.trainer_group)
-    spread = (flat - mean / len(roles.trainer_ranks)).abs().max()
-    dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=roles.trainer_group)
+def replica_spread(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> float:
+    """Max over the ranks of `group` and the elements of `tensors` of |w - mean over the ranks of w|:
+    0 when every rank of `group` holds the same values (the dense replicas over the trainers; a 2D
+    job's table shards over their replica group). One tensor at a time, so that the check holds
+    no copy of all of them (a run's peak memory is measured after it)."""
+    largest = 0.0
+    for tensor in tensors:
+        mean = tensor.detach().to(torch.float64, copy=True)
+        dist.all_reduce(mean, group=group)
+        if mean.numel():
+            largest = max(largest, (tensor.detach() - mean / dist.get_world_size(group)).abs().max().item())
+    spread = torch.tensor(largest, dtype=torch.float64, device=tensors[0].device)
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=group)
     return spread.item()
 
 

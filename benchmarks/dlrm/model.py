@@ -30,6 +30,7 @@ from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from dlrm.config import ExperimentConfig
+from dlrm.torchrec_2d import WorldDDP
 import shadowgba
 from shadowgba.ps.embedding import PSEmbeddingBagCollection
 from ctrkit.ctr_data import CTRData
@@ -108,17 +109,20 @@ def _shard(
     """Table-wise round-robin over the trainers, fused optimizer; dense DDP only for `ddp`."""
     optimizer = TORCHREC_EMBEDDING_OPTIMIZERS[config.train.embedding_optimizer]
     apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": config.train.embedding_lr})
-    num_trainers = job.num_trainers
+    # over the trainers, or a 2D job's sharding group (the job's guard places it in every group)
+    ranks = job.layout.group_size if job.layout is not None else job.num_trainers
     # Explicit kernel: left out, TorchRec picks "fused" only if the in-backward optimizer above is
     # already attached, else "dense" (tables that no optimizer here would train).
     placement = {
-        table.name: table_wise(rank=index % num_trainers, compute_kernel="fused")
+        table.name: table_wise(rank=index % ranks, compute_kernel="fused")
         for index, table in enumerate(ebc.embedding_bag_configs())
     }
     plan = ShardingPlan(
-        {EBC_PATH: construct_module_sharding_plan(ebc, placement, world_size=num_trainers, device_type=device.type)}
+        {EBC_PATH: construct_module_sharding_plan(ebc, placement, world_size=ranks, device_type=device.type)}
     )
     dmp_kwargs = job.dmp_kwargs()
     if config.baseline == "ddp":
         dmp_kwargs["data_parallel_wrapper"] = DefaultDataParallelWrapper()
+    if config.baseline == "torchrec_2d":
+        dmp_kwargs["data_parallel_wrapper"] = WorldDDP(job.trainer_group)
     return DistributedModelParallel(train_module, device=device, plan=plan, **dmp_kwargs)

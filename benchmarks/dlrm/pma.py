@@ -13,7 +13,6 @@ averages at calls `warmup_steps + n * period`, so `warmup_steps = k - 1`). Of `S
 from __future__ import annotations
 
 import time
-import types
 from typing import Sequence
 
 import torch
@@ -21,11 +20,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
-from shadowgba.metrics import SyncMetrics
-from shadowgba.step_hook import StepHook
+from dlrm.stepped import AfterEveryStep
 
 
-class PeriodicAveraging:
+class PeriodicAveraging(AfterEveryStep):
     """Context manager: while entered, `optimizer.step()` is followed by torch's periodic averager.
 
     `metrics.summary()` has the keys of ShadowSync's: `rounds` (averaging all-reduces),
@@ -39,20 +37,12 @@ class PeriodicAveraging:
         period: int,
         process_group: dist.ProcessGroup,
     ) -> None:
+        super().__init__(optimizer)
         self.params = list(params)
         self.period = period
-        self.metrics = SyncMetrics()
         self._averager = PeriodicModelAverager(period=period, warmup_steps=period - 1, process_group=process_group)
-        self._hook = StepHook([optimizer], self._after_step)
         self._bytes_per_round = sum(param.numel() * param.element_size() for param in self.params)
         self._step = 0
-
-    def __enter__(self) -> "PeriodicAveraging":
-        self._hook.install()
-        return self
-
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
-        self._hook.remove()
 
     def _after_step(self) -> None:
         """Let torch's averager see the step; on averaging steps it all-reduces, else it only counts."""

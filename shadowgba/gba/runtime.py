@@ -96,10 +96,10 @@ from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy
 from shadowgba.interface import DenseSync
 from shadowgba.metrics import GBAMetrics
+from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.ps import transport
 from shadowgba.ps.dense_server import DenseShardClient, serve_dense_shard
 from shadowgba.step_hook import StepHook
-from sync_algos.base import is_finite
 
 __all__ = ["GBASync", "Mode", "serve_dense_shard"]  # serve_dense_shard: GBA's server-rank entry point
 
@@ -152,13 +152,17 @@ class GBASync(DenseSync):
         lockstep_every: int = 0,
         on_nonfinite: str = "skip",
         timeout_s: float | None = None,
+        guard: NonFiniteGuard | None = None,
     ) -> None:
         """`lockstep_every` > 0 says the trainers take every step together anyway (TorchRec-sharded
         tables: each step's all-to-all pairs them); GBA -> sync is then agreed every that many steps
         in a one-element all-reduce (see `_leave_gba_due`). 0: trainers step independently (PS tables).
         `on_nonfinite` (`sync.on_nonfinite`): skip or fail on a NaN / Inf gradient (module docstring).
         `timeout_s` (`sync.timeout_s`, which `dense_sync` passes): the timeout of the sync group's
-        collectives and the deadline of the barriers (None: torch's default, and the transport's)."""
+        collectives and the deadline of the barriers (None: torch's default, and the transport's).
+        `guard`: this trainer's `NonFiniteGuard` (`shadowgba.dense_sync` shares it with the model's
+        tables; default one of its own): a step in which it caught NaN / Inf (embedding gradients,
+        row pushes) is non-finite as a NaN gradient is, and it counts this trainer's skipped steps."""
         if roles.is_server:
             raise ValueError("GBASync runs on trainer ranks; server ranks call serve_dense_shard()")
         if config.initial_mode == Mode.GBA and roles.num_servers < 1:
@@ -181,7 +185,9 @@ class GBASync(DenseSync):
         self.global_batch = self.num_trainers * local_batch_size
         self.lockstep_every = lockstep_every
         self.mode: Mode = Mode.SYNC
-        self.metrics = GBAMetrics(self._held_tensors)
+        self.guard = guard if guard is not None else NonFiniteGuard(self._trainer_name(roles.trainer_index),
+                                                                     on_nonfinite)
+        self.metrics = GBAMetrics(self._held_tensors, self.guard)
         self._gba_steps = 0
         """Steps since entering GBA: equal on every trainer when they are in lockstep."""
         self._gba_requested = False
@@ -277,6 +283,7 @@ class GBASync(DenseSync):
         """Mark the runtime closed, remove the step hook, stop and join the client's threads, destroy
         this runtime's own sync group (always), and send the metrics' last values to their sinks."""
         self._flat = None
+        self.guard.enabled = False
         try:
             self._step_hook.remove()
         finally:
@@ -376,13 +383,19 @@ class GBASync(DenseSync):
         # else the all-reduce's gradient field): no gradient buffer of the runtime's own.
         gradient = self._client.take_buffer() if self.mode == Mode.GBA else self._allreduce.gradient
         self.dense.copy_grads_to(gradient)
-        finite = is_finite(gradient)  # no mask as large as the gradient
-        if self.mode == Mode.SYNC:
-            self._after_sync_round(self._sync_round(gradient, stop=False, compute_s=compute_s, finite=finite))
-        elif self.mode == Mode.GBA:
-            self._gba_step(gradient, compute_s, finite)
-        else:
-            self._local_step(gradient, finite)
+        self.guard.check(gradient, "dense gradients")  # a sum: no mask as large as the gradient
+        finite = self.guard.step_finite  # also False when the tables' gradients or row pushes were not
+        try:
+            if self.mode == Mode.SYNC:
+                self._after_sync_round(self._sync_round(gradient, stop=False, compute_s=compute_s, finite=finite))
+            elif self.mode == Mode.GBA:
+                self._gba_step(gradient, compute_s, finite)
+            else:
+                self._local_step(gradient, finite)
+        except BaseException:
+            self.guard.discard_step()  # the error raised is this step's verdict
+            raise
+        self.guard.end_step()  # this trainer's skipped step counted; a run of them ends the job
         self._last_step_end = time.perf_counter()
         self.metrics.record_step(self._last_step_end - started)
         self._report_step()

@@ -10,7 +10,11 @@
   all-reduces every gradient inside backward; with a sync on top the job pays both, silently. Refused.
 - `dmp_kwargs` / `ShardingGuard`: with parameter-server ranks in the job, TorchRec must shard
   over the trainers only; a DMP over the whole world would wait forever for the servers in its
-  planner's collectives and all-to-all, so its construction is refused, naming the fix.
+  planner's collectives and all-to-all, so its construction is refused, naming the fix. In a 2D
+  job (`shadowgba.layout`) it shards over the rank's sharding group, and the guard gives every
+  group the same plan (`group_plan`).
+- `fused_table_shards`: the rows of the tables a rank holds and their fused optimizer state, as
+  views into FBGEMM's kernels, for the 2D runtime to average across replica groups.
 - `dense_optimizer`: the torch optimizer of the dense parameters inside TorchRec's
   `KeyedOptimizerWrapper` / `CombinedOptimizer` (GBA mirrors its type and hyperparameters).
 - `give_lazy_state`: TorchRec's `KeyedOptimizer.load_state_dict` refuses a saved state for an
@@ -23,6 +27,12 @@
   a warning); FBGEMM's CPU kernels then read out of bounds silently or crash, and a rank that fails
   inside the all-to-all leaves its peers waiting in it. `ShardingGuard` installs the check on every
   DMP the trainers of a job with servers build; `check_batches(model)` installs it on any DMP.
+- `guard_tables(model, guard)`: the gradient of a sharded `EmbeddingBagCollection`'s pooled
+  embeddings is checked on the rank that computed it, before TorchRec's backward all-to-all (or
+  reduce-scatter) carries it to the ranks owning the shards, whose fused optimizer applies it
+  inside backward. A NaN / Inf one is replaced by zeros (the collective still runs: every peer
+  waits for this rank's part) and recorded in the guard (`shadowgba.nonfinite`), which skips or
+  fails this rank's step: no peer's shard ever receives it.
 """
 
 from __future__ import annotations
@@ -30,26 +40,40 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import os
 from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.remote_device import _remote_device
 from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from shadowgba.errors import SetupError
-from shadowgba.ps.embedding import id_out_of_range, ids_outside
+from shadowgba.layout import ReplicaLayout
+from shadowgba.nonfinite import NonFiniteGuard
+from shadowgba.ps.embedding import PSEmbeddingBagCollection, id_out_of_range, ids_outside
+from shadowgba.shadow.tables import TableShard
 
 __all__ = [
     "BatchCheck", "ShadowDataParallelWrapper", "ShardingGuard", "check_batches", "dense_named_parameters",
-    "dense_optimizer", "dmp_kwargs", "give_lazy_state", "has_sharded_tables", "refuse_dense_ddp",
+    "dense_optimizer", "dmp_kwargs", "fused_table_shards", "give_lazy_state", "group_plan", "guard_tables",
+    "has_sharded_tables", "refuse_dense_ddp",
 ]
+
+FUSED_KERNELS = ("fused", "fused_uvm")
+"""Compute kernels whose rows and optimizer state live in FBGEMM's own storage, where a 2D job's
+table averaging reads and writes them (`fused_table_shards`). Any other kernel is refused in 2D."""
 
 
 class ShadowDataParallelWrapper(DataParallelWrapper):
@@ -59,9 +83,91 @@ class ShadowDataParallelWrapper(DataParallelWrapper):
         dmp._dmp_wrapped_module = dmp._dmp_wrapped_module.to(device)
 
 
-def dmp_kwargs(trainer_group: dist.ProcessGroup) -> dict[str, Any]:
-    """`DistributedModelParallel` keyword arguments: shard over `trainer_group`, no dense DDP."""
-    return {"env": ShardingEnv.from_process_group(trainer_group), "data_parallel_wrapper": ShadowDataParallelWrapper()}
+def dmp_kwargs(group: dist.ProcessGroup) -> dict[str, Any]:
+    """`DistributedModelParallel` keyword arguments: shard over `group` (the trainers, or a 2D job's
+    sharding group), no dense DDP."""
+    return {"env": ShardingEnv.from_process_group(group), "data_parallel_wrapper": ShadowDataParallelWrapper()}
+
+
+def group_plan(module: nn.Module, sharders: Sequence[Any], plan: ShardingPlan | None, layout: ReplicaLayout,
+               trainer_group: dist.ProcessGroup, device: torch.device) -> ShardingPlan:
+    """The plan of a 2D job's DMP on this rank: the same shards at the same positions in every
+    replica group (what makes partners' shards replicas of each other), with fused kernels.
+
+    Without a `plan`, TorchRec's planner plans for one group's k ranks, every table on a fused
+    kernel, on the trainers' first rank and broadcasts it to every trainer (TorchRec's own default
+    would plan on the sharding group's first rank and broadcast from global rank 0, which groups
+    past the first do not hold; and it may pick a non-fused kernel for a small table). A given
+    plan is checked to be the same on every trainer. Either way the shards' placements are made to
+    name the global ranks of this rank's group, as `ShardedTensor` requires, while `ranks` stay
+    positions in the group, as the sharding environment counts them."""
+    if plan is None:
+        topology = Topology(world_size=layout.group_size, compute_device=device.type,
+                            local_world_size=min(layout.group_size, int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                                        layout.group_size))))
+        tables = [config.name for collection in module.modules() if isinstance(collection, EmbeddingBagCollection)
+                  for config in collection.embedding_bag_configs()]
+        tables += [config.name for collection in module.modules() if isinstance(collection, EmbeddingCollection)
+                   for config in collection.embedding_configs()]
+        constraints = {table: ParameterConstraints(compute_kernels=list(FUSED_KERNELS[:1])) for table in tables}
+        planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+        plan = planner.collective_plan(module, list(sharders), trainer_group)
+    else:
+        plan = copy.deepcopy(plan)
+        signatures: list[Any] = [None] * dist.get_world_size(trainer_group)
+        dist.all_gather_object(signatures, _plan_signature(plan), group=trainer_group)
+        if any(signature != signatures[0] for signature in signatures):
+            raise SetupError("the DMP plan differs between trainers; a 2D job needs the same plan in every replica "
+                             "group (plan once and broadcast it, e.g. planner.collective_plan over all trainers)")
+    for module_path, module_plan in plan.plan.items():
+        for name, sharding in module_plan.items():
+            if sharding.compute_kernel not in FUSED_KERNELS:
+                raise SetupError(
+                    f"table {module_path}.{name} has compute kernel '{sharding.compute_kernel}'; a 2D job averages the "
+                    f"rows and optimizer state of fused kernels only: pin compute_kernels={list(FUSED_KERNELS[:1])} "
+                    "in its ParameterConstraints"
+                )
+            for shard in getattr(sharding.sharding_spec, "shards", None) or ():
+                position = shard.placement.rank()
+                if position >= layout.group_size:
+                    raise SetupError(f"table {module_path}.{name} is placed on rank {position}, outside a sharding "
+                                     f"group of {layout.group_size}: plan for sync.sharding_group_size ranks")
+                shard.placement = _remote_device(f"rank:{layout.global_rank(position)}/{shard.placement.device()}")
+    return plan
+
+
+def _plan_signature(plan: ShardingPlan) -> list[tuple[Any, ...]]:
+    """What must agree between the trainers' plans: every table's sharding, kernel, positions and shapes."""
+    return sorted(
+        (path, name, sharding.sharding_type, sharding.compute_kernel, tuple(sharding.ranks or ()),
+         tuple((tuple(shard.shard_offsets), tuple(shard.shard_sizes))
+               for shard in getattr(sharding.sharding_spec, "shards", None) or ()))
+        for path, module_plan in plan.plan.items() for name, sharding in module_plan.items()
+    )
+
+
+def fused_table_shards(model: nn.Module, optimizer_state: bool = True) -> list[TableShard]:
+    """Every table shard of `model`'s sharded embedding collections on this rank, in module order:
+    its rows (views into the FBGEMM kernel's weights) and, with `optimizer_state`, the kernel's
+    per-row optimizer state (row-wise Adagrad's sum, Adam's moments ...). Refuses a table whose
+    kernel is not fused: its rows or state would not be where this reads them."""
+    shards = []
+    for path, module in model.named_modules():
+        if not isinstance(module, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
+            continue
+        for lookup in module._lookups:
+            lookup = getattr(lookup, "module", lookup)  # a DDP-wrapped (data-parallel) lookup
+            for kernel in getattr(lookup, "_emb_modules", ()):
+                fbgemm = getattr(kernel, "_emb_module", None)
+                names = [table.name for table in kernel.config.embedding_tables]
+                if fbgemm is None or not hasattr(fbgemm, "get_optimizer_state"):
+                    raise SetupError(f"tables {names} of {path} use {type(kernel).__name__}, not a fused kernel; a "
+                                     f"2D job averages fused kernels only (compute_kernels={list(FUSED_KERNELS[:1])})")
+                states = fbgemm.get_optimizer_state() if optimizer_state else [{} for _ in names]
+                for name, weights, state in zip(names, fbgemm.split_embedding_weights(), states):
+                    rows = [value for value in state.values() if value.dim() >= 1 and value.shape[0] == weights.shape[0]]
+                    shards.append(TableShard(f"{path}.{name}", (weights, *rows)))
+    return shards
 
 
 def _sharded_names(model: nn.Module) -> set[str]:
@@ -176,16 +282,66 @@ def check_batches(model: nn.Module) -> int:
     return checked
 
 
+class _GuardedOutputDist:
+    """A sharded EBC's `compute_and_output_dist` or `output_dist` (every pipeline and a plain forward
+    call one of them, feature-processed and managed-collision EBCs the second) whose result, the
+    pooled embeddings, gets a gradient hook: the guard's `clean`, run on this rank before autograd
+    hands the gradient to the output distribution's backward, the collective that sends it to the
+    shards' owners."""
+
+    def __init__(self, dist: Any, guard: NonFiniteGuard, what: str) -> None:
+        self.dist = dist
+        self.guard = guard
+        self.what = what
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        awaitable = self.dist(*args, **kwargs)
+        awaitable.callbacks.append(self._hook)
+        return awaitable
+
+    def _hook(self, pooled: KeyedTensor) -> KeyedTensor:
+        values = pooled.values()
+        if values.requires_grad:
+            values.register_hook(lambda gradient: self.guard.clean(gradient, self.what))
+        return pooled
+
+
+def guard_tables(model: nn.Module, guard: NonFiniteGuard) -> int:
+    """Give every table module in `model` this trainer's `guard`: a sharded `EmbeddingBagCollection`
+    checks (and under NaN / Inf zeroes) the gradient of its pooled embeddings before TorchRec's backward
+    sends it to a peer (`_GuardedOutputDist`), a `PSEmbeddingBagCollection` its row gradients before a
+    push. A module guarded before (an earlier sync of the same model) takes the new guard. Returns how
+    many are guarded."""
+    guarded = 0
+    for module in model.modules():
+        if isinstance(module, PSEmbeddingBagCollection):
+            module.guard = guard
+            guarded += 1
+        elif isinstance(module, ShardedEmbeddingBagCollection):
+            what = f"embedding gradients of tables {', '.join(config.name for config in module._embedding_bag_configs)}"
+            for name in ("compute_and_output_dist", "output_dist"):
+                current = module.__dict__.get(name)
+                if isinstance(current, _GuardedOutputDist):
+                    current.guard = guard
+                else:
+                    setattr(module, name, _GuardedOutputDist(getattr(module, name), guard, what))
+            guarded += 1
+    return guarded
+
+
 class ShardingGuard:
-    """While installed, a `DistributedModelParallel` that would shard over more ranks than the
-    trainers is refused at construction (before its planner's first collective over the world,
-    which the servers never enter), naming the fix, and one that is built gets the batch check
-    (`check_batches`). `shadowgba.join` installs it on the trainers of a job with parameter servers
+    """While installed, a `DistributedModelParallel` that would shard over other ranks than the job
+    needs is refused at construction (before its planner's first collective, which the servers or
+    the other replica groups never enter), naming the fix, and one that is built gets the batch
+    check (`check_batches`). In a 2D job it also gets the group's plan (`group_plan`).
+    `shadowgba.join` installs it on the trainers of a job with parameter servers or replica groups
     and `Job.close()` removes it."""
 
-    def __init__(self, trainer_group: dist.ProcessGroup, num_servers: int) -> None:
+    def __init__(self, trainer_group: dist.ProcessGroup, num_servers: int, layout: ReplicaLayout | None = None) -> None:
+        self.trainer_group = trainer_group
         self.trainers = dist.get_world_size(trainer_group)
         self.num_servers = num_servers
+        self.layout = layout
         self._original: Any = None
 
     def install(self) -> None:
@@ -195,9 +351,15 @@ class ShardingGuard:
 
         @functools.wraps(original)
         def checked_init(dmp: DistributedModelParallel, *args: Any, **kwargs: Any) -> None:
-            env = signature.bind(dmp, *args, **kwargs).arguments.get("env")
+            bound = signature.bind(dmp, *args, **kwargs)
+            env = bound.arguments.get("env")
             guard.check(dist.get_world_size() if env is None else env.world_size)
-            original(dmp, *args, **kwargs)
+            if guard.layout is not None:
+                arguments = bound.arguments
+                arguments["plan"] = group_plan(
+                    arguments["module"], arguments.get("sharders") or get_default_sharders(), arguments.get("plan"),
+                    guard.layout, guard.trainer_group, arguments.get("device") or torch.device("cpu"))
+            original(*bound.args, **bound.kwargs)
             check_batches(dmp)
 
         self._original = original
@@ -209,7 +371,13 @@ class ShardingGuard:
             self._original = None
 
     def check(self, sharded_over: int) -> None:
-        if sharded_over != self.trainers:
+        if self.layout is not None and sharded_over != self.layout.group_size:
+            raise SetupError(
+                f"this DistributedModelParallel would shard its tables over {sharded_over} ranks, but "
+                f"sync.sharding_group_size is {self.layout.group_size}: each replica group shards its own copy "
+                "of the tables; build it with DistributedModelParallel(..., **job.dmp_kwargs())"
+            )
+        if self.layout is None and sharded_over != self.trainers:
             raise SetupError(
                 f"this DistributedModelParallel would shard its tables over {sharded_over} ranks, but only "
                 f"{self.trainers} train ({self.num_servers} are parameter servers and never join TorchRec's "

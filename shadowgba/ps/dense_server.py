@@ -478,7 +478,8 @@ class DenseShardClient:
              finite: bool = True, reply_params: bool = True) -> list[ShardReply]:
         """Push the whole-vector `gradient`, computed on parameters of global step `token`: shard 0
         decides, then every other shard gets its slice with that decision (in parallel). A push
-        shard 0 dropped goes no further: the other shards' replies are then pulls. `reply_params`
+        shard 0 dropped goes no further: the other shards' replies are then pulls, carrying shard
+        0's weight (0: no shard applied it). `reply_params`
         False: the replies carry tokens only (the trainer's watcher brings new parameters)."""
         (start, end), *others = self.bounds
         first = transport.call(0, DENSE_SERVICE, "push",
@@ -486,8 +487,9 @@ class DenseShardClient:
                                            finite, reply_params=reply_params))
         if not others:
             return [first]
-        if first.decision is None:
-            return [first, *self._fan_out("pull", [(reply_params,)] * len(others), first_shard=1)]
+        if first.decision is None:  # the others only answer with their parameters, at shard 0's weight (dropped)
+            pulled = self._fan_out("pull", [(reply_params,)] * len(others), first_shard=1)
+            return [first, *(dataclasses.replace(reply, weight=first.weight) for reply in pulled)]
         return [first, *self._fan_out("push", [
             (PushRequest(trainer, start, end, gradient[start:end], token, num_samples, compute_s, True,
                          first.decision, reply_params),)

@@ -21,6 +21,14 @@ A trainer step has no collective:
   size and the token that server's lookup returned, sent to *every* server even without rows, so
   that every shard counts every batch's samples and aggregate mode closes a global batch at the same
   push on every shard.
+- NaN / Inf rows never land (`config.on_nonfinite`, `sync.on_nonfinite`): the trainer checks its
+  row gradients before a push; a non-finite push goes to every server marked so and without its
+  rows, and the trainer's `NonFiniteGuard` (given by `shadowgba.dense_sync`) skips or fails its
+  step. Every shard then drops it alike (its samples not counted, so the shards' global steps stay
+  together) and counts it (`nonfinite_dropped`) under `skip`; under `fail` it is refused naming the
+  trainer, and so is every later push of any trainer, so every trainer's job ends naming it. A push
+  whose rows a shard finds non-finite although it was not marked (a client without the check) is
+  treated the same on that shard.
 - It is an explicit call rather than a backward hook because the trainer owns the step boundary
   (GBA hands its token over there): a hook fires once per table, inside autograd's thread, never for a
   table the loss does not reach, and would have to block backward when too many pushes are in flight.
@@ -63,6 +71,7 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from shadowgba.errors import ConfigError
+from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.ps import transport
 from sync_algos.base import is_finite
 from sync_algos.gba import AggregationConfig, Admission, GlobalBatchRule
@@ -96,6 +105,9 @@ class PSEmbeddingConfig:
     decay: StalenessDecayConfig = dataclasses.field(default_factory=StalenessDecayConfig)
     """aggregate: weight of a push by its staleness (GBA: the dense shards' `sync.options.decay`);
     ignored in hogwild mode, where every push is applied on arrival."""
+    on_nonfinite: Literal["skip", "fail"] = "skip"
+    """A push with NaN / Inf row gradients (`sync.on_nonfinite`): skip: every shard drops and counts
+    it, the trainer carries on; fail: it is refused naming the trainer, and so is every later push."""
     max_in_flight: int = 2
     """Steps whose pushes a trainer may have in flight; the next `push_gradients()` waits for the
     oldest. Bounds the trainer's memory and how stale its own rows can be."""
@@ -160,6 +172,9 @@ class EmbeddingShard:
         )
         """aggregate mode: GBA's rule, owning the global step and the samples toward the global batch."""
         self._staleness = StalenessCounts()
+        self._nonfinite_dropped = 0
+        self._failure: str | None = None
+        """Under on_nonfinite fail, why the job failed: every later push is refused with it."""
 
     def lookup(self, ids_by_table: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Current rows of the given ids, per table."""
@@ -172,15 +187,24 @@ class EmbeddingShard:
         with self._lock:
             return {name: table.weight[rows] for name, (table, rows) in checked.items()}, self._update_count()
 
-    def push(self, grads_by_table: RowsByTable, num_samples: int, token: int | None = None) -> None:
+    def push(self, grads_by_table: RowsByTable, num_samples: int, token: int | None = None,
+             trainer: int | None = None, finite: bool = True) -> None:
         """Row gradients of one trainer batch of `num_samples` samples, computed on rows of `token`
-        (required in aggregate mode, ignored in hogwild mode); applied per `config.mode`."""
-        checked = self._checked_rows("push", grads_by_table)
+        (required in aggregate mode, ignored in hogwild mode); applied per `config.mode`. `trainer`:
+        the pushing trainer's index (named when its push is not finite); `finite` False: the trainer
+        found NaN / Inf in its rows (they are not sent), dropped or refused per `config.on_nonfinite`."""
+        checked = self._checked_rows("push", grads_by_table, nonfinite_allowed=True)
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"push refused: num_samples must be an integer >= 1, got {num_samples!r}")
         if self._rule is not None and (isinstance(token, bool) or not isinstance(token, int)):
             raise ValueError(f"push refused: aggregate mode needs the lookup's token, an integer >= 0; got {token!r}")
+        finite = finite is True and all(is_finite(values) for _, _, values in checked)  # one pass, outside the lock
         with self._lock:
+            if self._failure is not None:
+                raise ValueError(f"push refused: the job failed: {self._failure}")
+            if not finite:
+                self._nonfinite(trainer)
+                return
             admission = self._admit(token, num_samples)
             self._pushes += 1
             if admission is None:
@@ -198,6 +222,15 @@ class EmbeddingShard:
                 for table in self._tables.values():
                     self._apply(table, table.pending_rows, table.pending_grads / admission.completed_samples)
                     table.clear_pending()
+
+    def _nonfinite(self, trainer: int | None) -> None:
+        """A push with NaN / Inf rows (the lock held): dropped and counted (skip), or the job fails (fail)."""
+        message = f"{'a trainer' if trainer is None else f'trainer {trainer}'}'s row gradients have NaN or inf values"
+        if self.config.on_nonfinite == "fail":
+            self._failure = f"{message} (sync.on_nonfinite: fail)"
+            raise ValueError(f"push refused: {self._failure}")
+        self._pushes += 1
+        self._nonfinite_dropped += 1
 
     def load_rows(self, rows_by_table: RowsByTable) -> None:
         """Overwrite rows (tests, checkpoints); optimizer state and pending gradients are kept."""
@@ -264,8 +297,9 @@ class EmbeddingShard:
 
     def stats(self) -> dict[str, object]:
         """Counters: pushes, updates (optimizer applications; the global step in aggregate mode),
-        rows_applied, pending_rows, pending_samples, and in aggregate mode the pushes' staleness
-        histogram and how many were decayed (0 < weight < 1) and dropped (weight 0)."""
+        rows_applied, pending_rows, pending_samples, nonfinite_dropped (pushes with NaN / Inf rows
+        dropped under skip), failure (why pushes are refused under fail), and in aggregate mode the
+        pushes' staleness histogram and how many were decayed (0 < weight < 1) and dropped (weight 0)."""
         with self._lock:
             return {
                 "pushes": self._pushes,
@@ -273,6 +307,8 @@ class EmbeddingShard:
                 "rows_applied": self._rows_applied,
                 "pending_rows": sum(len(table.pending_rows) for table in self._tables.values()),
                 "pending_samples": 0 if self._rule is None else self._rule.buffered_samples,
+                "nonfinite_dropped": self._nonfinite_dropped,
+                "failure": self._failure,
                 **self._staleness.summary(),
             }
 
@@ -319,9 +355,10 @@ class EmbeddingShard:
         return table, ids // self.num_servers
 
     def _checked_rows(
-        self, request: str, rows_by_table: RowsByTable
+        self, request: str, rows_by_table: RowsByTable, nonfinite_allowed: bool = False
     ) -> list[tuple[_ShardTable, torch.Tensor, torch.Tensor]]:
-        """Validated (table, local rows, values) per entry; values must be finite float32 rows."""
+        """Validated (table, local rows, values) per entry; values must be float32 rows, and finite
+        unless `nonfinite_allowed` (a push, whose caller applies `config.on_nonfinite`)."""
         checked = []
         for name, entry in rows_by_table.items():
             if not isinstance(entry, tuple) or len(entry) != 2:
@@ -332,7 +369,7 @@ class EmbeddingShard:
             if not isinstance(values, torch.Tensor) or values.dtype != table.weight.dtype or values.shape != shape:
                 raise _refused(request, name, f"rows must be a {table.weight.dtype} tensor of shape {shape}, "
                                               f"got {_describe(values)}")
-            if not is_finite(values):
+            if not nonfinite_allowed and not is_finite(values):
                 raise _refused(request, name, "rows contain NaN or infinity")
             checked.append((table, rows, values))
         return checked
@@ -383,6 +420,8 @@ class PSEmbeddingBagCollection(nn.Module):
         self._lengths_per_key = [table.embedding_dim for table in self._tables for _ in table.feature_names]
         self._step: _Step | None = None
         self._in_flight: collections.deque[list[torch.futures.Future]] = collections.deque()
+        self.guard: NonFiniteGuard | None = None
+        """The trainer's guard (`shadowgba.dense_sync` sets it): told of a push with NaN / Inf rows."""
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The tables, as `EmbeddingBagCollection.embedding_bag_configs()` (TorchRec's DLRM reads it)."""
@@ -441,9 +480,15 @@ class PSEmbeddingBagCollection(nn.Module):
             for name, leaf in step.leaves.items()
             if leaf.grad is not None
         }
+        finite = all(is_finite(rows) for _, rows in grads.values())
+        if not finite and self.guard is not None:
+            self.guard.note("row gradients of PS-hosted tables")
+        requests = self._split(grads) if finite else [{} for _ in range(self.num_servers)]  # NaN stays here
+        trainer = transport.roles().trainer_index
         self._in_flight.append([
-            transport.call_async(server, self.service, "push", request, step.batch_size, step.tokens[server])
-            for server, request in enumerate(self._split(grads))
+            transport.call_async(server, self.service, "push", request, step.batch_size, step.tokens[server],
+                                 trainer, finite)
+            for server, request in enumerate(requests)
         ])
         self._settle(self.config.max_in_flight)
 

@@ -59,6 +59,16 @@ Invariants (why a call cannot deadlock):
   that window is the few milliseconds between the two.
 - A call whose server is dead, unreachable or silent past the RPC timeout raises `PeerLost` naming
   that server and its rank (`server i (psi, rank r) failed name.method ...`), on every trainer.
+  The RPC timeout alone names no one, though: a trainer stopped (SIGSTOP) with a call in flight
+  finds the call timed out once it is continued, the server's reply unread. So a call that timed
+  out asks its server for a ping (`ALIVE_WITHIN_S`): a server that does not answer is the silent
+  one and is named; one that answers gets the call again, as long as the call began less than
+  `timeout_s` (`sync.timeout_s`) ago, and once more after (its answer then is the server's verdict,
+  e.g. that it lost this very trainer). A stall shorter than `sync.timeout_s` on either side
+  is therefore no failure. Retries are safe: every call carries its trainer's call number, and a
+  server runs each number once (`_Replies`): a retry of a call that ran, or is running, gets that
+  run's reply. Each call also names the calls to that server its trainer has settled since its last
+  one there (no retry of them can follow), and the server forgets their replies.
 - `abort(reason)` is the way out of a failed trainer, and waits for no peer: it tells every server
   why (`notify_abort`: one call each, at most `ABORT_NOTICE_S`), then shuts RPC down without draining. From then
   on a server refuses every call with `PeerLost` carrying that reason, and its `stop()` ends with
@@ -88,6 +98,7 @@ import collections
 import dataclasses
 import datetime
 import fcntl
+import functools
 import itertools
 import os
 import socket
@@ -119,6 +130,9 @@ is gone or stuck, and the failed trainer must not wait for it."""
 ABORT_GRACE_S = 2.0
 """How long a server whose trainer aborted (or whom it gave up on) keeps answering with the failure
 before its `stop()` raises, so that the surviving trainers read the reason rather than a dead server."""
+ALIVE_WITHIN_S = 5.0
+"""How fast a server must answer the ping that follows a call to it that timed out for the call to be
+retried; one that does not is named as the silent rank."""
 PING_INTERVAL_S = 1.0
 """How often a server pings the trainers that have not called `stop()` yet (also each ping's RPC
 timeout), and at most how long a trainer in `stop()` sleeps between two polls."""
@@ -186,6 +200,76 @@ class Roles:
         return server_name(self.server_index) if self.is_server else f"trainer{self.trainer_index}"
 
 
+class _Calls:
+    """A trainer's calls to the servers, numbered: a server runs each number once (`_Replies`), and
+    forgets its reply once told that this trainer has settled the call (no retry can follow)."""
+
+    def __init__(self) -> None:
+        self._numbers = itertools.count()
+        self._unreported: dict[int, list[int]] = collections.defaultdict(list)
+        self._lock = threading.Lock()
+        self.retried = 0
+        """How many attempts were sent again after a timeout (`retried_calls`)."""
+
+    def count_retry(self) -> None:
+        with self._lock:
+            self.retried += 1
+
+    def begin(self, server: int) -> tuple[int, tuple[int, ...]]:
+        """A new call's number, and the calls to `server` settled since the last call to it told it."""
+        with self._lock:
+            settled = tuple(self._unreported.pop(server, ()))
+            return next(self._numbers), settled
+
+    def settled(self, server: int, number: int) -> None:
+        """Call `number` to `server` has its outcome: the next call to that server tells it so."""
+        with self._lock:
+            self._unreported[server].append(number)
+
+
+@dataclasses.dataclass
+class _Reply:
+    """One numbered call's reply on a server, set once its first run has returned."""
+
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    value: Any = None
+
+
+class _Replies:
+    """A server's replies to the trainers' numbered calls, each kept until its trainer has settled
+    it: a retried call waits for, and returns, the reply of the run its number started, so a push
+    sent twice is applied once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_trainer: dict[int, dict[int, _Reply]] = collections.defaultdict(dict)
+
+    def run_once(self, caller: tuple[int, int, tuple[int, ...]], work: Callable[[], Any]) -> Any:
+        """`work()` for call `caller` = (trainer index, call number, numbers that trainer has settled
+        since its last call here), or the reply of the run of that number that came first."""
+        trainer, number, settled = caller
+        with self._lock:
+            replies = self._by_trainer[trainer]
+            for old in settled:
+                replies.pop(old, None)
+            reply = replies.get(number)
+            first = reply is None
+            if reply is None:
+                reply = replies[number] = _Reply()
+        if first:
+            try:
+                reply.value = work()
+            finally:  # a retry waiting for this run never waits for ever
+                reply.done.set()
+        else:
+            reply.done.wait()
+        return reply.value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_trainer.clear()
+
+
 @dataclasses.dataclass
 class _Started:
     roles: Roles
@@ -204,6 +288,8 @@ class _Started:
     """Server: set by the tear-down to end `_watch_trainers`."""
     watch: threading.Thread | None = None
     """Server: the thread of `_watch_trainers`."""
+    calls: _Calls = dataclasses.field(default_factory=_Calls)
+    """Trainer: the numbers of its calls to the servers, and how many were retried."""
 
 
 @dataclasses.dataclass
@@ -220,6 +306,7 @@ class _StopBarrier:
 _started: _Started | None = None
 _services: dict[str, object] = {}
 _services_changed = threading.Condition()
+_replies = _Replies()
 _stop_barrier = _StopBarrier()
 _stop_changed = threading.Condition()
 
@@ -344,22 +431,28 @@ def call_async(server_index: int, name: str, method: str, *args: Any) -> torch.f
     """Run `service.method(*args)` of service `name` on server `server_index`; a Future of the result.
 
     `wait()` returns the result or raises the service's exception: same type, same message, the
-    server's traceback attached as a note. A transport failure (the server is dead, unreachable or
-    did not answer within the RPC timeout) raises `PeerLost` naming the server and its rank, chaining
-    RPC's error.
+    server's traceback attached as a note. A transport failure (the server is dead, unreachable, or
+    did not answer within the RPC timeout nor a ping after it) raises `PeerLost` naming the server
+    and its rank, chaining RPC's error; a call that timed out on a server that still answers is sent
+    again (`_request`), and run once however often it is sent.
     """
-    roles = _require_started().roles
+    started = _require_started()
+    roles = started.roles
     num_servers = roles.num_servers
     if not 0 <= server_index < num_servers:
         raise ValueError(f"server_index must be in [0, {num_servers}), got {server_index}")
-    reply = rpc.rpc_async(server_name(server_index), _dispatch, args=(name, method, args))
+    calls = started.calls  # not `started`, which holds the groups an abort must free
+    number, settled = calls.begin(server_index)
+    reply = _request(started, server_index, _dispatch, (name, method, args, (roles.trainer_index, number, settled)),
+                     f"failed {name}.{method}")
     result: torch.futures.Future = torch.futures.Future()
 
     def settle(done: torch.futures.Future) -> None:
+        calls.settled(server_index, number)
         try:
             value = done.wait()
-        except Exception as error:  # the transport failed
-            result.set_exception(_server_lost(roles, server_index, f"failed {name}.{method}", error))
+        except Exception as error:  # the transport failed: `_request` named the server
+            result.set_exception(error)
             return
         if isinstance(value, _Failure):
             value.error.add_note(f"raised by service '{name}' on {server_name(server_index)}:\n{value.traceback}")
@@ -369,6 +462,77 @@ def call_async(server_index: int, name: str, method: str, *args: Any) -> torch.f
 
     reply.add_done_callback(settle)
     return result
+
+
+def retried_calls() -> int:
+    """How many times this trainer sent a call again after it timed out on a server that still answered."""
+    return _require_started().calls.retried
+
+
+def _request(started: _Started, server: int, function: Callable[..., Any], args: tuple[Any, ...],
+             what: str) -> torch.futures.Future:
+    """`function(*args)` on server `server` over RPC, a Future of its return value. A transport
+    failure sets `PeerLost` naming the server (`_server_lost(..., what, ...)`), except a timeout on a
+    server that answers a ping within `ALIVE_WITHIN_S`: then the same request is sent again while it
+    began less than `timeout_s` ago, and once more after (see the module docstring). Never blocks:
+    the ping and the retries are chained on the RPC futures. RPC's own refusal (shut down) of the
+    first attempt is raised here."""
+    request = _Request(started.roles, started.timeout_s, started.calls, server, function, args, what)
+    request.send(request.began)
+    return request.result
+
+
+class _Request:
+    """One `_request` in flight: its attempts, pings and outcome. Its callbacks are bound methods, not
+    closures that refer to one another: such a cycle would outlive the request until the garbage
+    collector ran, and with it what it refers to (a group that an abort destroys must be freed then:
+    its peers are released only when its connections close)."""
+
+    def __init__(self, roles: Roles, timeout_s: float, calls: _Calls, server: int, function: Callable[..., Any],
+                 args: tuple[Any, ...], what: str) -> None:
+        self.roles, self.timeout_s, self.calls = roles, timeout_s, calls
+        self.server, self.function, self.args, self.what = server, function, args, what
+        self.began = time.monotonic()
+        self.result: torch.futures.Future = torch.futures.Future()
+
+    def send(self, attempt_began: float) -> None:
+        attempt = rpc.rpc_async(server_name(self.server), self.function, args=self.args)
+        attempt.add_done_callback(functools.partial(self._settle, attempt_began=attempt_began))
+
+    def _settle(self, done: torch.futures.Future, attempt_began: float) -> None:
+        try:
+            self.result.set_result(done.wait())
+            return
+        except Exception as error:  # noqa: BLE001 (RPC raises RuntimeError, or a service-side type)
+            failure = error
+        if not _timed_out(_first_line(failure)) or attempt_began - self.began >= self.timeout_s:
+            self._fail(failure)
+            return
+        try:
+            ping = rpc.rpc_async(server_name(self.server), _alive, timeout=ALIVE_WITHIN_S)
+        except RuntimeError:  # RPC is shut down (this trainer aborted meanwhile)
+            self._fail(failure)
+            return
+        ping.add_done_callback(functools.partial(self._retry, failure=failure))
+
+    def _retry(self, answer: torch.futures.Future, failure: BaseException) -> None:
+        try:
+            answer.wait()
+        except Exception:  # noqa: BLE001 (the server is silent too: it is the one to name)
+            self._fail(failure, f"shadowgba: {server_name(self.server)} answered no ping within {ALIVE_WITHIN_S:g} s "
+                                "either")
+            return
+        self.calls.count_retry()
+        try:
+            self.send(time.monotonic())
+        except RuntimeError as error:  # RPC is shut down (this trainer aborted meanwhile)
+            self._fail(error)
+
+    def _fail(self, error: BaseException, note: str | None = None) -> None:
+        lost = _server_lost(self.roles, self.server, self.what, error)
+        if note is not None:
+            lost.add_note(note)
+        self.result.set_exception(lost)
 
 
 def call(server_index: int, name: str, method: str, *args: Any) -> Any:
@@ -555,6 +719,7 @@ def _tear_down(started: _Started, graceful: bool) -> None:
     finally:
         with _services_changed:
             _services.clear()
+        _replies.clear()
         with _stop_changed:
             _stop_barrier = _StopBarrier()
         _started = None
@@ -644,12 +809,12 @@ def _await_release(roles: Roles, key: str, timeout_s: float | None, servers: int
     servers = roles.num_servers if servers is None else servers
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for server in range(servers):
-        _call_in_stop(roles, server, _arrive, key, roles.trainer_index)
+        _call_in_stop(server, _arrive, key, roles.trainer_index)
     waiting = list(range(servers))
     pause = 0.005
     while waiting:
         for server in list(waiting):
-            missing, failure = _call_in_stop(roles, server, _release_state, key, len(roles.trainer_ranks))
+            missing, failure = _call_in_stop(server, _release_state, key, len(roles.trainer_ranks))
             if failure is not None:
                 raise PeerLost(failure)
             if not missing:
@@ -664,12 +829,10 @@ def _await_release(roles: Roles, key: str, timeout_s: float | None, servers: int
         pause = min(2 * pause, PING_INTERVAL_S / 4)
 
 
-def _call_in_stop(roles: Roles, server: int, function: Callable[..., Any], *args: Any) -> Any:
-    """`function(*args)` on a server from a trainer in `stop()` or `barrier()`; a server that is gone is a PeerLost."""
-    try:
-        return rpc.rpc_sync(server_name(server), function, args=args)
-    except RuntimeError as error:
-        raise _server_lost(roles, server, "went away in transport.stop() or barrier()", error)
+def _call_in_stop(server: int, function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` (idempotent) on a server from a trainer in `stop()` or `barrier()`; a server
+    that is gone is a PeerLost (`_request`)."""
+    return _request(_require_started(), server, function, args, "went away in transport.stop() or barrier()").wait()
 
 
 def _server_lost(roles: Roles, server: int, what: str, error: BaseException) -> PeerLost:
@@ -714,7 +877,8 @@ def _timed_out(message: str) -> bool:
 
 
 def _alive() -> bool:
-    """Runs on a trainer's RPC thread: the ping of a server waiting in `stop()`."""
+    """Runs on a trainer's RPC thread: the ping of a server waiting in `stop()`; and on a server's: the
+    ping of a trainer whose call to it timed out (`_request`)."""
     return True
 
 
@@ -761,8 +925,14 @@ class _Failure:
     traceback: str
 
 
-def _dispatch(name: str, method: str, args: tuple[Any, ...]) -> Any:
-    """Runs on the server's RPC thread: look the service up (waiting for serve()) and call it."""
+def _dispatch(name: str, method: str, args: tuple[Any, ...], caller: tuple[int, int, tuple[int, ...]]) -> Any:
+    """Runs on the server's RPC thread: look the service up (waiting for serve()) and call it, once
+    per call number of `caller` (`_Replies`: a retried call gets the first run's reply)."""
+    return _replies.run_once(caller, lambda: _serve_call(name, method, args))
+
+
+def _serve_call(name: str, method: str, args: tuple[Any, ...]) -> Any:
+    """A service call's return value, or its exception as a `_Failure`."""
     try:
         with _stop_changed:
             failure = _stop_barrier.failure

@@ -50,7 +50,9 @@ from shadowgba.config import SyncConfig
 from shadowgba.errors import CheckpointError, SyncError
 from shadowgba.interface import DenseSync
 from shadowgba.shadow.control import ControlFile, LiveSettings
+from shadowgba.shadow.tables import TableFragments
 from shadowgba.metrics import SyncMetrics
+from shadowgba.nonfinite import NonFiniteGuard, gradients
 from shadowgba.step_hook import StepHook
 from shadowgba.dense import DenseParams, trainable_named_parameters
 from shadowgba.shadow.writeback import DirectWriteBack, HandoffWriteBack, WriteBack, wait_for_device
@@ -71,6 +73,12 @@ class ShadowSync(DenseSync):
     (S-EASGD: the client of its centre). `process_group` is the group whose ranks synchronize (default: world);
     the shadow traffic gets a new group over those ranks (unless the algorithm only talks to a
     parameter server: then `process_group` itself carries the initial broadcast and final average).
+    `guard`: this trainer's `NonFiniteGuard` (`shadowgba.dense_sync` shares it with the model's
+    tables); default one of its own. A step whose gradients, or whatever the guard caught in it
+    (embedding gradients, row pushes), hold NaN / Inf does not run the user's optimizer: the
+    weights stay as they were, and the guard skips and counts it or ends the job (`sync.on_nonfinite`).
+    `tables` (2D jobs): this rank's table shards, averaged on their replica group one fragment after
+    each dense round (`shadowgba.shadow.tables`), through the same step-boundary handoff.
     """
 
     def __init__(
@@ -81,12 +89,18 @@ class ShadowSync(DenseSync):
         process_group: dist.ProcessGroup | None = None,
         params: Iterable[tuple[str, nn.Parameter]] | None = None,
         algorithm_kwargs: dict[str, Any] | None = None,
+        guard: NonFiniteGuard | None = None,
+        tables: TableFragments | None = None,
     ) -> None:
         self.config = config
+        self.tables = tables
         optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-        self._step_hook = StepHook(optimizers, self._after_step)
+        self._step_hook = StepHook(optimizers, self._after_step, before_step=self._before_step)
         self.dense = DenseParams(list(params if params is not None else trainable_named_parameters(model)))
-        self.metrics = SyncMetrics(self._held_tensors)
+        self.guard = guard if guard is not None else NonFiniteGuard(
+            f"rank {dist.get_rank()}" if dist.is_initialized() else "this rank", config.on_nonfinite,
+            config.max_skipped_steps)
+        self.metrics = SyncMetrics(self._held_tensors, self.guard, self._fragment_ages if tables is not None else None)
         self._parent_group = process_group
         self._algorithm_kwargs = algorithm_kwargs or {}
         self._interval_s = config.interval_ms / 1e3
@@ -111,7 +125,10 @@ class ShadowSync(DenseSync):
         self._owns_group = False
         self._algorithm: sync_algos.SyncAlgorithm | None = None
         self._writeback: WriteBack | None = None
+        self._table_writeback: WriteBack | None = None
         self._snapshot = self.dense.empty()
+        self._check_s = 0.0
+        """The last step's gradient check (`_before_step`), part of its time in sync code."""
 
     # ----------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -141,10 +158,12 @@ class ShadowSync(DenseSync):
             self.config.algo, self.config.algorithm_config(), self._group, initial, **self._algorithm_kwargs
         )
         self._algorithm.state_guard = self._state_lock
-        if self.config.mode == "shadow" and self.config.writeback == "handoff":
-            self._writeback = HandoffWriteBack(self.dense, self._record_applied)
-        else:
-            self._writeback = DirectWriteBack(self.dense, self._record_applied)
+        # the fused optimizer writes table rows inside backward: only a step boundary may touch them
+        handoff = self.config.mode == "shadow" and self.config.writeback == "handoff"
+        self._writeback = (HandoffWriteBack if handoff else DirectWriteBack)(self.dense, self._record_applied)
+        if self.tables is not None:
+            self._table_writeback = (HandoffWriteBack if self.config.mode == "shadow" else DirectWriteBack)(
+                self.tables, self._record_table_applied)
         self._step_hook.install()
         if self.config.mode == "shadow":
             self._thread = threading.Thread(target=self._shadow_loop, name="shadowgba-shadow", daemon=True)
@@ -154,6 +173,10 @@ class ShadowSync(DenseSync):
             self.config.algo, self.config.mode, self.config.writeback, self.dense.numel,
             self.dense.numel * self._snapshot.element_size() / 2**20, dist.get_world_size(self._group),
         )
+        if self.tables is not None:
+            logger.info("shadowgba tables: %d shards, %d values in a cycle of %d fragments, averaged over %d replicas",
+                        len(self.tables.shards), self.tables.numel, len(self.tables.fragments),
+                        dist.get_world_size(self.tables.group))
 
     def close(self, final_sync: bool | None = None) -> None:
         """Stop rounds on every rank together, then (optionally) average the replicas once, blocking.
@@ -171,18 +194,21 @@ class ShadowSync(DenseSync):
         try:
             if self._thread is not None:
                 while self._thread.is_alive():
-                    self._writeback.on_step_boundary()
+                    self._on_step_boundary()
                     self._thread.join(timeout=0.002)
-                self._writeback.on_step_boundary()
+                self._on_step_boundary()
             elif not self._rounds_finished and self._error is None:
                 self._foreground_round()
         finally:
             self._step_hook.remove()
+            self.guard.enabled = False
             group, self._group = self._group, None
         try:
             if self._error is None and final_sync:
                 nonfinite = self.dense.average_(group, self._snapshot, self._algorithm.allreduce)
                 self._check_flags(self._global_ranks(nonfinite, group), (), "the final average")
+                if self.tables is not None and self._error is None:
+                    self._table_rounds(len(self.tables.fragments), None)
         finally:
             self._release(group)
         self._raise_unreported_error()
@@ -209,6 +235,8 @@ class ShadowSync(DenseSync):
         try:
             if self._thread is not None:
                 self._writeback.cancel()  # a snapshot request would wait for a step that never comes
+                if self._table_writeback is not None:
+                    self._table_writeback.cancel()
                 last = self._thread
             elif not self._rounds_finished and self._error is None:
                 last = threading.Thread(target=self._last_foreground_round, args=(failure,),
@@ -218,6 +246,7 @@ class ShadowSync(DenseSync):
                 last.join(timeout=min(self.config.timeout_s, ABORT_ROUND_S))
         finally:
             self._step_hook.remove()
+            self.guard.enabled = False
             group, self._group = self._group, None
             self._error_reported = True  # the caller's exception is the one that matters
             if last is not None and last.is_alive():
@@ -280,6 +309,7 @@ class ShadowSync(DenseSync):
             "param_names": list(self.dense.names),
             "algorithm": self._algorithm.state_dict(),
             "step": self._step,
+            **({"tables": self.tables.state_dict()} if self.tables is not None else {}),
         }
 
     def _held_tensors(self) -> dict[str, torch.Tensor]:
@@ -287,6 +317,8 @@ class ShadowSync(DenseSync):
         held = {"snapshot": self._snapshot}
         if self._algorithm is not None:
             held.update(self._algorithm.buffers())
+        if self.tables is not None:
+            held.update(self.tables.held())
         return held
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -313,10 +345,17 @@ class ShadowSync(DenseSync):
         step = state.get("step", 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"ShadowSync state's step must be an integer >= 0, got {step!r}")
+        if (self.tables is not None) != ("tables" in state):
+            raise CheckpointError("checkpoint and job differ in table replicas: one is a 2D job "
+                                  "(sync.sharding_group_size), the other is not")
         with self._round_lock:
             try:
+                if self.tables is not None:
+                    self.tables.check_state(state["tables"])
                 algorithm.load_state_dict(state["algorithm"])
-            except ValueError as error:  # the algorithm refused it before changing anything
+                if self.tables is not None:
+                    self.tables.load_state_dict(state["tables"])
+            except ValueError as error:  # refused before changing anything
                 raise CheckpointError(f"checkpoint refused: {error}") from None
             self._step = step
             self._step_counter = itertools.count(step + 1)
@@ -330,19 +369,29 @@ class ShadowSync(DenseSync):
     def _group_rank0(self) -> int:
         return 0 if self._parent_group is None else dist.get_process_group_ranks(self._parent_group)[0]
 
+    def _before_step(self, optimizer: Any) -> bool:
+        """Whether the user's optimizer may step: its gradients, and whatever else the guard saw in
+        this step (embedding gradients, row pushes), are finite. A sum per gradient, counted in the
+        step's `training_sync_s`."""
+        started = time.perf_counter()
+        self.guard.check_all(gradients(optimizer), "dense gradients")
+        self._check_s = time.perf_counter() - started
+        return self.guard.step_finite
+
     def _after_step(self) -> None:
         """Step-boundary work of a training thread; kept to a few attribute checks when idle."""
         started = time.perf_counter()
         self._step = next(self._step_counter)
+        self.guard.end_step()  # a skipped step is counted here; under fail it raises, naming this rank
         self._raise_unreported_error()
         if self._thread is not None:
             if self._step >= self.config.first_round_after:
                 self._first_round_due.set()
-            self._writeback.on_step_boundary()
+            self._on_step_boundary()
         elif not self._rounds_finished and self._step % self._foreground_every == 0:
             self._foreground_round()
             self._raise_unreported_error()
-        self.metrics.record_step(time.perf_counter() - started)
+        self.metrics.record_step(time.perf_counter() - started + self._check_s)
         self._report_step()
 
     def _raise_unreported_error(self) -> None:
@@ -355,8 +404,54 @@ class ShadowSync(DenseSync):
             where = "shadow thread" if self._thread is not None else "foreground sync round"
             raise SyncError(f"{where} failed: {self._error!r}") from self._error
 
+    def _on_step_boundary(self) -> None:
+        self._writeback.on_step_boundary()
+        if self._table_writeback is not None:
+            self._table_writeback.on_step_boundary()
+
     def _record_applied(self) -> None:
         self.metrics.record_applied(self._step)
+
+    def _record_table_applied(self) -> None:
+        self.tables.mark_applied(self._step)
+
+    def _fragment_ages(self) -> dict[str, float]:
+        """The tables' counters for `metrics`: cycles done, the age of the fragments now in steps,
+        and over the run how many steps a fragment had gone unaveraged when it was refreshed."""
+        tables = self.tables
+        oldest, mean = tables.ages(self._step)
+        return {"table_cycles": tables.cycles, "fragment_age_steps_max": oldest, "fragment_age_steps_mean": mean,
+                "fragment_refresh_age_steps_max": tables.refresh_age_max,
+                "fragment_refresh_age_steps_mean": tables.refresh_age_total / max(tables.applied, 1)}
+
+    def _table_rounds(self, count: int, writeback: WriteBack | None) -> bool:
+        """`count` table rounds on the replica group, each one fragment: snapshot it at a step
+        boundary, average it with the partners, hand the delta back (`writeback`; None: the final
+        sync, in the training thread after the rounds ended, assigns the average). Returns True when a snapshot
+        was cancelled (this rank is aborting): it then sends an empty contribution with its aborted
+        marker, which the partners leave out, so nobody waits for it in this collective; its next
+        dense round tells every rank. NaN / Inf rows are left out on every partner alike and acted
+        on as in a dense round (`_check_flags`)."""
+        buffer = self.tables.buffer
+        for _ in range(count):
+            started = time.perf_counter()
+            if writeback is None:
+                self.tables.copy_to(buffer)
+            elif self._aborting.is_set() or not writeback.snapshot(buffer):
+                self.tables.allreduce.sum(None, stop=False, aborted=True)
+                return True
+            reduced = self.tables.average(buffer, delta=writeback is not None)
+            self.metrics.record_table_round(time.perf_counter() - started, self.tables.allreduce.bytes_per_call)
+            if reduced.own_counted and writeback is None:
+                self.tables.copy_from(buffer)
+                self._record_table_applied()
+            elif reduced.own_counted:
+                writeback.apply(buffer)
+            group = self.tables.group
+            nonfinite = tuple(dist.get_global_rank(group, rank) for rank in reduced.nonfinite_ranks)
+            if self._check_flags(nonfinite, (), "a table round"):
+                return False
+        return False
 
     def _run_round(self) -> bool:
         """One round: snapshot, communicate, write back. Returns True when every rank must stop
@@ -381,6 +476,11 @@ class ShadowSync(DenseSync):
         failed = self._check_flags(
             self._global_ranks(result.nonfinite_ranks), self._global_ranks(result.aborted_ranks), "a round"
         )
+        if self.tables is not None and not failed:  # every rank alike: the flags are the same everywhere
+            whole_cycle = self.config.mode == "foreground"  # TorchRec's sync(): every table each time
+            if self._table_rounds(len(self.tables.fragments) if whole_cycle else 1, self._table_writeback):
+                return False  # aborting: the next round is this rank's aborted dense round
+            failed = self._error is not None
         return result.stop or failed
 
     def _check_flags(self, nonfinite: Sequence[int], aborted: Sequence[int], where: str) -> bool:

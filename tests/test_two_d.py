@@ -1,0 +1,196 @@
+"""The 2D layout (`sync.sharding_group_size`): 2 replica groups x 2 ranks on gloo.
+
+One spawned group of 4 ranks runs every job that ends normally, one after another (`run_shared`):
+TorchRec's `TrainPipelineSparseDist` over a tiny DMP through the one factory, in shadow and in
+foreground mode (replicas identical at the end, tables and dense, and the table counters); the
+harness's exact-resume case (foreground BMUF stopped and resumed == uninterrupted); and a NaN
+replica. Jobs whose ranks fail on purpose each get a group of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shadowgba.shadow.tables import TableShard, TableSyncConfig, plan_fragments
+from tests.multiprocess import run_ranks_outcomes, run_shared
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 40
+
+
+def _pipeline_job(rank: int, world_size: int, options: dict[str, Any], fault: tuple[str, int, int] | None = None
+                  ) -> dict[str, Any]:
+    """TinyRec (2 tables, row-wise Adagrad fused in backward) in 2 groups of 2 through `join` /
+    `dense_sync` on TorchRec's train pipeline. `fault = (kind, rank, step)`: that rank raises
+    (`fail`), SIGKILLs itself (`kill`) or turns its dense weights and table rows NaN (`nan`)
+    after that step. Returns the final table shards, dense weights and metrics (or the error)."""
+    from torchrec.distributed import TrainPipelineSparseDist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    import shadowgba
+    from dlrm.faults import InjectedFailure
+    from shadowgba.integrations.torchrec import dense_named_parameters, fused_table_shards
+    from tests import tiny_dmp
+
+    config = shadowgba.SyncConfig(**{"sharding_group_size": 2, "interval_ms": 5.0, "first_round_after": 2,
+                                     "foreground_every": 3, "timeout_s": 20.0, "log_interval_s": 0.0, **options})
+    job = shadowgba.join(config)
+    torch.manual_seed(rank)  # different initial replicas: the runtime must make them meet
+    model = tiny_dmp.TinyRec()
+    apply_optimizer_in_backward(RowWiseAdagrad, model.ebc.parameters(), {"lr": 0.1})
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), **job.dmp_kwargs())
+    dense = dict(dense_named_parameters(dmp))
+    optimizer = KeyedOptimizerWrapper(dense, lambda params: torch.optim.SGD(params, lr=0.05))
+    pipeline = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
+    batches = iter([tiny_dmp.batch(rank, index) for index in range(STEPS)])
+    out: dict[str, Any] = {"error": None, "fired": None}
+
+    def after_step() -> None:
+        step = sync.metrics.steps
+        if fault is None or fault[1] != rank or step != fault[2]:
+            return
+        out["fired"] = step
+        if fault[0] == "fail":
+            raise InjectedFailure(f"injected failure on rank {rank} after step {step}")
+        if fault[0] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        with torch.no_grad():  # nan: a diverged replica, dense weights and table rows alike
+            next(iter(dense.values())).view(-1)[:3] = float("nan")
+            fused_table_shards(dmp)[0].tensors[0][:2] = float("nan")
+
+    try:
+        with shadowgba.dense_sync(dmp, optimizer, job) as sync:
+            with contextlib.suppress(StopIteration):
+                while True:
+                    pipeline.progress(batches)
+                    after_step()
+    except Exception as error:  # what the user's loop sees: the fault tests assert on it
+        out["error"] = f"{type(error).__name__}: {error}"
+        for note in getattr(error, "__notes__", ()):
+            out["error"] += f"\n{note}"
+        return out
+    shards = fused_table_shards(dmp)
+    return out | {"tables": [tensor.clone() for shard in shards for tensor in shard.tensors],
+                  "dense": [param.detach().clone() for param in dense.values()], "metrics": sync.metrics.summary()}
+
+
+def _resume_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """The harness in the 2D layout, foreground BMUF: 8 steps uninterrupted, and 4 steps + a resume
+    to 8 from the checkpoint of step 4, in new jobs of the same processes."""
+    from train_dlrm import run
+
+    from dlrm.checkpoints import CheckpointOptions
+    from dlrm.config import ExperimentConfig
+    from shadowgba.config import load_config
+    from tests.test_checkpoint import REPO, SMALL
+
+    def _config(_: Any, steps: int) -> ExperimentConfig:
+        overrides = ["--sync.mode", "foreground", *SMALL, "--sync.foreground_every", "3",
+                     "--data.synthetic.eval_batches", "4", "--train.steps", str(steps)]  # a multiple of 4 trainers
+        return load_config(ExperimentConfig, REPO / "examples/configs/bmuf_2d.yaml", overrides)
+
+    torch.set_num_threads(1)
+    args = None
+    full = run(_config(args, 8), torch.device("cpu"), "gloo", CheckpointOptions(Path(root, "whole"), 4))
+    run(_config(args, 4), torch.device("cpu"), "gloo", CheckpointOptions(Path(root, "split"), 4))
+    resumed = run(_config(args, 8), torch.device("cpu"), "gloo", CheckpointOptions(Path(root, "split"), 4, resume=True))
+    keys = ("steps", "log_loss", "auc", "dense_replica_max_abs_diff", "table_replica_max_abs_diff")
+    return {"full": {key: full[key] for key in keys}, "resumed": {key: resumed[key] for key in keys},
+            "resumed_from": resumed["checkpoint"]["resumed_from_step"]}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    return run_shared(4, {
+        "bmuf-shadow": (_pipeline_job, ({"algo": "bmuf", "tables": TableSyncConfig(fragment_mb=1e-4)},)),
+        "ma-foreground": (_pipeline_job, ({"algo": "ma", "mode": "foreground"},)),
+        "nan": (_pipeline_job, ({"algo": "ma", "mode": "foreground"}, ("nan", 1, 10))),
+        "resume": (_resume_job, (str(tmp_path_factory.mktemp("two_d")),)),
+    }, timeout_s=200)
+
+
+def _max_diff(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.parametrize("case", ["bmuf-shadow", "ma-foreground"])
+def test_a_2x2_job_on_the_train_pipeline_ends_with_identical_replicas(four_ranks: dict, case: str) -> None:
+    results = four_ranks[case]
+    assert all(result["error"] is None for result in results), [result["error"] for result in results]
+    for rank in range(1, 4):  # the dense replicas: every rank holds one
+        assert _max_diff(results[0]["dense"], results[rank]["dense"]) == 0.0
+    for first, partner in ((0, 2), (1, 3)):  # same position, other group: replicas of the same shards
+        assert _max_diff(results[first]["tables"], results[partner]["tables"]) == 0.0
+    metrics = results[0]["metrics"]
+    # shadow mode: a fragment per round, here many per cycle; foreground: a cycle per round; both
+    # end with the final sync's whole cycle
+    assert metrics["table_rounds"] >= metrics["table_cycles"] >= (1 if case == "bmuf-shadow" else STEPS // 3)
+    assert metrics["fragment_age_steps_max"] == 0  # the final sync has just averaged every fragment
+    assert metrics["memory_bytes"] > 0 and metrics["table_bytes_moved"] > 0
+
+
+def test_the_bounded_fragments_rotate_over_many_rounds_in_shadow_mode(four_ranks: dict) -> None:
+    metrics = four_ranks["bmuf-shadow"][0]["metrics"]
+    assert metrics["table_rounds"] > 2 * metrics["table_cycles"]  # 1e-4 MiB: several fragments per table
+
+
+def test_fragments_cover_every_row_exactly_once_per_cycle() -> None:
+    shards = [TableShard("a", (torch.zeros(10, 4), torch.zeros(10))), TableShard("b", (torch.zeros(7, 3),)),
+              TableShard("huge_rows", (torch.zeros(3, 50),))]
+    for budget in (1, 5, 12, 13, 40, 1000):
+        fragments = plan_fragments(shards, budget)
+        for index, shard in enumerate(shards):
+            rows = [row for fragment in fragments if fragment.shard == index for row in range(fragment.start, fragment.stop)]
+            assert rows == list(range(shard.rows)), (budget, shard.name)
+        for fragment in fragments:  # within the budget, unless one row alone exceeds it
+            size = (fragment.stop - fragment.start) * shards[fragment.shard].row_numel
+            assert size <= budget or fragment.stop - fragment.start == 1, (budget, fragment)
+
+
+def test_a_resumed_2d_job_equals_the_uninterrupted_one(four_ranks: dict) -> None:
+    result = four_ranks["resume"][0]
+    full, resumed = result["full"], result["resumed"]
+    assert result["resumed_from"] == 4 and full["steps"] == resumed["steps"] == 8
+    assert resumed["log_loss"] == pytest.approx(full["log_loss"], abs=1e-7)  # held-out: tables and dense
+    assert resumed["auc"] == pytest.approx(full["auc"], abs=1e-9)
+    for run in (full, resumed):
+        assert run["dense_replica_max_abs_diff"] == 0.0 and run["table_replica_max_abs_diff"] == 0.0
+
+
+def test_nan_in_one_replica_never_reaches_the_other_group(four_ranks: dict) -> None:
+    """Rank 1 (group 0) turns NaN after step 10: its group's rank 0 reads its NaN rows through the
+    all-to-all, but the rounds leave both out, so group 1 (ranks 2, 3) ends finite and counts them."""
+    results = four_ranks["nan"]
+    assert results[1]["fired"] == 10 and all(result["fired"] is None for index, result in enumerate(results) if index != 1)
+    for rank in (2, 3):
+        assert all(torch.isfinite(tensor).all() for tensor in results[rank]["dense"] + results[rank]["tables"])
+        assert results[rank]["metrics"]["nonfinite_rounds_skipped"] > 0
+    assert not all(torch.isfinite(tensor).all() for tensor in results[1]["tables"])
+
+
+@pytest.mark.parametrize(("kind", "failing"), [("fail", 2), ("kill", 3)])
+def test_a_failure_in_one_group_ends_every_rank_naming_it(kind: str, failing: int) -> None:
+    """An exception in group 1's loop, or a SIGKILLed rank of group 1: every other rank, in both
+    groups, raises within the timeout, and the error names the failed rank."""
+    outcomes = run_ranks_outcomes(_pipeline_job, 4, {"algo": "ma"}, (kind, failing, 8), timeout_s=120)
+    failed = outcomes[failing]
+    if kind == "kill":
+        assert failed.killed
+    else:
+        assert failed.returned and failed.value["fired"] == 8 and "injected failure on rank 2" in failed.value["error"]
+    for rank, outcome in enumerate(outcomes):
+        if rank == failing:
+            continue
+        assert outcome.returned, (rank, outcome)
+        assert outcome.value["error"] is not None and f"rank {failing}" in outcome.value["error"], (rank, outcome.value)
