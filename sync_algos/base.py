@@ -13,10 +13,12 @@ all-reduce buffer, and nothing else dense-sized: MA 2 dense sizes, EASGD 3, BMUF
 
 Stop protocol (why ranks that finish at different steps cannot hang): every round performs exactly
 one collective on the algorithm's process group, and that collective carries a *stop flag* in its
-last element (summed over ranks). A rank that wants to stop raises its flag in its next round; all
-ranks see the sum in the same round and leave their loops after it. Because every rank performs the
-same sequence of collectives up to and including that round, nobody is left waiting in a collective
-that its peers will never enter.
+last element (summed over ranks). A rank that wants to stop raises its flag in every round from then
+on; all ranks see the sum in the same round, and once it counts every rank (`RoundResult.last`) all
+of them leave their loops after that round. Because every rank performs the same sequence of
+collectives up to and including that round, nobody is left waiting in a collective that its peers
+will never enter; and a rank that finished early keeps averaging its last weights with the ranks
+still training, instead of leaving them to train apart until the end.
 
 The same collective carries, after the stop flag, one *status* element per rank, written by that
 rank alone (so the sum is exact): whether its contribution was left out of the round because it
@@ -69,7 +71,7 @@ class RoundResult:
     """What one round produced, besides the delta it left in the snapshot's buffer."""
 
     stop: bool
-    """True when some rank raised its stop flag in this round: every rank leaves after it."""
+    """True when some rank raised its stop flag in this round."""
     bytes_moved: int
     """Bytes this rank sent in the round's collective (payload plus flags)."""
     nonfinite_ranks: tuple[int, ...] = ()
@@ -79,6 +81,9 @@ class RoundResult:
     kept_local: bool = False
     """True when this rank takes nothing from the round (its own contribution was left out, or no
     rank's counted): the delta is zero and there is nothing to write back."""
+    last: bool = False
+    """True when every rank raised its stop flag in this round (for an algorithm without
+    collectives, this trainer): the rounds end after it, on every rank alike."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +94,8 @@ class Reduced:
     """Sum of the counted ranks' payloads (a view the next call overwrites)."""
     stop: bool
     """Whether any rank raised its stop flag."""
+    last: bool
+    """Whether every rank raised it: the last round."""
     counted: int
     """How many ranks' payloads are in `total` (n_good)."""
     own_counted: bool
@@ -150,6 +157,7 @@ class FlaggedAllReduce:
         return Reduced(
             total=body,
             stop=any_stop > 0,
+            last=any_stop == len(statuses),
             counted=sum(1 for value in statuses if value == 0),
             own_counted=statuses[self.rank] == 0,
             nonfinite_ranks=tuple(r for r, value in enumerate(statuses) if value & NONFINITE),
@@ -239,7 +247,7 @@ class SyncAlgorithm(abc.ABC):
         elif target is not None:
             torch.sub(target, snapshot, out=snapshot)
         return RoundResult(reduced.stop, self.allreduce.bytes_per_call, reduced.nonfinite_ranks,
-                           reduced.aborted_ranks, kept_local)
+                           reduced.aborted_ranks, kept_local, reduced.last)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every dense-sized tensor the algorithm holds, by name: its all-reduce buffer and its state.

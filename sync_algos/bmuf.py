@@ -18,8 +18,8 @@ alike, so they stay identical, but a rank whose snapshot held NaN / Inf keeps it
 The first round places `Wg` at the replicas' average with `D = 0` (`SyncAlgorithm.sync`), so the
 block momentum starts from the first synchronized block, not from the unsynchronized warm-up.
 
-The last round (the one carrying a stop flag: training has ended) takes the average and no outer
-step: `Wg = t = a`, D kept. An outer step there would move the model after its last training
+The last round (every rank raised its stop flag: training has ended everywhere) takes the average
+and no outer step: `Wg = t = a`, D kept. An outer step there would move the model after its last training
 step, by the momentum alone when the block is empty (a foreground job whose last step just
 synced), and the replicas would not end at the model they trained; torch's PeriodicModelAverager
 and torchft's DiLoCo likewise do nothing at exit.
@@ -79,7 +79,7 @@ class BlockMomentum(SyncAlgorithm):
         average, reduced = self.average(snapshot, stop)
         if average is None:  # no finite snapshot this round: the block update waits for the next
             return self.result(snapshot, reduced)
-        if reduced.stop:  # training has ended: the replicas meet at their average, no outer step
+        if reduced.last:  # training has ended everywhere: the replicas meet at their average, no outer step
             with self.state_guard:
                 self.global_model.copy_(average)
             return self.result(snapshot, reduced, average)

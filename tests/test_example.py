@@ -117,12 +117,15 @@ def experiment_config(path: Path | None = None, overrides: list[str] = ()) -> ob
 
 
 GBA_CONFIGS = {"gba", "gba_ps_embeddings", "sync_allreduce", "async_ps"}
+TWO_D_CONFIGS = {"bmuf_2d": "bmuf", "torchrec_2d": "torchrec_2d"}
+"""The 2D layout's configs (`sync.sharding_group_size`) and what keeps their replicas together."""
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples/configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path: Path) -> None:
     config = experiment_config(path)
-    assert config.algo == ("gba" if path.stem in GBA_CONFIGS else path.stem)
+    assert config.algo == ("gba" if path.stem in GBA_CONFIGS else TWO_D_CONFIGS.get(path.stem, path.stem))
+    assert (config.sync.sharding_group_size == 2) == (path.stem in TWO_D_CONFIGS)
 
 
 @pytest.mark.parametrize(

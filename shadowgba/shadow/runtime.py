@@ -20,10 +20,12 @@ Threads and invariants:
   after it has joined), and the shadow thread never touches the group TorchRec's all-to-all uses:
   two threads on one gloo group deadlock.
 - Rounds are in lockstep across ranks and each carries a stop flag (see `sync_algos.base`): a rank
-  that closes raises it, every rank leaves after that same round, so ranks that finish at different
-  steps never wait in a collective their peers will not enter. Ranks still training then continue
-  locally; `close()` on every rank ends with one blocking average (`final_sync`) so all replicas end
-  identical.
+  that closes raises it in every round from then on, serving its own snapshots from `close()`, and
+  every rank leaves after the round in which all of them have raised it, so ranks that finish at
+  different steps never wait in a collective their peers will not enter, and a rank still training
+  keeps averaging with those that finished (in a 2D job: a fast replica group that finished keeps
+  its tables in the slow group's rounds). `close()` on every rank ends with one blocking average
+  (`final_sync`) so all replicas end identical.
 - The same collective carries every rank's status (`sync_algos.base`): a NaN / Inf contribution is
   left out of the round on every rank alike, then skipped with a warning or raised as `SyncError`
   per `sync.on_nonfinite`; an aborting rank (`abort()`, the user's exception) sends its last round
@@ -181,8 +183,9 @@ class ShadowSync(DenseSync):
     def close(self, final_sync: bool | None = None) -> None:
         """Stop rounds on every rank together, then (optionally) average the replicas once, blocking.
 
-        Every rank must call `close()`; a rank that calls it early waits in the final average for
-        the others. Raises `SyncError` if the rounds failed (the shadow thread, a peer that aborted,
+        Every rank must call `close()`; a rank that calls it early takes part in the rounds (with
+        its last weights and its stop flag raised) until the others close too, then in the final
+        average. Raises `SyncError` if the rounds failed (the shadow thread, a peer that aborted,
         NaN / Inf under `on_nonfinite: fail`) and that was not yet raised; the final average is then
         skipped, as every rank skips it alike.
         """
@@ -197,8 +200,9 @@ class ShadowSync(DenseSync):
                     self._on_step_boundary()
                     self._thread.join(timeout=0.002)
                 self._on_step_boundary()
-            elif not self._rounds_finished and self._error is None:
-                self._foreground_round()
+            else:  # with its flag raised, pairing with the peers' scheduled rounds until every rank's is
+                while not self._rounds_finished and self._error is None:
+                    self._foreground_round()
         finally:
             self._step_hook.remove()
             self.guard.enabled = False
@@ -455,7 +459,8 @@ class ShadowSync(DenseSync):
 
     def _run_round(self) -> bool:
         """One round: snapshot, communicate, write back. Returns True when every rank must stop
-        (a stop flag, or the round's flags call for an error: stored in `_error`, alike on every rank).
+        (every rank's stop flag, or the round's flags call for an error: stored in `_error`, alike on
+        every rank).
         An aborting rank's round is the aborted one (no snapshot, no write-back)."""
         started = time.perf_counter()
         self._poll_control()
@@ -481,7 +486,7 @@ class ShadowSync(DenseSync):
             if self._table_rounds(len(self.tables.fragments) if whole_cycle else 1, self._table_writeback):
                 return False  # aborting: the next round is this rank's aborted dense round
             failed = self._error is not None
-        return result.stop or failed
+        return result.last or failed
 
     def _check_flags(self, nonfinite: Sequence[int], aborted: Sequence[int], where: str) -> bool:
         """Act on a collective's flags, as every rank does alike: a peer that aborted, or NaN / Inf
