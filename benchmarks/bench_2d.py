@@ -74,8 +74,8 @@ from typing import Any, Callable, Sequence
 
 from bench_gba import OVERRUN_WARNING, ideal_ratio
 from bench_summary import (
-    RESOURCE_COLUMNS, Column, Run, Spread, difference_spread, markdown_table, optional, paired, ratios_to,
-    resource_spreads, select, spread, spread_cell,
+    PRESET_COLUMN, RESOURCE_COLUMNS, Column, Run, Spread, difference_spread, markdown_table, optional, paired,
+    ratios_to, resource_spreads, select, spread, spread_cell,
 )
 from example_job import CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, parse_presets, preset_arguments, run_example
 
@@ -245,7 +245,7 @@ def median(figure: Spread | None) -> float | None:
 
 THROUGHPUT_COLUMNS: list[Column] = [
     ("compute / straggler", lambda row: f"{row['compute']} / {row['straggler']}"),
-    ("preset (dense params)", lambda row: f"{row['preset']} ({row['dense_params']:,})"),
+    PRESET_COLUMN,
     ("variant", lambda row: row["variant"]),
     ("samples/s (min-max)", lambda row: spread_cell(row["samples_per_s"], ",.0f")),
     *[(f"ratio to {base}", lambda row, base=base: spread_cell(row[f"ratio_to_{base}"], ".2f")) for base in BASELINES],

@@ -77,8 +77,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from bench_summary import (
-    RESOURCE_COLUMNS, Column, Run, markdown_table, merged_histogram, paired, ratio_spread, resource_spreads, select,
-    spread, spread_cell, staleness_summary,
+    PRESET_COLUMN, RESOURCE_COLUMNS, Column, Run, markdown_table, merged_histogram, paired, ratio_spread,
+    resource_spreads, select, spread, spread_cell, staleness_summary,
 )
 from example_job import CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, parse_presets, preset_arguments, run_example
 
@@ -303,7 +303,7 @@ def summarize(
 
 
 COLUMNS: list[Column] = [
-    ("preset (dense params)", lambda row: f"{row['preset']} ({row['dense_params']:,})"),
+    PRESET_COLUMN,
     ("shards", lambda row: str(row["shards"])),
     ("algo", lambda row: row["algo"]),
     ("samples/s (min-max)", lambda row: spread_cell(row["samples_per_s"], ",.0f")),

@@ -119,6 +119,9 @@ def resource_spreads(results: Sequence[dict[str, Any]]) -> dict[str, Spread | No
     }
 
 
+PRESET_COLUMN: Column = ("preset (dense params)", lambda row: f"{row['preset']} ({row['dense_params']:,})")
+"""The model preset of a summary row, with its dense size."""
+
 RESOURCE_COLUMNS: list[Column] = [
     ("CPU ms/sample", lambda row: spread_cell(row["cpu_ms_per_sample"], ".3f")),
     ("peak RSS MiB per trainer", lambda row: spread_cell(row["trainer_peak_rss_mib"], ",.0f")),

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bench_summary import (
-    EXTRA_OVER_NONE_COLUMN, RESOURCE_COLUMNS, Column, Run, difference_spread, extra_x_dense, markdown_table,
-    ratio_spread, resource_spreads, select, spread, spread_cell,
+    EXTRA_OVER_NONE_COLUMN, PRESET_COLUMN, RESOURCE_COLUMNS, Column, Run, difference_spread, extra_x_dense,
+    markdown_table, ratio_spread, resource_spreads, select, spread, spread_cell,
 )
 from example_job import CONFIGS, MODEL_PRESETS, ROOT, parse_presets, preset_arguments, run_example
 
@@ -84,7 +84,7 @@ def summarize(runs: list[Run], presets: Sequence[str], modes: Sequence[str]) -> 
 
 
 COLUMNS: list[Column] = [
-    ("preset (dense params)", lambda row: f"{row['preset']} ({row['dense_params']:,})"),
+    PRESET_COLUMN,
     ("mode", lambda row: row["mode"]),
     ("samples/s (min-max)", lambda row: spread_cell(row["samples_per_s"], ",.0f")),
     ("ratio to none", lambda row: spread_cell(row["ratio_to_none"], ".3f")),
