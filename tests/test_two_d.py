@@ -147,15 +147,15 @@ def test_the_bounded_fragments_rotate_over_many_rounds_in_shadow_mode(four_ranks
 
 def test_fragments_cover_every_row_exactly_once_per_cycle() -> None:
     shards = [TableShard("a", (torch.zeros(10, 4), torch.zeros(10))), TableShard("b", (torch.zeros(7, 3),)),
-              TableShard("huge_rows", (torch.zeros(3, 50),))]
+              TableShard("huge_rows", (torch.zeros(3, 50),)), TableShard("tiny", (torch.zeros(2, 2),))]
     for budget in (1, 5, 12, 13, 40, 1000):
         fragments = plan_fragments(shards, budget)
-        for index, shard in enumerate(shards):
-            rows = [row for fragment in fragments if fragment.shard == index for row in range(fragment.start, fragment.stop)]
-            assert rows == list(range(shard.rows)), (budget, shard.name)
+        rows = [(part.shard, row) for fragment in fragments for part in fragment.rows for row in range(part.start, part.stop)]
+        assert rows == [(index, row) for index, shard in enumerate(shards) for row in range(shard.rows)], budget
         for fragment in fragments:  # within the budget, unless one row alone exceeds it
-            size = (fragment.stop - fragment.start) * shards[fragment.shard].row_numel
-            assert size <= budget or fragment.stop - fragment.start == 1, (budget, fragment)
+            single_row = len(fragment.rows) == 1 and fragment.rows[0].stop - fragment.rows[0].start == 1
+            assert fragment.numel(shards) <= budget or single_row, (budget, fragment)
+    assert len(plan_fragments(shards, 1000)) == 1  # small tables share one fragment: one round per cycle
 
 
 def test_a_resumed_2d_job_equals_the_uninterrupted_one(four_ranks: dict) -> None:

@@ -9,7 +9,8 @@ apart as each group trains on its own data; this module brings them back togethe
 - A shard is a set of *row-aligned* tensors: the weights and each per-row optimizer state (row-wise
   Adagrad's sum, Adam's moments ...) of one table's rows on this rank, views into the fused
   kernel's own storage (`shadowgba.integrations.torchrec.fused_table_shards`).
-- A *fragment* is a range of rows of one shard, at most `fragment_mb` of them across its tensors.
+- A *fragment* is up to `fragment_mb` of rows across their tensors: a range of rows of a large
+  shard, or several small shards whole.
   The fragments of all shards, in order, form the *cycle*; partners enumerate the same shards in the
   same order (the plan is the same in every group), so fragment i names the same rows everywhere.
 - A round averages one fragment: the training thread copies its rows into a fragment buffer at a
@@ -74,7 +75,7 @@ class TableShard:
 
 
 @dataclasses.dataclass(frozen=True)
-class Fragment:
+class Rows:
     """Rows `start:stop` of shard `shard`."""
 
     shard: int
@@ -82,13 +83,38 @@ class Fragment:
     stop: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Fragment:
+    """What one round averages: row ranges of one or more shards (small tables share a fragment,
+    a large one is cut into several)."""
+
+    rows: tuple[Rows, ...]
+
+    def numel(self, shards: Sequence[TableShard]) -> int:
+        return sum((rows.stop - rows.start) * shards[rows.shard].row_numel for rows in self.rows)
+
+
 def plan_fragments(shards: Sequence[TableShard], fragment_numel: int) -> list[Fragment]:
-    """The cycle: every row of every shard in exactly one fragment of at most `fragment_numel` values
-    (a row larger than that is a fragment of its own)."""
-    fragments = []
+    """The cycle: every row of every shard in exactly one fragment, the shards' rows in order, each
+    fragment filled up to `fragment_numel` values (a row larger than that is a fragment of its own),
+    so a round moves a full fragment however small the tables are."""
+    fragments: list[Fragment] = []
+    current: list[Rows] = []
+    used = 0
     for index, shard in enumerate(shards):
-        rows = max(1, fragment_numel // max(shard.row_numel, 1))
-        fragments.extend(Fragment(index, start, min(start + rows, shard.rows)) for start in range(0, shard.rows, rows))
+        width, start = max(shard.row_numel, 1), 0
+        while start < shard.rows:
+            room = (fragment_numel - used) // width
+            if room <= 0 and current:  # full: the next rows start a new fragment
+                fragments.append(Fragment(tuple(current)))
+                current, used = [], 0
+                continue
+            stop = min(shard.rows, start + max(room, 1))
+            current.append(Rows(index, start, stop))
+            used += (stop - start) * width
+            start = stop
+    if current:
+        fragments.append(Fragment(tuple(current)))
     return fragments
 
 
@@ -103,7 +129,7 @@ class TableFragments:
         self.config = config
         self.device = self.shards[0].tensors[0].device
         self.fragments = plan_fragments(self.shards, max(1, int(config.fragment_mb * 2**20) // 4))
-        self.buffer = torch.zeros(max((f.stop - f.start) * self.shards[f.shard].row_numel for f in self.fragments),
+        self.buffer = torch.zeros(max(fragment.numel(self.shards) for fragment in self.fragments),
                                   dtype=torch.float32, device=self.device)
         """The fragment's snapshot, then its delta: one fragment's values, the tail zero."""
         self.allreduce = FlaggedAllReduce(group, self.buffer)
@@ -123,7 +149,7 @@ class TableFragments:
         return self.fragments[self.cursor]
 
     def _pieces(self, fragment: Fragment) -> list[torch.Tensor]:
-        return [tensor[fragment.start:fragment.stop] for tensor in self.shards[fragment.shard].tensors]
+        return [tensor[rows.start:rows.stop] for rows in fragment.rows for tensor in self.shards[rows.shard].tensors]
 
     def copy_to(self, flat: torch.Tensor) -> None:
         """Move on to the next fragment and copy its rows into `flat` (the tail zeroed)."""
