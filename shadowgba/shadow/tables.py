@@ -126,7 +126,6 @@ class TableFragments:
         if not shards:
             raise ValueError("no table shards to keep in sync")
         self.shards = list(shards)
-        self.config = config
         self.device = self.shards[0].tensors[0].device
         self.fragments = plan_fragments(self.shards, max(1, int(config.fragment_mb * 2**20) // 4))
         self.buffer = torch.zeros(max(fragment.numel(self.shards) for fragment in self.fragments),
@@ -154,11 +153,11 @@ class TableFragments:
     def copy_to(self, flat: torch.Tensor) -> None:
         """Move on to the next fragment and copy its rows into `flat` (the tail zeroed)."""
         self.cursor = (self.cursor + 1) % len(self.fragments)
-        offset = 0
-        for piece in self._pieces(self.current):
-            flat[offset:offset + piece.numel()].view_as(piece).copy_(piece)
-            offset += piece.numel()
-        flat[offset:].zero_()
+        used = 0
+        for piece, part in self._parts(flat):
+            part.copy_(piece)
+            used += part.numel()
+        flat[used:].zero_()
 
     def add_(self, flat_delta: torch.Tensor) -> None:
         """Rows of the current fragment += their part of `flat_delta`."""
