@@ -117,8 +117,8 @@ def train_steps(model: DenseNet, optimizer: torch.optim.Optimizer, steps: int, s
         optimizer.step()
 
 
-def build_runtime(case: str, model: DenseNet, optimizer: torch.optim.Optimizer, roles: Any) -> Any:
-    """The case's runtime, not started (None for `none`)."""
+def build_runtime(case: str, model: DenseNet, optimizer: torch.optim.Optimizer, ps: Any) -> Any:
+    """The case's runtime, not started (None for `none`); `ps`: the job's `Transport` (gba cases)."""
     from shadowgba import SyncConfig
     from shadowgba.config import from_dict
     from shadowgba.gba.config import GBAConfig
@@ -133,10 +133,10 @@ def build_runtime(case: str, model: DenseNet, optimizer: torch.optim.Optimizer, 
                             log_interval_s=0.0)
         return ShadowSync(model, optimizer, config)
     config = from_dict(GBAConfig, {"initial_mode": case})
-    return GBASync(model, optimizer, config, roles, local_batch_size=BATCH)
+    return GBASync(model, optimizer, config, ps.roles, local_batch_size=BATCH, transport=ps)
 
 
-def measure_trainer(case: str, roles: Any, warmup: int, steps: int, seed: int) -> dict[str, Any]:
+def measure_trainer(case: str, ps: Any, warmup: int, steps: int, seed: int) -> dict[str, Any]:
     """One trainer's numbers for `case` (see the module docstring)."""
     torch.manual_seed(0)
     model = DenseNet()
@@ -145,7 +145,7 @@ def measure_trainer(case: str, roles: Any, warmup: int, steps: int, seed: int) -
     train_steps(model, optimizer, warmup, seed)
     reset_peak()
     before = status_kib("VmRSS")
-    runtime = build_runtime(case, model, optimizer, roles)
+    runtime = build_runtime(case, model, optimizer, ps)
     started = time.monotonic()
     if runtime is None:
         train_steps(model, optimizer, steps, seed + 1)
@@ -195,18 +195,19 @@ def probe_rank(rank: int, world_size: int, case: str, warmup: int, steps: int,
     if case not in ("sync", "gba"):
         return measure_trainer(case, None, warmup, steps, seed=rank)
     from shadowgba.gba.runtime import serve_dense_shard
-    from shadowgba.ps import transport
+    from shadowgba.ps.transport import Transport
 
-    roles = transport.start(1 if case == "gba" else 0)
+    ps = Transport.start(1 if case == "gba" else 0)
+    roles = ps.roles
     if not roles.is_server:
         try:
-            return measure_trainer(case, roles, warmup, steps, seed=roles.trainer_index)
+            return measure_trainer(case, ps, warmup, steps, seed=roles.trainer_index)
         finally:
-            transport.stop()
+            ps.stop()
     reset_peak()
     before = status_kib("VmRSS")
-    serve_dense_shard()
-    transport.stop()  # serves until every trainer has left
+    serve_dense_shard(ps)
+    ps.stop()  # serves until every trainer has left
     return {"case": "gba-server", "rss_before_kib": before, "peak_kib": status_kib("VmHWM")}
 
 

@@ -50,7 +50,8 @@ from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.interface import DenseSync
 from shadowgba.layout import ReplicaLayout
 from shadowgba.nonfinite import NonFiniteGuard
-from shadowgba.ps import transport
+from shadowgba.ps.membership import Heartbeat, NoticeBoard
+from shadowgba.ps.transport import Roles, Transport, failure_message
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from shadowgba.reporting import MetricsReporter
 from shadowgba.shadow.runtime import ShadowSync
@@ -73,8 +74,10 @@ class Job:
 
     config: SyncConfig
     """The `sync` section the job was joined with."""
-    roles: transport.Roles
+    roles: Roles
     """Rank, trainers, servers, and the trainers' own process group."""
+    transport: Transport | None = None
+    """With servers: this rank's transport to them (started by `join`, ended by `close` / `abort`)."""
     tables: Sequence[Any] | None = None
     """`EmbeddingBagConfig`s of the PS-hosted tables, if any."""
     table_options: PSEmbeddingConfig | None = None
@@ -84,10 +87,10 @@ class Job:
     """On trainers of a job with servers: refuses a DMP over the whole world (`ShardingGuard`)."""
     name: str = dataclasses.field(default_factory=lambda: f"job{next(_JOB_NUMBERS)}")
     """The same on every rank (every rank joins the jobs of a process group in the same order): the
-    key of this job's notice board, where a failed trainer posts why (`transport.post_abort`)."""
+    key of this job's notice board, where a failed trainer posts why (`NoticeBoard.post_abort`)."""
     failure: str | None = None
     """Set by `announce_failure`: how this trainer's failure was named to the job."""
-    heartbeat: transport.Heartbeat | None = None
+    heartbeat: Heartbeat | None = None
     """On trainers: this trainer's beat on the notice board, by which a peer whose collective failed
     names a trainer that was killed or is stuck (it posts no notice)."""
     layout: ReplicaLayout | None = None
@@ -125,7 +128,7 @@ class Job:
         if self.tables is None or self.table_options is None:
             raise SetupError("ps_embeddings() needs join(config, tables=..., table_options=...)")
         embedding = optional.ps_embedding("Job.ps_embeddings()")
-        return embedding.PSEmbeddingBagCollection(list(self.tables), self.table_options, self.roles.num_servers)
+        return embedding.PSEmbeddingBagCollection(list(self.tables), self.table_options, self.require_transport())
 
     def centre(self) -> CenterClient:
         """Under easgd_ps, the trainer side of the S-EASGD centre on the servers: one per job, the
@@ -135,29 +138,41 @@ class Job:
             raise SetupError(f"centre() needs a trainer of an easgd_ps job; this is a {role} of sync.algo "
                              f"'{self.config.algo}'")
         if self._centre is None:
-            self._centre = CenterClient(self.roles.num_servers)
+            self._centre = CenterClient(self.require_transport())
         return self._centre
+
+    @property
+    def notices(self) -> NoticeBoard:
+        """This job's notice board (`shadowgba.ps.membership`): who left, and why."""
+        return NoticeBoard(self.name)
+
+    def require_transport(self) -> Transport:
+        """The transport to the servers; `SetupError` in a job without servers."""
+        if self.transport is None:
+            raise SetupError("this needs a job with servers (sync.ps.num_servers >= 1)")
+        return self.transport
 
     def close(self) -> None:
         """Leave the job (collective over every rank); with servers, releases them once all trainers have."""
-        self._leave(lambda: transport.stop(trainer_timeout_s=self.config.ps.trainer_timeout_s))
+        self._leave(lambda transport: transport.stop(trainer_timeout_s=self.config.ps.trainer_timeout_s))
 
     def announce_failure(self, error: BaseException) -> None:
         """Tell the job that this trainer's part failed with `error`, waiting for no peer: post it on
         the notice board (for peers whose collectives fail once this rank is gone) and tell every
-        server (`transport.notify_abort`: they refuse every later call naming this trainer). A peer
+        server (`Transport.notify_abort`: they refuse every later call naming this trainer). A peer
         that had posted first is named in a note on `error`: its failure is likely this one's cause.
-        Without such a notice, one whose heartbeat stopped (`transport.silent_peers`: killed or stuck,
+        Without such a notice, one whose heartbeat stopped (`NoticeBoard.silent_peers`: killed or stuck,
         it posts nothing) is named instead, in a note and in this trainer's notice, so that servers
         and peers name it too; a `SyncError` that neither explains, and that names no rank itself
         (no `PeerLost` in it or its causes), says the lost rank is unknown."""
         if self.closed or self.failure is not None:
             return
         peers = [rank for rank in self.roles.trainer_ranks if rank != self.roles.rank]
-        posted = transport.aborted_peers(self.name, peers)
+        notices = self.notices
+        posted = notices.aborted_peers(peers)
         for reason in posted.values():
             error.add_note(f"shadowgba: before this rank failed, {reason}")
-        silent = [] if posted else transport.silent_peers(self.name, peers)
+        silent = [] if posted else notices.silent_peers(peers)
         causes = [f"trainer {self.roles.trainer_ranks.index(rank)} (rank {rank}) stopped its heartbeat: it probably "
                   "died or is stuck" for rank in silent]
         for cause in causes:
@@ -165,17 +180,18 @@ class Job:
         if not posted and not silent and isinstance(error, SyncError) and not _names_a_peer(error):
             error.add_note("shadowgba: no peer posted a failure and every peer's heartbeat is alive: rank unknown")
         reason = "; before it, ".join([repr(error), *causes])
-        self.failure = transport.failure_message(self.roles, reason)
-        transport.post_abort(self.name, self.roles.rank, self.failure)
-        transport.notify_abort(reason)
+        self.failure = failure_message(self.roles, reason)
+        notices.post_abort(self.roles.rank, self.failure)
+        if self.transport is not None:
+            self.transport.notify_abort(reason)
 
     def abort(self) -> None:
-        """Leave the job after `announce_failure`, waiting for no peer: with servers, RPC is shut down
-        without draining and the transport's groups destroyed (`transport.abort`)."""
-        self._leave(lambda: transport.abort(self.failure or "its part of the job ended without closing"))
+        """Leave the job after `announce_failure`, waiting for no peer: with servers, the channels are
+        closed without draining and the transport's groups destroyed (`Transport.abort`)."""
+        self._leave(lambda transport: transport.abort(self.failure or "its part of the job ended without closing"))
 
-    def _leave(self, end_transport: Callable[[], None]) -> None:
-        """Once: mark the job closed, remove the sharding guard and, with servers, `end_transport()`."""
+    def _leave(self, end_transport: Callable[[Transport], None]) -> None:
+        """Once: mark the job closed, remove the sharding guard and, with servers, `end_transport(transport)`."""
         if self.closed:
             return
         self.closed = True
@@ -183,8 +199,8 @@ class Job:
             self.heartbeat.stop()
         if self.sharding_guard is not None:
             self.sharding_guard.remove()
-        if self.roles.num_servers:
-            end_transport()
+        if self.transport is not None:
+            end_transport(self.transport)
 
 
 def _names_a_peer(error: BaseException) -> bool:
@@ -217,7 +233,7 @@ def join(
     if not config.ps.num_servers:
         if not dist.is_initialized():
             dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
-        roles = transport.Roles.assign(dist.get_rank(), dist.get_world_size(), num_servers=0)
+        roles = Roles.assign(dist.get_rank(), dist.get_world_size(), num_servers=0)
         # not the default group: its timeout is the user's (torch's 30 min), and a peer stopped for
         # good would hold TorchRec's all-to-all that long; this one gives up after sync.timeout_s
         trainers = dist.new_group(timeout=datetime.timedelta(seconds=config.timeout_s))
@@ -228,11 +244,12 @@ def join(
                                              config.timeout_s)
             job.sharding_guard = torchrec_integration.ShardingGuard(job.trainer_group, 0, job.layout)
             job.sharding_guard.install()
-        job.heartbeat = transport.Heartbeat(job.name, roles.rank).start()
+        job.heartbeat = job.notices.heartbeat(roles.rank)
         return job
-    roles = transport.start(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s,
-                            rpc_timeout_s=config.ps.rpc_timeout_s)
-    job = Job(config, roles, tables, table_options)
+    transport = Transport.start(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s,
+                                rpc_timeout_s=config.ps.rpc_timeout_s)
+    roles = transport.roles
+    job = Job(config, roles, transport, tables, table_options)
     if roles.is_server:
         _serve(job)
         job.close()
@@ -241,7 +258,7 @@ def join(
         torchrec_integration = optional.torchrec_integration("the sharding guard")
         job.sharding_guard = torchrec_integration.ShardingGuard(roles.trainer_group, roles.num_servers)
         job.sharding_guard.install()
-    job.heartbeat = transport.Heartbeat(job.name, roles.rank).start()
+    job.heartbeat = job.notices.heartbeat(roles.rank)
     return job
 
 
@@ -319,12 +336,12 @@ def dense_sync(
                 lockstep_every = LOCKSTEP_EVERY
         sync: DenseSync = GBASync(model, dense_optimizer, config.gba, job.roles, local_batch_size, named,
                                   lockstep_every=lockstep_every or 0, on_nonfinite=config.on_nonfinite,
-                                  timeout_s=config.timeout_s, guard=guard)
+                                  timeout_s=config.timeout_s, guard=guard, transport=job.transport)
     else:
         # S-EASGD's broadcast and final average run on the library's own group, never on TorchRec's
         group, resources, tables = job.trainer_group, None, None
         if config.algo == "easgd_ps":
-            group, resources = transport.sync_group(), {"centre": job.centre()}
+            group, resources = job.require_transport().sync_group(), {"centre": job.centre()}
         if job.layout is not None:
             if torchrec_integration is None or not torchrec_integration.has_sharded_tables(model):
                 raise SetupError("sync.sharding_group_size > 0 needs a DistributedModelParallel built with "
@@ -347,10 +364,11 @@ def dense_sync(
 
 def _serve(job: Job) -> None:
     """A server rank's services for `job.config.algo` (trainers configure or initialise them)."""
+    transport = job.require_transport()
     if job.config.algo == "easgd_ps":
         transport.serve(CENTER_SERVICE, ElasticCenter())
     else:
-        serve_dense_shard()
+        serve_dense_shard(transport)
     if job.tables is not None:
         embedding = optional.ps_embedding("PS-hosted tables")
         shard = embedding.EmbeddingShard(list(job.tables), job.table_options, job.roles.server_index,

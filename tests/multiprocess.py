@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-PRELOADED = ["torch", "torch.distributed", "torch.distributed.rpc", "torchrec", "shadowgba", "tests.tiny_dmp"]
+PRELOADED = ["torch", "torch.distributed", "torchrec", "shadowgba", "tests.tiny_dmp"]
 """What the fork server imports before it forks any rank."""
 
 

@@ -291,7 +291,7 @@ def test_a_killed_trainer_restarts_under_torchrun_and_finishes_from_its_checkpoi
 @pytest.mark.timeout(150)
 def test_a_parameter_server_job_restarts_under_torchrun_and_finishes_from_its_checkpoint(tmp_path: Path) -> None:
     """GBA with PS-hosted tables, 2 trainers + 1 server: the restarted attempt's RPC rendezvous must not
-    read the dead attempt's addresses in torchrun's agent store (`transport.attempt_store`)."""
+    read the dead attempt's addresses in torchrun's agent store (`shadowgba.ps.transport.attempt_store`)."""
     fired, results, directory = _killed_and_restarted(
         tmp_path, 3, ["--config", "examples/configs/gba_ps_embeddings.yaml"], "0:15")
     assert [_kill_of(record) for record in fired] == [{"kind": "kill", "trainer": 0, "step": 15, "restart_count": 0}]
@@ -345,16 +345,17 @@ def test_an_embedding_shard_exports_and_imports_everything_and_refuses_another_l
 def _ps_job(rank: int, world_size: int, directory: str) -> dict[str, Any] | None:
     """1 trainer + 2 servers: train, checkpoint, train on, restore: tables and shard state as saved."""
     from shadowgba.checkpoint import Checkpointer, Setup, TrainState
-    from shadowgba.ps import transport
     from shadowgba.ps.embedding import DEFAULT_SERVICE, EmbeddingShard, PSEmbeddingBagCollection, PSEmbeddingConfig
+    from shadowgba.ps.transport import Transport
 
     config = PSEmbeddingConfig(**PS_OPTIONS)
-    roles = transport.start(num_servers=2)
+    ps = Transport.start(num_servers=2)
+    roles = ps.roles
     if roles.is_server:
-        transport.serve(DEFAULT_SERVICE, EmbeddingShard(_ps_tables(), config, roles.server_index, roles.num_servers))
-        transport.stop()
+        ps.serve(DEFAULT_SERVICE, EmbeddingShard(_ps_tables(), config, roles.server_index, roles.num_servers))
+        ps.stop()
         return None
-    ebc = PSEmbeddingBagCollection(_ps_tables(), config, roles.num_servers)
+    ebc = PSEmbeddingBagCollection(_ps_tables(), config, ps)
 
     def steps(first: int, last: int) -> None:
         for step in range(first, last):
@@ -374,7 +375,7 @@ def _ps_job(rank: int, world_size: int, directory: str) -> dict[str, Any] | None
     restored = max((ebc.read_table(name) - saved[name]).abs().max().item() for name in saved)
     out = {"loaded": loaded, "moved": moved, "restored": restored, "saved_stats": saved_stats,
            "stats": ebc.server_stats(), "nested": list(torch.nn.Sequential(ebc).state_dict())}
-    transport.stop()
+    ps.stop()
     return out
 
 

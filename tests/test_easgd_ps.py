@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sync_algos
-from shadowgba.ps import transport
+from shadowgba.ps.transport import Transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from tests.multiprocess import run_ranks
 from tests.test_algorithms import target_of
@@ -27,22 +27,23 @@ def snapshot(trainer: int, round_index: int) -> torch.Tensor:
 def job(rank: int, world_size: int, num_servers: int, rounds: int) -> dict | None:
     """Trainer 1 starts only after trainer 0 has finished all its rounds: with a collective in the
     round this would deadlock (and time out); with S-EASGD it must not."""
-    roles = transport.start(num_servers)
+    ps = Transport.start(num_servers)
+    roles = ps.roles
     try:
         if roles.is_server:
-            transport.serve(CENTER_SERVICE, ElasticCenter())
+            ps.serve(CENTER_SERVICE, ElasticCenter())
             return None
         algorithm = sync_algos.build_algorithm(
-            "easgd_ps", {"beta": 0.5}, roles.trainer_group, INITIAL.clone(), centre=CenterClient(num_servers)
+            "easgd_ps", {"beta": 0.5}, roles.trainer_group, INITIAL.clone(), centre=CenterClient(ps)
         )
         if roles.trainer_index == 1:
-            while transport.call(0, CENTER_SERVICE, "round_count") < rounds:
+            while ps.call(0, CENTER_SERVICE, "round_count") < rounds:
                 time.sleep(0.01)
         targets = [target_of(algorithm.round, snapshot(roles.trainer_index, r))[1] for r in range(rounds)]
-        centre = torch.cat([transport.call(i, CENTER_SERVICE, "center") for i in range(num_servers)])
+        centre = torch.cat([ps.call(i, CENTER_SERVICE, "center") for i in range(num_servers)])
         return {"targets": targets, "centre": centre, "alpha": algorithm.alpha}
     finally:
-        transport.stop()
+        ps.stop()
 
 
 def test_trainers_exchange_with_the_centre_independently_and_conserve_the_sum() -> None:
@@ -78,15 +79,16 @@ def shadow_job(rank: int, world_size: int, steps: list[int]) -> dict | None:
     from shadowgba.shadow.runtime import ShadowSync
     from tests.test_runtime import ConstantStep, flat, vector_model
 
-    roles = transport.start(1)
+    ps = Transport.start(1)
+    roles = ps.roles
     try:
         if roles.is_server:
-            transport.serve(CENTER_SERVICE, ElasticCenter())
+            ps.serve(CENTER_SERVICE, ElasticCenter())
             return None
         model = vector_model(roles.trainer_index)
         optimizer = ConstantStep(list(model.parameters()), increment=1.0)
         config = SyncConfig(algo="easgd_ps", interval_ms=1.0, ps=PSConfig(num_servers=1))
-        centre = CenterClient(roles.num_servers)
+        centre = CenterClient(ps)
         with ShadowSync(model, optimizer, config, process_group=roles.trainer_group,
                         algorithm_kwargs={"centre": centre}) as sync:
             for _ in range(steps[roles.trainer_index]):
@@ -94,7 +96,7 @@ def shadow_job(rank: int, world_size: int, steps: list[int]) -> dict | None:
                 time.sleep(0.001)
         return {"weights": flat(model), "rounds": sync.metrics.rounds}
     finally:
-        transport.stop()
+        ps.stop()
 
 
 def test_shadow_sync_runs_s_easgd_on_the_trainer_group_and_ends_identical() -> None:

@@ -60,7 +60,6 @@ from torch import nn
 import shadowgba
 from dlrm.faults import Fault, FaultInjector, InjectedFailure, exchange_pids
 from shadowgba.config import from_dict
-from shadowgba.ps import transport
 from tests import tiny_dmp
 from tests.multiprocess import RankOutcome, run_ranks_outcomes
 
@@ -209,7 +208,7 @@ def train(cell: Cell, job: shadowgba.Job, faults: FaultInjector, steps: int | No
             record["steps"] = step
             record["step_end"].append(time.time())
             if cell.servers:  # calls sent again after a timeout: reported, as the freeze may catch none in flight
-                record["retried_calls"] = transport.retried_calls()
+                record["retried_calls"] = job.require_transport().retried_calls()
             faults.after_step(step)
 
 

@@ -14,7 +14,7 @@ from shadowgba.gba.config import GBAConfig
 from shadowgba.config import from_dict
 from shadowgba.errors import SyncError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
-from shadowgba.ps import transport
+from shadowgba.ps.transport import Transport
 from tests.multiprocess import run_shared
 
 pytestmark = pytest.mark.timeout(240)
@@ -35,24 +35,24 @@ def loss_on(model: nn.Module, trainer: int, step: int) -> torch.Tensor:
 
 def gba_job(rank: int, world_size: int, num_servers: int, trainer_fn, *args) -> object:  # noqa: ANN001
     """Every rank joins the PS job; servers serve a dense shard, trainers run `trainer_fn`."""
-    roles = transport.start(num_servers)
+    ps = Transport.start(num_servers)
     try:
-        if roles.is_server:
-            serve_dense_shard()
+        if ps.roles.is_server:
+            serve_dense_shard(ps)
             return None
-        return trainer_fn(roles, *args)
+        return trainer_fn(ps, *args)
     finally:
-        transport.stop()
+        ps.stop()
 
 
-def train(roles: transport.Roles, options: dict, schedule: list[str | None], lockstep: bool, sleep_s: float = 0.0) -> dict:
+def train(ps: Transport, options: dict, schedule: list[str | None], lockstep: bool, sleep_s: float = 0.0) -> dict:
     """One step per schedule entry; an entry names a mode to switch to after that step."""
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     config = from_dict(GBAConfig, options)
-    with GBASync(model, optimizer, config, roles, local_batch_size=BATCH) as gba:
+    with GBASync(model, optimizer, config, ps.roles, local_batch_size=BATCH, transport=ps) as gba:
         for step, switch in enumerate(schedule):
-            loss_on(model, roles.trainer_index, step).backward()
+            loss_on(model, ps.roles.trainer_index, step).backward()
             optimizer.step()
             optimizer.zero_grad()
             if lockstep:
@@ -64,15 +64,15 @@ def train(roles: transport.Roles, options: dict, schedule: list[str | None], loc
     return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "mode": mode, "memory": memory}
 
 
-def sync_then_state(roles: transport.Roles, steps: int, switches: dict[int, str]) -> dict:
+def sync_then_state(ps: Transport, steps: int, switches: dict[int, str]) -> dict:
     """Train `steps` lockstep steps with switches at given steps; end in sync mode, return the state."""
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     config = from_dict(GBAConfig, {"initial_mode": "sync"})
-    gba = GBASync(model, optimizer, config, roles, local_batch_size=BATCH)
+    gba = GBASync(model, optimizer, config, ps.roles, local_batch_size=BATCH, transport=ps)
     gba.start()
     for step in range(steps):
-        loss_on(model, roles.trainer_index, step).backward()
+        loss_on(model, ps.roles.trainer_index, step).backward()
         optimizer.step()
         optimizer.zero_grad()
         gba.wait_for_global_step(step + 1)
@@ -157,20 +157,20 @@ def test_switching_sync_gba_sync_carries_parameters_optimizer_state_and_global_s
         assert float(got["state"]["step"]) == float(want["state"]["step"]) == 30
 
 
-def timed_run(roles: transport.Roles, seconds: float, sleeps_s: tuple[float, float], options: dict) -> dict:
+def timed_run(ps: Transport, seconds: float, sleeps_s: tuple[float, float], options: dict) -> dict:
     """Free-running GBA for `seconds`; trainer i sleeps `sleeps_s[i]` per step."""
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     config = from_dict(GBAConfig, options)
-    with GBASync(model, optimizer, config, roles, local_batch_size=BATCH) as gba:
+    with GBASync(model, optimizer, config, ps.roles, local_batch_size=BATCH, transport=ps) as gba:
         started, step = time.monotonic(), 0
         while time.monotonic() - started < seconds:
-            loss_on(model, roles.trainer_index, step).backward()
+            loss_on(model, ps.roles.trainer_index, step).backward()
             optimizer.step()
             optimizer.zero_grad()
-            time.sleep(sleeps_s[roles.trainer_index])
+            time.sleep(sleeps_s[ps.roles.trainer_index])
             step += 1
-        stats = gba.server_stats()[0] if roles.trainer_index == 0 else None
+        stats = gba.server_stats()[0] if ps.roles.trainer_index == 0 else None
     return {
         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
         "metrics": gba.metrics.summary(),
@@ -202,7 +202,7 @@ def test_equal_speed_trainers_compute_on_parameters_about_one_global_step_old(th
     assert mean < 1.4, histogram
 
 
-def policy_run(roles: transport.Roles) -> dict:
+def policy_run(ps: Transport) -> dict:
     """Trainer 1 straggles for the first phase, then recovers; the policy goes to GBA and back.
 
     Steps are long enough (10 ms healthy, 60 ms straggling for 2 s) that a loaded machine's scheduling
@@ -214,13 +214,13 @@ def policy_run(roles: transport.Roles) -> dict:
     policy = {"enabled": True, "to_gba_ratio": 1.5, "to_sync_ratio": 1.2, "window": 5}
     config = from_dict(GBAConfig, {"initial_mode": "sync", "switch_policy": policy})
     modes = []
-    with GBASync(model, optimizer, config, roles, local_batch_size=BATCH) as gba:
+    with GBASync(model, optimizer, config, ps.roles, local_batch_size=BATCH, transport=ps) as gba:
         started = time.monotonic()
         step = 0
         while time.monotonic() - started < 20.0:
             straggling = time.monotonic() - started < 2.0
-            time.sleep(0.060 if straggling and roles.trainer_index == 1 else 0.010)
-            loss_on(model, roles.trainer_index, step).backward()
+            time.sleep(0.060 if straggling and ps.roles.trainer_index == 1 else 0.010)
+            loss_on(model, ps.roles.trainer_index, step).backward()
             optimizer.step()
             optimizer.zero_grad()
             if not modes or modes[-1] != gba.mode:
@@ -241,14 +241,14 @@ def gba_threads() -> list[str]:
     return [thread.name for thread in threading.enumerate() if thread.name.startswith("shadowgba-gba")]
 
 
-def fail_then_close_and_abort(roles: transport.Roles) -> dict:
+def fail_then_close_and_abort(ps: Transport) -> dict:
     """One trainer in GBA over 2 shards, `on_nonfinite: fail`: a NaN gradient raises at once, and
     shard 0 then refuses every push, so close()'s drain raises; then a second run leaves its `with`
     block by the user's exception (abort)."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     config = from_dict(GBAConfig, {"initial_mode": "gba"})
-    gba = GBASync(model, optimizer, config, roles, local_batch_size=BATCH, on_nonfinite="fail")
+    gba = GBASync(model, optimizer, config, ps.roles, local_batch_size=BATCH, on_nonfinite="fail", transport=ps)
     gba.start()
     running = gba_threads()
     (loss_on(model, 0, 0) * float("nan")).backward()
@@ -261,7 +261,7 @@ def fail_then_close_and_abort(roles: transport.Roles) -> dict:
         gba.close()
     after_close = gba_threads()
     with pytest.raises(KeyError, match="the user's error"):
-        with GBASync(model, optimizer, config, roles, local_batch_size=BATCH):
+        with GBASync(model, optimizer, config, ps.roles, local_batch_size=BATCH, transport=ps):
             loss_on(model, 0, 1).backward()
             optimizer.step()
             raise KeyError("the user's error")

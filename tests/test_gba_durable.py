@@ -17,7 +17,7 @@ from shadowgba.errors import CheckpointError, ConfigError, SetupError, SyncError
 from shadowgba.flat_optimizer import FlatOptimizer
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.runtime import GBASync
-from shadowgba.ps import transport
+from shadowgba.ps.transport import Roles, Transport
 from tests.multiprocess import run_ranks
 from tests.test_gba import BATCH, gba_job, loss_on, make_model
 
@@ -44,16 +44,17 @@ def step(gba: GBASync, model: nn.Module, optimizer: torch.optim.Optimizer, data_
 
 
 # ------------------------------------------------------------------- one global step for all shards
-def round_trips(roles: transport.Roles) -> dict:
+def round_trips(ps: Transport) -> dict:
     """3 trainers over 2 shards, trainer 2 ten times slower, stale pushes dropped (threshold 0): the
     shards' keep / drop decisions would differ if each took them. Trainer 0 asks for sync after 8 of
     its GBA steps and for GBA after 3 sync steps, ROUND_TRIPS times; the shards' global steps are
     read (a spy on trainer 0's export) at every GBA -> sync switch, when every push has landed."""
+    roles = ps.roles
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     config = from_dict(GBAConfig, {"initial_mode": "gba",
                                    "decay": {"kind": "drop", "threshold": 0, "max_staleness": 4}})
-    gba = GBASync(model, optimizer, config, roles, local_batch_size=BATCH)
+    gba = GBASync(model, optimizer, config, roles, local_batch_size=BATCH, transport=ps)
     steps_at_switch: list[list[int]] = []
     if roles.trainer_index == 0:
         export = gba._shards.export
@@ -95,18 +96,19 @@ def test_shards_share_one_global_step_through_repeated_switches_with_a_slow_trai
 
 
 # ----------------------------------------------------------------------------------- NaN / Inf
-def nonfinite_rule(roles: transport.Roles) -> dict:
+def nonfinite_rule(ps: Transport) -> dict:
     """2 trainers over 2 shards; trainer 1's gradient is NaN once per phase.
     skip, sync mode: everyone applies trainer 0's gradient alone and counts it; skip, GBA mode:
     shard 0 drops and counts the push, training goes on; fail, sync mode: both trainers raise at
     the same step, naming trainer 1; fail, GBA mode: trainer 1 raises at once, trainer 0 at a
     later push, both naming trainer 1."""
+    roles = ps.roles
     trainer = roles.trainer_index
     out: dict[str, Any] = {}
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     config = from_dict(GBAConfig, {"initial_mode": "sync"})
-    with GBASync(model, optimizer, config, roles, local_batch_size=BATCH, on_nonfinite="skip") as gba:
+    with GBASync(model, optimizer, config, roles, local_batch_size=BATCH, on_nonfinite="skip", transport=ps) as gba:
         for data_step in range(4):
             step(gba, model, optimizer, data_step, poison=trainer == 1 and data_step == 2)
         out["sync_skip"] = {"params": flat(model), "global_step": gba.global_step,
@@ -123,7 +125,7 @@ def nonfinite_rule(roles: transport.Roles) -> dict:
                        "global_steps": [shard["global_step"] for shard in stats]}
 
     with pytest.raises(SyncError) as failed:
-        with GBASync(model, optimizer, config, roles, local_batch_size=BATCH, on_nonfinite="fail") as gba:
+        with GBASync(model, optimizer, config, roles, local_batch_size=BATCH, on_nonfinite="fail", transport=ps) as gba:
             for data_step in range(20, 24):
                 before = flat(model)
                 step(gba, model, optimizer, data_step, poison=trainer == 1 and data_step == 22)
@@ -133,7 +135,7 @@ def nonfinite_rule(roles: transport.Roles) -> dict:
     optimizer.zero_grad()  # the failed step never reached it: trainer 1's NaN gradient is still there
     gba_config = from_dict(GBAConfig, {"initial_mode": "gba"})
     with pytest.raises(SyncError) as failed:
-        with GBASync(model, optimizer, gba_config, roles, local_batch_size=BATCH, on_nonfinite="fail") as gba:
+        with GBASync(model, optimizer, gba_config, roles, local_batch_size=BATCH, on_nonfinite="fail", transport=ps) as gba:
             for data_step in range(30, 230):
                 step(gba, model, optimizer, data_step, poison=trainer == 1 and data_step == 32)
                 time.sleep(0.01)
@@ -176,15 +178,16 @@ def assert_same_state(got: dict, want: dict) -> None:
         assert torch.equal(torch.as_tensor(got_opt["state"][key]), torch.as_tensor(value)), key
 
 
-def checkpoint_round_trips(roles: transport.Roles) -> dict:
+def checkpoint_round_trips(ps: Transport) -> dict:
     """2 trainers over 2 shards, Adam, lockstep (zero staleness). In GBA mode and then in sync mode:
     save, train 3 steps, load, and the state is the saved one exactly; 3 more steps on the same
     batches land where the first 3 did. Malformed loads change nothing; a GBA-mode checkpoint
     loads in sync mode."""
+    roles = ps.roles
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     config = from_dict(GBAConfig, {"initial_mode": "gba"})
-    with GBASync(model, optimizer, config, roles, local_batch_size=BATCH) as gba:
+    with GBASync(model, optimizer, config, roles, local_batch_size=BATCH, transport=ps) as gba:
         for data_step in range(4):
             step(gba, model, optimizer, data_step, lockstep=True)
         saved_gba = copy.deepcopy(gba.state_dict())
@@ -239,7 +242,7 @@ def unstarted(optimizer_name: str = "Adam") -> tuple[GBASync, dict]:
     optimizer has stepped once (so its state holds Adam's tensors)."""
     model = make_model()
     optimizer = getattr(torch.optim, optimizer_name)(model.parameters(), lr=0.01)
-    roles = transport.Roles.assign(0, 3, num_servers=1)
+    roles = Roles.assign(0, 3, num_servers=1)
     gba = GBASync(model, optimizer, from_dict(GBAConfig, {"initial_mode": "sync"}), roles, BATCH)
     stepped = FlatOptimizer(gba.spec, flat(model))
     stepped.step(torch.linspace(-1, 1, gba.dense.numel, dtype=torch.float64))
@@ -303,7 +306,7 @@ def test_a_checkpoint_loaded_before_start_is_what_state_dict_returns() -> None:
 
 
 def test_on_nonfinite_and_local_batch_size_are_checked_at_construction() -> None:
-    model, roles = make_model(), transport.Roles.assign(0, 2, num_servers=1)
+    model, roles = make_model(), Roles.assign(0, 2, num_servers=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     config = from_dict(GBAConfig, {"initial_mode": "sync"})
     with pytest.raises(ConfigError, match="on_nonfinite must be 'skip' or 'fail', got 'ignore'"):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from shadowgba.gba.config import GBAConfig
 from shadowgba.config import from_dict
 from shadowgba.gba.runtime import GBASync
-from shadowgba.ps import transport
+from shadowgba.ps.transport import Roles, Transport
 from tests.multiprocess import run_ranks
 from tests.test_gba import BATCH, gba_job, loss_on, make_model
 
@@ -29,15 +29,16 @@ REQUEST_AT = 5
 CHECK_EVERY = 4
 
 
-def paired_steps(roles: transport.Roles) -> dict:
+def paired_steps(ps: Transport) -> dict:
     """GBA from the start; trainer 0 asks for sync after step REQUEST_AT. Trainer 1 pushes each step
     a little later than trainer 0, so the reply to its push carries the request one step before
     trainer 0's does."""
+    roles = ps.roles
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     config = from_dict(GBAConfig, {"initial_mode": "gba"})
     switched_after = None
-    with GBASync(model, optimizer, config, roles, local_batch_size=BATCH, lockstep_every=CHECK_EVERY) as gba:
+    with GBASync(model, optimizer, config, roles, local_batch_size=BATCH, lockstep_every=CHECK_EVERY, transport=ps) as gba:
         for step in range(STEPS):
             time.sleep(0.03 * roles.trainer_index)  # trainer 1 pushes after trainer 0 has asked for sync
             loss_on(model, roles.trainer_index, step).backward()
@@ -66,7 +67,7 @@ def test_lockstep_trainers_leave_gba_at_the_same_agreed_step() -> None:
 
 
 def test_lockstep_every_must_not_be_negative() -> None:
-    model, roles = make_model(), transport.Roles.assign(0, 2, num_servers=1)
+    model, roles = make_model(), Roles.assign(0, 2, num_servers=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="lockstep_every must be >= 0, got -1"):
         GBASync(model, optimizer, from_dict(GBAConfig, {"initial_mode": "sync"}), roles, BATCH, lockstep_every=-1)

@@ -14,8 +14,8 @@ from shadowgba.flat_optimizer import (SHARD_ALIGN, FlatOptimizer, LRSchedule, Op
 from shadowgba.config import from_dict
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
-from shadowgba.ps import dense_server
 from shadowgba.ps.dense_server import DenseShard, DenseShardClient, PushRequest
+from shadowgba.ps.transport import Roles
 from sync_algos.gba import GlobalBatchAggregator
 from sync_algos.staleness import StalenessDecayConfig
 
@@ -345,14 +345,21 @@ def test_a_dropped_push_has_no_decision_and_a_broken_part_keeps_k_in_step() -> N
     assert torch.isfinite(follower.pull().params).all()
 
 
-def test_the_client_reports_a_dropped_push_as_dropped_by_every_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_client_reports_a_dropped_push_as_dropped_by_every_shard() -> None:
     """A push shard 0 dropped reaches no other shard: their replies (pulls) carry weight 0, not 1."""
     shards = sharded(on_nonfinite="skip", kind="drop", threshold=0, max_staleness=4)
-    monkeypatch.setattr(dense_server.transport, "call",
-                        lambda server, service, method, *args: getattr(shards[server], method)(*args))
-    monkeypatch.setattr(dense_server.transport, "call_each", lambda service, method, args_by_server, first=0: [
-        getattr(shards[first + index], method)(*args) for index, args in enumerate(args_by_server)])
-    client = DenseShardClient(4, 2)
+    class LocalShards:
+        """The two shards called in this process, as the trainer's transport would call them."""
+
+        roles = Roles.assign(0, 3, num_servers=2)
+
+        def call(self, server: int, service: str, method: str, *args: object) -> object:
+            return getattr(shards[server], method)(*args)
+
+        def call_each(self, service: str, method: str, args_by_server: list, first: int = 0) -> list:
+            return [getattr(shards[first + index], method)(*args) for index, args in enumerate(args_by_server)]
+
+    client = DenseShardClient(4, LocalShards())
     for trainer in (0, 1):
         assert [reply.weight for reply in client.push(trainer, torch.ones(4), 0, 1, 0.0)] == [1.0, 1.0]
     stale = client.push(0, torch.ones(4), 0, 1, 0.0)  # staleness 1 > threshold 0

@@ -21,7 +21,7 @@ from shadowgba import SyncConfig
 from shadowgba.config import from_dict
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
-from shadowgba.ps import transport
+from shadowgba.ps.transport import Transport
 from shadowgba.shadow.runtime import ShadowSync
 from tests.multiprocess import run_ranks, run_shared
 
@@ -143,15 +143,16 @@ def test_rounds_after_warmup_allocate_no_dense_sized_tensor(algo: str, shadow_ru
 
 def gba_run(rank: int, world_size: int) -> dict[str, Any] | None:
     """GBA mode against one dense shard; the client's queue buffers are counted in its account."""
-    roles = transport.start(1)
+    ps = Transport.start(1)
+    roles = ps.roles
     try:
         if roles.is_server:
-            serve_dense_shard()
+            serve_dense_shard(ps)
             return None
         model = make_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         config = from_dict(GBAConfig, {"initial_mode": "gba", "queue_size": QUEUE_SIZE})
-        with GBASync(model, optimizer, config, roles, local_batch_size=4) as gba:
+        with GBASync(model, optimizer, config, roles, local_batch_size=4, transport=ps) as gba:
             for _ in range(WARMUP_STEPS):
                 step(model, optimizer, rank)
             before = quiet_account(gba, model, optimizer)
@@ -162,7 +163,7 @@ def gba_run(rank: int, world_size: int) -> dict[str, Any] | None:
             after = quiet_account(gba, model, optimizer)
         return {"before": before, "after": after, "allocations": watcher.allocations, "numel": dense_numel(model)}
     finally:
-        transport.stop()
+        ps.stop()
 
 
 def quiet_account(gba: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

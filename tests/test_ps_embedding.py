@@ -13,7 +13,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from shadowgba.config import ConfigError
 from shadowgba.nonfinite import NonFiniteGuard
-from shadowgba.ps import transport
+from shadowgba.ps.transport import Transport
 from shadowgba.ps.embedding import EmbeddingShard, PSEmbeddingBagCollection, PSEmbeddingConfig, checked_tables
 from sync_algos.staleness import StalenessDecayConfig
 from tests.multiprocess import run_ranks
@@ -67,23 +67,25 @@ SERVICES = {
 
 def ps_against_torchrec(rank: int, world_size: int) -> dict:
     """Ranks 0-1 train, 2-3 serve. One step of both trainers on both services, then refused pushes."""
-    roles = transport.start(num_servers=2)
+    ps = Transport.start(num_servers=2)
+    roles = ps.roles
     try:
         if roles.is_server:
             for name, config in SERVICES.items():
-                transport.serve(name, EmbeddingShard(TABLES, config, roles.server_index, roles.num_servers))
+                ps.serve(name, EmbeddingShard(TABLES, config, roles.server_index, roles.num_servers))
             return {}
-        return train_one_step(roles)
+        return train_one_step(ps)
     finally:
-        transport.stop()
+        ps.stop()
 
 
-def train_one_step(roles: transport.Roles) -> dict:
+def train_one_step(ps: Transport) -> dict:
+    roles = ps.roles
     me = roles.trainer_index
     ebc = reference()
     initial = tables_of(ebc)
     modules = {
-        name: PSEmbeddingBagCollection(TABLES, config, roles.num_servers, service=name)
+        name: PSEmbeddingBagCollection(TABLES, config, ps, service=name)
         for name, config in SERVICES.items()
     }
     if me == 0:
@@ -114,26 +116,26 @@ def train_one_step(roles: transport.Roles) -> dict:
     if me == 0:
         check_refusals(modules["hogwild"])
     dist.barrier(group=roles.trainer_group)
-    return {name: [transport.call(server, name, "stats") for server in range(roles.num_servers)] for name in SERVICES}
+    return {name: [ps.call(server, name, "stats") for server in range(roles.num_servers)] for name in SERVICES}
 
 
 def check_refusals(module: PSEmbeddingBagCollection) -> None:
-    """A malformed push over RPC is refused; NaN gradients from the module (marked, no rows sent, its
-    guard told) and NaN rows pushed over RPC (found by the shard) are dropped (on_nonfinite skip,
+    """A malformed push is refused; NaN gradients from the module (marked, no rows sent, its
+    guard told) and NaN rows pushed as they are (found by the shard) are dropped (on_nonfinite skip,
     counted by the shards); nothing changes."""
     before = {name: module.read_table(name) for name in ("users", "products")}
     float64_rows = {"users": (torch.tensor([0, 2]), torch.ones(2, 4, dtype=torch.float64))}
     with pytest.raises(ValueError, match=r"push refused: table 'users': rows must be a torch.float32 tensor"):
-        transport.call(0, "hogwild", "push", float64_rows, 1)
+        module.transport.call(0, "hogwild", "push", float64_rows, 1)
     with pytest.raises(ValueError, match="push refused: table 'users': id 3 belongs to server 1, not 0"):
-        transport.call(0, "hogwild", "push", {"users": (torch.tensor([3]), torch.ones(1, 4))}, 1)
+        module.transport.call(0, "hogwild", "push", {"users": (torch.tensor([3]), torch.ones(1, 4))}, 1)
     pooled = module(batch(0))
     (pooled.values() * math.nan).sum().backward()
     module.guard = NonFiniteGuard("trainer 0 (rank 0)")
     module.push_gradients()
     module.flush()  # dropped and counted by every server, not refused: the trainer carries on
     assert module.guard.caught == "row gradients of PS-hosted tables"
-    transport.call(0, "hogwild", "push", {"users": (torch.tensor([0]), torch.full((1, 4), math.nan))}, 1, None, 0)
+    module.transport.call(0, "hogwild", "push", {"users": (torch.tensor([0]), torch.full((1, 4), math.nan))}, 1, None, 0)
     with pytest.raises(ValueError, match=r"lookup refused: table 'users': id 10 out of range \[0, 10\)"):
         module(KeyedJaggedTensor.from_lengths_sync(
             keys=["user", "item", "history"], values=torch.tensor([10]), lengths=torch.tensor([1, 0, 0])

@@ -1,7 +1,7 @@
 """GBASync: the dense parameters of a trainer under sync all-reduce or GBA, switchable while running.
 
     job = shadowgba.join(config)                       # servers serve the dense shards until the end
-    with GBASync(model, optimizer, config.gba, job.roles, local_batch_size=512) as gba:
+    with GBASync(model, optimizer, config.gba, job.roles, 512, transport=job.transport) as gba:
         for batch in data:                             # the user's loop, unchanged
             loss = model(batch); loss.backward()
             optimizer.step()                           # replaced: the dense update is GBASync's
@@ -31,9 +31,10 @@ Switching (carries parameters, optimizer state, global step and global batch; no
 Groups, barriers and why nothing deadlocks or mis-pairs:
 - Every collective of GBASync runs on the library's own sync group over the trainers (`_group`),
   never on `roles.trainer_group`, which TorchRec (its per-step all-to-all, `job.dmp_kwargs()`) and
-  the user use: a library collective can never be paired with one of theirs. Collectives run only in the training thread; the client's threads speak RPC only.
+  the user use: a library collective can never be paired with one of theirs. Collectives run only in
+  the training thread; the client's threads only call the servers (`Transport`).
 - Barriers are not collectives: the GBA -> sync switch, a checkpoint load in GBA mode and the close
-  in GBA mode meet the other trainers over RPC on shard 0's server (`transport.barrier`), so a
+  in GBA mode meet the other trainers through shard 0's server (`Transport.barrier`), so a
   trainer waiting in one never blocks a peer's collective, learns at once that a peer aborted
   (`PeerLost` with its reason), and gives up on a peer that does not come within `timeout_s`.
 - Sync mode issues one all-reduce per step and every decision (stop, switch, policy) is taken from
@@ -51,7 +52,7 @@ Groups, barriers and why nothing deadlocks or mis-pairs:
   them) ends in a broadcast of its outcome (`_on_trainer0`): if it failed, every trainer raises the
   same `SyncError`, none is left waiting in the next collective.
 - A trainer that fails (`abort()`) issues nothing peer-dependent: it stops its threads, and the sync
-  group is destroyed (here without servers, by `transport.abort` with them), so a peer's pending
+  group is destroyed (here without servers, by `Transport.abort` with them), so a peer's pending
   collective on it fails at once, as `SyncError` (`_collective`); the job (`dense_sync`) tells the
   servers and the notice board which trainer failed and why.
 
@@ -97,8 +98,8 @@ from shadowgba.gba.switch_policy import SwitchPolicy
 from shadowgba.interface import DenseSync
 from shadowgba.metrics import GBAMetrics
 from shadowgba.nonfinite import NonFiniteGuard
-from shadowgba.ps import transport
 from shadowgba.ps.dense_server import DenseShardClient, serve_dense_shard
+from shadowgba.ps.transport import Roles, Transport
 from shadowgba.step_hook import StepHook
 
 __all__ = ["GBASync", "Mode", "serve_dense_shard"]  # serve_dense_shard: GBA's server-rank entry point
@@ -146,13 +147,14 @@ class GBASync(DenseSync):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         config: GBAConfig,
-        roles: transport.Roles,
+        roles: Roles,
         local_batch_size: int,
         params: Iterable[tuple[str, nn.Parameter]] | None = None,
         lockstep_every: int = 0,
         on_nonfinite: str = "skip",
         timeout_s: float | None = None,
         guard: NonFiniteGuard | None = None,
+        transport: Transport | None = None,
     ) -> None:
         """`lockstep_every` > 0 says the trainers take every step together anyway (TorchRec-sharded
         tables: each step's all-to-all pairs them); GBA -> sync is then agreed every that many steps
@@ -162,7 +164,9 @@ class GBASync(DenseSync):
         collectives and the deadline of the barriers (None: torch's default, and the transport's).
         `guard`: this trainer's `NonFiniteGuard` (`shadowgba.dense_sync` shares it with the model's
         tables; default one of its own): a step in which it caught NaN / Inf (embedding gradients,
-        row pushes) is non-finite as a NaN gradient is, and it counts this trainer's skipped steps."""
+        row pushes) is non-finite as a NaN gradient is, and it counts this trainer's skipped steps.
+        `transport`: the job's transport to its servers (`job.transport`); without it (a runtime that is
+        never started, in tests) the servers' shards and barriers refuse every use."""
         if roles.is_server:
             raise ValueError("GBASync runs on trainer ranks; server ranks call serve_dense_shard()")
         if config.initial_mode == Mode.GBA and roles.num_servers < 1:
@@ -178,6 +182,7 @@ class GBASync(DenseSync):
         self.timeout_s = timeout_s
         self.config = config
         self.roles = roles
+        self.transport = transport
         self.dense = DenseParams(list(params if params is not None else trainable_named_parameters(model)))
         self.spec = OptimizerSpec.of(optimizer, config.schedule)
         self.local_batch_size = local_batch_size
@@ -203,7 +208,7 @@ class GBASync(DenseSync):
         (`_group()`)."""
         self._allreduce = SyncAllReduce(self.dense.numel, self.num_trainers, roles.trainer_index,
                                         self.dense.dtype, self.dense.device)
-        self._shards = DenseShardClient(self.dense.numel, roles.num_servers)
+        self._shards = DenseShardClient(self.dense.numel, self.transport)
         self._client = GBAClient(self._shards, self.dense, roles.trainer_index, local_batch_size, config.queue_size,
                                  watch=config.aggregation == "global_batch", metrics=self.metrics,
                                  push_dtype=config.push_torch_dtype(self.dense.dtype))
@@ -517,10 +522,10 @@ class GBASync(DenseSync):
 
     def _group(self) -> dist.ProcessGroup:
         """The sync group, the library's own over the trainers, never the trainer group TorchRec and
-        the user use: with servers the transport's (`transport.sync_group`, destroyed when the job
+        the user use: with servers the transport's (`Transport.sync_group`, destroyed when the job
         ends or aborts), else this runtime's. Fetched for each collective and never kept, so that
         destroying it frees it, and a peer's pending collective on it fails at once."""
-        return transport.sync_group() if self.roles.num_servers else self._own_group
+        return self._require_transport().sync_group() if self.roles.num_servers else self._own_group
 
     @contextlib.contextmanager
     def _collective(self, what: str) -> Iterator[None]:
@@ -534,9 +539,14 @@ class GBASync(DenseSync):
                             f"the sync group (aborted, died, or did not come within sync.timeout_s)") from error
 
     def _barrier(self, name: str) -> None:
-        """Meet every trainer with no collective (`transport.barrier`: over RPC on shard 0's server);
+        """Meet every trainer with no collective (`Transport.barrier`: through shard 0's server);
         a peer that aborted, or that does not come within `timeout_s`, raises `PeerLost` naming it."""
-        transport.barrier(name, self.timeout_s)
+        self._require_transport().barrier(name, self.timeout_s)
+
+    def _require_transport(self) -> Transport:
+        if self.transport is None:
+            raise SetupError("GBASync in a job with servers needs its transport (GBASync(..., transport=job.transport))")
+        return self.transport
 
     def _switch_to(self, mode: Mode, counted: bool = True) -> None:
         """Enter `mode`. A switch between sync and GBA (counted) changes how the job trains and is

@@ -65,7 +65,7 @@ import torch
 from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, concat_exports, shard_bounds, slice_export
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy
-from shadowgba.ps import transport
+from shadowgba.ps.transport import Transport
 from sync_algos.base import is_finite
 from sync_algos.gba import Admission, GlobalBatchAggregator
 from sync_algos.staleness import StalenessCounts
@@ -443,7 +443,7 @@ class DenseShard:
             raise ValueError(f"{prefix}: decision must be shard 0's Decision, got {type(request.decision).__name__}")
 
 
-def serve_dense_shard() -> None:
+def serve_dense_shard(transport: Transport) -> None:
     """On a server rank: host an (unconfigured) dense shard; trainers configure it."""
     transport.serve(DENSE_SERVICE, DenseShard())
 
@@ -454,13 +454,16 @@ class DenseShardClient:
     The flat dense vector of `numel` elements is split over `num_shards` shards by `shard_bounds`
     (shard i on server i). Each method calls every shard that has a part in it, in parallel, and
     returns the replies in shard order; a shard's exception is raised here with its own type and
-    message (`transport.call_async`). A push goes to shard 0 first, which decides it for all
+    message (`Transport.call_async`). A push goes to shard 0 first, which decides it for all
     (module docstring). Switch and close requests go to shard 0 alone: one place decides them,
     under one lock (`DenseShard.begin_close`). With no shards (a job without servers)
     the client is empty and every fan-out returns nothing.
     """
 
-    def __init__(self, numel: int, num_shards: int) -> None:
+    def __init__(self, numel: int, transport: Transport | None) -> None:
+        self.transport = transport
+        """The trainer's transport to the shards' servers; None in a job without servers."""
+        num_shards = transport.roles.num_servers if transport is not None else 0
         self.bounds: list[tuple[int, int]] = shard_bounds(numel, num_shards) if num_shards else []
         """The [start, end) slice of each shard, in shard order."""
 
@@ -482,9 +485,8 @@ class DenseShardClient:
         0's weight (0: no shard applied it). `reply_params`
         False: the replies carry tokens only (the trainer's watcher brings new parameters)."""
         (start, end), *others = self.bounds
-        first = transport.call(0, DENSE_SERVICE, "push",
-                               PushRequest(trainer, start, end, gradient[start:end], token, num_samples, compute_s,
-                                           finite, reply_params=reply_params))
+        first = self._shard0("push", PushRequest(trainer, start, end, gradient[start:end], token, num_samples,
+                                                 compute_s, finite, reply_params=reply_params))
         if not others:
             return [first]
         if first.decision is None:  # the others only answer with their parameters, at shard 0's weight (dropped)
@@ -523,15 +525,15 @@ class DenseShardClient:
 
     def begin_close(self) -> bool:
         """Ask shard 0 to close in GBA mode (`DenseShard.begin_close`): False while a switch is pending."""
-        return transport.call(0, DENSE_SERVICE, "begin_close")
+        return self._shard0("begin_close")
 
     def fail(self, reason: str) -> None:
         """Tell shard 0 this trainer's job failed: it refuses every later push with `reason`."""
-        transport.call(0, DENSE_SERVICE, "fail", reason)
+        self._shard0("fail", reason)
 
     def request_mode(self, mode: str) -> bool:
         """Ask shard 0 to carry a switch to `mode` to every trainer; False once a trainer is closing."""
-        return transport.call(0, DENSE_SERVICE, "request_mode", mode)
+        return self._shard0("request_mode", mode)
 
     def stats(self) -> list[dict[str, Any]]:
         """Each shard's `DenseShard.stats()`."""
@@ -543,4 +545,15 @@ class DenseShardClient:
         on every shard from `first_shard` on, all at once; the results in shard order."""
         if args_by_shard is None:
             args_by_shard = [()] * (len(self.bounds) - first_shard)
-        return transport.call_each(DENSE_SERVICE, method, args_by_shard, first_shard)
+        if not args_by_shard:  # a job without servers
+            return []
+        return self._require_transport().call_each(DENSE_SERVICE, method, args_by_shard, first_shard)
+
+    def _shard0(self, method: str, *args: Any) -> Any:
+        """`method(*args)` on shard 0, which decides pushes, switches and closing for all."""
+        return self._require_transport().call(0, DENSE_SERVICE, method, *args)
+
+    def _require_transport(self) -> Transport:
+        if self.transport is None:
+            raise RuntimeError("the dense shards need the job's transport to its servers (job.transport)")
+        return self.transport

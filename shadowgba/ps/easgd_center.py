@@ -19,7 +19,7 @@ import torch
 
 from shadowgba.errors import CheckpointError
 from shadowgba.flat_optimizer import shard_bounds
-from shadowgba.ps import transport
+from shadowgba.ps.transport import Transport
 from sync_algos.base import is_finite
 from sync_algos.easgd import elastic_pull
 from sync_algos.easgd_ps import Centre
@@ -111,7 +111,7 @@ def slice_problem(start: int, end: int, values: object, dtype: torch.dtype | Non
 class CenterClient(Centre):
     """The trainer side of the centre: the whole flat vector over `num_servers` `ElasticCenter` slices.
 
-    Needs the PS transport started (`shadowgba.ps.transport`) and every server serving an
+    Needs the job's PS transport (`Transport`) and every server serving an
     `ElasticCenter` under `service`. Holds no state but the length and dtype `init` started the
     centre with (what a checkpoint must match): the slices follow from the length by `shard_bounds`,
     as on every trainer; a server refuses a slice that is not the one it holds.
@@ -123,9 +123,11 @@ class CenterClient(Centre):
     rounds; in shadow mode the other trainers' exchanges race with the gather by design).
     """
 
-    def __init__(self, num_servers: int, service: str = CENTER_SERVICE) -> None:
+    def __init__(self, transport: Transport, service: str = CENTER_SERVICE) -> None:
+        num_servers = transport.roles.num_servers
         if num_servers < 1:
             raise ValueError(f"the S-EASGD centre needs at least one server, got num_servers={num_servers}")
+        self.transport = transport
         self.num_servers = num_servers
         self.service = service
         self._layout: tuple[int, torch.dtype] | None = None
@@ -143,7 +145,7 @@ class CenterClient(Centre):
         self._require_layout()
         if not self._saving_trainer():
             return {}
-        slices = transport.call_each(self.service, "center", [()] * self.num_servers)
+        slices = self.transport.call_each(self.service, "center", [()] * self.num_servers)
         return {"num_servers": self.num_servers, "centre": torch.cat(slices)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -171,11 +173,11 @@ class CenterClient(Centre):
         return self._layout
 
     def _saving_trainer(self) -> bool:
-        return transport.roles().trainer_index == 0
+        return self.transport.roles.trainer_index == 0
 
     def _call_each_slice(self, method: str, whole: torch.Tensor, *extra: Any) -> list[Any]:
         """`method(start, end, whole[start:end], *extra)` on every server at once; results in slice
         order. Slices are cloned: sending a view would send the whole vector's storage."""
-        return transport.call_each(self.service, method, [
+        return self.transport.call_each(self.service, method, [
             (start, end, whole[start:end].clone(), *extra) for start, end in shard_bounds(whole.numel(), self.num_servers)
         ])

@@ -1,14 +1,14 @@
 """Asynchronous embedding tables on the parameter servers, behind TorchRec's EmbeddingBagCollection API.
 
+    ps = Transport.start(num_servers=2)                                # every rank (job.transport)
     # server ranks
-    roles = transport.start(num_servers=2)
-    transport.serve("embedding", EmbeddingShard(tables, config, roles.server_index, roles.num_servers))
-    transport.stop()
+    ps.serve("embedding", EmbeddingShard(tables, config, ps.roles.server_index, ps.roles.num_servers))
+    ps.stop()
     # trainer ranks
-    ebc = PSEmbeddingBagCollection(tables, config, roles.num_servers)     # instead of EmbeddingBagCollection
+    ebc = PSEmbeddingBagCollection(tables, config, ps)                  # instead of EmbeddingBagCollection
     loss = model(batch); loss.backward()                                # model calls ebc(kjt) -> KeyedTensor
     ebc.push_gradients(); dense_optimizer.step()                        # the push does not wait
-    ebc.flush(); transport.stop()                                       # at the end, or before read_table()
+    ebc.flush(); ps.stop()                                              # at the end, or before read_table()
 
 Tables are row-sharded: row `id` lives on server `id % num_servers`, at local row `id // num_servers`.
 
@@ -72,7 +72,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from shadowgba.errors import ConfigError
 from shadowgba.nonfinite import NonFiniteGuard
-from shadowgba.ps import transport
+from shadowgba.ps.transport import Transport
 from sync_algos.base import is_finite
 from sync_algos.gba import AggregationConfig, Admission, GlobalBatchRule
 from sync_algos.staleness import StalenessCounts, StalenessDecayConfig
@@ -406,13 +406,16 @@ class PSEmbeddingBagCollection(nn.Module):
         self,
         tables: Sequence[EmbeddingBagConfig],
         config: PSEmbeddingConfig,
-        num_servers: int,
+        transport: Transport,
         service: str = DEFAULT_SERVICE,
     ) -> None:
         super().__init__()
+        num_servers = transport.roles.num_servers
         if num_servers < 1:
             raise ValueError(f"PSEmbeddingBagCollection needs at least one server, got num_servers={num_servers}")
         self.config = config
+        self.transport = transport
+        """The trainer's transport to the servers holding the rows."""
         self.num_servers = num_servers
         self.service = service
         self._tables = checked_tables(tables)
@@ -484,10 +487,10 @@ class PSEmbeddingBagCollection(nn.Module):
         if not finite and self.guard is not None:
             self.guard.note("row gradients of PS-hosted tables")
         requests = self._split(grads) if finite else [{} for _ in range(self.num_servers)]  # NaN stays here
-        trainer = transport.roles().trainer_index
+        trainer = self.transport.roles.trainer_index
         self._in_flight.append([
-            transport.call_async(server, self.service, "push", request, step.batch_size, step.tokens[server],
-                                 trainer, finite)
+            self.transport.call_async(server, self.service, "push", request, step.batch_size, step.tokens[server],
+                                      trainer, finite)
             for server, request in enumerate(requests)
         ])
         self._settle(self.config.max_in_flight)
@@ -499,7 +502,7 @@ class PSEmbeddingBagCollection(nn.Module):
     def server_stats(self) -> list[dict[str, object]]:
         """Each server's `EmbeddingShard.stats()`: pushes, updates, and under GBA the staleness
         histogram and decayed / dropped pushes of the rows."""
-        return [transport.call(server, self.service, "stats") for server in range(self.num_servers)]
+        return [self.transport.call(server, self.service, "stats") for server in range(self.num_servers)]
 
     def read_table(self, name: str) -> torch.Tensor:
         """The whole table, gathered from the servers (tests, checkpoints)."""
@@ -509,7 +512,7 @@ class PSEmbeddingBagCollection(nn.Module):
         """Overwrite the whole table on the servers (tests, checkpoints); optimizer state is kept."""
         ids = torch.arange(self._table(name).num_embeddings)
         futures = [
-            transport.call_async(server, self.service, "load_rows", request)
+            self.transport.call_async(server, self.service, "load_rows", request)
             for server, request in enumerate(self._split({name: (ids, weight.detach().cpu())}))
         ]
         for future in futures:
@@ -533,7 +536,7 @@ class PSEmbeddingBagCollection(nn.Module):
         self.flush()
         if not self._saving_trainer():
             return {}
-        exported = transport.call_each(self.service, "export_state", [()] * self.num_servers)
+        exported = self.transport.call_each(self.service, "export_state", [()] * self.num_servers)
         tables: dict[str, dict[str, torch.Tensor]] = {}
         for table in self._tables:
             weight = torch.empty(table.num_embeddings, table.embedding_dim, dtype=torch.float32)
@@ -572,7 +575,7 @@ class PSEmbeddingBagCollection(nn.Module):
                 entry["accumulator"] = (accumulator[server::self.num_servers].clone() if accumulator is not None
                                         else torch.zeros(0, dtype=torch.float32))
             imports.append((shard,))
-        transport.call_each(self.service, "import_state", imports)
+        self.transport.call_each(self.service, "import_state", imports)
         return None
 
     def prepare_checkpoint(self) -> None:
@@ -580,7 +583,7 @@ class PSEmbeddingBagCollection(nn.Module):
         self.flush()
 
     def _saving_trainer(self) -> bool:
-        return transport.roles().trainer_index == 0
+        return self.transport.roles.trainer_index == 0
 
     def _table(self, name: str) -> EmbeddingBagConfig:
         for table in self._tables:
@@ -604,7 +607,7 @@ class PSEmbeddingBagCollection(nn.Module):
         # split each id's position along with it, so that every reply lands at its ids' places
         requests = self._split({name: (ids, torch.arange(len(ids))) for name, ids in ids_by_table.items()})
         futures = [
-            transport.call_async(
+            self.transport.call_async(
                 server, self.service, "lookup_with_token", {name: ids for name, (ids, _) in request.items()}
             )
             for server, request in enumerate(requests)

@@ -1,0 +1,131 @@
+"""Trainer-server sessions: how a trainer and a server meet over the job's store and build a `Channel`.
+
+    acceptor = Acceptor(store, server=0, generation=g, on_session=serve)   # server: a thread
+    channel = open_session(store, server=0, generation=g, trainer=1, ...)   # trainer, per session
+
+The store is the job's (torchrun's agent store, or MASTER_ADDR:MASTER_PORT's), under this attempt's
+prefix (`attempt_store`), so a restarted attempt never reads a dead attempt's keys. Keys of server s
+live under `ps/gen{g}/server{s}/`, where g counts the transports this rank started (every rank
+starts every transport of the job, in the same order, whatever its role in each: the k-th start
+of a trainer meets the k-th of every server):
+
+- `joins`: the ticket counter. A trainer takes a ticket (`store.add(joins, 1)`), writes who it is
+  under `join{t}` and `trainer{i}/latest` (its newest ticket), and waits for `accepted{t}`.
+- The server's acceptor thread polls for the next ticket (`store.check`, so it notices its own end
+  and never leaves the shared store client out of step), sets `accepted{t}`, and builds the server end of the channel in a
+  thread of its own, so a trainer that vanishes mid-setup holds up no other session.
+- Both ends then build a 2-rank ProcessGroupGloo over `PrefixStore(".../session{t}", store)`,
+  server rank 0, trainer rank 1.
+
+Nothing here assumes a fixed set of trainers: a trainer opens a session whenever it wants one (a
+reconnect is a new session), and `trainer{i}/latest` tells the server whether a closed session was
+replaced by a newer one of the same trainer or left without a successor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import pickle
+import threading
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+POLL_S = 0.01
+"""How often a key awaited in the store is looked for. Polled with `check`: a TCPStore client whose
+`wait` timed out is out of step with its server (the late answer is read as the next reply), and
+the client is shared."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionInfo:
+    """What a trainer tells a server about the session it opens."""
+
+    ticket: int
+    trainer: int
+    """The trainer's index among the trainers."""
+    rank: int
+    """The trainer's global rank."""
+
+
+def server_key(generation: int, server: int, key: str) -> str:
+    """The store key `key` of server `server` in transport generation `generation`."""
+    return f"ps/gen{generation}/server{server}/{key}"
+
+
+def session_group(store: dist.Store, generation: int, server: int, ticket: int, rank: int,
+                  timeout_s: float) -> dist.ProcessGroup:
+    """This end (server rank 0, trainer rank 1) of session `ticket`'s 2-rank gloo group."""
+    prefix = server_key(generation, server, f"session{ticket}")
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, datetime.timedelta(seconds=timeout_s))
+
+
+def request_session(store: dist.Store, generation: int, server: int, trainer: int, rank: int,
+                    accept_within_s: float) -> SessionInfo:
+    """Trainer: take a ticket at `server`, announce it, and wait up to `accept_within_s` for the
+    server's acceptor to take it. Raises `TimeoutError` when it does not (the server is gone or stopped)."""
+    ticket = store.add(server_key(generation, server, "joins"), 1)
+    info = SessionInfo(ticket, trainer, rank)
+    store.set(server_key(generation, server, f"trainer{trainer}/latest"), str(ticket))
+    store.set(server_key(generation, server, f"join{ticket}"), pickle.dumps(info))
+    if not await_key(store, server_key(generation, server, f"accepted{ticket}"), accept_within_s):
+        raise TimeoutError(f"no acceptance of session {ticket} within {accept_within_s:g} s")
+    return info
+
+
+def await_key(store: dist.Store, key: str, within_s: float, ended: threading.Event | None = None) -> bool:
+    """Whether `key` appeared in `store` within `within_s` (False also once `ended` is set or the
+    store fails: its host is gone)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if store.check([key]):
+                return True
+        except RuntimeError:
+            return False
+        if time.monotonic() >= deadline or (ended or threading.Event()).wait(POLL_S):
+            return False
+
+
+def latest_ticket(store: dist.Store, generation: int, server: int, trainer: int) -> int | None:
+    """Server: the newest session ticket trainer `trainer` took here (None if the store cannot say)."""
+    try:
+        return int(store.get(server_key(generation, server, f"trainer{trainer}/latest")))
+    except Exception:  # noqa: BLE001 (the store's host is gone)
+        return None
+
+
+class Acceptor:
+    """Server: a thread that takes the trainers' session tickets in order and hands each to
+    `on_session(info)` in a thread of its own (which builds the channel), until `stop()`."""
+
+    def __init__(self, store: dist.Store, generation: int, server: int,
+                 on_session: Callable[[SessionInfo], None]) -> None:
+        self._store, self._generation, self._server = store, generation, server
+        self._on_session = on_session
+        self._ended = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name=f"shadowgba-acceptor-ps{server}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the acceptor (within `POLL_S`); sessions already handed over are not touched."""
+        self._ended.set()
+        self._thread.join()
+
+    def _accept(self) -> None:
+        ticket = 1
+        while not self._ended.is_set():
+            key = server_key(self._generation, self._server, f"join{ticket}")
+            if not await_key(self._store, key, float("inf"), self._ended):
+                self._ended.wait(POLL_S)  # the store is gone: keep looking, slowly, until the end
+                continue
+            try:
+                info: SessionInfo = pickle.loads(self._store.get(key))
+                self._store.set(server_key(self._generation, self._server, f"accepted{ticket}"), "1")
+            except RuntimeError:  # the store's host is gone
+                continue
+            ticket += 1
+            threading.Thread(target=self._on_session, args=(info,), name=f"shadowgba-session-{info.ticket}",
+                             daemon=True).start()
