@@ -25,8 +25,9 @@ Invariants:
   waits for the current message's tensors, so the next message never waits for a posted receive.
 - Several requests can be in flight: each carries an id, and a reply completes the future of its
   id, whatever the order the peer answers in (the server runs requests on a thread pool).
-- Liveness: both sides send a heartbeat frame when they have sent nothing for `PING_INTERVAL_S`
-  (`pulse()`, driven by the owner's thread), so a receive that sees nothing for the group's
+- Liveness: both sides send a heartbeat frame when they have sent nothing for `beat_s` (at most
+  `PING_INTERVAL_S`, and a quarter of the peer's timeout; `pulse()`, driven by the owner's
+  thread), so a receive that sees nothing for the group's
   timeout (`timeout_s`) means the peer is stopped or stuck; a killed peer's sockets close, and the
   receive fails at once. Either way the channel is dead: `on_lost` is called once and every
   pending future fails with `ChannelLost` naming the peer. A dead channel is never reused.
@@ -56,7 +57,8 @@ from shadowgba.errors import PeerLost
 FRAME_BYTES = 4096
 """Size of every frame; a message whose header and tensors fit in it is one gloo send."""
 PING_INTERVAL_S = 1.0
-"""A side that sent nothing for this long sends a heartbeat (`pulse()`)."""
+"""A side that sent nothing for this long sends a heartbeat (`pulse()`), or for a quarter of the
+peer's silence limit if that is shorter (`Channel.beat_s`)."""
 _WORDS = 4
 """int64 words at the start of a frame: kind, header length, tensor count, tensors inline (0 / 1)."""
 _HEAD_BYTES = 8 * _WORDS
@@ -202,10 +204,13 @@ class Channel:
     def __init__(self, group: dist.ProcessGroup, rank: int, peer: str,
                  on_request: Callable[["Channel", int, Any], None] | None = None,
                  on_lost: Callable[["Channel", ChannelLost], None] | None = None,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, peer_timeout_s: float = 60.0) -> None:
         self.group, self.rank, self.peer = group, rank, peer
         """`peer`: how the other side is named in errors (e.g. `ps0` or `trainer 1 (rank 1)`)."""
         self.timeout_s = timeout_s
+        """How long this side's receive waits for any frame (the group's timeout)."""
+        self.beat_s = min(PING_INTERVAL_S, peer_timeout_s / 4)
+        """How long this side stays silent at most: a quarter of the peer's `timeout_s`, at most `PING_INTERVAL_S`."""
         self._on_request, self._on_lost = on_request, on_lost
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -252,8 +257,8 @@ class Channel:
             pass
 
     def pulse(self) -> None:
-        """Send a heartbeat if nothing was sent for `PING_INTERVAL_S` (the owner calls this often)."""
-        if not self.alive or time.monotonic() - self._last_sent < PING_INTERVAL_S:
+        """Send a heartbeat if nothing was sent for `beat_s` (the owner calls this often)."""
+        if not self.alive or time.monotonic() - self._last_sent < self.beat_s:
             return
         self._unsettled = [work for work in self._unsettled if not work.is_completed()]
         try:

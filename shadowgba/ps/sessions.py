@@ -14,8 +14,11 @@ of a trainer meets the k-th of every server):
 - The server's acceptor thread polls for the next ticket (`store.check`, so it notices its own end
   and never leaves the shared store client out of step), sets `accepted{t}`, and builds the server end of the channel in a
   thread of its own, so a trainer that vanishes mid-setup holds up no other session.
-- Both ends then build a 2-rank ProcessGroupGloo over `PrefixStore(".../session{t}", store)`,
-  server rank 0, trainer rank 1.
+- Both ends then build a 2-rank ProcessGroupGloo over `PrefixStore(".../session{t}", client)`,
+  server rank 0, trainer rank 1, where `client` is a store client of the session's own: building
+  a group blocks in `get` until the peer has written its address, and a TCPStore client runs one
+  operation at a time, so on a shared client a session whose trainer gave up would hold up every
+  other session (and the acceptor) for the store's timeout.
 
 Nothing here assumes a fixed set of trainers: a trainer opens a session whenever it wants one (a
 reconnect is a new session), and `trainer{i}/latest` tells the server whether a closed session was
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import pickle
 import threading
 import time
@@ -33,6 +37,10 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from shadowgba.ps.membership import restart_count
+
+SESSION_SETUP_S = 30.0
+"""The longest one end waits for the other while their session's group is built."""
 POLL_S = 0.01
 """How often a key awaited in the store is looked for. Polled with `check`: a TCPStore client whose
 `wait` timed out is out of step with its server (the late answer is read as the next reply), and
@@ -48,6 +56,8 @@ class SessionInfo:
     """The trainer's index among the trainers."""
     rank: int
     """The trainer's global rank."""
+    timeout_s: float
+    """How long the trainer's end waits for a frame: the server beats 4 times as often."""
 
 
 def server_key(generation: int, server: int, key: str) -> str:
@@ -55,19 +65,21 @@ def server_key(generation: int, server: int, key: str) -> str:
     return f"ps/gen{generation}/server{server}/{key}"
 
 
-def session_group(store: dist.Store, generation: int, server: int, ticket: int, rank: int,
-                  timeout_s: float) -> dist.ProcessGroup:
-    """This end (server rank 0, trainer rank 1) of session `ticket`'s 2-rank gloo group."""
-    prefix = server_key(generation, server, f"session{ticket}")
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, datetime.timedelta(seconds=timeout_s))
+def session_group(generation: int, server: int, ticket: int, rank: int, timeout_s: float) -> dist.ProcessGroup:
+    """This end (server rank 0, trainer rank 1) of session `ticket`'s 2-rank gloo group, whose
+    operations time out after `timeout_s`; built over a store client of its own (module docstring)."""
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=datetime.timedelta(seconds=SESSION_SETUP_S))
+    prefix = f"attempt_{restart_count()}/{server_key(generation, server, f'session{ticket}')}"
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, client), rank, 2, datetime.timedelta(seconds=timeout_s))
 
 
-def request_session(store: dist.Store, generation: int, server: int, trainer: int, rank: int,
+def request_session(store: dist.Store, generation: int, server: int, trainer: int, rank: int, timeout_s: float,
                     accept_within_s: float) -> SessionInfo:
     """Trainer: take a ticket at `server`, announce it, and wait up to `accept_within_s` for the
     server's acceptor to take it. Raises `TimeoutError` when it does not (the server is gone or stopped)."""
     ticket = store.add(server_key(generation, server, "joins"), 1)
-    info = SessionInfo(ticket, trainer, rank)
+    info = SessionInfo(ticket, trainer, rank, timeout_s)
     store.set(server_key(generation, server, f"trainer{trainer}/latest"), str(ticket))
     store.set(server_key(generation, server, f"join{ticket}"), pickle.dumps(info))
     if not await_key(store, server_key(generation, server, f"accepted{ticket}"), accept_within_s):

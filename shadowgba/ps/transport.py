@@ -381,11 +381,11 @@ class Transport:
         """Server, on the acceptor's thread for this session: build the server end of its channel."""
         trainer = f"trainer {info.trainer} (rank {info.rank})"
         try:
-            group = session_group(self._store, self._generation, self.roles.server_index, info.ticket, 0, self.timeout_s)
+            group = session_group(self._generation, self.roles.server_index, info.ticket, 0, self.timeout_s)
         except RuntimeError:  # the trainer vanished during the setup: its next session, or its loss, decides
             return
         channel = Channel(group, 0, trainer, on_request=self._on_request, on_lost=functools.partial(
-            self._trainer_lost, info), timeout_s=self.timeout_s)
+            self._trainer_lost, info), timeout_s=self.timeout_s, peer_timeout_s=info.timeout_s)
         with self._lock:
             if self._ended.is_set() or self._tickets.get(info.trainer, 0) > info.ticket:
                 stale = channel
@@ -529,10 +529,10 @@ class Transport:
     def _open(self, server: int, accept_within_s: float) -> Channel:
         """Trainer: a new session with server `server` (`TimeoutError` if it takes none in time)."""
         info = request_session(self._store, self._generation, server, self.roles.trainer_index, self.roles.rank,
-                               accept_within_s)
-        group = session_group(self._store, self._generation, server, info.ticket, 1, self.rpc_timeout_s)
+                               self.rpc_timeout_s, accept_within_s)
+        group = session_group(self._generation, server, info.ticket, 1, self.rpc_timeout_s)
         return Channel(group, 1, server_name(server), on_lost=functools.partial(self._server_channel_lost, server),
-                       timeout_s=self.rpc_timeout_s)
+                       timeout_s=self.rpc_timeout_s, peer_timeout_s=self.timeout_s)
 
     def _server_channel_lost(self, server: int, channel: Channel, _: ChannelLost) -> None:
         """Trainer: replace a failed channel at once, so a server waiting for this trainer's new
@@ -557,8 +557,8 @@ class Transport:
             try:
                 replacement = self._open(server, ALIVE_WITHIN_S)
             except (TimeoutError, RuntimeError) as error:
-                lost = PeerLost(f"server {server} ({server_name(server)}, rank {self.roles.server_ranks[server]}) "
-                                f"accepted no new session within {ALIVE_WITHIN_S:g} s: {first_line(error)}")
+                lost = PeerLost(f"shadowgba: {server_name(server)} accepted no new session within {ALIVE_WITHIN_S:g} s "
+                                f"either ({first_line(error)})")
                 self._refused[server] = (failed, lost, time.monotonic())
                 raise lost from error
             with self._lock:
@@ -728,7 +728,7 @@ class Transport:
 
     def _beat(self) -> None:
         """The pulse thread: a heartbeat on every idle channel (`Channel.pulse`) until the tear-down."""
-        while not self._ended.wait(PING_INTERVAL_S / 4):
+        while not self._ended.wait(PING_INTERVAL_S / 8):
             with self._lock:
                 channels = list(self._channels.values())
             for channel in channels:
@@ -745,12 +745,14 @@ class _Request:
         self.late_attempts = 0
         self.result: torch.futures.Future = torch.futures.Future()
 
-    def send(self, failed: Channel | None = None) -> None:
+    def send(self, failed: Channel | None = None, failure: ChannelLost | None = None) -> None:
         try:
             channel = self.transport._channel(self.server, failed)
-        except PeerLost as lost:
-            self._fail(lost)
+        except PeerLost as refused:  # the server takes no new session: the channel's failure names it
+            self._fail(refused if failure is None else failure, None if failure is None else str(refused))
             return
+        if failed is not None:
+            self.transport._calls.count_retry()
         channel.request(self.body).add_done_callback(functools.partial(self._settle, channel=channel))
 
     def _settle(self, done: torch.futures.Future, channel: Channel) -> None:
@@ -770,15 +772,14 @@ class _Request:
         if self.transport._ended.is_set():
             self._fail(failure)
             return
-        self.transport._calls.count_retry()
-        self.send(failed=channel)
+        self.send(channel, failure)
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, note: str | None = None) -> None:
         roles = self.transport.roles
         lost = PeerLost(f"server {self.server} ({server_name(self.server)}, rank {roles.server_ranks[self.server]}) "
                         f"{self.what} for {roles.name}: {first_line(error)}")
         lost.__cause__ = error
-        for note in getattr(error, "__notes__", ()):
+        if note is not None:
             lost.add_note(note)
         self.result.set_exception(lost)
 
