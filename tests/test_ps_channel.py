@@ -1,0 +1,226 @@
+"""The PS channel (`shadowgba.ps.channel`) on its own: framing, many calls in flight, a lost peer.
+
+Two spawned ranks build one channel (rank 0 the server end answering with a toy handler, rank 1
+the trainer end), as a trainer-server session does, over the harness's default store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shadowgba.ps import channel as links
+from shadowgba.ps.channel import FRAME_BYTES, REPLY, REQUEST, Channel, ChannelLost, Frame, encode
+from tests.multiprocess import run_ranks, run_ranks_outcomes
+
+pytestmark = pytest.mark.timeout(120)
+
+SILENCE_S = 2.0
+"""The channels' timeout in the stopped-peer case: how long a receive waits for any frame."""
+
+
+def mixed_body() -> dict[str, Any]:
+    """Tensors of every kind a call carries: dtypes, shapes, empty, views, nested in containers."""
+    base = torch.arange(24, dtype=torch.float32)
+    return {
+        "f32": base.reshape(2, 3, 4), "bf16": torch.linspace(-1, 1, 7, dtype=torch.bfloat16),
+        "i64": torch.tensor([3, -1, 2**40]), "bool": torch.tensor([True, False, True]),
+        "empty": torch.empty(0, 5), "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "view": base[5:9], "strided": base.reshape(4, 6)[:, ::2], "u8": torch.arange(5, dtype=torch.uint8),
+        "big": torch.randn(FRAME_BYTES),  # too big for the frame: sent as itself
+        "nested": [("text", 1, None, {"x": torch.ones(2, dtype=torch.int32)})],
+    }
+
+
+def assert_same(left: Any, right: Any) -> None:
+    if isinstance(left, torch.Tensor):
+        assert isinstance(right, torch.Tensor) and left.dtype == right.dtype and left.shape == right.shape
+        torch.testing.assert_close(left, right, rtol=0, atol=0)
+    elif isinstance(left, dict):
+        assert left.keys() == right.keys()
+        for key in left:
+            assert_same(left[key], right[key])
+    elif isinstance(left, (list, tuple)):
+        assert type(left) is type(right) and len(left) == len(right)
+        for a, b in zip(left, right):
+            assert_same(a, b)
+    else:
+        assert left == right
+
+
+def decoded(kind: int, body: Any) -> Any:
+    """`body` through `encode` and `Frame.decode`, tensors sent apart handed over as a peer's receive would."""
+    message = encode(kind, body)
+    frame = Frame.read(message.frame)
+    header = frame.header_bytes(message.header)
+
+    def receive(tensors: list[torch.Tensor]) -> None:
+        for target, sent in zip(tensors, message.tensors):
+            target.copy_(sent)
+
+    return frame.decode(header, receive)
+
+
+def test_framing_round_trips_mixed_tensors_dtypes_empty_tensors_and_big_headers() -> None:
+    body = mixed_body()
+    assert_same(decoded(REQUEST, (7, body)), (7, body))
+    small = {"ids": torch.arange(10), "rows": torch.ones(3, 4)}
+    message = encode(REPLY, (1, small))
+    assert message.tensors == [] and message.header is None  # a small message is one frame
+    assert_same(decoded(REPLY, (1, small)), (1, small))
+    long_header = {"names": [f"name {i} " * 5 for i in range(200)], "t": torch.ones(2)}  # over FRAME_BYTES
+    assert encode(REQUEST, (0, long_header)).header is not None
+    assert_same(decoded(REQUEST, (0, long_header)), (0, long_header))
+    with pytest.raises(TypeError, match="dense CPU tensors"):
+        encode(REQUEST, torch.ones(2).to_sparse())
+
+
+def channel_end(rank: int, timeout_s: float, handler: Any = None, on_lost: Any = None) -> Channel:
+    """This rank's end of a channel over the harness's store (server rank 0 answers with `handler`)."""
+    store = dist.PrefixStore("channel-test", dist.distributed_c10d._get_default_store())
+    group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
+    peer = "trainer 1 (rank 1)" if rank == 0 else "ps0"
+    return Channel(group, rank, peer, on_request=handler, on_lost=on_lost, timeout_s=timeout_s,
+                   peer_timeout_s=timeout_s)
+
+
+def pulse(end: Channel) -> threading.Event:
+    """Drive `end`'s heartbeats from a thread until the returned event is set (the transport's pulse)."""
+    ended = threading.Event()
+
+    def beat() -> None:
+        while not ended.wait(0.05):
+            end.pulse()
+
+    threading.Thread(target=beat, daemon=True).start()
+    return ended
+
+
+def answer_in_threads(channel: Channel, request_id: int, body: Any) -> None:
+    """A server end's handler: answer each request from a thread of its own, the slow ones last."""
+    delay_s, payload = body
+
+    def run() -> None:
+        time.sleep(delay_s)
+        channel.reply(request_id, payload)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def concurrent_calls(rank: int, world_size: int) -> dict[str, Any]:
+    """200 requests in flight from 4 threads, answered out of order: each future gets its own reply."""
+    end = channel_end(rank, 30.0, answer_in_threads if rank == 0 else None)
+    if rank == 0:
+        end.wait_closed(60.0)  # the trainer end closes when done
+        return {}
+    results: dict[int, Any] = {}
+
+    def caller(first: int) -> None:
+        futures = {index: end.request((0.05 * (index % 3), {"index": index, "rows": torch.full((index, 3), index)}))
+                   for index in range(first, 200, 4)}
+        for index, future in futures.items():
+            results[index] = future.wait()
+
+    threads = [threading.Thread(target=caller, args=(first,)) for first in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    body = mixed_body()
+    echoed = end.request((0.0, body)).wait()
+    end.close(wait_s=10.0)
+    return {"results": results, "echoed": echoed, "expected": body}
+
+
+def test_many_concurrent_calls_in_flight_get_their_own_replies() -> None:
+    trainer = run_ranks(concurrent_calls, 2, timeout_s=90)[1]
+    assert sorted(trainer["results"]) == list(range(200))
+    for index, reply in trainer["results"].items():
+        assert reply["index"] == index
+        torch.testing.assert_close(reply["rows"], torch.full((index, 3), index))
+    assert_same(trainer["echoed"], trainer["expected"])
+
+
+def lost_peer(rank: int, world_size: int, how: str) -> dict[str, Any] | None:
+    """Rank 0 (server end) never answers; rank 1 sends 3 requests, then rank 0 is killed or stopped:
+    when and how the pending requests fail on rank 1."""
+    timeout_s = SILENCE_S if how == "stop" else 60.0
+    lost = threading.Event()
+    end = channel_end(rank, timeout_s, (lambda *_: None) if rank == 0 else None, lambda *_: lost.set())
+    pulse(end)  # both ends beat: only the stop silences rank 0
+    dist.barrier()
+    if rank == 0:
+        time.sleep(0.5)  # the requests are in flight
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        time.sleep(60)  # stopped for good: the harness kills it
+        return None
+    pending = [end.request((0.0, index)) for index in range(3)]
+    time.sleep(0.5)
+    started = time.monotonic()
+    errors = []
+    for future in pending:
+        try:
+            future.wait()
+        except ChannelLost as error:
+            errors.append((str(error), error.timed_out))
+    return {"errors": errors, "waited_s": time.monotonic() - started, "told_owner": lost.is_set(),
+            "refused_after": isinstance(_refusal(end), ChannelLost)}
+
+
+def _refusal(end: Channel) -> BaseException | None:
+    try:
+        end.request((0.0, "late")).wait()
+    except BaseException as error:  # noqa: BLE001 (the test reads what a dead channel raises)
+        return error
+    return None
+
+
+def test_a_killed_peer_fails_every_pending_call_at_once_naming_it() -> None:
+    outcomes = run_ranks_outcomes(lost_peer, 2, "kill", timeout_s=60)
+    assert outcomes[0].killed, outcomes[0]
+    seen = outcomes[1].value
+    assert len(seen["errors"]) == 3 and seen["told_owner"] and seen["refused_after"], seen
+    for message, timed_out in seen["errors"]:
+        assert message.startswith("ps0 closed its connection") and not timed_out, message
+    assert seen["waited_s"] < 1.5, seen  # the connection closed: no timeout waited out
+
+
+def test_a_stopped_peer_is_lost_after_the_timeout_naming_it() -> None:
+    outcomes = run_ranks_outcomes(lost_peer, 2, "stop", timeout_s=60, stopped_for_good=True)
+    assert outcomes[0].stopped, outcomes[0]
+    seen = outcomes[1].value
+    assert len(seen["errors"]) == 3 and seen["told_owner"], seen
+    for message, timed_out in seen["errors"]:
+        assert message.startswith(f"ps0 sent nothing for {SILENCE_S:g} s") and timed_out, message
+    # rank 0 beat until it was stopped: lost about one silence limit later, not before
+    assert SILENCE_S - 1.0 <= seen["waited_s"] < SILENCE_S + 3.0, seen
+
+
+def idle_link(rank: int, world_size: int) -> dict[str, Any]:
+    """Both ends idle for 3 silence limits: the heartbeats keep the channel alive."""
+    saved, links.PING_INTERVAL_S = links.PING_INTERVAL_S, 0.2
+    try:
+        end = channel_end(rank, 1.0, (lambda channel, request_id, body: channel.reply(request_id, body))
+                          if rank == 0 else None)
+        pulse_ended = pulse(end)
+        time.sleep(3.0)
+        alive = end.alive
+        answer = end.request((0.0, "still there")).wait() if rank == 1 else None
+        dist.barrier()
+        pulse_ended.set()
+        return {"alive": alive, "answer": answer}
+    finally:
+        links.PING_INTERVAL_S = saved
+
+
+def test_heartbeats_keep_an_idle_channel_alive_past_its_timeout() -> None:
+    server, trainer = run_ranks(idle_link, 2, timeout_s=60)
+    assert server["alive"] and trainer["alive"] and trainer["answer"] == (0.0, "still there")
