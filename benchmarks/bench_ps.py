@@ -23,10 +23,13 @@ seconds are read with getrusage in every process at the start and end of each wi
 does not inflate them): "server CPU s / GiB" is what one GiB of ingest costs a server rank, the
 figure that tells a faster transport from a less loaded machine.
 
-`--floor` adds, per size and in-flight setting, the same calls made bare: `torch.distributed.rpc`
-sending the same gradient to the server rank, whose function returns at once (`rpc_floor`), one
-call per push and no watcher. That is what the transport alone costs at that size, the floor no
-server code can go below; "floor" rows give its pushes/s and CPU beside the real pushes'.
+`--floor` adds, per size and in-flight setting, the same calls made bare: the transport sending the
+same gradient to a service on each server rank that returns at once (`Probe.floor`), one call per
+push and no watcher. That is what the transport alone costs at that size, the floor no server code
+can go below; "floor" rows give its pushes/s and CPU beside the real pushes'.
+
+Either transport API is driven through one adapter (`PS`): a tree's `Transport` object, or the
+module functions over `torch.distributed.rpc` of the code before it, so that `--trees` compares them.
 
 `--embeddings` adds the embedding side per world: lookups of 4,096 ids (rows/s) and row-gradient
 pushes of 4,096 rows (rows/s) against PS-hosted tables of 100K x 64 rows, the same client
@@ -92,15 +95,54 @@ def parse_size(text: str) -> int:
 
 
 class Probe:
-    """Served on every server rank: its CPU clock, read by trainer 0 around a window."""
+    """Served on every server rank: its CPU clock, read by trainer 0 around a window, and the floor."""
 
     def cpu(self) -> float:
         return cpu_seconds()
 
+    def floor(self, gradient: Any) -> int:
+        """`--floor`: receives the gradient and returns at once."""
+        return 0
 
-def rpc_floor(gradient: Any) -> int:
-    """Runs on a server rank for `--floor`: receives the gradient and returns at once."""
-    return 0
+
+class PS:
+    """The transport of the tree a world imports, whichever its API: a `Transport` object, or the
+    module functions of the code before it (`transport.start()` ... over `torch.distributed.rpc`)."""
+
+    def __init__(self, num_servers: int) -> None:
+        from shadowgba.ps import transport
+
+        self._object = hasattr(transport, "Transport")
+        if self._object:
+            self.api: Any = transport.Transport.start(num_servers)
+            self.roles = self.api.roles
+        else:
+            self.roles, self.api = transport.start(num_servers), transport
+
+    def call(self, server: int, name: str, method: str, *args: Any) -> Any:
+        return self.api.call(server, name, method, *args)
+
+    def call_async(self, server: int, name: str, method: str, *args: Any) -> Any:
+        return self.api.call_async(server, name, method, *args)
+
+    def call_each(self, name: str, method: str, args_by_server: Sequence[tuple[Any, ...]]) -> list[Any]:
+        return self.api.call_each(name, method, args_by_server)
+
+    def serve(self, name: str, service: object) -> None:
+        self.api.serve(name, service)
+
+    def stop(self) -> None:
+        self.api.stop(trainer_timeout_s=600)
+
+    def serve_dense_shard(self) -> None:
+        from shadowgba.ps.dense_server import serve_dense_shard
+
+        serve_dense_shard(*([self.api] if self._object else []))
+
+    def dense_client(self, numel: int) -> Any:
+        from shadowgba.ps.dense_server import DenseShardClient
+
+        return DenseShardClient(numel, self.api if self._object else self.roles.num_servers)
 
 
 def _rank_main(rank: int, world: World, port: int, plan: dict[str, Any], results: Any) -> None:
@@ -111,22 +153,20 @@ def _rank_main(rank: int, world: World, port: int, plan: dict[str, Any], results
     import torch
 
     torch.set_num_threads(1)
-    from shadowgba.ps import transport
-    from shadowgba.ps.dense_server import serve_dense_shard
-
-    roles = transport.start(world.shards)
+    ps = PS(world.shards)
+    roles = ps.roles
     try:
         if roles.is_server:
-            serve_dense_shard()
-            transport.serve("bench", Probe())
+            ps.serve_dense_shard()
+            ps.serve("bench", Probe())
             if plan["embeddings"]:
-                transport.serve("embedding", _embedding_shard(roles.server_index, world.shards))
-            transport.stop(trainer_timeout_s=600)
+                ps.serve("embedding", _embedding_shard(roles.server_index, world.shards))
+            ps.stop()
             return
-        windows = _trainer_windows(roles, world, plan)
+        windows = _trainer_windows(ps, world, plan)
         if roles.trainer_index == 0:
             results.put(windows)
-        transport.stop(trainer_timeout_s=600)
+        ps.stop()
     except BaseException as error:
         results.put({"error": f"rank {rank}: {error!r}"})
         raise
@@ -142,21 +182,21 @@ def _embedding_shard(server_index: int, num_servers: int) -> Any:
     return EmbeddingShard([table], PSEmbeddingConfig(optimizer="rowwise_adagrad", lr=0.01), server_index, num_servers)
 
 
-def _trainer_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[dict[str, Any]]:
+def _trainer_windows(ps: PS, world: World, plan: dict[str, Any]) -> list[dict[str, Any]]:
     """Every (size, in-flight) window of this world in turn, then the embedding windows."""
     import torch
     import torch.distributed as dist
 
     from shadowgba.flat_optimizer import FlatOptimizer, LRSchedule, OptimizerSpec
     from shadowgba.gba.config import GBAConfig
-    from shadowgba.ps.dense_server import DenseShardClient
 
+    roles = ps.roles
     group = roles.trainer_group
     windows = []
     for size, push_dtype, params_dtype in ((size, push, params) for size in plan["sizes"]
                                            for push in plan["push_dtypes"] for params in plan["params_dtypes"]):
         numel = size // 4
-        shards = DenseShardClient(numel, world.shards)
+        shards = ps.dense_client(numel)
         if roles.trainer_index == 0:
             spec = OptimizerSpec("Adam", {"lr": 1e-4}, LRSchedule())
             # float32 is every tree's default: a tree from before these settings existed runs it too
@@ -168,22 +208,22 @@ def _trainer_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[dic
         gradient = torch.full((numel,), 1e-3, dtype=getattr(torch, push_dtype))
         for in_flight in plan["in_flight"]:
             dist.barrier(group=group)
-            probe = _server_clock(world.shards) if roles.trainer_index == 0 else None
+            probe = _server_clock(ps) if roles.trainer_index == 0 else None
             pushes, kept, cpu, elapsed = _push_for(shards, roles.trainer_index, gradient, in_flight,
                                                    plan["duration_s"])
-            windows += _dense_window(roles, world, "dense", gradient, params_dtype, in_flight, probe,
+            windows += _dense_window(ps, world, "dense", gradient, params_dtype, in_flight, probe,
                                      (pushes, kept, cpu, elapsed))
             if plan["floor"] and params_dtype == plan["params_dtypes"][0]:  # no watcher: one floor per push dtype
                 dist.barrier(group=group)
-                probe = _server_clock(world.shards) if roles.trainer_index == 0 else None
-                windows += _dense_window(roles, world, "floor", gradient, None, in_flight, probe,
-                                         _bare_calls_for(world.shards, gradient, in_flight, plan["duration_s"]))
+                probe = _server_clock(ps) if roles.trainer_index == 0 else None
+                windows += _dense_window(ps, world, "floor", gradient, None, in_flight, probe,
+                                         _bare_calls_for(ps, gradient, in_flight, plan["duration_s"]))
     if plan["embeddings"]:
-        windows += _embedding_windows(roles, world, plan)
+        windows += _embedding_windows(ps, world, plan)
     return windows
 
 
-def _dense_window(roles: Any, world: World, kind: str, gradient: Any, params_dtype: str | None, in_flight: int,
+def _dense_window(ps: PS, world: World, kind: str, gradient: Any, params_dtype: str | None, in_flight: int,
                   probe: list[float] | None, measured: tuple[int, int, float, float]) -> list[dict[str, Any]]:
     """Every trainer's (pushes, kept, CPU s, seconds) of pushing `gradient` (the watches' parameters
     in `params_dtype`; None: no watcher) summed into trainer 0's record of one window (collective
@@ -193,10 +233,10 @@ def _dense_window(roles: Any, world: World, kind: str, gradient: Any, params_dty
 
     pushes, kept, cpu, elapsed = measured
     totals = torch.tensor([pushes, kept, cpu], dtype=torch.float64)
-    dist.all_reduce(totals, group=roles.trainer_group)
-    if roles.trainer_index != 0:
+    dist.all_reduce(totals, group=ps.roles.trainer_group)
+    if ps.roles.trainer_index != 0:
         return []
-    server_cpu = [end - start for start, end in zip(probe, _server_clock(world.shards))]
+    server_cpu = [end - start for start, end in zip(probe, _server_clock(ps))]
     ingest = totals[0].item() * gradient.numel() * gradient.element_size() / elapsed / world.shards
     return [{
         "kind": kind, "size": gradient.numel() * 4, "push_dtype": str(gradient.dtype).removeprefix("torch."),
@@ -210,10 +250,8 @@ def _dense_window(roles: Any, world: World, kind: str, gradient: Any, params_dty
     }]
 
 
-def _server_clock(num_servers: int) -> list[float]:
-    from shadowgba.ps import transport
-
-    return [transport.call(server, "bench", "cpu") for server in range(num_servers)]
+def _server_clock(ps: PS) -> list[float]:
+    return [ps.call(server, "bench", "cpu") for server in range(ps.roles.num_servers)]
 
 
 def _push_for(shards: Any, trainer: int, gradient: Any, in_flight: int, duration_s: float) -> tuple[int, int, float, float]:
@@ -257,22 +295,19 @@ def _run_threads(targets: Sequence[Any]) -> tuple[float, float]:
     return cpu_seconds() - cpu, time.monotonic() - started
 
 
-def _bare_calls_for(num_shards: int, gradient: Any, in_flight: int, duration_s: float) -> tuple[int, int, float, float]:
-    """`--floor`: each push's slices sent bare to `rpc_floor` on their shards from `in_flight`
+def _bare_calls_for(ps: PS, gradient: Any, in_flight: int, duration_s: float) -> tuple[int, int, float, float]:
+    """`--floor`: each push's slices sent bare to `Probe.floor` on their shards from `in_flight`
     threads for `duration_s`: (calls, calls, CPU s, seconds)."""
-    import torch.distributed.rpc as rpc
-
     from shadowgba.flat_optimizer import shard_bounds
-    from shadowgba.ps import transport
 
-    bounds = shard_bounds(gradient.numel(), num_shards)
+    bounds = shard_bounds(gradient.numel(), ps.roles.num_servers)
     counts = [0]
     lock = threading.Lock()
     deadline = time.monotonic() + duration_s
 
     def caller() -> None:
         while time.monotonic() < deadline:
-            calls = [rpc.rpc_async(transport.server_name(index), rpc_floor, args=(gradient[start:end],))
+            calls = [ps.call_async(index, "bench", "floor", gradient[start:end])
                      for index, (start, end) in enumerate(bounds)]
             for call in calls:
                 call.wait()
@@ -283,13 +318,12 @@ def _bare_calls_for(num_shards: int, gradient: Any, in_flight: int, duration_s: 
     return counts[0], counts[0], cpu, elapsed
 
 
-def _embedding_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[dict[str, Any]]:
+def _embedding_windows(ps: PS, world: World, plan: dict[str, Any]) -> list[dict[str, Any]]:
     """Lookups and row-gradient pushes of EMBEDDING_IDS random rows, one call in flight per trainer."""
     import torch
     import torch.distributed as dist
 
-    from shadowgba.ps import transport
-
+    roles = ps.roles
     generator = torch.Generator().manual_seed(roles.trainer_index)
     windows = []
     for kind in ("lookup", "row_push"):
@@ -299,9 +333,9 @@ def _embedding_windows(roles: Any, world: World, plan: dict[str, Any]) -> list[d
             ids = torch.randint(0, EMBEDDING_ROWS, (EMBEDDING_IDS,), generator=generator)
             per_server = [ids[ids % world.shards == server] for server in range(world.shards)]
             if kind == "lookup":
-                transport.call_each("embedding", "lookup", [({"t0": part},) for part in per_server])
+                ps.call_each("embedding", "lookup", [({"t0": part},) for part in per_server])
             else:
-                transport.call_each("embedding", "push", [
+                ps.call_each("embedding", "push", [
                     ({"t0": (part, torch.full((part.numel(), EMBEDDING_DIM), 1e-3))}, LOCAL_BATCH) for part in per_server
                 ])
             calls += 1
@@ -386,7 +420,7 @@ def _size(size: int) -> str:
 DENSE_COLUMNS: list[Column] = [
     ("trainers x shards", lambda row: f"{row['trainers']} x {row['shards']}"),
     ("push (as float32)", lambda row: _size(row["size"])),
-    ("calls", lambda row: "pushes" if row["kind"] == "dense" else "bare RPC (floor)"),
+    ("calls", lambda row: "pushes" if row["kind"] == "dense" else "bare calls (floor)"),
     ("in flight", lambda row: str(row["in_flight"])),
     ("code", lambda row: row["tree"]),
     ("push dtype", lambda row: row["push_dtype"]),
@@ -425,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=5, help="repetitions of the interleaved sequence")
     parser.add_argument("--duration-s", type=float, default=30.0, help="timed window of each measurement")
     parser.add_argument("--embeddings", action="store_true", help="also measure lookups and row pushes")
-    parser.add_argument("--floor", action="store_true", help="also send the same bytes bare (torch RPC's own cost)")
+    parser.add_argument("--floor", action="store_true", help="also send the same bytes bare (the transport's own cost)")
     parser.add_argument("--trees", default=f"current={ROOT}",
                         help="comma-separated NAME=PATH checkouts to import shadowgba from (first: the baseline)")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_ps.json", help="JSON results")

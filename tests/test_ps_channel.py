@@ -18,11 +18,14 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.ps import channel as links
-from shadowgba.ps.channel import FRAME_BYTES, REPLY, REQUEST, Channel, ChannelLost, Frame, encode
+from shadowgba.ps.channel import REPLY, REQUEST, Channel, ChannelLost, Frame, encode
 from tests.multiprocess import run_ranks, run_ranks_outcomes
 
 pytestmark = pytest.mark.timeout(120)
 
+SMALL_FRAME_BYTES = 4096
+"""`FRAME_BYTES` in these tests (with an `INLINE_TENSOR_BYTES` of 64), so that messages of a few KB
+already take the paths of big ones (a staged tensor, tensors sent apart, headers apart)."""
 SILENCE_S = 2.0
 """The channels' timeout in the stopped-peer case: how long a receive waits for any frame."""
 
@@ -35,7 +38,7 @@ def mixed_body() -> dict[str, Any]:
         "i64": torch.tensor([3, -1, 2**40]), "bool": torch.tensor([True, False, True]),
         "empty": torch.empty(0, 5), "scalar": torch.tensor(2.5, dtype=torch.float64),
         "view": base[5:9], "strided": base.reshape(4, 6)[:, ::2], "u8": torch.arange(5, dtype=torch.uint8),
-        "big": torch.randn(FRAME_BYTES),  # too big for the frame: sent as itself
+        "big": torch.randn(SMALL_FRAME_BYTES),  # too big for a small frame: sent as itself
         "nested": [("text", 1, None, {"x": torch.ones(2, dtype=torch.int32)})],
     }
 
@@ -62,21 +65,34 @@ def decoded(kind: int, body: Any) -> Any:
     frame = Frame.read(message.frame)
     header = frame.header_bytes(message.header)
 
-    def receive(tensors: list[torch.Tensor]) -> None:
-        for target, sent in zip(tensors, message.tensors):
-            target.copy_(sent)
+    sent = {tag: tensor for tensor, tag in message.sends}
+    staged = sent.pop(links._STAGED_TAG, None)
+    buffer = torch.empty(links.STAGED_BYTES, dtype=torch.uint8)
+    if staged is not None:
+        buffer[:staged.numel() * staged.element_size()] = staged.reshape(-1).view(torch.uint8)
 
-    return frame.decode(header, receive)
+    def receive(tensors: list[tuple[torch.Tensor, int]]) -> None:
+        for target, tag in tensors:
+            target.copy_(sent[tag])
+
+    return frame.decode(header, buffer, receive)
 
 
-def test_framing_round_trips_mixed_tensors_dtypes_empty_tensors_and_big_headers() -> None:
-    body = mixed_body()
-    assert_same(decoded(REQUEST, (7, body)), (7, body))
+def test_framing_round_trips_mixed_tensors_dtypes_empty_tensors_and_big_headers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     small = {"ids": torch.arange(10), "rows": torch.ones(3, 4)}
     message = encode(REPLY, (1, small))
-    assert message.tensors == [] and message.header is None  # a small message is one frame
+    assert message.sends == [] and message.header is None  # a small message is one frame
     assert_same(decoded(REPLY, (1, small)), (1, small))
-    long_header = {"names": [f"name {i} " * 5 for i in range(200)], "t": torch.ones(2)}  # over FRAME_BYTES
+    body = mixed_body()
+    assert encode(REQUEST, (7, body)).sends == []  # it all fits in a frame
+    assert_same(decoded(REQUEST, (7, body)), (7, body))
+    monkeypatch.setattr(links, "FRAME_BYTES", SMALL_FRAME_BYTES)
+    monkeypatch.setattr(links, "INLINE_TENSOR_BYTES", 64)
+    tags = [tag for _, tag in encode(REQUEST, (7, body)).sends]
+    assert tags[0] == links._STAGED_TAG and len(tags) >= 2, tags  # the first large one staged, the rest apart
+    assert_same(decoded(REQUEST, (7, body)), (7, body))
+    long_header = {"names": [f"name {i} " * 5 for i in range(200)], "t": torch.ones(2)}  # over a small frame
     assert encode(REQUEST, (0, long_header)).header is not None
     assert_same(decoded(REQUEST, (0, long_header)), (0, long_header))
     with pytest.raises(TypeError, match="dense CPU tensors"):
@@ -116,7 +132,9 @@ def answer_in_threads(channel: Channel, request_id: int, body: Any) -> None:
 
 
 def concurrent_calls(rank: int, world_size: int) -> dict[str, Any]:
-    """200 requests in flight from 4 threads, answered out of order: each future gets its own reply."""
+    """200 requests in flight from 4 threads, answered out of order: each future gets its own reply
+    (frames of SMALL_FRAME_BYTES: the bigger requests and replies send their tensors apart)."""
+    links.FRAME_BYTES, links.INLINE_TENSOR_BYTES = SMALL_FRAME_BYTES, 64
     end = channel_end(rank, 30.0, answer_in_threads if rank == 0 else None)
     if rank == 0:
         end.wait_closed(60.0)  # the trainer end closes when done
@@ -171,7 +189,8 @@ def lost_peer(rank: int, world_size: int, how: str) -> dict[str, Any] | None:
             future.wait()
         except ChannelLost as error:
             errors.append((str(error), error.timed_out))
-    return {"errors": errors, "waited_s": time.monotonic() - started, "told_owner": lost.is_set(),
+    waited_s = time.monotonic() - started
+    return {"errors": errors, "waited_s": waited_s, "told_owner": lost.wait(5.0),
             "refused_after": isinstance(_refusal(end), ChannelLost)}
 
 

@@ -54,18 +54,28 @@ import torch.distributed as dist
 
 from shadowgba.errors import PeerLost
 
-FRAME_BYTES = 4096
-"""Size of every frame; a message whose header and tensors fit in it is one gloo send."""
+FRAME_BYTES = 256 << 10
+"""The most a frame holds; two receive buffers of this size per channel side are posted in advance
+and reused (the next frame lands in one while the other is read)."""
+INLINE_TENSOR_BYTES = 64 << 10
+"""A tensor up to this size rides in its message's frame (copied in and out: cheaper than a send of
+its own, whose receive is posted only once the frame has arrived, a round trip of wake-ups)."""
+STAGED_BYTES = 64 << 20
+"""The receive buffer posted in advance for each message's first large tensor, so that it needs no
+round trip before it is sent; copied out into a tensor of its own (a view would keep, and
+`torch.save` would write, the whole buffer) and posted again. One per channel side; only the
+pages the largest staged tensor wrote are resident."""
 PING_INTERVAL_S = 1.0
 """A side that sent nothing for this long sends a heartbeat (`pulse()`), or for a quarter of the
 peer's silence limit if that is shorter (`Channel.beat_s`)."""
 _WORDS = 4
-"""int64 words at the start of a frame: kind, header length, tensor count, tensors inline (0 / 1)."""
+"""int64 words at the start of a frame: kind, header length, tensor count, index of the staged tensor (-1: none)."""
 _HEAD_BYTES = 8 * _WORDS
 _ALIGN = 16
 """Inline tensors start at offsets that are multiples of this (any dtype's element size divides it)."""
-_HEADER_TAG = 1
-_FIRST_TENSOR_TAG = 2
+_HEADER_TAG, _STAGED_TAG, _FIRST_APART_TAG = 1, 2, 3
+INLINE, STAGED, APART = range(3)
+"""Where a tensor of a message travels: in the frame, into the staged buffer, or in a send of its own."""
 
 HEARTBEAT, REQUEST, REPLY, CLOSE = range(4)
 """Frame kinds."""
@@ -78,15 +88,6 @@ class ChannelLost(PeerLost):
         super().__init__(message)
         self.timed_out = timed_out
         """Whether the peer fell silent (stopped or stuck) rather than closed its connection (gone)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-    """How to rebuild one tensor of a message: dtype, shape, and its offset in the frame (inline) or None."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int | None
 
 
 class _Pickler(pickle.Pickler):
@@ -116,11 +117,20 @@ class _Unpickler(pickle.Unpickler):
 
 @dataclasses.dataclass
 class Encoded:
-    """One message ready to send: its frame, its header when not inline, its tensors sent apart."""
+    """One message ready to send: its frame, its header when not in the frame, and (tensor, tag) of
+    every tensor sent apart from the frame."""
 
     frame: torch.Tensor
     header: torch.Tensor | None
-    tensors: list[torch.Tensor]
+    sends: list[tuple[torch.Tensor, int]]
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def encode(kind: int, body: Any) -> Encoded:
@@ -129,28 +139,49 @@ def encode(kind: int, body: Any) -> Encoded:
     pickler = _Pickler(buffer)
     pickler.dump(body)
     tensors = pickler.tensors
-    offsets, end = [], 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        offsets.append(end)
-        end += -(-nbytes // _ALIGN) * _ALIGN
-    specs = [(tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
-    specs_bytes = pickle.dumps(specs, protocol=pickle.HIGHEST_PROTOCOL)
-    header = specs_bytes + buffer.getvalue()
-    inline_at = -(-(_HEAD_BYTES + len(header)) // _ALIGN) * _ALIGN
-    inline = bool(tensors) and inline_at + end <= FRAME_BYTES
-    frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
-    frame[:_HEAD_BYTES].view(torch.int64).copy_(torch.tensor([kind, len(header), len(tensors), int(inline)]))
-    header_in_frame = _HEAD_BYTES + len(header) <= FRAME_BYTES
+    header_room = FRAME_BYTES - _HEAD_BYTES
+    body_bytes = buffer.getvalue()
+    # where each tensor goes: the frame's room is known once the header is, and the header holds
+    # the places, so small tensors are placed against the room left by a header with every place
+    places, staged, room = [], -1, header_room - len(body_bytes) - 64 * (len(tensors) + 1)
+    for index, tensor in enumerate(tensors):
+        nbytes = _nbytes(tensor)
+        if nbytes <= INLINE_TENSOR_BYTES and _aligned(nbytes) <= room:
+            places.append(INLINE)
+            room -= _aligned(nbytes)
+        elif staged < 0 and nbytes <= STAGED_BYTES:
+            places.append(STAGED)
+            staged = index
+        else:
+            places.append(APART)
+    header = _header(tensors, places, body_bytes)
+    size = _aligned(_HEAD_BYTES + len(header))
+    inline = [tensor for tensor, place in zip(tensors, places) if place == INLINE]
+    if size + sum(_aligned(_nbytes(tensor)) for tensor in inline) > FRAME_BYTES:  # the estimate fell short
+        places = [APART if place == INLINE else place for place in places]
+        header, inline = _header(tensors, places, body_bytes), []
+    header_in_frame = len(header) <= header_room
+    size = _aligned(_HEAD_BYTES + len(header)) if header_in_frame else _HEAD_BYTES
+    frame = torch.empty(size + sum(_aligned(_nbytes(tensor)) for tensor in inline), dtype=torch.uint8)
+    frame[:_HEAD_BYTES].view(torch.int64).copy_(torch.tensor([kind, len(header), len(tensors), staged]))
     header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8) if header else torch.empty(0, dtype=torch.uint8)
     if header_in_frame:
         frame[_HEAD_BYTES:_HEAD_BYTES + len(header)] = header_tensor
-    if inline:
-        for tensor, offset in zip(tensors, offsets):
-            flat = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else None
-            if flat is not None:
-                frame[inline_at + offset:inline_at + offset + flat.numel()] = flat
-    return Encoded(frame, None if header_in_frame else header_tensor, [] if inline else tensors)
+    offset = size
+    for tensor in inline:
+        nbytes = _nbytes(tensor)
+        if nbytes:
+            frame[offset:offset + nbytes] = tensor.reshape(-1).view(torch.uint8)
+        offset += _aligned(nbytes)
+    sends = [(tensor, _STAGED_TAG if place == STAGED else _FIRST_APART_TAG + index)
+             for index, (tensor, place) in enumerate(zip(tensors, places)) if place != INLINE and _nbytes(tensor)]
+    return Encoded(frame, None if header_in_frame else header_tensor, sends)
+
+
+def _header(tensors: list[torch.Tensor], places: list[int], body: bytes) -> bytes:
+    """A message's header: each tensor's dtype, shape and place, then the pickled body."""
+    specs = [(tensor.dtype, tuple(tensor.shape), place) for tensor, place in zip(tensors, places)]
+    return pickle.dumps(specs, protocol=pickle.HIGHEST_PROTOCOL) + body
 
 
 @dataclasses.dataclass
@@ -161,38 +192,44 @@ class Frame:
     kind: int
     header_length: int
     count: int
-    inline: bool
+    staged: int
+    """Index of the tensor received into the staged buffer; -1 when none is."""
 
     @classmethod
     def read(cls, frame: torch.Tensor) -> "Frame":
-        kind, length, count, inline = frame[:_HEAD_BYTES].view(torch.int64).tolist()
-        return cls(frame, kind, length, count, bool(inline))
+        kind, length, count, staged = frame[:_HEAD_BYTES].view(torch.int64).tolist()
+        return cls(frame, kind, length, count, staged)
 
     @property
     def header_in_frame(self) -> bool:
-        return _HEAD_BYTES + self.header_length <= FRAME_BYTES
+        return self.header_length <= FRAME_BYTES - _HEAD_BYTES
 
     def header_bytes(self, header: torch.Tensor | None) -> bytes:
         if header is None:
             header = self.frame[_HEAD_BYTES:_HEAD_BYTES + self.header_length]
         return header.numpy().tobytes()
 
-    def decode(self, header: bytes, receive: Callable[[list[torch.Tensor]], None]) -> Any:
-        """The message's body: tensors rebuilt from the frame (inline) or received by `receive`."""
+    def decode(self, header: bytes, staged: torch.Tensor | None,
+               receive: Callable[[list[tuple[torch.Tensor, int]]], None]) -> Any:
+        """The message's body: inline tensors copied out of the frame, the staged one out of `staged`
+        (its receive buffer), the others received by `receive([(tensor, tag), ...])`."""
         stream = io.BytesIO(header)
-        specs: list[tuple[torch.dtype, tuple[int, ...]]] = pickle.load(stream)
-        if self.inline:
-            tensors, offset = [], -(-(_HEAD_BYTES + self.header_length) // _ALIGN) * _ALIGN
-            for dtype, shape in specs:
-                tensor = torch.empty(shape, dtype=dtype)
-                nbytes = tensor.numel() * tensor.element_size()
+        specs: list[tuple[torch.dtype, tuple[int, ...], int]] = pickle.load(stream)
+        tensors, apart = [], []
+        offset = _aligned(_HEAD_BYTES + self.header_length)
+        for index, (dtype, shape, place) in enumerate(specs):
+            tensor = torch.empty(shape, dtype=dtype)
+            nbytes = _nbytes(tensor)
+            if place == STAGED and nbytes:
+                tensor.reshape(-1).view(torch.uint8).copy_(staged[:nbytes])
+            elif place == INLINE:
                 if nbytes:
                     tensor.reshape(-1).view(torch.uint8).copy_(self.frame[offset:offset + nbytes])
-                tensors.append(tensor)
-                offset += -(-nbytes // _ALIGN) * _ALIGN
-        else:
-            tensors = [torch.empty(shape, dtype=dtype) for dtype, shape in specs]
-            receive(tensors)
+                offset += _aligned(nbytes)
+            elif place == APART and nbytes:
+                apart.append((tensor, _FIRST_APART_TAG + index))
+            tensors.append(tensor)
+        receive(apart)
         return _Unpickler(stream, tensors).load()
 
 
@@ -317,15 +354,16 @@ class Channel:
             works = [self.group.send([encoded.frame], peer, 0)]
             if encoded.header is not None:
                 works.append(self.group.send([encoded.header], peer, _HEADER_TAG))
-            works.extend(self.group.send([tensor], peer, _FIRST_TENSOR_TAG + index)
-                         for index, tensor in enumerate(encoded.tensors) if tensor.numel())
+            works.extend(self.group.send([tensor], peer, tag) for tensor, tag in encoded.sends)
             self._last_sent = time.monotonic()
         return works
 
     def _receive_loop(self) -> None:
         peer = 1 - self.rank
-        frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        frame, spare = torch.empty(FRAME_BYTES, dtype=torch.uint8), torch.empty(FRAME_BYTES, dtype=torch.uint8)
         work = self.group.recv([frame], peer, 0)
+        staged = torch.empty(STAGED_BYTES, dtype=torch.uint8)
+        staged_work = self.group.recv([staged], peer, _STAGED_TAG)
         try:
             while True:
                 work.wait()
@@ -337,11 +375,15 @@ class Channel:
                     self.group.recv([header], peer, _HEADER_TAG).wait()
                 if current.kind == CLOSE:
                     break
-                frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+                frame, spare = spare, frame  # the next frame lands in the other buffer while this one is read
                 work = self.group.recv([frame], peer, 0)  # before this message's tensors: see the docstring
                 if current.kind == HEARTBEAT:
                     continue
-                body = current.decode(current.header_bytes(header), self._receive_tensors)
+                if current.staged >= 0:  # this message's first large tensor is in the staged buffer
+                    staged_work.wait()
+                body = current.decode(current.header_bytes(header), staged, self._receive_apart)
+                if current.staged >= 0:  # copied out: the buffer takes the next one
+                    staged_work = self.group.recv([staged], peer, _STAGED_TAG)
                 self.last_heard = time.monotonic()
                 self._deliver(current.kind, body)
         except Exception as error:  # noqa: BLE001 (gloo raises RuntimeError; a bad header anything)
@@ -358,10 +400,9 @@ class Channel:
                 pass
         self._fail_pending(self._refusal())
 
-    def _receive_tensors(self, tensors: list[torch.Tensor]) -> None:
+    def _receive_apart(self, tensors: list[tuple[torch.Tensor, int]]) -> None:
         peer = 1 - self.rank
-        works = [self.group.recv([tensor], peer, _FIRST_TENSOR_TAG + index)
-                 for index, tensor in enumerate(tensors) if tensor.numel()]
+        works = [self.group.recv([tensor], peer, tag) for tensor, tag in tensors]
         for work in works:
             work.wait()
 
