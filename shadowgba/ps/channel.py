@@ -60,11 +60,12 @@ and reused (the next frame lands in one while the other is read)."""
 INLINE_TENSOR_BYTES = 64 << 10
 """A tensor up to this size rides in its message's frame (copied in and out: cheaper than a send of
 its own, whose receive is posted only once the frame has arrived, a round trip of wake-ups)."""
-STAGED_BYTES = 64 << 20
-"""The receive buffer posted in advance for each message's first large tensor, so that it needs no
-round trip before it is sent; copied out into a tensor of its own (a view would keep, and
-`torch.save` would write, the whole buffer) and posted again. One per channel side; only the
-pages the largest staged tensor wrote are resident."""
+STAGED_BYTES = 4 << 20
+"""The receive buffer posted in advance for each message's first large tensor up to this size, so
+that it needs no round trip before it is sent; copied out into a tensor of its own (a view would
+keep, and `torch.save` would write, the whole buffer) and posted again. One per channel side.
+Larger tensors are received straight into their own memory: past a few MB the copy costs more
+than the round trip (measured with benchmarks/bench_ps.py)."""
 PING_INTERVAL_S = 1.0
 """A side that sent nothing for this long sends a heartbeat (`pulse()`), or for a quarter of the
 peer's silence limit if that is shorter (`Channel.beat_s`)."""

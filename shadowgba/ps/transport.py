@@ -15,7 +15,7 @@ collectives (`sync_group()`), so that they never pair with TorchRec's or the use
 Carriage: every trainer-server pair talks over a `Channel` (`shadowgba.ps.channel`: a 2-rank gloo
 process group of its own, tensors sent as tensors, a pickled header for the rest), opened as a
 session through the job's store (`shadowgba.ps.sessions`). Only maintained torch.distributed
-primitives are used; nothing of `torch.distributed.rpc`. All state is this object's: a process may
+primitives are used, and no RPC framework. All state is this object's: a process may
 run one job after another, each with a transport of its own.
 
 Rendezvous and listening:
