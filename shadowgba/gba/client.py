@@ -24,7 +24,7 @@
   thread installs them (`install_fresh`) at the end of its step, shard by shard: a shard's
   parameters are a function of its global step, so a newer token means newer values.
 
-Threads and locks: the background threads speak RPC only, never a collective, so the trainer
+Threads and locks: the background threads only call the servers (`Transport`), never a collective, so the trainer
 group never has two threads of one rank in it. `_queue_ready` guards the queue, the pushed gradient and
 the spare buffers; `_replies_lock` guards the kept replies and the watcher's copy of the tokens. A thread's
 failure is kept and raised in the training thread, as a `SyncError` chaining it, at its next call

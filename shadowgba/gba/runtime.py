@@ -128,7 +128,7 @@ class Mode(enum.StrEnum):
       shard 0's policy): at once, or at the next agreement step with `lockstep_every`; also in
       `close()` when shard 0 refuses to close because such a switch is pending.
     - SYNC -> LOCAL: a sync all-reduce whose stop flag is set (not counted as a switch).
-    - close(): GBA ends with a drain, a barrier (over RPC) and a pull; SYNC goes through LOCAL;
+    - close(): GBA ends with a drain, a barrier (through the servers) and a pull; SYNC goes through LOCAL;
       LOCAL ends with the average. No transition leaves LOCAL.
     """
 

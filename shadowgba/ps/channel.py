@@ -1,22 +1,24 @@
 """A `Channel`: the link between one trainer and one server, a 2-rank gloo process group of its own.
 
     group = dist.ProcessGroupGloo(dist.PrefixStore(session_prefix, store), rank, 2, timeout)
-    channel = Channel(group, "ps0", on_request=serve, on_lost=forget)   # server rank 0, trainer rank 1
-    reply = channel.request(body)                      # a Future of the peer's `channel.reply(id, value)`
+    channel = Channel(group, rank, "ps0", on_request=serve, on_lost=forget)  # server rank 0, trainer 1
+    reply = channel.request(body)              # a Future of the peer's `channel.reply(request_id, value)`
 
 Built per trainer-server session (`shadowgba.ps.sessions`), as torchft's parameter server does: the
 group carries nothing but this pair's messages, so it can be created and dropped with the session
 while every other rank carries on. Only maintained torch.distributed primitives are used: a
 ProcessGroupGloo over a PrefixStore, and its send / recv.
 
-Framing (`encode` / `Frame`): a message is one fixed-size uint8 frame of `FRAME_BYTES` (a few int64
-words: kind, header length, tensor count, whether the tensors ride in the frame), then the pickled
-header (inline in the frame when it fits, else sent as a uint8 tensor of its own), then each tensor
-as itself, contiguous, on a tag of its own (no pickling of payloads: the header holds placeholders
-and each tensor's dtype and shape). Tensors whose bytes fit in the frame's rest together with the
-header travel inside the frame instead: a small call is then a single gloo message each way, which
-measured 2x the calls per second of a frame followed by its tensors on 2 loaded cores (each gloo
-message costs a round trip of wake-ups between gloo's loop thread and the waiting one).
+Framing (`encode` / `Frame`): a message is one uint8 frame of at most `FRAME_BYTES` (a few int64
+words: kind, header length, tensor count, which tensor is staged; then the pickled header, whose
+tensors are placeholders with their dtype, shape and place; then the tensors of up to
+`INLINE_TENSOR_BYTES` each, copied in), then the other tensors sent as themselves, contiguous, no
+pickling: the first one of up to `STAGED_BYTES` into a receive buffer the peer posted in advance,
+the rest on a tag each, received straight into their own memory once the frame has arrived. Why
+three places: gloo sends a message only once its receive is posted, so a tensor whose receive is
+posted after the frame arrived costs a round trip of wake-ups (gloo's loop thread, then the
+waiting one) on top of its bytes; a copy is cheaper below a few MB, the round trip above. A small
+call is then a single gloo message each way. A header too long for the frame is sent apart too.
 
 Invariants:
 - Ordering: gloo matches sends and receives of one tag in posting order. Each side posts the parts
@@ -27,9 +29,8 @@ Invariants:
   id, whatever the order the peer answers in (the server runs requests on a thread pool).
 - Liveness: both sides send a heartbeat frame when they have sent nothing for `beat_s` (at most
   `PING_INTERVAL_S`, and a quarter of the peer's timeout; `pulse()`, driven by the owner's
-  thread), so a receive that sees nothing for the group's
-  timeout (`timeout_s`) means the peer is stopped or stuck; a killed peer's sockets close, and the
-  receive fails at once. Either way the channel is dead: `on_lost` is called once and every
+  thread), so a receive that sees nothing for the group's timeout (`timeout_s`) means the peer is
+  stopped or stuck; a killed peer's sockets close, and the receive fails at once. Either way the channel is dead: `on_lost` is called once and every
   pending future fails with `ChannelLost` naming the peer. A dead channel is never reused.
 - Closing: `close()` sends a CLOSE frame; the peer answers with its own and both receivers end
   (a gloo receive cannot be cancelled, only answered, failed by the peer, or timed out). A peer

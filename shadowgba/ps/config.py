@@ -15,11 +15,12 @@ class PSConfig:
     max_in_flight: int = 2
     """PS-hosted tables: steps of row-gradient pushes a trainer may have in flight before it waits."""
     rpc_timeout_s: float = 60.0
-    """How long one attempt of an RPC (a push, pull, lookup ...) may take (TensorPipe's default is 60 s,
-    with no knob of its own). Then the trainer pings the server: one that does not answer within
-    `transport.ALIVE_WITHIN_S` is named lost (`PeerLost`); one that does gets the call again (run
-    once however often it is sent) until `sync.timeout_s` after the call began, so a trainer stopped
-    with a call in flight, or a slow call, is no failure. Must not exceed `trainer_timeout_s`."""
+    """How long a trainer's channel to a server may hear nothing (no reply, no heartbeat; a live server
+    beats 4 times in that time) before the trainer opens a new session there: a server whose acceptor
+    does not take it within `transport.ALIVE_WITHIN_S` is named lost (`PeerLost`); one that does gets
+    the calls in flight again (each run once however often it is sent) until `sync.timeout_s` after
+    the call began, so a trainer stopped with a call in flight, or a slow call, is no failure.
+    Must not exceed `trainer_timeout_s`."""
     trainer_timeout_s: float = 300.0
     """How long a server at the end of the job waits for a trainer that has neither finished nor
     answered a ping before it gives up on it, naming it (`PeerLost`). Must be at least

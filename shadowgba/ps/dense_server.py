@@ -6,13 +6,13 @@ step k and the GBA buffer (`sync_algos.gba.GlobalBatchAggregator`). Trainers pus
 with the token they pulled; the reply carries fresh parameters and token, so a push is also a pull.
 
 Invariants:
-- One lock guards the shard's state; RPC threads call concurrently. What reads only the request
+- One lock guards the shard's state; the transport's server threads call concurrently. What reads only the request
   (the finiteness check of its gradient, a pass over every value) runs before the lock is taken,
   so pushes from several trainers overlap in it. Memory is bounded: one parameter slice, its
   optimizer state, one buffer of the same size and one published copy of the parameters,
   whatever the number of trainers.
 - **One copy of the parameters per global step, whatever the number of readers.** The optimizer
-  steps its parameters in place, and RPC sends a reply's tensors after the service method has
+  steps its parameters in place, and the channel sends a reply's tensors after the service method has
   returned and the lock is released, so a reply cannot carry the live parameters. The first reply
   after a step clones them into the published copy, and every later reply until the next step
   carries that same tensor. A published copy is never written again (the next step publishes a
@@ -30,7 +30,7 @@ Invariants:
   leader) with GBA's rule from the push's single token: kept or dropped, its decay weight, and
   whether it completes a global batch. Shard 0 numbers its kept decisions (`Decision.seq`); the
   trainer then sends each other shard its slice with that decision, and every shard applies the
-  decisions in that order (`_follow`: one arriving early waits in `_pending`, an RPC thread never
+  decisions in that order (`_follow`: one arriving early waits in `_pending`, a server thread never
   does). So every shard applies the same pushes with the same weights and advances k together:
   once every push has reached every shard (a switch or close, after the trainers' drains), all
   shards hold the same k, and a shard's k never runs ahead of shard 0's. A dropped push changes
@@ -44,7 +44,7 @@ Invariants:
   every reply until the trainers have switched.
 - `watch(token)` is a long poll: it answers once k has passed `token` (or after a timeout), so a
   trainer's watcher thread holds the newest parameters without polling. At most `WATCHERS` calls
-  wait at once, each holding one of the server's RPC threads for at most its timeout; further
+  wait at once, each holding one of the server's threads for at most its timeout; further
   ones are answered at once, so watches can never starve pushes of threads.
 
 Trainers never name the service's methods as strings: `DenseShardClient` (below) has one typed
@@ -71,8 +71,8 @@ from sync_algos.gba import Admission, GlobalBatchAggregator
 from sync_algos.staleness import StalenessCounts
 
 WATCHERS = 8
-"""At most this many `watch` calls wait on one shard at the same time (TensorPipe serves with 16
-RPC threads by default); the rest are answered at once."""
+"""At most this many `watch` calls wait on one shard at the same time (the transport serves with
+`SERVER_THREADS`, 16, threads); the rest are answered at once."""
 WATCH_MAX_S = 1.0
 """Longest one `watch` call may wait, whatever timeout it asks for."""
 DENSE_SERVICE = "dense"

@@ -13,11 +13,11 @@
 Tables are row-sharded: row `id` lives on server `id % num_servers`, at local row `id // num_servers`.
 
 A trainer step has no collective:
-- forward: per table, the ids of all its features de-duplicated (`torch.unique`); one `lookup` RPC per
+- forward: per table, the ids of all its features de-duplicated (`torch.unique`); one `lookup` call per
   server covering every table, all in flight at once; per table a leaf tensor of the unique rows
   (requires grad), pooled per feature by `F.embedding_bag` with the KJT's offsets, so autograd leaves
   the row gradients in the leaf's `.grad`.
-- `push_gradients()`: one `push` RPC per server carrying every table's row gradients, the batch
+- `push_gradients()`: one `push` call per server carrying every table's row gradients, the batch
   size and the token that server's lookup returned, sent to *every* server even without rows, so
   that every shard counts every batch's samples and aggregate mode closes a global batch at the same
   push on every shard.
@@ -37,7 +37,7 @@ A trainer step has no collective:
   rows are at most `max_in_flight` of its own steps stale (Hogwild). A failed push is raised at the
   next `forward()`, `push_gradients()` or `flush()`.
 
-A shard (`EmbeddingShard`) holds one lock; its RPC threads call it concurrently. Every request is
+A shard (`EmbeddingShard`) holds one lock; the transport's server threads call it concurrently. Every request is
 validated completely before anything changes (a `ValueError` "push refused: ..." names the table and
 the problem), so a refused request leaves the shard untouched, across all its tables. Modes:
 - hogwild: a push is applied on arrival (duplicate ids summed), racing with other trainers' pushes
@@ -146,7 +146,7 @@ class _ShardTable:
 
 
 class EmbeddingShard:
-    """The rows that server `server_index` of `num_servers` owns, of every table (an RPC service).
+    """The rows that server `server_index` of `num_servers` owns, of every table (a transport service).
 
     Public methods are the service: `lookup`, `lookup_with_token`, `push`, `load_rows`, `export_state`,
     `import_state`, `stats`. Ids are global row ids;
