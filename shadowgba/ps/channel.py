@@ -46,6 +46,7 @@ import dataclasses
 import io
 import itertools
 import pickle
+import struct
 import threading
 import time
 from typing import Any, Callable
@@ -72,7 +73,8 @@ PING_INTERVAL_S = 1.0
 peer's silence limit if that is shorter (`Channel.beat_s`)."""
 _WORDS = 4
 """int64 words at the start of a frame: kind, header length, tensor count, index of the staged tensor (-1: none)."""
-_HEAD_BYTES = 8 * _WORDS
+_WORDS_FORMAT = struct.Struct(f"<{_WORDS}q")
+_HEAD_BYTES = _WORDS_FORMAT.size
 _ALIGN = 16
 """Inline tensors start at offsets that are multiples of this (any dtype's element size divides it)."""
 _HEADER_TAG, _STAGED_TAG, _FIRST_APART_TAG = 1, 2, 3
@@ -164,20 +166,27 @@ def encode(kind: int, body: Any) -> Encoded:
         header, inline = _header(tensors, places, body_bytes), []
     header_in_frame = len(header) <= header_room
     size = _aligned(_HEAD_BYTES + len(header)) if header_in_frame else _HEAD_BYTES
-    frame = torch.empty(size + sum(_aligned(_nbytes(tensor)) for tensor in inline), dtype=torch.uint8)
-    frame[:_HEAD_BYTES].view(torch.int64).copy_(torch.tensor([kind, len(header), len(tensors), staged]))
-    header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8) if header else torch.empty(0, dtype=torch.uint8)
+    # the frame is built as bytes (struct and buffer copies): torch ops on tiny tensors would cost
+    # more than the rest of a small call's framing
+    frame = bytearray(size + sum(_aligned(_nbytes(tensor)) for tensor in inline))
+    _WORDS_FORMAT.pack_into(frame, 0, kind, len(header), len(tensors), staged)
     if header_in_frame:
-        frame[_HEAD_BYTES:_HEAD_BYTES + len(header)] = header_tensor
+        frame[_HEAD_BYTES:_HEAD_BYTES + len(header)] = header
     offset = size
     for tensor in inline:
         nbytes = _nbytes(tensor)
         if nbytes:
-            frame[offset:offset + nbytes] = tensor.reshape(-1).view(torch.uint8)
+            frame[offset:offset + nbytes] = _as_bytes(tensor)
         offset += _aligned(nbytes)
     sends = [(tensor, _STAGED_TAG if place == STAGED else _FIRST_APART_TAG + index)
              for index, (tensor, place) in enumerate(zip(tensors, places)) if place != INLINE and _nbytes(tensor)]
-    return Encoded(frame, None if header_in_frame else header_tensor, sends)
+    header_tensor = None if header_in_frame else torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    return Encoded(torch.frombuffer(frame, dtype=torch.uint8), header_tensor, sends)
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes as a buffer (a view of its memory, no copy; any dtype)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def _header(tensors: list[torch.Tensor], places: list[int], body: bytes) -> bytes:
@@ -190,7 +199,8 @@ def _header(tensors: list[torch.Tensor], places: list[int], body: bytes) -> byte
 class Frame:
     """A received frame, read: what else to receive for its message, and how to rebuild it."""
 
-    frame: torch.Tensor
+    frame: memoryview
+    """The frame's bytes (a view of the receive tensor)."""
     kind: int
     header_length: int
     count: int
@@ -198,9 +208,10 @@ class Frame:
     """Index of the tensor received into the staged buffer; -1 when none is."""
 
     @classmethod
-    def read(cls, frame: torch.Tensor) -> "Frame":
-        kind, length, count, staged = frame[:_HEAD_BYTES].view(torch.int64).tolist()
-        return cls(frame, kind, length, count, staged)
+    def read(cls, frame: torch.Tensor | memoryview) -> "Frame":
+        """`frame`: the received tensor, or a buffer view of it (the receiver keeps one per buffer)."""
+        view = _as_bytes(frame) if isinstance(frame, torch.Tensor) else frame
+        return cls(view, *_WORDS_FORMAT.unpack_from(view, 0))
 
     @property
     def header_in_frame(self) -> bool:
@@ -208,8 +219,8 @@ class Frame:
 
     def header_bytes(self, header: torch.Tensor | None) -> bytes:
         if header is None:
-            header = self.frame[_HEAD_BYTES:_HEAD_BYTES + self.header_length]
-        return header.numpy().tobytes()
+            return bytes(self.frame[_HEAD_BYTES:_HEAD_BYTES + self.header_length])
+        return bytes(_as_bytes(header))
 
     def decode(self, header: bytes, staged: torch.Tensor | None,
                receive: Callable[[list[tuple[torch.Tensor, int]]], None]) -> Any:
@@ -226,7 +237,7 @@ class Frame:
                 tensor.reshape(-1).view(torch.uint8).copy_(staged[:nbytes])
             elif place == INLINE:
                 if nbytes:
-                    tensor.reshape(-1).view(torch.uint8).copy_(self.frame[offset:offset + nbytes])
+                    _as_bytes(tensor)[:] = self.frame[offset:offset + nbytes]
                 offset += _aligned(nbytes)
             elif place == APART and nbytes:
                 apart.append((tensor, _FIRST_APART_TAG + index))
@@ -363,6 +374,7 @@ class Channel:
     def _receive_loop(self) -> None:
         peer = 1 - self.rank
         frame, spare = torch.empty(FRAME_BYTES, dtype=torch.uint8), torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        views = {id(frame): _as_bytes(frame), id(spare): _as_bytes(spare)}
         work = self.group.recv([frame], peer, 0)
         staged = torch.empty(STAGED_BYTES, dtype=torch.uint8)
         staged_work = self.group.recv([staged], peer, _STAGED_TAG)
@@ -370,7 +382,7 @@ class Channel:
             while True:
                 work.wait()
                 self.last_heard = time.monotonic()
-                current = Frame.read(frame)
+                current = Frame.read(views[id(frame)])
                 header = None
                 if current.kind in (REQUEST, REPLY) and not current.header_in_frame:
                     header = torch.empty(current.header_length, dtype=torch.uint8)

@@ -136,6 +136,10 @@ class ShardReply:
 class DenseShard:
     """A thread-safe GBA server for the flat slice [start, end) of the dense parameters."""
 
+    blocking_methods = frozenset({"watch"})
+    """Methods that may wait for other calls (the transport runs them on its pool); every other
+    method returns without waiting on anything but the shard's lock."""
+
     def __init__(self) -> None:
         """Empty until a trainer `configure`s it: a server rank does not know the model."""
         self.start = self.end = self.num_trainers = self.index = 0

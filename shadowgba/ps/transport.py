@@ -396,7 +396,15 @@ class Transport:
             stale.close()
 
     def _on_request(self, channel: Channel, request_id: int, body: Any) -> None:
-        """Server, on the channel's receiver: run the request on the pool, answer on the same channel."""
+        """Server, on the channel's receiver: answer on the same channel. A call that never waits on
+        another is run right here, in its trainer's order (the hop to a pool thread costs more than
+        most calls); one that may wait (a method in its service's `blocking_methods`, e.g. a long
+        poll, or a call for a service not served yet) runs on the pool, so that it holds up no other."""
+        _, name, method, _ = body
+        service = self._services.get(name)
+        if name == CONTROL or (service is not None and method not in getattr(service, "blocking_methods", ())):
+            self._answer(channel, request_id, body)
+            return
         pool = self._pool
         if pool is None:
             return
