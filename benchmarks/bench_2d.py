@@ -2,7 +2,8 @@
 
     python benchmarks/bench_2d.py [--compute simulated,real] [--stragglers straggler,even] [--reps 5] \
         [--duration-s 40] [--presets small] [--variants ma-shadow,bmuf-shadow,torchrec_2d,ddp,...] \
-        [--every 10] [--step-ms MS] [--quality simulated:straggler] [--quality-steps 3000] \
+        [--every 10] [--interval-steps 2] [--interval-ms 20] [--step-ms MS] [--quality simulated:straggler] \
+        [--quality-steps 3000] [--quality-stop samples|steps] \
         [--quality-seeds 0,1,2] [--quality-step-ms 30] [--dotted.key value ...]
 
 Every run is a `torchrun` job of `benchmarks/train_dlrm.py` on 4 trainers (`--nproc`), TorchRec tables
@@ -10,7 +11,8 @@ Every run is a `torchrun` job of `benchmarks/train_dlrm.py` on 4 trainers (`--np
 `sync.sharding_group_size`, groups of consecutive ranks) unless the variant is flat (`VARIANTS`):
 - ma-shadow, ma-foreground, bmuf-shadow, bmuf-foreground: shadowgba 2D; every rank's table shards
   and the dense parameters are averaged with their replicas in the other group, in the background
-  (shadow) or every `--every` steps in the step (foreground);
+  (shadow: a round every `--interval-steps` steps of the fastest rank, `sync.interval_steps`, and
+  at most one per `--interval-ms`) or every `--every` steps in the step (foreground);
 - torchrec_2d: TorchRec's 2D recipe (`dlrm.torchrec_2d`): dense DDP over every trainer, the table
   replicas averaged every `--every` steps in the step, as `DMPCollection.sync()` does;
 - ddp: flat model parallelism, the tables sharded over all 4 ranks, dense DDP (TorchRec's default);
@@ -187,6 +189,11 @@ def group_step_ratio(steps: Sequence[int], slow_trainer: int, group_size: int) -
     """The fast groups' mean step count over the slow group's, from per-trainer `steps`."""
     slow, fast = group_trainers(len(steps), slow_trainer, group_size)
     return statistics.mean(steps[index] for index in fast) / max(statistics.mean(steps[index] for index in slow), 1)
+
+
+def pacing_arguments(args: argparse.Namespace) -> list[str]:
+    """The shadow variants' round pacing (ignored by foreground rounds and the baselines)."""
+    return ["--sync.interval_steps", str(args.interval_steps), "--sync.interval_ms", str(args.interval_ms)]
 
 
 def quality_length(args: argparse.Namespace) -> list[str]:
@@ -371,6 +378,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="trainers per replica group (sync.sharding_group_size)")
     parser.add_argument("--every", type=int, default=10,
                         help="steps between foreground rounds and between torchrec_2d's table averages")
+    parser.add_argument("--interval-steps", type=int, default=2,
+                        help="shadow variants: a round every this many steps of the fastest rank (sync.interval_steps)")
+    parser.add_argument("--interval-ms", type=float, default=20.0,
+                        help="shadow variants: the least time between two rounds (sync.interval_ms)")
     parser.add_argument("--slow-trainer", type=int, default=1, help="index of the slowed trainer")
     parser.add_argument("--factor", type=float, default=3.0, help="slowdown of the slowed trainer")
     parser.add_argument("--step-ms", type=float,
@@ -402,7 +413,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for variant in variants:
                     label = f"rep {rep} {preset} {compute} {straggler} {variant}"
                     result = run_example(label, args.nproc, [
-                        *VARIANTS[variant].arguments(args.group_size, args.every), *preset_arguments(preset),
+                        *VARIANTS[variant].arguments(args.group_size, args.every), *pacing_arguments(args),
+                        *preset_arguments(preset),
                         "--train.duration_s", str(args.duration_s), "--train.warmup_steps", str(args.warmup_steps),
                         *straggler_arguments(compute, straggler, args.step_ms or SIMULATED_STEP_MS.get(preset, 0.0),
                                              args), *extra], output)
@@ -416,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for variant in variants:
                     label = f"quality seed {seed} {compute} {straggler} {variant}"
                     result = run_example(label, args.nproc, [
-                        *VARIANTS[variant].arguments(args.group_size, args.every),
+                        *VARIANTS[variant].arguments(args.group_size, args.every), *pacing_arguments(args),
                         *quality_length(args), "--train.warmup_steps", str(args.warmup_steps),
                         "--train.seed", str(seed), "--data.synthetic.seed", str(seed), *SYNTHETIC_HELDOUT,
                         *straggler_arguments(compute, straggler, args.quality_step_ms, args), *extra], output)
