@@ -295,13 +295,14 @@ def control_file_changes_pacing(rank: int, world_size: int, control: str) -> dic
     config = SyncConfig(algo="ma", interval_ms=1.0, control_file=control)
     with ShadowSync(model, optimizer, config) as sync:
         fast = train_for(1.0)
-        Path(control).write_text("interval_ms: 400\n")
+        Path(control).write_text("interval_ms: 400\ninterval_steps: 3\n")
         train_for(1.5)  # picked up within a poll interval (1 s)
         slow = train_for(1.2)
         Path(control).write_text("interval_ms: -5\n")  # invalid: logged and ignored
         train_for(1.2)
         still_slow = train_for(1.2)
-    return {"fast": fast, "slow": slow, "still_slow": still_slow, "interval_ms": sync.interval_ms}
+    return {"fast": fast, "slow": slow, "still_slow": still_slow, "interval_ms": sync.interval_ms,
+            "interval_steps": sync.interval_steps}
 
 
 def test_control_file_changes_pacing_while_running_and_bad_edits_are_ignored(one_rank: dict) -> None:
@@ -309,6 +310,7 @@ def test_control_file_changes_pacing_while_running_and_bad_edits_are_ignored(one
     assert result["fast"] > 50, result
     assert result["slow"] <= 1.2 / 0.4 + 2, result
     assert result["still_slow"] <= 1.2 / 0.4 + 2 and result["interval_ms"] == 400.0, result
+    assert result["interval_steps"] == 3
 
 
 def checkpoint_often(rank: int, world_size: int) -> dict:

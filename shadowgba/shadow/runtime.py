@@ -285,6 +285,11 @@ class ShadowSync(DenseSync):
         """Current shadow-mode pacing (the least time between two round starts)."""
         return self._pacer.interval_s * 1e3
 
+    @property
+    def interval_steps(self) -> int:
+        """Current shadow-mode pacing in the fastest rank's steps (0: time alone)."""
+        return self._pacer.interval_steps
+
     def set_interval_ms(self, interval_ms: float) -> None:
         """Change the pacing while the job runs (local to this rank; takes effect at the next round)."""
         self.apply_live(LiveSettings(interval_ms=interval_ms))
