@@ -2,7 +2,8 @@
 
     python benchmarks/bench_2d.py [--compute simulated,real] [--stragglers straggler,even] [--reps 5] \
         [--duration-s 40] [--presets small] [--variants ma-shadow,bmuf-shadow,torchrec_2d,ddp,...] \
-        [--every 10] [--step-ms MS] [--quality simulated:straggler] [--quality-steps 3000] \
+        [--every 10] [--interval-steps 2] [--interval-ms 20] [--step-ms MS] [--quality simulated:straggler] \
+        [--quality-steps 3000] [--quality-stop samples|steps] \
         [--quality-seeds 0,1,2] [--quality-step-ms 30] [--dotted.key value ...]
 
 Every run is a `torchrun` job of `benchmarks/train_dlrm.py` on 4 trainers (`--nproc`), TorchRec tables
@@ -10,7 +11,8 @@ Every run is a `torchrun` job of `benchmarks/train_dlrm.py` on 4 trainers (`--np
 `sync.sharding_group_size`, groups of consecutive ranks) unless the variant is flat (`VARIANTS`):
 - ma-shadow, ma-foreground, bmuf-shadow, bmuf-foreground: shadowgba 2D; every rank's table shards
   and the dense parameters are averaged with their replicas in the other group, in the background
-  (shadow) or every `--every` steps in the step (foreground);
+  (shadow: a round every `--interval-steps` steps of the fastest rank, `sync.interval_steps`, and
+  at most one per `--interval-ms`) or every `--every` steps in the step (foreground);
 - torchrec_2d: TorchRec's 2D recipe (`dlrm.torchrec_2d`): dense DDP over every trainer, the table
   replicas averaged every `--every` steps in the step, as `DMPCollection.sync()` does;
 - ddp: flat model parallelism, the tables sharded over all 4 ranks, dense DDP (TorchRec's default);
@@ -46,18 +48,24 @@ steps whose real work overran `--step-ms`, and a warning names the cells where t
 the paced variants its steps overrun by waiting, not by working).
 
 Quality (`--quality COMPUTE:STRAGGLER,...`; empty: none): held-out AUC at equal samples seen. Every
-variant trains `--quality-steps` steps on every trainer from `train.seed` = the synthetic data's
-seed = each of `--quality-seeds` (one repetition each), on the harness's default model
+variant trains `--quality-steps` x trainers x batch samples from `train.seed` = the synthetic
+data's seed = each of `--quality-seeds` (one repetition each), on the harness's default model
 (ExperimentConfig defaults, whose steps are cheap enough for a long run), then scores the held-out
 set (`example_job.SYNTHETIC_HELDOUT`). The default length, 3000 steps of 4 x 512, is the 6.1M
 samples at which bench_matrix's quality preset saw ddp's held-out AUC flatten on 2 trainers (6000
-steps of 2 x 512); on 4 trainers ddp takes half as many optimizer steps for them. Equal steps per
-trainer give every variant the same total samples and every group the same share of them: a
-decoupled fast group finishes its steps first and waits for the slow one in the final sync, where
-a job stopped by time would have given it `factor` times the slow group's samples. So this compares
-what the sync does to the model at equal data, not a job stopped by wall-clock time. AUC minus
-torchrec_2d's and minus ddp's are paired by seed. Simulated quality runs pad the default model's
-compute to `--quality-step-ms`; the table shows the fast group's overrun of it.
+steps of 2 x 512); on 4 trainers ddp takes half as many optimizer steps for them.
+`--quality-stop` says how the samples are shared out:
+- `samples` (default): the job stops once all trainers together have computed them
+  (`train.job_samples`), as from a reader the trainers share. A decoupled fast group takes about
+  `factor` times the slow group's share and every group ends at about the same time: the job whose
+  samples/s the throughput table measures (a fast group that only got its equal share would finish
+  early and idle, and the job would gain nothing from running it at full speed).
+- `steps`: every trainer takes `--quality-steps` steps (its own equal share, as from a reader
+  sharded per rank); a decoupled fast group finishes first and then, closed, keeps averaging its
+  last weights with the slow group until that one closes too.
+AUC minus torchrec_2d's and minus ddp's are paired by seed. Simulated quality runs pad the default
+model's compute to `--quality-step-ms`; the table shows the fast group's overrun of it and the fast
+group's steps over the slow group's.
 
 Prints Markdown tables and writes the settings, summaries and every run as JSON (runs/bench_2d.json).
 """
@@ -77,6 +85,7 @@ from bench_summary import (
     PRESET_COLUMN, RESOURCE_COLUMNS, Column, Run, Spread, difference_spread, markdown_table, optional, paired,
     ratios_to, resource_spreads, select, spread, spread_cell,
 )
+from dlrm.config import ExperimentConfig
 from example_job import CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, parse_presets, preset_arguments, run_example
 
 
@@ -128,6 +137,11 @@ shadow variants' table rounds take CPU of their own, so check the overrun column
 `--step-ms`."""
 
 
+QUALITY_STOP_CHECK_EVERY = 5
+"""Steps between two counts of a sample-stopped quality run: each group overshoots the total by at
+most this many of its steps (0.25% of 2000 steps' samples per group)."""
+
+
 def parse_list(text: str, allowed: Sequence[str], option: str) -> list[str]:
     """A comma-separated option as a list, refused (SystemExit) when empty or naming anything else."""
     names = [name for name in text.split(",") if name]
@@ -171,19 +185,38 @@ def fast_group_overrun(result: dict[str, Any], slow_trainer: int, group_size: in
     return statistics.mean(overruns[index] for index in fast)
 
 
+def group_step_ratio(steps: Sequence[int], slow_trainer: int, group_size: int) -> float:
+    """The fast groups' mean step count over the slow group's, from per-trainer `steps`."""
+    slow, fast = group_trainers(len(steps), slow_trainer, group_size)
+    return statistics.mean(steps[index] for index in fast) / max(statistics.mean(steps[index] for index in slow), 1)
+
+
+def pacing_arguments(args: argparse.Namespace) -> list[str]:
+    """The shadow variants' round pacing (ignored by foreground rounds and the baselines)."""
+    return ["--sync.interval_steps", str(args.interval_steps), "--sync.interval_ms", str(args.interval_ms)]
+
+
+def quality_length(args: argparse.Namespace) -> list[str]:
+    """The arguments that end a quality run at `--quality-steps` x trainers x batch samples
+    (`--quality-stop samples`) or at `--quality-steps` steps of every trainer (quality runs train
+    the default model on the default batch)."""
+    if args.quality_stop == "steps":
+        return ["--train.steps", str(args.quality_steps)]
+    batch_size = ExperimentConfig().data.batch_size
+    return ["--train.job_samples", str(args.quality_steps * args.nproc * batch_size),
+            "--train.stop_check_every", str(QUALITY_STOP_CHECK_EVERY)]
+
+
 def throughput_metrics(result: dict[str, Any], slow_trainer: int, group_size: int) -> dict[str, Any]:
     """What the throughput table shows of one run, whose trainer `slow_trainer` may be slowed, with
     replica groups of `group_size` trainers."""
-    steps = result["steps_in_window_by_trainer"]
-    slow, fast = group_trainers(len(steps), slow_trainer, group_size)
     config = result["config"]
     batch = config["data"][config["data"]["source"]]["batch_size"]
     sync = result["sync"]
     return {
         "samples_per_s": result["samples_per_s_total"],
         "window_s": result["window_s"],
-        "group_step_ratio": statistics.mean(steps[index] for index in fast) / max(
-            statistics.mean(steps[index] for index in slow), 1),
+        "group_step_ratio": group_step_ratio(result["steps_in_window_by_trainer"], slow_trainer, group_size),
         "overrun_fast_group": fast_group_overrun(result, slow_trainer, group_size),
         "sync_rounds_per_s": sync.get("rounds_per_s"),
         **{key: sync.get(key) for key in ("table_rounds", "table_cycles", "fragment_refresh_age_steps_mean",
@@ -281,6 +314,7 @@ def quality_rows(runs: list[Run], cells: Sequence[tuple[str, str]], variants: Se
                 "auc": spread([run["result"]["auc"] for run in cell]),
                 "log_loss": spread([run["result"]["log_loss"] for run in cell]),
                 "overrun_fast_group": spread([run["overrun_fast_group"] for run in cell]),
+                "group_step_ratio": spread([run["group_step_ratio"] for run in cell]),
                 "wall_s": spread([run["result"]["wall_s"] for run in cell]),
             }
             for base in BASELINES:
@@ -299,6 +333,7 @@ QUALITY_COLUMNS: list[Column] = [
         f"{gap:+.4f}" for gap in row[f"auc_minus_{base}"]) or "-") for base in BASELINES],
     ("log loss", lambda row: spread_cell(row["log_loss"], ".4f")),
     ("fast group overrun", lambda row: spread_cell(row["overrun_fast_group"], ".0%")),
+    ("steps fast / slow group", lambda row: spread_cell(row["group_step_ratio"], ".2f")),
     ("run wall s", lambda row: spread_cell(row["wall_s"], ".0f")),
     ("seeds", lambda row: str(row["reps"])),
 ]
@@ -343,13 +378,21 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="trainers per replica group (sync.sharding_group_size)")
     parser.add_argument("--every", type=int, default=10,
                         help="steps between foreground rounds and between torchrec_2d's table averages")
+    parser.add_argument("--interval-steps", type=int, default=2,
+                        help="shadow variants: a round every this many steps of the fastest rank (sync.interval_steps)")
+    parser.add_argument("--interval-ms", type=float, default=20.0,
+                        help="shadow variants: the least time between two rounds (sync.interval_ms)")
     parser.add_argument("--slow-trainer", type=int, default=1, help="index of the slowed trainer")
     parser.add_argument("--factor", type=float, default=3.0, help="slowdown of the slowed trainer")
     parser.add_argument("--step-ms", type=float,
                         help=f"simulated compute per step, throughput runs (default per preset: {SIMULATED_STEP_MS})")
     parser.add_argument("--quality", default="simulated:straggler",
                         help="comma-separated COMPUTE:STRAGGLER cells of quality runs (empty: none)")
-    parser.add_argument("--quality-steps", type=int, default=3000, help="steps per trainer of a quality run")
+    parser.add_argument("--quality-steps", type=int, default=3000,
+                        help="a quality run's samples: this many steps of every trainer's batch")
+    parser.add_argument("--quality-stop", choices=("samples", "steps"), default="samples",
+                        help="samples: the job stops at the total (a fast group takes more); steps: every trainer "
+                             "takes --quality-steps")
     parser.add_argument("--quality-seeds", default="0,1,2", help="comma-separated seeds, one quality repetition each")
     parser.add_argument("--quality-step-ms", type=float, default=30.0, help="simulated compute per step, quality runs")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_2d.json", help="JSON results")
@@ -370,7 +413,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for variant in variants:
                     label = f"rep {rep} {preset} {compute} {straggler} {variant}"
                     result = run_example(label, args.nproc, [
-                        *VARIANTS[variant].arguments(args.group_size, args.every), *preset_arguments(preset),
+                        *VARIANTS[variant].arguments(args.group_size, args.every), *pacing_arguments(args),
+                        *preset_arguments(preset),
                         "--train.duration_s", str(args.duration_s), "--train.warmup_steps", str(args.warmup_steps),
                         *straggler_arguments(compute, straggler, args.step_ms or SIMULATED_STEP_MS.get(preset, 0.0),
                                              args), *extra], output)
@@ -384,13 +428,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for variant in variants:
                     label = f"quality seed {seed} {compute} {straggler} {variant}"
                     result = run_example(label, args.nproc, [
-                        *VARIANTS[variant].arguments(args.group_size, args.every),
-                        "--train.steps", str(args.quality_steps), "--train.warmup_steps", str(args.warmup_steps),
+                        *VARIANTS[variant].arguments(args.group_size, args.every), *pacing_arguments(args),
+                        *quality_length(args), "--train.warmup_steps", str(args.warmup_steps),
                         "--train.seed", str(seed), "--data.synthetic.seed", str(seed), *SYNTHETIC_HELDOUT,
                         *straggler_arguments(compute, straggler, args.quality_step_ms, args), *extra], output)
                     quality.append({
                         "compute": compute, "straggler": straggler, "variant": variant, "rep": rep, "seed": seed,
                         "overrun_fast_group": fast_group_overrun(result, args.slow_trainer, args.group_size),
+                        "group_step_ratio": group_step_ratio(result["steps_by_trainer"], args.slow_trainer,
+                                                             args.group_size),
                         "result": result})
                     print(f"{label}: AUC {result['auc']:.4f} after {result['samples_computed_total']:,.0f} samples, "
                           f"{result['wall_s']:.0f} s", flush=True)

@@ -100,7 +100,7 @@ def run_trainer(
     gba = sync if config.algo == "gba" else None
     num_trainers = len(roles.trainer_ranks)
     stop = StopRule(config.train, config.lockstep, roles, device, applied_samples(gba, config) if gba else None,
-                    paired_trainers(config, job))
+                    paired_trainers(config, job), config.data.batch_size)
     curve = heldout_curve(config, model.module, data, roles, device, sync)
     checkpoints = JobCheckpoints(options, config, model, optimizer, sync, job) if options.directory else None
     fault = FaultInjector.from_env(roles.trainer_index, model.dense_params)
@@ -145,6 +145,7 @@ def run_trainer(
         "servers": roles.num_servers,
         "steps": stats.steps,  # trainer 0's, since the job's start (before a resume included)
         "steps_this_run": stats.steps - start_step,
+        "steps_by_trainer": all_gather_rows(torch.tensor([stats.steps], device=device), roles.trainer_group).tolist(),
         "restart_count": restart_count(),
         "checkpoint": checkpoints.summary() if checkpoints is not None else None,
         **window,

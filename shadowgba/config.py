@@ -58,6 +58,12 @@ class SyncConfig:
     """Shadow mode pacing: minimum time between the starts of two rounds. On few CPU cores an
     unpaced loop steals the trainers' CPU (docs/benchmarks.md); 0 runs flat out. Can be changed
     while the job runs. Ignored by gba."""
+    interval_steps: int = 0
+    """Shadow mode pacing in steps: when > 0, a round also waits until the fastest rank has taken
+    about this many training steps since the last one started (its step time is carried in the
+    rounds), so the round rate follows the steps whatever a step costs, as TorchRec's sync every N
+    batches does; `interval_ms` stays the floor. 0: time alone. Can be changed while the job runs.
+    Ignored by gba."""
     foreground_every: int = 10
     """Foreground mode: training steps between two synchronous rounds. Ignored by gba."""
     first_round_after: int = 10
@@ -95,7 +101,7 @@ class SyncConfig:
     `<dir>/trainer<i>` every `log_interval_s` and at the end. Needs `shadowgba[tensorboard]`; a
     `SummaryWriter` passed to `dense_sync(summary_writer=...)` takes its place."""
     control_file: str | None = None
-    """Optional YAML file polled while the job runs; it may change interval_ms and foreground_every
+    """Optional YAML file polled while the job runs; it may change interval_ms, interval_steps and foreground_every
     live (see shadowgba.shadow.control). Ignored by gba."""
     ma: MAConfig = dataclasses.field(default_factory=MAConfig)
     """Options of `ma` (none)."""
@@ -122,6 +128,8 @@ class SyncConfig:
             raise ConfigError(f"algo: unknown algorithm '{self.algo}'; allowed: {allowed}")
         if self.interval_ms < 0:
             raise ConfigError(f"interval_ms must be >= 0, got {self.interval_ms}")
+        if self.interval_steps < 0:
+            raise ConfigError(f"interval_steps must be >= 0, got {self.interval_steps}")
         if self.first_round_after < 0:
             raise ConfigError(f"first_round_after must be >= 0, got {self.first_round_after}")
         if self.foreground_every < 1:

@@ -29,6 +29,12 @@ ranks (`n_good` in place of `n`; no counted rank: the round changes nothing). A 
 contribution was left out takes nothing from the round (`RoundResult.kept_local`): no value from
 it reaches a peer and no peer's reaches it. Every rank sees the same statuses in the same round, so
 what to do about them (skip or fail, leave after an abort) is decided alike everywhere.
+
+Last in the trailer, one *steps* element per rank: the training steps that rank took since its
+previous round (`FlaggedAllReduce.steps`, set by the runtime). It is not part of any algorithm's
+maths; it tells every rank how fast the fastest one steps, so that a runtime can pace its rounds
+in steps of the fastest rank (`sync.interval_steps`) without a collective of its own. A count, not
+a total since the start, so that a bfloat16 trailer keeps it to within a few percent.
 """
 
 from __future__ import annotations
@@ -84,6 +90,9 @@ class RoundResult:
     last: bool = False
     """True when every rank raised its stop flag in this round (for an algorithm without
     collectives, this trainer): the rounds end after it, on every rank alike."""
+    fastest_steps: int = 0
+    """The most training steps a rank took since its previous round (for an algorithm without
+    collectives, this trainer's): what a runtime paces its rounds by."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +111,8 @@ class Reduced:
     """Whether this rank's payload is one of them."""
     nonfinite_ranks: tuple[int, ...]
     aborted_ranks: tuple[int, ...]
+    fastest_steps: int = 0
+    """The most training steps any rank took since its previous round."""
 
     def mean_(self) -> torch.Tensor | None:
         """`total / n_good`, divided in place in `total` (no dense-sized temporary per round), or
@@ -111,7 +122,8 @@ class Reduced:
 
 class FlaggedAllReduce:
     """A sum all-reduce of a flat payload with the round's flags riding in a trailer:
-    `[payload | stop | status of rank 0 ... status of rank n-1]` (see the module docstring).
+    `[payload | stop | status of rank 0 ... rank n-1 | steps of rank 0 ... rank n-1]` (see the
+    module docstring).
 
     The buffer is allocated once; `Reduced.total` is a view into it (`payload`) that the next call
     overwrites, so callers copy what they keep. A caller may also compute its payload into `payload`
@@ -122,9 +134,13 @@ class FlaggedAllReduce:
         self._group = group
         self.rank = dist.get_rank(group)
         self._size = like.numel()
-        self._buffer = torch.empty(self._size + 1 + dist.get_world_size(group), dtype=like.dtype, device=like.device)
+        self._ranks = dist.get_world_size(group)
+        self._buffer = torch.empty(self._size + 1 + 2 * self._ranks, dtype=like.dtype, device=like.device)
         self.payload = self._buffer[: self._size]
         """The payload part of the buffer: where `sum` sums, and `Reduced.total` is."""
+        self.steps = 0
+        """This rank's training steps since its previous round, sent in the next call's trailer
+        (set by the runtime before each round; pacing only, see the module docstring)."""
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -152,8 +168,10 @@ class FlaggedAllReduce:
         trailer.zero_()
         trailer[0] = 1.0 if stop or aborted else 0.0
         trailer[1 + self.rank] = float(status)
+        trailer[1 + self._ranks + self.rank] = float(self.steps)
         dist.all_reduce(self._buffer, op=dist.ReduceOp.SUM, group=self._group)
-        any_stop, *statuses = (int(value) for value in trailer.tolist())
+        any_stop, *flags = (int(value) for value in trailer.tolist())
+        statuses, steps = flags[: self._ranks], flags[self._ranks :]
         return Reduced(
             total=body,
             stop=any_stop > 0,
@@ -162,6 +180,7 @@ class FlaggedAllReduce:
             own_counted=statuses[self.rank] == 0,
             nonfinite_ranks=tuple(r for r, value in enumerate(statuses) if value & NONFINITE),
             aborted_ranks=tuple(r for r, value in enumerate(statuses) if value & ABORTED),
+            fastest_steps=max(steps),
         )
 
 
@@ -247,7 +266,7 @@ class SyncAlgorithm(abc.ABC):
         elif target is not None:
             torch.sub(target, snapshot, out=snapshot)
         return RoundResult(reduced.stop, self.allreduce.bytes_per_call, reduced.nonfinite_ranks,
-                           reduced.aborted_ranks, kept_local, reduced.last)
+                           reduced.aborted_ranks, kept_local, reduced.last, reduced.fastest_steps)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every dense-sized tensor the algorithm holds, by name: its all-reduce buffer and its state.

@@ -61,7 +61,8 @@ class ElasticAveragingPS(SyncAlgorithm):
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
         if not is_finite(snapshot):  # never sent: the shared centre would pass it to every trainer
             snapshot.zero_()
-            return RoundResult(stop, 0, nonfinite_ranks=(self.rank,), kept_local=True, last=stop)
+            return RoundResult(stop, 0, nonfinite_ranks=(self.rank,), kept_local=True, last=stop,
+                               fastest_steps=self.allreduce.steps)
         pull = self.centre.exchange(snapshot, self.alpha)
         torch.neg(pull, out=snapshot)  # the delta t - s = -d
-        return RoundResult(stop, 2 * pull.numel() * pull.element_size(), last=stop)
+        return RoundResult(stop, 2 * pull.numel() * pull.element_size(), last=stop, fastest_steps=self.allreduce.steps)

@@ -1,15 +1,17 @@
 """bench_2d's pure parts on constructed runs (no torchrun): the variants' arguments, one run's metrics,
 the per-repetition ratios and differences of the throughput table, the quality table's per-seed AUC
-gaps, and the warnings."""
+gaps, and the warnings; and one harness job under torchrun: the sample budget of quality runs."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import bench_2d
 from bench_2d import QUALITY_COLUMNS, THROUGHPUT_COLUMNS, VARIANTS, quality_rows, throughput_metrics, throughput_rows
+from example_job import run_example
 
 
 def result(speed: float, steps: list[int], overruns: list[float], sync: dict[str, Any], extra_mib: float,
@@ -87,7 +89,8 @@ def test_warnings_name_overruns_only_where_the_fast_group_never_waits_and_paired
 
 def test_quality_gaps_are_paired_by_seed() -> None:
     runs = [{"compute": "simulated", "straggler": "straggler", "variant": variant, "rep": rep, "seed": seed,
-             "overrun_fast_group": 0.0, "result": result(0.0, [0] * 4, [0.0] * 4, {}, 0.0, stopped_at=3000, auc=auc)}
+             "overrun_fast_group": 0.0, "group_step_ratio": 1.0,
+             "result": result(0.0, [0] * 4, [0.0] * 4, {}, 0.0, stopped_at=3000, auc=auc)}
             for rep, (seed, aucs) in enumerate(((0, (0.80, 0.79, 0.801)), (1, (0.70, 0.71, 0.698))))
             for variant, auc in zip(("torchrec_2d", "ddp", "ma-shadow"), aucs)]
     rows = {row["variant"]: row for row in quality_rows(runs, [("simulated", "straggler")],
@@ -107,3 +110,23 @@ def test_option_lists_refuse_unknown_names() -> None:
         bench_2d.parse_quality_cells("simulated")
     with pytest.raises(SystemExit, match="--variants must name only"):
         bench_2d.parse_list("ddp,flat", list(VARIANTS), "--variants")
+
+
+@pytest.mark.timeout(180)
+def test_a_sample_budget_lets_the_fast_replica_group_take_more_of_the_job_samples(tmp_path: Path) -> None:
+    """`--quality-stop samples`: a 2 x 2 shadow BMUF job with trainer 1 three times slower stops once
+    the trainers together computed the budget; the fast group took more of it, and the job still
+    ended with identical replicas."""
+    batch, check_every, budget = 64, 5, 4 * 60 * 64
+    arguments = [*VARIANTS["bmuf-shadow"].arguments(2, 10), "--train.job_samples", str(budget),
+                 "--train.stop_check_every", str(check_every), "--train.warmup_steps", "5",
+                 "--data.synthetic.batch_size", str(batch), "--data.synthetic.eval_batches", "4",
+                 "--sync.interval_ms", "20", "--straggler.trainers", "[1]", "--straggler.factor", "3",
+                 "--straggler.step_ms", "30"]
+    run = run_example("job_samples", 4, arguments, tmp_path / "result.json")
+    slow, fast = run["steps_by_trainer"][:2], run["steps_by_trainer"][2:]
+    assert slow[0] == slow[1] and fast[0] == fast[1]  # each group's all-to-all pairs its steps
+    assert fast[0] > 1.5 * slow[0], run["steps_by_trainer"]
+    overshoot = 2 * 2 * check_every * batch  # each group may count one check interval past the budget
+    assert budget <= run["samples_computed_total"] <= budget + overshoot
+    assert run["dense_replica_max_abs_diff"] == 0.0 and run["table_replica_max_abs_diff"] == 0.0

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from shadowgba import SyncConfig, SyncError
+from shadowgba.shadow import pacing
 from shadowgba.shadow.runtime import ShadowSync
 from sync_algos.bmuf import BMUFConfig
 from tests.multiprocess import run_ranks, run_shared
@@ -223,6 +224,61 @@ def test_pacing_bounds_the_round_rate_and_can_change_while_running(two_ranks: di
         assert result["fast_rounds"] > result["slow_rounds"], result
 
 
+def step_paced_rounds(rank: int, world_size: int) -> dict:
+    """Rank 0 steps every 2 ms, rank 1 five times slower; rounds every 10 steps of the fastest rank."""
+    model = vector_model(rank)
+    optimizer = ConstantStep(list(model.parameters()), increment=1.0)
+    config = SyncConfig(algo="ma", interval_ms=0.0, interval_steps=10, first_round_after=0)
+    steps = 0
+    with ShadowSync(model, optimizer, config) as sync:
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:
+            optimizer.step()
+            steps += 1
+            time.sleep(0.002 if rank == 0 else 0.010)
+        rounds = sync.metrics.rounds
+    return {"steps": steps, "rounds": rounds}
+
+
+def test_step_pacing_follows_the_fastest_rank(two_ranks: dict) -> None:
+    fast, slow = two_ranks["step-pacing"]
+    assert fast["rounds"] == slow["rounds"]
+    assert fast["steps"] > 3 * slow["steps"], (fast, slow)
+    # about one round per 10 steps of the fast rank (plus the first two, before any step time is
+    # known), and far more than one per 10 steps of the slow rank, which must not set the pace
+    assert 2 * slow["steps"] / 10 < fast["rounds"] <= fast["steps"] / 10 + 3, (fast, slow)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_pacer_waits_for_the_later_of_interval_ms_and_the_fastest_ranks_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(pacing.time, "monotonic", clock)
+    pacer = pacing.RoundPacer(interval_ms=50.0, interval_steps=10)
+    assert pacer.round_started(step=7) == 7  # this rank's steps since its previous round
+    pacer.round_ended(fastest_steps=7)  # one round: no step time yet
+    clock.now += 0.02
+    assert pacer.pause_s() == pytest.approx(0.03)  # interval_ms alone
+    clock.now += 0.08
+    assert pacer.round_started(step=12) == 5
+    pacer.round_ended(fastest_steps=20)  # the fastest rank took 20 steps in 0.1 s: 5 ms per step
+    assert pacer.fastest_step_s == pytest.approx(0.005)
+    clock.now += 0.01
+    assert pacer.pause_s() == pytest.approx(0.04)  # 10 steps of 5 ms, 10 ms of them gone
+    pacer.interval_s = 0.2  # a live change: interval_ms is the floor
+    assert pacer.pause_s() == pytest.approx(0.19)
+    pacer.interval_steps = 0
+    pacer.interval_s = 0.0
+    assert pacer.pause_s() == 0.0
+
+
 def control_file_changes_pacing(rank: int, world_size: int, control: str) -> dict:
     from pathlib import Path
 
@@ -239,13 +295,14 @@ def control_file_changes_pacing(rank: int, world_size: int, control: str) -> dic
     config = SyncConfig(algo="ma", interval_ms=1.0, control_file=control)
     with ShadowSync(model, optimizer, config) as sync:
         fast = train_for(1.0)
-        Path(control).write_text("interval_ms: 400\n")
+        Path(control).write_text("interval_ms: 400\ninterval_steps: 3\n")
         train_for(1.5)  # picked up within a poll interval (1 s)
         slow = train_for(1.2)
         Path(control).write_text("interval_ms: -5\n")  # invalid: logged and ignored
         train_for(1.2)
         still_slow = train_for(1.2)
-    return {"fast": fast, "slow": slow, "still_slow": still_slow, "interval_ms": sync.interval_ms}
+    return {"fast": fast, "slow": slow, "still_slow": still_slow, "interval_ms": sync.interval_ms,
+            "interval_steps": sync.interval_steps}
 
 
 def test_control_file_changes_pacing_while_running_and_bad_edits_are_ignored(one_rank: dict) -> None:
@@ -253,6 +310,7 @@ def test_control_file_changes_pacing_while_running_and_bad_edits_are_ignored(one
     assert result["fast"] > 50, result
     assert result["slow"] <= 1.2 / 0.4 + 2, result
     assert result["still_slow"] <= 1.2 / 0.4 + 2 and result["interval_ms"] == 400.0, result
+    assert result["interval_steps"] == 3
 
 
 def checkpoint_often(rank: int, world_size: int) -> dict:
@@ -322,6 +380,7 @@ def two_ranks() -> dict[str, list]:
             final_weights_after_unequal_training, ([60, 60], {"algo": "ma", "mode": "foreground", "foreground_every": 10})
         ),
         "pacing": (paced_rounds, ()),
+        "step-pacing": (step_paced_rounds, ()),
         "checkpoint-often": (checkpoint_often, ()),
         "bmuf-close-after-round": (close_right_after_a_round, ()),
     }, timeout_s=150)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,8 @@ def _pipeline_job(rank: int, world_size: int, options: dict[str, Any], fault: tu
                   ) -> dict[str, Any]:
     """TinyRec (2 tables, row-wise Adagrad fused in backward) in 2 groups of 2 through `join` /
     `dense_sync` on TorchRec's train pipeline. `fault = (kind, rank, step)`: that rank raises
-    (`fail`), SIGKILLs itself (`kill`) or turns its dense weights and table rows NaN (`nan`)
-    after that step. Returns the final table shards, dense weights and metrics (or the error)."""
+    (`fail`), SIGKILLs itself (`kill`), stops itself for good (`stop`: SIGSTOP, a stalled rank) or
+    turns its dense weights and table rows NaN (`nan`) after that step. Returns the final table shards, dense weights and metrics (or the error)."""
     from torchrec.distributed import TrainPipelineSparseDist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -63,8 +64,8 @@ def _pipeline_job(rank: int, world_size: int, options: dict[str, Any], fault: tu
         out["fired"] = step
         if fault[0] == "fail":
             raise InjectedFailure(f"injected failure on rank {rank} after step {step}")
-        if fault[0] == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+        if fault[0] in ("kill", "stop"):
+            os.kill(os.getpid(), signal.SIGKILL if fault[0] == "kill" else signal.SIGSTOP)
         with torch.no_grad():  # nan: a diverged replica, dense weights and table rows alike
             next(iter(dense.values())).view(-1)[:3] = float("nan")
             fused_table_shards(dmp)[0].tensors[0][:2] = float("nan")
@@ -179,13 +180,23 @@ def test_nan_in_one_replica_never_reaches_the_other_group(four_ranks: dict) -> N
     assert not all(torch.isfinite(tensor).all() for tensor in results[1]["tables"])
 
 
-@pytest.mark.parametrize(("kind", "failing"), [("fail", 2), ("kill", 3)])
+STALL_TIMEOUT_S = 6.0
+"""`sync.timeout_s` of the stalled-rank case: every collective the others wait in gives up after it."""
+
+
+@pytest.mark.parametrize(("kind", "failing"), [("fail", 2), ("kill", 3), ("stop", 1)])
 def test_a_failure_in_one_group_ends_every_rank_naming_it(kind: str, failing: int) -> None:
-    """An exception in group 1's loop, or a SIGKILLed rank of group 1: every other rank, in both
-    groups, raises within the timeout, and the error names the failed rank."""
-    outcomes = run_ranks_outcomes(_pipeline_job, 4, {"algo": "ma"}, (kind, failing, 8), timeout_s=120)
+    """An exception in group 1's loop, a SIGKILLed rank of group 1, or a rank of group 0 stopped for
+    good (SIGSTOP, its sockets open): every other rank, in both groups, raises within the timeout,
+    and the error names the failed rank."""
+    options = {"algo": "ma", **({"timeout_s": STALL_TIMEOUT_S} if kind == "stop" else {})}
+    started = time.monotonic()
+    outcomes = run_ranks_outcomes(_pipeline_job, 4, options, (kind, failing, 8), timeout_s=120,
+                                  stopped_for_good=kind == "stop")
     failed = outcomes[failing]
-    if kind == "kill":
+    if kind == "stop":  # every other rank ended on its own, well before the harness's deadline
+        assert failed.stopped and time.monotonic() - started < 60
+    elif kind == "kill":
         assert failed.killed
     else:
         assert failed.returned and failed.value["fired"] == 8 and "injected failure on rank 2" in failed.value["error"]

@@ -69,6 +69,9 @@ class CheckpointOptions:
         if config.baseline == "pma":
             raise ConfigError("--checkpoint-dir: the pma baseline cannot be checkpointed (torch's averager "
                               "is not Stateful)")
+        if config.train.job_samples:
+            raise ConfigError("--checkpoint-dir: train.job_samples counts the samples of one run from its start; "
+                              "a resumed run would count them again")
         if self.every and not config.lockstep and (config.train.duration_s or config.train.global_samples):
             raise ConfigError("--checkpoint-every: with PS tables trainers step independently; saving checkpoints "
                               "needs a step count (train.steps), not train.duration_s or train.global_samples "

@@ -54,13 +54,18 @@ class TrainConfig:
     """Optimizers and how long to train."""
 
     steps: int = 4000
-    """Training steps per trainer, warm-up included; used when duration_s and global_samples are 0."""
+    """Training steps per trainer, warm-up included; used when duration_s, global_samples and
+    job_samples are 0."""
     duration_s: float = 0.0
     """When > 0: train for this many seconds after warm-up instead of a step count."""
     global_samples: int = 0
     """When > 0 (sync.algo gba only): train until the dense parameters have been updated with this
     many samples, read from the global step (k x global batch; k x local batch for GBA without
     aggregation), so that runs of different algorithms stop at equal samples applied."""
+    job_samples: int = 0
+    """When > 0: train until every trainer together has computed this many samples (a counter in the
+    job's store), as from a reader that all trainers share: a fast trainer, or a fast 2D replica
+    group, takes more of them, so that runs stop at equal samples seen whatever paces whom."""
     warmup_steps: int = 50
     """Steps before the timed window that throughput is measured over."""
     eval_every_samples: int = 0
@@ -68,8 +73,8 @@ class TrainConfig:
     multiple of this, for a `curve` in the results (benchmarks/dlrm/curve.py); its time is left out of
     the training clock. 0: only the final evaluation."""
     stop_check_every: int = 20
-    """With duration_s or global_samples, when trainers must stop at the same step (TorchRec
-    embeddings): steps between two broadcasts of trainer 0's stop decision."""
+    """With duration_s, global_samples or job_samples: steps between two stop decisions; when trainers
+    must stop at the same step (TorchRec embeddings), between two broadcasts of the decision."""
     embedding_optimizer: Literal["sgd", "adagrad", "rowwise_adagrad"] = "adagrad"
     """Optimizer of the tables: fused in backward for TorchRec tables (Adam/LAMB are CUDA-only in
     FBGEMM), on the servers for PS tables (sgd or rowwise_adagrad there)."""
@@ -86,16 +91,21 @@ class TrainConfig:
     (`dlrm.progress`)."""
 
     def __post_init__(self) -> None:
-        if self.duration_s < 0 or self.global_samples < 0:
-            raise ConfigError("duration_s and global_samples must be >= 0")
-        if self.duration_s and self.global_samples:
-            raise ConfigError("set at most one of duration_s and global_samples")
-        if not (self.duration_s or self.global_samples) and self.steps <= self.warmup_steps:
+        if min(self.duration_s, self.global_samples, self.job_samples) < 0:
+            raise ConfigError("duration_s, global_samples and job_samples must be >= 0")
+        if sum(map(bool, self.stop_limits)) > 1:
+            raise ConfigError("set at most one of duration_s, global_samples and job_samples")
+        if not any(self.stop_limits) and self.steps <= self.warmup_steps:
             raise ConfigError(f"steps ({self.steps}) must exceed warmup_steps ({self.warmup_steps})")
         if self.warmup_steps < 0 or self.stop_check_every < 1:
             raise ConfigError("warmup_steps must be >= 0 and stop_check_every >= 1")
         if self.eval_every_samples < 0:
             raise ConfigError(f"eval_every_samples must be >= 0, got {self.eval_every_samples}")
+
+    @property
+    def stop_limits(self) -> tuple[float, int, int]:
+        """The limits other than a step count; at most one is set (> 0)."""
+        return self.duration_s, self.global_samples, self.job_samples
 
 
 @dataclasses.dataclass

@@ -5,10 +5,12 @@ gradients leave the trainer, so a slow trainer's gradients arrive late), the PS 
 (PS tables), `optimizer.step()` (where ShadowSync / GBASync act).
 
 Stopping (`StopRule`): after `train.steps`, or `duration_s` after this trainer's warm-up, or once
-the dense parameters hold `global_samples` samples (GBA's global step). When trainers must take
-equal step counts (TorchRec tables: the all-to-all pairs their steps) trainer 0 decides and
-broadcasts its decision every `stop_check_every` steps; with PS tables a trainer step has no
-collective and each trainer decides alone, so a fast trainer never waits for a slow one.
+the dense parameters hold `global_samples` samples (GBA's global step), or once all trainers
+together have computed `job_samples` samples (a counter in the job's store that each decider adds
+its trainers' samples to). When trainers must take equal step counts (TorchRec tables: the
+all-to-all pairs their steps) one of them decides and broadcasts its decision every
+`stop_check_every` steps; with PS tables a trainer step has no collective and each trainer decides
+alone, so a fast trainer never waits for a slow one.
 
 Timing: every trainer measures from a common start (a barrier on the trainer group before the first
 step); time spent between steps outside training (held-out evaluation, `dlrm.curve`) is left out of
@@ -60,6 +62,9 @@ class TrainStats:
 class StopRule:
     """Decides, after each step, whether this trainer leaves the loop (see the module docstring)."""
 
+    JOB_SAMPLES_KEY = "dlrm/job_samples"
+    """The store key of the samples every trainer has computed (`train.job_samples`)."""
+
     def __init__(
         self,
         config: TrainConfig,
@@ -68,35 +73,55 @@ class StopRule:
         device: torch.device,
         applied_samples: Callable[[], int] | None,
         paired: tuple[dist.ProcessGroup, int] | None = None,
+        batch_size: int = 0,
     ) -> None:
         """`paired`: the group of trainers whose steps pair every step (they must stop at the same
         one; `dlrm.job.paired_trainers`) and the global rank that decides for them; default every
-        trainer, trainer 0 deciding."""
+        trainer, trainer 0 deciding. `batch_size`: per trainer, to count samples for `job_samples`
+        (from step 0: a run with a checkpoint directory refuses `job_samples`)."""
         if config.global_samples and applied_samples is None:
             raise ValueError("train.global_samples needs a counter of applied samples (GBA)")
+        if config.job_samples and batch_size <= 0:
+            raise ValueError("train.job_samples needs the per-trainer batch size")
         self.config = config
         self.lockstep = lockstep
         self.roles = roles
         self.group, self.source = paired or (roles.trainer_group, roles.trainer_ranks[0])
         self.device = device
         self.applied_samples = applied_samples
+        self.samples_per_step = batch_size * (dist.get_world_size(self.group) if lockstep else 1)
+        """Samples one step of this decider's trainers computes (all of its paired group's)."""
+        self.counted_step = 0
 
     def __call__(self, step: int, since_warmup_s: float) -> bool:
         config = self.config
-        if not (config.duration_s or config.global_samples):
+        if not any(config.stop_limits):
             return step >= config.steps  # the same step on every trainer
         timed_steps = step - config.warmup_steps
         if timed_steps <= 0 or (self.lockstep and timed_steps % config.stop_check_every):
             return False
-        if config.duration_s:
+        if self.lockstep and self.roles.rank != self.source:
+            stop = False  # the decider's broadcast overwrites it
+        elif config.duration_s:
             stop = since_warmup_s >= config.duration_s
-        else:
+        elif config.global_samples:
             stop = self.applied_samples() >= config.global_samples
+        else:
+            stop = self._job_samples(step) >= config.job_samples
         if not self.lockstep:
             return stop
         decision = torch.tensor([stop], device=self.device)
         dist.broadcast(decision, src=self.source, group=self.group)
         return bool(decision.item())
+
+    def _job_samples(self, step: int) -> int:
+        """Adds the samples this decider's trainers computed since its last count to the job's
+        counter; the counter's new value. The default group's store is the job's (torchrun's agent
+        store), so no trainer waits for another to count."""
+        counted = self.samples_per_step * (step - self.counted_step)
+        self.counted_step = step
+        key = f"{self.JOB_SAMPLES_KEY}/attempt_{transport.restart_count()}"
+        return dist.distributed_c10d._get_default_store().add(key, counted)
 
 
 def train(
@@ -117,7 +142,7 @@ def train(
     resumed past its warm-up times every step it takes)."""
     roles = stop.roles
     model.module.train()
-    bar = progress(total=None if config.duration_s or config.global_samples else config.steps, initial=start_step,
+    bar = progress(total=None if any(config.stop_limits) else config.steps, initial=start_step,
                    enabled=roles.trainer_index == 0 and config.progress)
     dist.barrier(group=roles.trainer_group)  # the common start
     origin = time.perf_counter()

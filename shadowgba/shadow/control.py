@@ -1,7 +1,8 @@
 """Live control: change sync frequency while a job runs by editing a small YAML file.
 
     # control.yaml, named by sync.control_file
-    interval_ms: 200        # shadow mode pacing
+    interval_ms: 200        # shadow mode pacing: the least time between two rounds
+    interval_steps: 2       # and not before the fastest rank has taken this many steps
     foreground_every: 50    # foreground mode period
 
 Each rank polls the file (at most once a second) and applies a change at its next round. Ranks may
@@ -29,12 +30,16 @@ class LiveSettings:
 
     interval_ms: float | None = None
     """New shadow-mode pacing, >= 0."""
+    interval_steps: int | None = None
+    """New shadow-mode pacing in the fastest rank's steps, >= 0."""
     foreground_every: int | None = None
     """New foreground-mode period in training steps, >= 1."""
 
     def __post_init__(self) -> None:
         if self.interval_ms is not None and self.interval_ms < 0:
             raise ConfigError(f"interval_ms must be >= 0, got {self.interval_ms}")
+        if self.interval_steps is not None and self.interval_steps < 0:
+            raise ConfigError(f"interval_steps must be >= 0, got {self.interval_steps}")
         if self.foreground_every is not None and self.foreground_every < 1:
             raise ConfigError(f"foreground_every must be >= 1, got {self.foreground_every}")
 

@@ -13,7 +13,8 @@ Threads and invariants:
   (`shadowgba.step_hook`) so the loop needs no change. After each step it serves the write-back (handoff), runs a
   foreground round every `foreground_every` steps (foreground mode), and re-raises a failure of the
   shadow thread with its cause.
-- The *shadow thread* (shadow mode) loops snapshot -> round -> write back, paced by `interval_ms`.
+- The *shadow thread* (shadow mode) loops snapshot -> round -> write back, paced by `interval_ms`
+  and `interval_steps` (`shadowgba.shadow.pacing`).
 - All shadow traffic runs on a process group of its own, created at `start()`. The training thread
   never issues a collective on it while the shadow thread is alive (the only training-thread
   collectives on it are the initial broadcast, before the thread starts, and the final average,
@@ -52,6 +53,7 @@ from shadowgba.config import SyncConfig
 from shadowgba.errors import CheckpointError, SyncError
 from shadowgba.interface import DenseSync
 from shadowgba.shadow.control import ControlFile, LiveSettings
+from shadowgba.shadow.pacing import RoundPacer
 from shadowgba.shadow.tables import TableFragments
 from shadowgba.metrics import SyncMetrics
 from shadowgba.nonfinite import NonFiniteGuard, gradients
@@ -105,7 +107,7 @@ class ShadowSync(DenseSync):
         self.metrics = SyncMetrics(self._held_tensors, self.guard, self._fragment_ages if tables is not None else None)
         self._parent_group = process_group
         self._algorithm_kwargs = algorithm_kwargs or {}
-        self._interval_s = config.interval_ms / 1e3
+        self._pacer = RoundPacer(config.interval_ms, config.interval_steps)
         self._foreground_every = config.foreground_every
         self._control = ControlFile(config.control_file) if config.control_file else None
         self._step_counter = itertools.count(1)
@@ -280,8 +282,13 @@ class ShadowSync(DenseSync):
     # ------------------------------------------------------------------------------ live controls
     @property
     def interval_ms(self) -> float:
-        """Current shadow-mode pacing."""
-        return self._interval_s * 1e3
+        """Current shadow-mode pacing (the least time between two round starts)."""
+        return self._pacer.interval_s * 1e3
+
+    @property
+    def interval_steps(self) -> int:
+        """Current shadow-mode pacing in the fastest rank's steps (0: time alone)."""
+        return self._pacer.interval_steps
 
     def set_interval_ms(self, interval_ms: float) -> None:
         """Change the pacing while the job runs (local to this rank; takes effect at the next round)."""
@@ -290,7 +297,9 @@ class ShadowSync(DenseSync):
     def apply_live(self, settings: LiveSettings) -> None:
         """Apply live settings (what a control file carries); unset fields are left alone."""
         if settings.interval_ms is not None:
-            self._interval_s = settings.interval_ms / 1e3
+            self._pacer.interval_s = settings.interval_ms / 1e3
+        if settings.interval_steps is not None:
+            self._pacer.interval_steps = settings.interval_steps
         if settings.foreground_every is not None:
             self._foreground_every = settings.foreground_every
 
@@ -473,8 +482,10 @@ class ShadowSync(DenseSync):
             with self._round_lock:
                 self._algorithm.abort_round()
             return True
+        self._algorithm.allreduce.steps = self._pacer.round_started(self._step)
         with self._round_lock:
             result = self._algorithm.sync(self._snapshot, stop)  # leaves the delta t - s in the snapshot's buffer
+        self._pacer.round_ended(result.fastest_steps)
         self.metrics.record_round(time.perf_counter() - started, result.bytes_moved)
         if not result.kept_local:  # a rank left out of the round keeps its own weights
             self._writeback.apply(self._snapshot)
@@ -538,11 +549,8 @@ class ShadowSync(DenseSync):
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if self.config.first_round_after:
                     self._first_round_due.wait()
-                while True:
-                    started = time.monotonic()
-                    if self._run_round():
-                        break
-                    self._stop_requested.wait(max(0.0, self._interval_s - (time.monotonic() - started)))
+                while not self._run_round():
+                    self._stop_requested.wait(self._pacer.pause_s())
                 wait_for_device(self.dense.device)
         except BaseException as error:  # surfaced in the training thread at its next step
             logger.exception("shadowgba shadow thread failed")

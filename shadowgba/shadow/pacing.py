@@ -1,0 +1,58 @@
+"""When the shadow thread starts its next round.
+
+Two limits, the later one wins: `sync.interval_ms` after the last round started (a floor: on few
+CPU cores an unpaced loop steals the trainers' CPU), and, with `sync.interval_steps: N`, once the
+fastest rank has taken about N training steps since then. The second makes the round rate follow
+the steps, as TorchRec's "sync every N batches" does, whatever a step costs: a fixed time is many
+steps of a fast model (replicas drift apart between rounds) and a fraction of a step of a slow one
+(rounds that average nearly nothing new, for their CPU and bytes).
+
+Each round's collective carries every rank's step count since its previous round
+(`sync_algos.base.FlaggedAllReduce.steps`), so every rank knows the fastest one's pace without a
+collective of its own: its step time is the time between the last two round starts over the most
+steps any rank took in between. A fast group is never slowed: nothing here waits for a step, and a
+slow rank starts its rounds on the fast rank's pace, not its own.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class RoundPacer:
+    """Paces one shadow thread's rounds; read and written by that thread only (live settings are
+    plain attribute writes, taken at the next pause)."""
+
+    def __init__(self, interval_ms: float, interval_steps: int) -> None:
+        self.interval_s = interval_ms / 1e3
+        """The least time between two round starts."""
+        self.interval_steps = interval_steps
+        """Steps of the fastest rank between two round starts; 0: time alone."""
+        self.fastest_step_s: float | None = None
+        """The fastest rank's step time as of the last round; None until two rounds have run in
+        which some rank stepped."""
+        self._started: float | None = None
+        self._previous_start: float | None = None
+        self._step_at_round = 0
+
+    def round_started(self, step: int) -> int:
+        """A round starts now, with this rank at training step `step`: the steps it took since its
+        previous round, which the round's collective carries to every rank."""
+        self._previous_start, self._started = self._started, time.monotonic()
+        steps, self._step_at_round = step - self._step_at_round, step
+        return steps
+
+    def round_ended(self, fastest_steps: int) -> None:
+        """The round just run carried `fastest_steps`, the most steps any rank took since its
+        previous round: update the fastest rank's step time."""
+        if fastest_steps > 0 and self._previous_start is not None and self._started is not None:
+            self.fastest_step_s = (self._started - self._previous_start) / fastest_steps
+
+    def pause_s(self) -> float:
+        """How long to wait, from now, before the next round starts."""
+        interval = self.interval_s
+        if self.interval_steps and self.fastest_step_s is not None:
+            interval = max(interval, self.interval_steps * self.fastest_step_s)
+        if self._started is None:
+            return interval
+        return max(0.0, interval - (time.monotonic() - self._started))
