@@ -37,6 +37,7 @@ from dlrm.progress import progress
 from ctrkit.ctr_data import CTRData
 from ctrkit.evaluation import all_gather_rows, log_loss, roc_auc
 from shadowgba.ps import transport
+from shadowgba.ps.membership import restart_count
 from ctrkit.straggler import Straggler, StragglerConfig
 
 
@@ -120,7 +121,7 @@ class StopRule:
         store), so no trainer waits for another to count."""
         counted = self.samples_per_step * (step - self.counted_step)
         self.counted_step = step
-        key = f"{self.JOB_SAMPLES_KEY}/attempt_{transport.restart_count()}"
+        key = f"{self.JOB_SAMPLES_KEY}/attempt_{restart_count()}"
         return dist.distributed_c10d._get_default_store().add(key, counted)
 
 
