@@ -42,6 +42,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import itertools
@@ -55,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.errors import PeerLost
+from shadowgba.ps.lane import IncomingLane, OutgoingLane
 
 FRAME_BYTES = 256 << 10
 """The most a frame holds; two receive buffers of this size per channel side are posted in advance
@@ -71,18 +73,22 @@ than the round trip (measured with benchmarks/bench_ps.py)."""
 PING_INTERVAL_S = 1.0
 """A side that sent nothing for this long sends a heartbeat (`pulse()`), or for a quarter of the
 peer's silence limit if that is shorter (`Channel.beat_s`)."""
-_WORDS = 4
-"""int64 words at the start of a frame: kind, header length, tensor count, index of the staged tensor (-1: none)."""
+_WORDS = 6
+"""int64 words at the start of a frame: kind, header length, tensor count, index of the staged tensor
+(-1: none), how far the sender has read the receiver's lane (`IncomingLane.released`), and how many
+frames the sender has received (its sends that are known to have arrived)."""
 _WORDS_FORMAT = struct.Struct(f"<{_WORDS}q")
 _HEAD_BYTES = _WORDS_FORMAT.size
 _ALIGN = 16
 """Inline tensors start at offsets that are multiples of this (any dtype's element size divides it)."""
 _HEADER_TAG, _STAGED_TAG, _FIRST_APART_TAG = 1, 2, 3
-INLINE, STAGED, APART = range(3)
-"""Where a tensor of a message travels: in the frame, into the staged buffer, or in a send of its own."""
+INLINE, STAGED, APART, SHARED = range(4)
+"""Where a tensor of a message travels: in the frame, into the staged buffer, in a send of its own,
+or through the same-host lane (`shadowgba.ps.lane`)."""
 
-HEARTBEAT, REQUEST, REPLY, CLOSE = range(4)
-"""Frame kinds."""
+HEARTBEAT, REQUEST, REPLY, CLOSE, LANE_OFFER, LANE_ANSWER = range(6)
+"""Frame kinds. A side offers its outgoing lane once, at the start; the peer answers whether it
+mapped it."""
 
 
 class ChannelLost(PeerLost):
@@ -92,6 +98,10 @@ class ChannelLost(PeerLost):
         super().__init__(message)
         self.timed_out = timed_out
         """Whether the peer fell silent (stopped or stuck) rather than closed its connection (gone)."""
+
+
+class _Unencodable(Exception):
+    """A message could not be encoded (its cause says why): nothing of it was sent."""
 
 
 class _Pickler(pickle.Pickler):
@@ -137,8 +147,11 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def encode(kind: int, body: Any) -> Encoded:
-    """The parts of a message of `kind` carrying `body` (any picklable object holding CPU tensors)."""
+def encode(kind: int, body: Any, lane: OutgoingLane | None = None, released: int = 0, heard: int = 0) -> Encoded:
+    """The parts of a message of `kind` carrying `body` (any picklable object holding CPU tensors);
+    tensors too large for the frame go into `lane` where it has room (written here: call under the
+    send lock, in posting order). `released`, `heard`: how far this side has read the peer's lane, and
+how many of its frames it has received."""
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     pickler.dump(body)
@@ -147,29 +160,33 @@ def encode(kind: int, body: Any) -> Encoded:
     body_bytes = buffer.getvalue()
     # where each tensor goes: the frame's room is known once the header is, and the header holds
     # the places, so small tensors are placed against the room left by a header with every place
-    places, staged, room = [], -1, header_room - len(body_bytes) - 64 * (len(tensors) + 1)
+    places, positions, staged, room = [], [-1] * len(tensors), -1, header_room - len(body_bytes) - 80 * (len(tensors) + 1)
     for index, tensor in enumerate(tensors):
         nbytes = _nbytes(tensor)
         if nbytes <= INLINE_TENSOR_BYTES and _aligned(nbytes) <= room:
             places.append(INLINE)
             room -= _aligned(nbytes)
+        elif lane is not None and nbytes and (position := lane.reserve(nbytes)) is not None:
+            places.append(SHARED)
+            positions[index] = position
+            lane.write(position, tensor)
         elif staged < 0 and nbytes <= STAGED_BYTES:
             places.append(STAGED)
             staged = index
         else:
             places.append(APART)
-    header = _header(tensors, places, body_bytes)
+    header = _header(tensors, places, positions, body_bytes)
     size = _aligned(_HEAD_BYTES + len(header))
     inline = [tensor for tensor, place in zip(tensors, places) if place == INLINE]
     if size + sum(_aligned(_nbytes(tensor)) for tensor in inline) > FRAME_BYTES:  # the estimate fell short
         places = [APART if place == INLINE else place for place in places]
-        header, inline = _header(tensors, places, body_bytes), []
+        header, inline = _header(tensors, places, positions, body_bytes), []
     header_in_frame = len(header) <= header_room
     size = _aligned(_HEAD_BYTES + len(header)) if header_in_frame else _HEAD_BYTES
     # the frame is built as bytes (struct and buffer copies): torch ops on tiny tensors would cost
     # more than the rest of a small call's framing
     frame = bytearray(size + sum(_aligned(_nbytes(tensor)) for tensor in inline))
-    _WORDS_FORMAT.pack_into(frame, 0, kind, len(header), len(tensors), staged)
+    _WORDS_FORMAT.pack_into(frame, 0, kind, len(header), len(tensors), staged, released, heard)
     if header_in_frame:
         frame[_HEAD_BYTES:_HEAD_BYTES + len(header)] = header
     offset = size
@@ -179,7 +196,7 @@ def encode(kind: int, body: Any) -> Encoded:
             frame[offset:offset + nbytes] = _as_bytes(tensor)
         offset += _aligned(nbytes)
     sends = [(tensor, _STAGED_TAG if place == STAGED else _FIRST_APART_TAG + index)
-             for index, (tensor, place) in enumerate(zip(tensors, places)) if place != INLINE and _nbytes(tensor)]
+             for index, (tensor, place) in enumerate(zip(tensors, places)) if place in (STAGED, APART) and _nbytes(tensor)]
     header_tensor = None if header_in_frame else torch.frombuffer(bytearray(header), dtype=torch.uint8)
     return Encoded(torch.frombuffer(frame, dtype=torch.uint8), header_tensor, sends)
 
@@ -189,9 +206,10 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def _header(tensors: list[torch.Tensor], places: list[int], body: bytes) -> bytes:
-    """A message's header: each tensor's dtype, shape and place, then the pickled body."""
-    specs = [(tensor.dtype, tuple(tensor.shape), place) for tensor, place in zip(tensors, places)]
+def _header(tensors: list[torch.Tensor], places: list[int], positions: list[int], body: bytes) -> bytes:
+    """A message's header: each tensor's dtype, shape, place and lane position, then the pickled body."""
+    specs = [(tensor.dtype, tuple(tensor.shape), place, position)
+             for tensor, place, position in zip(tensors, places, positions)]
     return pickle.dumps(specs, protocol=pickle.HIGHEST_PROTOCOL) + body
 
 
@@ -206,6 +224,10 @@ class Frame:
     count: int
     staged: int
     """Index of the tensor received into the staged buffer; -1 when none is."""
+    released: int
+    """How far the sender has read this side's lane."""
+    heard: int
+    """How many of this side's frames the sender has received."""
 
     @classmethod
     def read(cls, frame: torch.Tensor | memoryview) -> "Frame":
@@ -223,17 +245,21 @@ class Frame:
         return bytes(_as_bytes(header))
 
     def decode(self, header: bytes, staged: torch.Tensor | None,
-               receive: Callable[[list[tuple[torch.Tensor, int]]], None]) -> Any:
+               receive: Callable[[list[tuple[torch.Tensor, int]]], None], lane: IncomingLane | None = None) -> Any:
         """The message's body: inline tensors copied out of the frame, the staged one out of `staged`
-        (its receive buffer), the others received by `receive([(tensor, tag), ...])`."""
+        (its receive buffer), shared ones out of `lane`, the others received by `receive([(tensor, tag), ...])`."""
         stream = io.BytesIO(header)
-        specs: list[tuple[torch.dtype, tuple[int, ...], int]] = pickle.load(stream)
+        specs: list[tuple[torch.dtype, tuple[int, ...], int, int]] = pickle.load(stream)
         tensors, apart = [], []
         offset = _aligned(_HEAD_BYTES + self.header_length)
-        for index, (dtype, shape, place) in enumerate(specs):
+        for index, (dtype, shape, place, position) in enumerate(specs):
             tensor = torch.empty(shape, dtype=dtype)
             nbytes = _nbytes(tensor)
-            if place == STAGED and nbytes:
+            if place == SHARED:
+                if lane is None:
+                    raise RuntimeError("the peer sent a tensor through a lane this side never mapped")
+                lane.read(position, tensor)
+            elif place == STAGED and nbytes:
                 tensor.reshape(-1).view(torch.uint8).copy_(staged[:nbytes])
             elif place == INLINE:
                 if nbytes:
@@ -254,7 +280,7 @@ class Channel:
     def __init__(self, group: dist.ProcessGroup, rank: int, peer: str,
                  on_request: Callable[["Channel", int, Any], None] | None = None,
                  on_lost: Callable[["Channel", ChannelLost], None] | None = None,
-                 timeout_s: float = 60.0, peer_timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, peer_timeout_s: float = 60.0, lanes: bool = True) -> None:
         self.group, self.rank, self.peer = group, rank, peer
         """`peer`: how the other side is named in errors (e.g. `ps0` or `trainer 1 (rank 1)`)."""
         self.timeout_s = timeout_s
@@ -269,15 +295,38 @@ class Channel:
         self._last_sent = time.monotonic()
         self.last_heard = time.monotonic()
         """When the last frame (message or heartbeat) arrived from the peer."""
-        self._unsettled: list[Any] = []
-        """Heartbeat sends not waited for (a stopped peer must not block the pulse)."""
+        self._unsettled: collections.deque[tuple[int, Any]] = collections.deque()
+        """(frame number, send) of the frames posted without waiting (heartbeats, lane and close
+        frames: a stopped peer must not block the pulse). A gloo send is complete only once waited
+        for, and holds its buffer until then; each is waited for (at once) when the peer's frames
+        say it has arrived. Guarded by `_send_lock`."""
+        self._frames_sent = 0
+        """Frames posted to the peer; guarded by `_send_lock`."""
+        self._frames_heard = 0
+        """Frames received from the peer (sent back on every frame)."""
+        self._peer_heard = 0
+        """How many of this side's frames the peer has said it received."""
         self.failure: ChannelLost | None = None
         """Why the channel died; None while it is alive or was closed."""
         self._closing = False
         self._closed = threading.Event()
         """Set once the receiver has ended (the peer answered CLOSE, or the link failed)."""
+        self._lane_out: OutgoingLane | None = OutgoingLane.create() if lanes else None
+        """This side's lane to the peer, offered at once; used once the peer has mapped it."""
+        self._lane_in: IncomingLane | None = None
+        """The peer's lane, once mapped (its offer came and the file was on this host)."""
         self._receiver = threading.Thread(target=self._receive_loop, name=f"shadowgba-channel-{peer}", daemon=True)
         self._receiver.start()
+        if self._lane_out is not None:
+            try:
+                self._transmit(LANE_OFFER, self._lane_out.offer, wait=False)
+            except RuntimeError as error:
+                self._fail(error)
+
+    @property
+    def lanes(self) -> tuple[bool, bool]:
+        """Whether tensors travel through shared memory (this side's lane, the peer's): same host."""
+        return self._lane_out is not None and self._lane_out.accepted, self._lane_in is not None
 
     @property
     def alive(self) -> bool:
@@ -310,9 +359,8 @@ class Channel:
         """Send a heartbeat if nothing was sent for `beat_s` (the owner calls this often)."""
         if not self.alive or time.monotonic() - self._last_sent < self.beat_s:
             return
-        self._unsettled = [work for work in self._unsettled if not work.is_completed()]
         try:
-            self._unsettled.extend(self._post(encode(HEARTBEAT, None)))
+            self._transmit(HEARTBEAT, None, wait=False)
         except RuntimeError as error:
             self._fail(error)
 
@@ -335,7 +383,7 @@ class Channel:
                 already, self._closing = False, True
         if not already:
             try:
-                self._unsettled.extend(self._post(encode(CLOSE, None)))
+                self._transmit(CLOSE, None, wait=False)
             except RuntimeError:
                 pass
         self._fail_pending(self._refusal())
@@ -348,28 +396,41 @@ class Channel:
 
     def _send(self, kind: int, body: Any) -> None:
         try:
-            encoded = encode(kind, body)
-        except Exception:  # an unpicklable reply: the caller gets why, not a hang
-            if kind != REPLY:
-                raise
-            request_id, value = body
-            encoded = encode(kind, (request_id, RuntimeError(f"unpicklable reply {type(value).__name__!r}")))
-        try:
-            for work in self._post(encoded):
-                work.wait()
+            try:
+                self._transmit(kind, body)
+            except _Unencodable as error:  # an unpicklable reply: the caller gets why, not a hang
+                if kind != REPLY:
+                    raise error.__cause__ from None
+                request_id, value = body
+                self._transmit(kind, (request_id, RuntimeError(f"unpicklable reply {type(value).__name__!r}")))
         except RuntimeError as error:
             raise self._fail(error) from error
 
-    def _post(self, encoded: Encoded) -> list[Any]:
-        """Post every part of a message (under the send lock: parts of two messages never interleave)."""
+    def _transmit(self, kind: int, body: Any, wait: bool = True) -> None:
+        """Encode a message and post every part of it, under the send lock: parts of two messages
+        never interleave, and lane positions are taken in posting order. Then wait until it is
+        sent, or (`wait` False: a frame-only message) leave it to `_unsettled`."""
         peer = 1 - self.rank
         with self._send_lock:
+            while self._unsettled and self._unsettled[0][0] < self._peer_heard:  # arrived: the wait returns at once
+                self._unsettled.popleft()[1].wait()
+            lane_in = self._lane_in
+            try:
+                encoded = encode(kind, body, self._lane_out, 0 if lane_in is None else lane_in.released,
+                                 self._frames_heard)
+            except Exception as error:
+                raise _Unencodable() from error
             works = [self.group.send([encoded.frame], peer, 0)]
             if encoded.header is not None:
                 works.append(self.group.send([encoded.header], peer, _HEADER_TAG))
             works.extend(self.group.send([tensor], peer, tag) for tensor, tag in encoded.sends)
             self._last_sent = time.monotonic()
-        return works
+            if not wait:
+                self._unsettled.extend((self._frames_sent, work) for work in works)
+            self._frames_sent += 1
+        if wait:
+            for work in works:
+                work.wait()
 
     def _receive_loop(self) -> None:
         peer = 1 - self.rank
@@ -383,6 +444,10 @@ class Channel:
                 work.wait()
                 self.last_heard = time.monotonic()
                 current = Frame.read(views[id(frame)])
+                self._frames_heard += 1
+                self._peer_heard = max(self._peer_heard, current.heard)
+                if self._lane_out is not None:
+                    self._lane_out.release(current.released)
                 header = None
                 if current.kind in (REQUEST, REPLY) and not current.header_in_frame:
                     header = torch.empty(current.header_length, dtype=torch.uint8)
@@ -393,9 +458,12 @@ class Channel:
                 work = self.group.recv([frame], peer, 0)  # before this message's tensors: see the docstring
                 if current.kind == HEARTBEAT:
                     continue
+                if current.kind in (LANE_OFFER, LANE_ANSWER):
+                    self._settle_lanes(current.kind, current.decode(current.header_bytes(header), None, self._receive_apart))
+                    continue
                 if current.staged >= 0:  # this message's first large tensor is in the staged buffer
                     staged_work.wait()
-                body = current.decode(current.header_bytes(header), staged, self._receive_apart)
+                body = current.decode(current.header_bytes(header), staged, self._receive_apart, self._lane_in)
                 if current.staged >= 0:  # copied out: the buffer takes the next one
                     staged_work = self.group.recv([staged], peer, _STAGED_TAG)
                 self.last_heard = time.monotonic()
@@ -404,15 +472,29 @@ class Channel:
             self._fail(error)
             return
         finally:
+            if self._lane_out is not None:  # an offer the peer never mapped leaves no file behind
+                self._lane_out.close()
             self._closed.set()
         with self._state_lock:  # the peer closed: answer once, unless this side closed first
             answered, self._closing = self._closing, True
         if not answered:
             try:
-                self._post(encode(CLOSE, None))
+                self._transmit(CLOSE, None, wait=False)
             except RuntimeError:
                 pass
         self._fail_pending(self._refusal())
+
+    def _settle_lanes(self, kind: int, body: Any) -> None:
+        """The peer offered its lane (map it, answer whether that worked) or answered this side's offer."""
+        if kind == LANE_OFFER:
+            self._lane_in = IncomingLane.open(*body)
+            self._transmit(LANE_ANSWER, self._lane_in is not None, wait=False)
+        elif self._lane_out is not None:
+            if body:
+                self._lane_out.accepted = True
+            else:  # another host: tensors stay on gloo
+                self._lane_out.close()
+                self._lane_out = None
 
     def _receive_apart(self, tensors: list[tuple[torch.Tensor, int]]) -> None:
         peer = 1 - self.rank
