@@ -1,4 +1,5 @@
-"""The PS channel (`shadowgba.ps.channel`) on its own: framing, many calls in flight, a lost peer.
+"""The PS channel (`shadowgba.ps.channel`) on its own: framing, same-host lanes, many calls in
+flight, a lost peer.
 
 Two spawned ranks build one channel (rank 0 the server end answering with a toy handler, rank 1
 the trainer end), as a trainer-server session does, over the harness's default store.
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.ps import channel as links
+from shadowgba.ps import lane
 from shadowgba.ps.channel import REPLY, REQUEST, Channel, ChannelLost, Frame, encode
 from tests.multiprocess import run_ranks, run_ranks_outcomes
 
@@ -26,6 +28,8 @@ pytestmark = pytest.mark.timeout(120)
 SMALL_FRAME_BYTES = 4096
 """`FRAME_BYTES` in these tests (with an `INLINE_TENSOR_BYTES` of 64), so that messages of a few KB
 already take the paths of big ones (a staged tensor, tensors sent apart, headers apart)."""
+SMALL_LANE_BYTES = 32 << 10
+"""`LANE_BYTES` in the many-calls test: a ring that 200 calls of up to 20 KB wrap and fill often."""
 SILENCE_S = 2.0
 """The channels' timeout in the stopped-peer case: how long a receive waits for any frame."""
 
@@ -99,13 +103,46 @@ def test_framing_round_trips_mixed_tensors_dtypes_empty_tensors_and_big_headers(
         encode(REQUEST, torch.ones(2).to_sparse())
 
 
-def channel_end(rank: int, timeout_s: float, handler: Any = None, on_lost: Any = None) -> Channel:
+def test_a_lane_wraps_refuses_when_full_and_its_file_lives_only_until_mapped() -> None:
+    ring = 4096
+    out = lane.OutgoingLane.create(ring + 64)  # 64: the token's room before the ring
+    assert out is not None and os.path.exists(out.path)
+    path, size, token = out.offer
+    assert lane.IncomingLane.open(path, size, bytes(16)) is None  # another token: not this writer's file
+    assert lane.IncomingLane.open(path + "-elsewhere", size, token) is None  # no such file: another host
+    assert out.reserve(8) is None  # not accepted yet: over gloo
+    reader = lane.IncomingLane.open(path, size, token)
+    assert reader is not None and not os.path.exists(path)  # mapped, then unlinked by the reader
+    out.accepted = True
+    assert out.reserve(ring // 2 + 1) is None  # more than half the ring: over gloo
+    first, second, third = torch.arange(300.0), torch.arange(200), torch.full((400,), 7.0)  # 1200, 1600, 1600 B
+    at_first, at_second = out.reserve(1200), out.reserve(1600)
+    assert (at_first, at_second) == (0, 1216)  # 64-byte aligned, back to back
+    out.write(at_first, first)
+    out.write(at_second, second)
+    assert out.reserve(1600) is None  # would cross the end, and the next turn is not read yet
+    got_first, got_second = torch.empty(300), torch.empty(200, dtype=torch.int64)
+    reader.read(at_first, got_first)
+    out.release(reader.released)
+    assert out.reserve(1600) is None  # the next turn still overlaps the unread second tensor
+    reader.read(at_second, got_second)
+    out.release(reader.released)
+    at_third = out.reserve(1600)
+    assert at_third == ring  # the next turn, ring offset 0
+    out.write(at_third, third)
+    got_third = torch.empty(400)
+    reader.read(at_third, got_third)
+    assert torch.equal(got_first, first) and torch.equal(got_second, second) and torch.equal(got_third, third)
+    out.close()  # the file is already gone: nothing to do, no error
+
+
+def channel_end(rank: int, timeout_s: float, handler: Any = None, on_lost: Any = None, lanes: bool = True) -> Channel:
     """This rank's end of a channel over the harness's store (server rank 0 answers with `handler`)."""
     store = dist.PrefixStore("channel-test", dist.distributed_c10d._get_default_store())
     group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
     peer = "trainer 1 (rank 1)" if rank == 0 else "ps0"
     return Channel(group, rank, peer, on_request=handler, on_lost=on_lost, timeout_s=timeout_s,
-                   peer_timeout_s=timeout_s)
+                   peer_timeout_s=timeout_s, lanes=lanes)
 
 
 def pulse(end: Channel) -> threading.Event:
@@ -131,11 +168,13 @@ def answer_in_threads(channel: Channel, request_id: int, body: Any) -> None:
     threading.Thread(target=run, daemon=True).start()
 
 
-def concurrent_calls(rank: int, world_size: int) -> dict[str, Any]:
+def concurrent_calls(rank: int, world_size: int, lanes: bool) -> dict[str, Any]:
     """200 requests in flight from 4 threads, answered out of order: each future gets its own reply
-    (frames of SMALL_FRAME_BYTES: the bigger requests and replies send their tensors apart)."""
-    links.FRAME_BYTES, links.INLINE_TENSOR_BYTES = SMALL_FRAME_BYTES, 64
-    end = channel_end(rank, 30.0, answer_in_threads if rank == 0 else None)
+    (frames of SMALL_FRAME_BYTES: the bigger requests and replies send their tensors apart). With
+    `lanes`, through rings of SMALL_LANE_BYTES that wrap and fill many times (a tensor that finds no
+    room goes over gloo, in the same message as others in the ring)."""
+    links.FRAME_BYTES, links.INLINE_TENSOR_BYTES, lane.LANE_BYTES = SMALL_FRAME_BYTES, 64, SMALL_LANE_BYTES
+    end = channel_end(rank, 30.0, answer_in_threads if rank == 0 else None, lanes=lanes)
     if rank == 0:
         end.wait_closed(60.0)  # the trainer end closes when done
         return {}
@@ -154,12 +193,15 @@ def concurrent_calls(rank: int, world_size: int) -> dict[str, Any]:
         thread.join()
     body = mixed_body()
     echoed = end.request((0.0, body)).wait()
+    used = end.lanes
     end.close(wait_s=10.0)
-    return {"results": results, "echoed": echoed, "expected": body}
+    return {"results": results, "echoed": echoed, "expected": body, "lanes": used}
 
 
-def test_many_concurrent_calls_in_flight_get_their_own_replies() -> None:
-    trainer = run_ranks(concurrent_calls, 2, timeout_s=90)[1]
+@pytest.mark.parametrize("lanes", [True, False], ids=["same-host-lanes", "gloo-only"])
+def test_many_concurrent_calls_in_flight_get_their_own_replies(lanes: bool) -> None:
+    trainer = run_ranks(concurrent_calls, 2, lanes, timeout_s=90)[1]
+    assert trainer["lanes"] == (lanes, lanes)  # both directions mapped (one host), or none offered
     assert sorted(trainer["results"]) == list(range(200))
     for index, reply in trainer["results"].items():
         assert reply["index"] == index

@@ -10,28 +10,37 @@ while every other rank carries on. Only maintained torch.distributed primitives 
 ProcessGroupGloo over a PrefixStore, and its send / recv.
 
 Framing (`encode` / `Frame`): a message is one uint8 frame of at most `FRAME_BYTES` (a few int64
-words: kind, header length, tensor count, which tensor is staged; then the pickled header, whose
-tensors are placeholders with their dtype, shape and place; then the tensors of up to
-`INLINE_TENSOR_BYTES` each, copied in), then the other tensors sent as themselves, contiguous, no
-pickling: the first one of up to `STAGED_BYTES` into a receive buffer the peer posted in advance,
-the rest on a tag each, received straight into their own memory once the frame has arrived. Why
-three places: gloo sends a message only once its receive is posted, so a tensor whose receive is
-posted after the frame arrived costs a round trip of wake-ups (gloo's loop thread, then the
-waiting one) on top of its bytes; a copy is cheaper below a few MB, the round trip above. A small
-call is then a single gloo message each way. A header too long for the frame is sent apart too.
+words: kind, header length, tensor count, which tensor is staged, and two acknowledgements; then
+the pickled header, whose tensors are placeholders with their dtype, shape and place; then the
+tensors of up to `INLINE_TENSOR_BYTES` each, copied in). Larger tensors go, in this order of
+preference: through the same-host lane (`shadowgba.ps.lane`: a shared-memory ring each side offers
+the other when the channel opens; the peer maps it only if it is on the same host), the first one
+of up to `STAGED_BYTES` into a receive buffer the peer posted in advance, the rest on a tag each,
+received straight into their own memory once the frame has arrived. Why: gloo sends a message only
+once its receive is posted, so a tensor whose receive is posted after the frame arrived costs a
+round trip of wake-ups (gloo's loop thread, then the waiting one) on top of its bytes; a copy is
+cheaper below a few MB, the round trip above; and between processes of one host, shared memory
+costs two plain copies where TCP loopback costs kernel copies and system calls. A small call is a
+single gloo message each way. A header too long for the frame is sent apart too.
 
 Invariants:
 - Ordering: gloo matches sends and receives of one tag in posting order. Each side posts the parts
   of a message under one lock per direction (`_send_lock`), so parts of two messages never
   interleave on a tag; the receiver thread (one per side) posts the next frame's receive before it
   waits for the current message's tensors, so the next message never waits for a posted receive.
+  Lane positions are taken under the same lock, so they grow in the order the frames are posted.
+- Every send is waited for (a gloo send holds its buffer, and reports completion, only once
+  waited): a request or reply by its sender, right after posting; a frame-only message that must
+  not block (heartbeat, lane and close frames) once the peer's frames say they received it, when
+  the wait returns at once. So a stopped peer blocks no pulse, and nothing is held for ever.
 - Several requests can be in flight: each carries an id, and a reply completes the future of its
-  id, whatever the order the peer answers in (the server runs requests on a thread pool).
+  id, whatever the order the peer answers in (the owner decides where a request runs: see
+  `shadowgba.ps.transport`).
 - Liveness: both sides send a heartbeat frame when they have sent nothing for `beat_s` (at most
   `PING_INTERVAL_S`, and a quarter of the peer's timeout; `pulse()`, driven by the owner's
   thread), so a receive that sees nothing for the group's timeout (`timeout_s`) means the peer is
-  stopped or stuck; a killed peer's sockets close, and the receive fails at once. Either way the channel is dead: `on_lost` is called once and every
-  pending future fails with `ChannelLost` naming the peer. A dead channel is never reused.
+  stopped or stuck; a killed peer's sockets close, and the receive fails at once. Either way the
+  channel is dead: `on_lost` is called once and every pending future fails with `ChannelLost` naming the peer. A dead channel is never reused.
 - Closing: `close()` sends a CLOSE frame; the peer answers with its own and both receivers end
   (a gloo receive cannot be cancelled, only answered, failed by the peer, or timed out). A peer
   that is gone ends the receiver by failing it.

@@ -68,8 +68,10 @@ class OutgoingLane:
         self._released = 0
 
     @classmethod
-    def create(cls, nbytes: int = LANE_BYTES) -> "OutgoingLane | None":
-        """A new lane, or None where shared memory is unavailable (no /dev/shm, or no room)."""
+    def create(cls, nbytes: int | None = None) -> "OutgoingLane | None":
+        """A new lane of `nbytes` (default `LANE_BYTES`), or None where shared memory is unavailable
+        (no /dev/shm, or no room)."""
+        nbytes = LANE_BYTES if nbytes is None else nbytes
         token = secrets.token_bytes(_TOKEN_BYTES)
         path = os.path.join(LANE_DIR, f"shadowgba-lane-{os.getpid()}-{token.hex()[:12]}")
         try:

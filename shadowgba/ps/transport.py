@@ -32,10 +32,13 @@ Rendezvous and listening:
   MASTER_ADDR: loopback on one machine, the interface facing the master across machines.
 
 Invariants (why a call cannot deadlock, and why no survivor hangs):
-- A call is one request and one reply. The service method runs on one of the server's
-  `SERVER_THREADS` and must neither issue collectives nor wait on other calls, so no cycle of
-  waits can form; a slow call (a long-poll `watch`) holds up no other call of any trainer.
-  Services are called concurrently from those threads and must be thread-safe.
+- A call is one request and one reply. A service method must not issue collectives. One that may
+  wait on other calls (a long-poll `watch`) is named in its service's `blocking_methods` and runs
+  on one of the server's `SERVER_THREADS`, so it holds up no other call of any trainer; every
+  other method runs on the receiving channel's thread, in its trainer's order, and waits at most
+  for a lock of its service (the hop to a pool thread would cost more than most calls). So no
+  cycle of waits can form. Services are called concurrently (one thread per trainer, plus the
+  pool) and must be thread-safe.
 - `start()` returns on trainers before the servers have called `serve()`; a call for a name that
   is not served yet waits up to `SERVE_WAIT_S` for it, then fails naming the served services.
 - Liveness is the channels': both ends send a heartbeat every `PING_INTERVAL_S` when idle. A server
