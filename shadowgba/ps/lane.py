@@ -9,7 +9,7 @@
 
 Why: between two processes of one host, gloo's TCP loopback costs a kernel copy on each side,
 system calls and wake-ups of gloo's loop threads per tensor: at 1 MB more than twice the two
-plain copies into and out of shared memory (TensorPipe, under torch.distributed.rpc, has the same
+plain copies into and out of shared memory (TensorPipe, the transport under PyTorch's RPC, has the same
 shortcut). Across hosts the file is not there, the peer refuses the offer, and the channel's
 tensors keep going over gloo; so does any tensor that does not fit in the ring's free space.
 
