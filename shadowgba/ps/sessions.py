@@ -4,7 +4,8 @@
     channel = open_session(store, server=0, generation=g, trainer=1, ...)   # trainer, per session
 
 The store is the job's (torchrun's agent store, or MASTER_ADDR:MASTER_PORT's), under this attempt's
-prefix (`attempt_store`), so a restarted attempt never reads a dead attempt's keys. Keys of server s
+prefix (`attempt_store`), so a restarted attempt never reads a dead attempt's keys; in the elastic
+layout, server 0's store under `elastic/`. Keys of server s
 live under `ps/gen{g}/server{s}/`, where g counts the transports this rank started (every rank
 starts every transport of the job, in the same order, whatever its role in each: the k-th start
 of a trainer meets the k-th of every server):
@@ -22,7 +23,9 @@ of a trainer meets the k-th of every server):
 
 Nothing here assumes a fixed set of trainers: a trainer opens a session whenever it wants one (a
 reconnect is a new session), and `trainer{i}/latest` tells the server whether a closed session was
-replaced by a newer one of the same trainer or left without a successor.
+replaced by a newer one of the same trainer or left without a successor. Each session names its
+trainer process's incarnation (`trainer_incarnation`); the acceptor answers a ticket with the
+reason instead of accepting it when the server refuses that process (it departed the job).
 """
 
 from __future__ import annotations

@@ -10,7 +10,11 @@
 Roles: the last `num_servers` ranks are servers ("ps0", "ps1", ...), the others trainers
 ("trainer0", ...) with a process group of their own, `Roles.trainer_group`, so that trainer
 collectives never involve a server, and a second one over the same ranks for the library's own
-collectives (`sync_group()`), so that they never pair with TorchRec's or the user's.
+collectives (`sync_group()`), so that they never pair with TorchRec's or the user's. In the
+elastic layout (`start(num_trainers=...)`, `sync.ps.num_trainers`) every process is started on
+its own, names its rank in `SHADOWGBA_RANK`, and meets the others in the TCPStore server 0 hosts
+at MASTER_ADDR:MASTER_PORT; there is no process group at all (`sync_group()` refuses, naming why),
+so a trainer process can die and be started again while the others run.
 
 Carriage: every trainer-server pair talks over a `Channel` (`shadowgba.ps.channel`: a 2-rank gloo
 process group of its own, tensors sent as tensors, a pickled header for the rest), opened as a
@@ -44,8 +48,13 @@ Invariants (why a call cannot deadlock, and why no survivor hangs):
   that trainer within `RECONNECT_GRACE_S` (a killed process's sockets close; a stopped one's stay
   open, so a stall shorter than `timeout_s` is no failure), has lost that trainer: it records the
   verdict in its `Roster` (`shadowgba.ps.membership`), `trainer i (rank r) stopped answering for T
-  s (...); it probably died`, and refuses every later call, barrier and `stop()` with it, so each
-  survivor's next push, lookup or barrier ends naming it, within `timeout_s` of the loss.
+  s (...); it probably died`. Under `on_trainer_lost` continue that trainer process departs:
+  its channel is closed, its replies forgotten, its later sessions refused with the reason, and
+  barriers and `stop()` stop counting it; a new process of that trainer (a higher incarnation)
+  rejoins. Under fail the server refuses every later call, barrier and `stop()` with the verdict,
+  so each survivor's next push, lookup or barrier ends naming it, within `timeout_s` of the loss.
+  Call numbers start at incarnation x `CALLS_PER_INCARNATION`, so `_Replies` never mistakes a
+  departed process's call for its successor's.
 - A trainer's channel that hears nothing from its server for `rpc_timeout_s`, or fails, is
   replaced: the trainer opens a new session, which the server's acceptor must take within
   `ALIVE_WITHIN_S`. If it does not, every call in flight there raises `PeerLost` naming that server
@@ -58,7 +67,7 @@ Invariants (why a call cannot deadlock, and why no survivor hangs):
   call also names the calls to that server its trainer has settled since its last one there (no
   retry of them can follow), and the server forgets their replies.
 - `stop()` is a barrier over every rank that also drains outstanding calls: servers sit in it until
-  every trainer has called it too, or one is lost (a trainer silent for the shorter of `timeout_s`
+  every member trainer has called it too (a departed one is not waited for), or one is lost (a trainer silent for the shorter of `timeout_s`
   and `trainer_timeout_s`, default `TRAINER_TIMEOUT_S`, is lost there too). Every trainer
   announces itself to every server and polls them for the release (no call is held open while a
   slow trainer finishes), so a server's failure reaches them as a `PeerLost` rather than a hang;
