@@ -46,12 +46,13 @@ from shadowgba.batch_size import check_first_batch
 from shadowgba.config import PS_ALGOS, SyncConfig, load_config
 from shadowgba.dense import trainable_named_parameters
 from shadowgba.errors import PeerLost, SetupError, SyncError
-from shadowgba.gba.runtime import GBASync, serve_dense_shard
+from shadowgba.gba.runtime import GBASync
 from shadowgba.interface import DenseSync
 from shadowgba.layout import ReplicaLayout
 from shadowgba.nonfinite import NonFiniteGuard
+from shadowgba.ps.dense_server import DENSE_SERVICE, DenseShard
 from shadowgba.ps.membership import Heartbeat, NoticeBoard
-from shadowgba.ps.transport import Roles, Transport, failure_message
+from shadowgba.ps.transport import NO_TRAINER_GROUP, Roles, Transport, failure_message
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from shadowgba.reporting import MetricsReporter
 from shadowgba.shadow.runtime import ShadowSync
@@ -95,6 +96,8 @@ class Job:
     names a trainer that was killed or is stuck (it posts no notice)."""
     layout: ReplicaLayout | None = None
     """In a 2D job (`sync.sharding_group_size` > 0): this rank's sharding and replica groups."""
+    served: dict[str, object] = dataclasses.field(default_factory=dict)
+    """On servers: the services this rank served, by name (their `stats()` outlive the job)."""
     _centre: CenterClient | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -120,6 +123,8 @@ class Job:
     def dmp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `DistributedModelParallel`: shard over the trainers only (in a 2D
         job, over this rank's sharding group), no dense DDP."""
+        if self.roles.elastic:
+            raise SetupError(f"Job.dmp_kwargs() (TorchRec-sharded tables): {NO_TRAINER_GROUP}")
         group = self.layout.sharding_group if self.layout is not None else self.trainer_group
         return optional.torchrec_integration("Job.dmp_kwargs()").dmp_kwargs(group)
 
@@ -143,8 +148,9 @@ class Job:
 
     @property
     def notices(self) -> NoticeBoard:
-        """This job's notice board (`shadowgba.ps.membership`): who left, and why."""
-        return NoticeBoard(self.name)
+        """This job's notice board (`shadowgba.ps.membership`): who left, and why. In the elastic
+        layout, in the servers' store (there is no default group)."""
+        return NoticeBoard(self.name, self.transport.store if self.roles.elastic else None)
 
     def require_transport(self) -> Transport:
         """The transport to the servers; `SetupError` in a job without servers."""
@@ -247,14 +253,15 @@ def join(
         job.heartbeat = job.notices.heartbeat(roles.rank)
         return job
     transport = Transport.start(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s,
-                                rpc_timeout_s=config.ps.rpc_timeout_s)
+                                rpc_timeout_s=config.ps.rpc_timeout_s, on_trainer_lost=config.ps.on_trainer_lost,
+                                num_trainers=config.ps.num_trainers)
     roles = transport.roles
     job = Job(config, roles, transport, tables, table_options)
     if roles.is_server:
         _serve(job)
         job.close()
         return job
-    if optional.available("torchrec"):  # without TorchRec there is no DMP to guard
+    if optional.available("torchrec") and not roles.elastic:  # without TorchRec or a trainer group, no DMP to guard
         torchrec_integration = optional.torchrec_integration("the sharding guard")
         job.sharding_guard = torchrec_integration.ShardingGuard(roles.trainer_group, roles.num_servers)
         job.sharding_guard.install()
@@ -366,14 +373,15 @@ def _serve(job: Job) -> None:
     """A server rank's services for `job.config.algo` (trainers configure or initialise them)."""
     transport = job.require_transport()
     if job.config.algo == "easgd_ps":
-        transport.serve(CENTER_SERVICE, ElasticCenter())
+        job.served[CENTER_SERVICE] = ElasticCenter()
     else:
-        serve_dense_shard(transport)
+        job.served[DENSE_SERVICE] = DenseShard()
     if job.tables is not None:
         embedding = optional.ps_embedding("PS-hosted tables")
-        shard = embedding.EmbeddingShard(list(job.tables), job.table_options, job.roles.server_index,
-                                         job.roles.num_servers)
-        transport.serve(embedding.DEFAULT_SERVICE, shard)
+        job.served[embedding.DEFAULT_SERVICE] = embedding.EmbeddingShard(
+            list(job.tables), job.table_options, job.roles.server_index, job.roles.num_servers)
+    for name, service in job.served.items():
+        transport.serve(name, service)
 
 
 def _torchrec_integration() -> Any:

@@ -123,7 +123,10 @@ class Cell:
             "algo": "gba" if self.algo == "sync" else self.algo, "mode": self.mode, "interval_ms": 5.0,
             "foreground_every": 3,
             "first_round_after": 2, "log_interval_s": 0.0, "timeout_s": timeout_s,
-            "ps": {"num_servers": self.servers, "rpc_timeout_s": rpc_timeout_s, "trainer_timeout_s": timeout_s},
+            # the matrix checks that a lost trainer ends every rank naming it (the job's fail path);
+            # on_trainer_lost continue, where it departs and rejoins, is tests/test_elastic.py's
+            "ps": {"num_servers": self.servers, "rpc_timeout_s": rpc_timeout_s, "trainer_timeout_s": timeout_s,
+                   "on_trainer_lost": "fail"},
             "gba": {"initial_mode": "sync" if self.algo == "sync" else "gba", "switch_policy": {"enabled": False}},
         })
 

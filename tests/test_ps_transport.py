@@ -25,9 +25,9 @@ import torch.distributed as dist
 from shadowgba.errors import PeerLost
 from shadowgba.ps import channel, transport
 from shadowgba.ps.transport import Transport
-from tests.multiprocess import run_ranks, run_shared
+from tests.multiprocess import run_ranks, run_ranks_outcomes, run_shared
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(180)
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_DELAY_S = 0.5
@@ -159,7 +159,7 @@ def stalls_watched(rank: int, world_size: int) -> dict:
     pinged_every, channel.PING_INTERVAL_S = channel.PING_INTERVAL_S, WATCH_PING_S
     grace, transport.ABORT_GRACE_S = transport.ABORT_GRACE_S, 2 * WATCH_TIMEOUT_S
     try:
-        ps = Transport.start(num_servers=1, timeout_s=WATCH_TIMEOUT_S)
+        ps = Transport.start(num_servers=1, timeout_s=WATCH_TIMEOUT_S, on_trainer_lost="fail")
         roles = ps.roles
         seen: dict = {}
         if roles.is_server:
@@ -264,7 +264,8 @@ def paused_calls(rank: int, world_size: int) -> dict:
 def spawned() -> dict[str, list]:
     """The spawned-rank cases of this file, one after another in one group of 3 ranks."""
     return run_shared(3, {"calls": (exercise_transport, ()), "abort": (abort_and_barriers, ()),
-                          "stalls": (stalls_watched, ()), "paused": (paused_calls, ())}, timeout_s=120)
+                          "stalls": (stalls_watched, ()), "paused": (paused_calls, ()),
+                          "departs": (stall_departs, ())}, timeout_s=150)
 
 
 def test_roles_calls_and_remote_errors_on_three_spawned_ranks(spawned: dict[str, list]) -> None:
@@ -358,9 +359,10 @@ def test_the_same_checks_pass_under_torchrun() -> None:
     assert sorted(re.findall(r"transport ok: (ps\d+|trainer\d+)", done.stdout)) == ["ps0", "trainer0", "trainer1"]
 
 
-def trainer_dies(rank: int, world_size: int, trainer_timeout_s: float) -> None:
-    """3 ranks, 1 server: trainer 1 exits abruptly after a call; the others end up in stop()."""
-    ps = Transport.start(num_servers=1)
+def trainer_dies(rank: int, world_size: int, trainer_timeout_s: float, on_trainer_lost: str = "fail") -> list:
+    """3 ranks, 1 server: trainer 1 exits abruptly after a call; the others end up in stop(). The
+    server's departures (on_trainer_lost continue)."""
+    ps = Transport.start(num_servers=1, on_trainer_lost=on_trainer_lost)
     roles = ps.roles
     if roles.is_server:
         ps.serve("echo", Echo(roles.server_index))
@@ -368,6 +370,7 @@ def trainer_dies(rank: int, world_size: int, trainer_timeout_s: float) -> None:
         ps.call(0, "echo", "describe", rank, torch.zeros(1))
         os._exit(3)  # no stop(), no exception, no goodbye: as a killed or crashed process
     ps.stop(trainer_timeout_s=trainer_timeout_s)
+    return [(left.trainer, left.incarnation, left.why) for left in ps.roster.departures]
 
 
 def test_a_server_whose_trainer_died_fails_with_a_clear_error_instead_of_waiting_forever() -> None:
@@ -384,6 +387,64 @@ def test_a_server_whose_trainer_died_fails_with_a_clear_error_instead_of_waiting
     )
     for rank in (0, 2):  # the server, and the surviving trainer that waited for it, both say why
         assert re.search(rf"rank {rank}:\n(?:(?!\nrank ).)*{server_error}", report, re.DOTALL), report
+
+
+def test_a_dead_trainer_departs_under_continue_and_stop_ends_without_it() -> None:
+    """on_trainer_lost continue: the server records the departure (its connection closed, no new
+    session within RECONNECT_GRACE_S) and neither it nor the surviving trainer waits for it in stop()."""
+    started = time.monotonic()
+    trainer0, trainer1, server = run_ranks_outcomes(trainer_dies, 3, 30.0, "continue", timeout_s=60)
+    assert trainer0.returned and server.returned, (trainer0, server)
+    assert not trainer1.returned and trainer1.exitcode == 3, trainer1
+    assert time.monotonic() - started < 25, "a rank waited for trainer_timeout_s or the harness deadline"
+    [(trainer, incarnation, why)] = server.value
+    assert (trainer, incarnation) == (1, 1), server.value
+    assert re.match(r"trainer 1 \(rank 1\) stopped answering for [0-5] s \(its connection closed and no new "
+                    r"session came\)", why), why
+
+
+def stall_departs(rank: int, world_size: int) -> dict:
+    """3 ranks, 1 server, on_trainer_lost continue, `timeout_s` WATCH_TIMEOUT_S: trainer 1 freezes
+    (SIGSTOP) for twice it. What each rank saw: the server's departures; trainer 0's calls made
+    meanwhile (they must all succeed) and its stop(); trainer 1's refused call once continued."""
+    pinged_every, channel.PING_INTERVAL_S = channel.PING_INTERVAL_S, WATCH_PING_S
+    try:
+        ps = Transport.start(num_servers=1, timeout_s=WATCH_TIMEOUT_S, on_trainer_lost="continue")
+        roles = ps.roles
+        seen: dict = {}
+        if roles.is_server:
+            ps.serve("echo", Echo(roles.server_index))
+            ps.stop()
+            seen["departures"] = [(left.trainer, left.incarnation, left.why) for left in ps.roster.departures]
+        elif roles.trainer_index == 1:
+            ps.call(0, "echo", "describe", rank, torch.zeros(1))
+            freeze_self(2 * WATCH_TIMEOUT_S)
+            with pytest.raises(PeerLost) as refused:
+                ps.call(0, "echo", "describe", rank, torch.zeros(1))
+            seen["call"] = str(refused.value)
+            with pytest.raises(PeerLost):
+                ps.stop()
+        else:
+            calls, until = 0, time.monotonic() + 4 * WATCH_TIMEOUT_S  # past trainer 1's freeze and refusal
+            while time.monotonic() < until:
+                ps.call(0, "echo", "describe", rank, torch.zeros(1))
+                calls += 1
+                time.sleep(WATCH_PING_S)
+            seen["calls"] = calls
+            ps.stop()
+        return seen
+    finally:
+        channel.PING_INTERVAL_S = pinged_every
+
+
+def test_a_trainer_stopped_past_the_timeout_departs_under_continue_and_is_refused_once_continued(
+        spawned: dict[str, list]) -> None:
+    trainer0, trainer1, server = spawned["departs"]
+    [(trainer, incarnation, why)] = server["departures"]
+    assert (trainer, incarnation) == (1, 1) and "(sync.timeout_s)" in why, server
+    assert trainer0["calls"] >= 4 * WATCH_TIMEOUT_S / (2 * WATCH_PING_S), trainer0  # none failed, few were slow
+    assert re.search(r"refused trainer1: trainer 1's process \(incarnation 1\) is no longer in the job \(it "
+                     r"departed at \d\d:\d\d:\d\d: trainer 1 \(rank 1\) stopped answering", trainer1["call"]), trainer1
 
 
 def test_roles_are_assigned_before_any_group_and_bad_server_counts_are_refused() -> None:

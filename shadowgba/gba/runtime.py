@@ -99,7 +99,7 @@ from shadowgba.interface import DenseSync
 from shadowgba.metrics import GBAMetrics
 from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.ps.dense_server import DenseShardClient, serve_dense_shard
-from shadowgba.ps.transport import Roles, Transport
+from shadowgba.ps.transport import NO_TRAINER_GROUP, Roles, Transport
 from shadowgba.step_hook import StepHook
 
 __all__ = ["GBASync", "Mode", "serve_dense_shard"]  # serve_dense_shard: GBA's server-rank entry point
@@ -175,6 +175,12 @@ class GBASync(DenseSync):
             raise ValueError(f"lockstep_every must be >= 0, got {lockstep_every}")
         if on_nonfinite not in ("skip", "fail"):
             raise ConfigError(f"sync.on_nonfinite must be 'skip' or 'fail', got {on_nonfinite!r}")
+        if config.initial_mode != Mode.GBA:
+            self._refuse_in_elastic(roles, "sync.gba.initial_mode 'sync'")
+        if config.switch_policy.enabled:
+            self._refuse_in_elastic(roles, "sync.gba.switch_policy.enabled")
+        if lockstep_every:
+            self._refuse_in_elastic(roles, "lockstep trainers (TorchRec-sharded tables, sync.gba.lockstep_every)")
         if isinstance(local_batch_size, bool) or not isinstance(local_batch_size, int) or local_batch_size < 1:
             raise SetupError(f"local_batch_size must be an integer >= 1 (samples per trainer step), "
                              f"got {local_batch_size!r}")
@@ -225,9 +231,10 @@ class GBASync(DenseSync):
                                              backend="nccl" if self.dense.device.type == "cuda" else "gloo")
         initial = self._allreduce.gradient  # free until the first step; the flat optimizer copies it
         self.dense.copy_to(initial)
-        with self._collective("the initial broadcast"):
-            dist.broadcast(initial, src=self.roles.trainer_ranks[0], group=self._group())
-        self.dense.copy_from(initial)
+        if not self.roles.elastic:  # there, every trainer installs the shards' parameters (`_join_shards`)
+            with self._collective("the initial broadcast"):
+                dist.broadcast(initial, src=self.roles.trainer_ranks[0], group=self._group())
+            self.dense.copy_from(initial)
         self._flat = FlatOptimizer(self.spec, initial)
         if self._loaded is not None:
             (exported, policy), self._loaded = self._loaded, None
@@ -309,6 +316,7 @@ class GBASync(DenseSync):
             return
         if mode == Mode.GBA and self.roles.num_servers < 1:
             raise ValueError("cannot switch to GBA: the job has no parameter-server ranks")
+        self._refuse_in_elastic(self.roles, f"switch_mode('{mode}')")
         if self.mode == Mode.SYNC:
             self._gba_requested = True  # rides in the next all-reduce
         elif not self._shards.request_mode(mode):
@@ -366,6 +374,7 @@ class GBASync(DenseSync):
         if self._flat is None:
             self._loaded = (exported, policy)
         elif self.mode == Mode.GBA:
+            self._refuse_in_elastic(self.roles, "loading a checkpoint in GBA mode")
             self._client.leave()
             self._barrier("gba-load")  # every trainer's pushes have landed
             self._on_trainer0(lambda: self._configure_shards(exported), "loading the checkpoint into the dense shards")
@@ -492,14 +501,27 @@ class GBASync(DenseSync):
             raise SyncError(value) from error
         return value
 
-    def _configure_shards(self, exported: dict[str, Any]) -> None:
-        """Trainer 0: every dense shard takes its slice of `exported`, all at its global step."""
+    def _configure_shards(self, exported: dict[str, Any], if_idle: bool = False) -> None:
+        """Trainer 0: every dense shard takes its slice of `exported`, all at its global step (`if_idle`:
+        only the shards not serving yet)."""
         self._shards.configure(self.num_trainers, self.spec, exported, self.config, self.global_batch,
-                               self.on_nonfinite)
+                               self.on_nonfinite, if_idle)
+
+    def _join_shards(self) -> None:
+        """The elastic layout's start, with no collective: trainer 0 configures the shards unless they
+        serve already (a restarted trainer 0 joins a running job and must not reset it); every
+        trainer waits (up to `timeout_s`) until they serve, then installs their parameters
+        (`_enter_gba`), so a trainer that rejoins trains on the current ones."""
+        if self.roles.trainer_index == 0:
+            self._configure_shards(self._flat.export(), if_idle=True)
+        self._shards.await_serving(self._require_transport().timeout_s)
 
     def _enter_gba(self, initial: bool = False) -> None:
         """sync -> GBA at the same step on every trainer (at start when `initial`: not a switch)."""
-        self._on_trainer0(lambda: self._configure_shards(self._flat.export()), "configuring the dense shards")
+        if self.roles.elastic:
+            self._join_shards()
+        else:
+            self._on_trainer0(lambda: self._configure_shards(self._flat.export()), "configuring the dense shards")
         self._gba_requested = False
         self._gba_steps = 0
         self._client.enter()
@@ -542,6 +564,13 @@ class GBASync(DenseSync):
         """Meet every trainer with no collective (`Transport.barrier`: through shard 0's server);
         a peer that aborted, or that does not come within `timeout_s`, raises `PeerLost` naming it."""
         self._require_transport().barrier(name, self.timeout_s)
+
+    @staticmethod
+    def _refuse_in_elastic(roles: Roles, what: str) -> None:
+        """`SetupError` naming `what` in the elastic layout, which has no trainer collectives: before
+        anything changes."""
+        if roles.elastic:
+            raise SetupError(f"{what}: {NO_TRAINER_GROUP}")
 
     def _require_transport(self) -> Transport:
         if self.transport is None:

@@ -21,6 +21,27 @@ class PSConfig:
     the calls in flight again (each run once however often it is sent) until `sync.timeout_s` after
     the call began, so a trainer stopped with a call in flight, or a slow call, is no failure.
     Must not exceed `trainer_timeout_s`."""
+    on_trainer_lost: str = "continue"
+    """What the servers do when they lose a trainer (its channel silent past `sync.timeout_s`, i.e.
+    stopped or stuck, or closed with no new session within `transport.RECONNECT_GRACE_S`, i.e.
+    killed): `continue`: the trainer *departs*: its in-flight pushes are dropped (GBA's global batch
+    counts samples, so the survivors fill it), no barrier or `stop()` waits for it, the survivors
+    carry on, and a new process of the same trainer rejoins (a stopped one that resumes is refused
+    and must restart). `fail`: the whole job ends, every rank naming the trainer.
+    Default `continue`: a job that runs for days on a shared cluster loses trainers to preemption
+    and pauses as a matter of course, and GBA's design drops a lost worker's batch and token without
+    harm to correctness; ending every rank and redoing the work since the last checkpoint costs far
+    more. Sync mode's all-reduce needs every trainer: there a loss still ends the job, its
+    collective failing on the survivors with an error naming the lost trainer. A trainer that
+    *fails* (its code or data raised, `abort()`) ends the job either way."""
+    num_trainers: int = 0
+    """0: one torchrun job holds every rank, the servers last. > 0: the elastic layout: this many
+    trainer indices; the servers and each trainer are processes (or torchrun jobs) of their own,
+    started and restarted independently, that meet at MASTER_ADDR:MASTER_PORT, where server 0 hosts
+    the job's store; each process names its place in the environment variable SHADOWGBA_RANK
+    (trainers 0 .. num_trainers - 1, then the servers). There is no process group over the trainers,
+    so only GBA mode with PS-hosted (or no) tables runs: no sync mode or switch, no easgd_ps, no
+    TorchRec-sharded tables."""
     trainer_timeout_s: float = 300.0
     """How long a server at the end of the job waits for a trainer that has neither finished nor
     answered a ping before it gives up on it, naming it (`PeerLost`). Must be at least
@@ -33,5 +54,11 @@ class PSConfig:
             )
         if self.num_servers < 0:
             raise ValueError(f"num_servers must be >= 0, got {self.num_servers}")
+        if self.on_trainer_lost not in ("continue", "fail"):
+            raise ValueError(f"on_trainer_lost must be 'continue' or 'fail', got {self.on_trainer_lost!r}")
+        if self.num_trainers < 0:
+            raise ValueError(f"num_trainers must be >= 0, got {self.num_trainers}")
+        if self.num_trainers and not self.num_servers:
+            raise ValueError("num_trainers > 0 (the elastic layout) needs num_servers >= 1")
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")

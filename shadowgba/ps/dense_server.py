@@ -77,6 +77,8 @@ WATCH_MAX_S = 1.0
 """Longest one `watch` call may wait, whatever timeout it asks for."""
 DENSE_SERVICE = "dense"
 """The transport service name the dense shards are served under."""
+SERVING_POLL_S = 0.05
+"""How often a trainer joining an elastic job asks whether the shards serve yet."""
 SNAPSHOT_TIMEOUT_S = 30.0
 """Longest `DenseShardClient.snapshot` retries for a cut in which every shard is at the same k."""
 
@@ -180,9 +182,14 @@ class DenseShard:
 
     # -------------------------------------------------------------------------------- mode changes
     def configure(self, start: int, end: int, num_trainers: int, spec: OptimizerSpec, exported: dict[str, Any],
-                  config: GBAConfig, global_batch: int, index: int = 0, on_nonfinite: str = "fail") -> None:
+                  config: GBAConfig, global_batch: int, index: int = 0, on_nonfinite: str = "fail",
+                  if_idle: bool = False) -> bool:
         """Own slice [start, end) as shard `index` (0 decides every push): take over its parameters,
-        optimizer state and global step (at start, at a switch to GBA, or loading a checkpoint)."""
+        optimizer state and global step (at start, at a switch to GBA, or loading a checkpoint).
+        `if_idle`: only if the shard is not serving GBA yet (the elastic layout: a restarted trainer
+        0 must not reset the shards the others train on). Whether it took them."""
+        if if_idle and self.serving():
+            return False
         if on_nonfinite not in ("skip", "fail"):
             raise ValueError(f"on_nonfinite must be 'skip' or 'fail', got {on_nonfinite!r}")
         numel = end - start
@@ -193,6 +200,8 @@ class DenseShard:
         aggregator = GlobalBatchAggregator(config, numel, exported["param"].dtype, global_batch)
         aggregator.global_step = optimizer.global_step
         with self._lock:
+            if if_idle and self._optimizer is not None:
+                return False
             self.start, self.end, self.num_trainers = start, end, num_trainers
             self._compute_s = [0.0] * num_trainers
             self._optimizer, self._aggregator = optimizer, aggregator
@@ -208,6 +217,12 @@ class DenseShard:
             self._pending = {}
             self._published = None
             self._changed.notify_all()
+            return True
+
+    def serving(self) -> bool:
+        """Whether the shard serves GBA (configured, and not exported since)."""
+        with self._lock:
+            return self._optimizer is not None
 
     def export(self) -> dict[str, Any]:
         """Hand parameters, optimizer state and k back (switch to sync); the shard goes idle.
@@ -472,14 +487,23 @@ class DenseShardClient:
         """The [start, end) slice of each shard, in shard order."""
 
     def configure(self, num_trainers: int, spec: OptimizerSpec, exported: dict[str, Any], config: GBAConfig,
-                  global_batch: int, on_nonfinite: str = "fail") -> None:
+                  global_batch: int, on_nonfinite: str = "fail", if_idle: bool = False) -> None:
         """Load a whole-vector optimizer `export()`, sliced, into the shards (they start serving GBA),
-        every shard at the export's global step."""
+        every shard at the export's global step; `if_idle`: only the shards not serving yet."""
         self._fan_out("configure", [
             (start, end, num_trainers, spec, slice_export(exported, start, end), config, global_batch, index,
-             on_nonfinite)
+             on_nonfinite, if_idle)
             for index, (start, end) in enumerate(self.bounds)
         ])
+
+    def await_serving(self, timeout_s: float) -> None:
+        """Wait until every shard serves GBA (configured by another trainer); `TimeoutError` after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while not all(self._fan_out("serving")):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the dense shards were not configured within {timeout_s:g} s (trainer 0 "
+                                   "configures them when it starts)")
+            time.sleep(SERVING_POLL_S)
 
     def push(self, trainer: int, gradient: torch.Tensor, token: int, num_samples: int, compute_s: float,
              finite: bool = True, reply_params: bool = True) -> list[ShardReply]:

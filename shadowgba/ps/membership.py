@@ -8,16 +8,20 @@ Two views, both fed by the transport and read by the runtimes and the `Job`:
   (`Heartbeat`), and `silent_peers` names the ranks whose beat stopped. The store is the default
   group's (torchrun's agent store under torchrun, which outlives every rank); keys carry the
   torchrun attempt, so a restarted attempt never reads a dead one's notices.
-- `Roster` (a server): the trainers' arrivals at the barriers (`stop`, `barrier(name)`) and the
-  first failure this server knows of: a trainer's abort notice, or this server's own verdict that a
-  trainer was lost (its channel fell silent past `sync.timeout_s`, or closed with no new session
-  within `RECONNECT_GRACE_S`). Once set, the failure is final for the server: every later call,
-  barrier poll and `stop()` is refused with it, which is how every survivor learns of the loss.
+- `Roster` (a server): the trainers' arrivals at the barriers (`stop`, `barrier(name)`), who is
+  a member, who departed (when and why), and the job's failure if any. A trainer is lost when this
+  server's channel to it falls silent past `sync.timeout_s`, or closes with no new session within
+  `RECONNECT_GRACE_S`, or it says so (abort notice). Under `sync.ps.on_trainer_lost: continue`
+  that process *departs*: no barrier or `stop()` waits for it, its sessions are refused from then
+  on (a stopped process that resumes learns it left), and a new process of the same trainer
+  index (a higher incarnation) joins again. Under `fail` the loss is the job's failure, final for
+  the server: every later call, barrier poll and `stop()` is refused with it.
 
 Invariant (why no survivor hangs): a trainer that leaves the job either says so (abort notice),
 or its channels to the servers fail (killed: at once; stopped: after `sync.timeout_s`), and each
-server turns that into the roster's failure; every trainer's calls and barrier polls go to the
-servers, so each survivor raises `PeerLost` naming the lost trainer at its next call or poll.
+server turns that into a departure or the failure. A departure removes the trainer from every
+count a survivor waits on (barriers, `stop()`); a failure is read by each survivor at its next
+call or barrier poll, which raises `PeerLost` naming the lost trainer.
 """
 
 from __future__ import annotations
@@ -127,16 +131,92 @@ class Heartbeat:
                 return
 
 
+@dataclasses.dataclass(frozen=True)
+class Departure:
+    """A trainer process that left the job without ending it (`sync.ps.on_trainer_lost: continue`)."""
+
+    trainer: int
+    """The trainer's index."""
+    incarnation: int
+    """Which process of that trainer left (1: its first; a restarted one takes the next number)."""
+    at: float
+    """When this server decided it (`time.time()`)."""
+    why: str
+    """The verdict (`lost_trainer`), or the trainer's own abort notice."""
+
+
 @dataclasses.dataclass
 class Roster:
-    """A server's view of the trainers (see the module docstring); thread-safe."""
+    """A server's view of the trainers (see the module docstring); thread-safe.
+
+    Every trainer index is a member until it departs; a departure is of one process of it (its
+    incarnation), and a newer incarnation of the same index joins again. Under `on_lost`
+    "fail" a loss is instead the job's `failure`."""
 
     num_trainers: int
+    on_lost: str = "fail"
+    """`sync.ps.on_trainer_lost`: "continue" (a lost trainer departs) or "fail" (the job ends)."""
     arrived: dict[str, set[int]] = dataclasses.field(default_factory=lambda: collections.defaultdict(set))
     """Per barrier key ('stop', or a `barrier()` name and use), the trainer indices that arrived."""
     failure: str | None = None
     """The first failure: a trainer's abort notice or this server's verdict on a lost trainer."""
+    departures: list[Departure] = dataclasses.field(default_factory=list)
+    """Every departure, oldest first (the membership's history)."""
+    incarnations: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Per trainer index, the newest incarnation seen (a session opened, or a departure)."""
+    departed: set[int] = dataclasses.field(default_factory=set)
+    """The trainer indices whose newest incarnation departed and none has joined since."""
     changed: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+
+    def join(self, trainer: int, incarnation: int) -> str | None:
+        """A session of trainer `trainer`'s process `incarnation` opens: None when it may (a newer
+        process replaces the older one, which departs), the reason when that process has departed."""
+        with self.changed:
+            newest = self.incarnations.get(trainer, 0)
+            if incarnation < newest or (incarnation == newest and trainer in self.departed):
+                return self._refusal(trainer, incarnation)
+            if incarnation > newest:
+                if newest and trainer not in self.departed:
+                    self._depart(trainer, newest, f"replaced by a new process of it (incarnation {incarnation})")
+                self.incarnations[trainer] = incarnation
+                self.departed.discard(trainer)
+                for arrivals in self.arrived.values():  # a new process meets every barrier afresh
+                    arrivals.discard(trainer)
+                self.changed.notify_all()
+            return None
+
+    def lose(self, trainer: int, incarnation: int, message: str) -> bool:
+        """Trainer `trainer`'s process `incarnation` was lost or aborted (`message` says how): it
+        departs (continue), or the job fails (fail). True when it departed now (it was a member)."""
+        with self.changed:
+            if self.on_lost == "fail":
+                self.fail(message)
+                return False
+            if incarnation != self.incarnations.get(trainer, incarnation) or trainer in self.departed:
+                return False  # an older process, or one that left already
+            self.incarnations[trainer] = incarnation
+            self._depart(trainer, incarnation, message)
+            return True
+
+    def abort(self, trainer: int, incarnation: int, message: str) -> None:
+        """Trainer `trainer`'s process `incarnation` says it failed (`message`): the job's failure,
+        whatever `on_lost` says (a failure of the user's code or data is no preemption, and would meet
+        every trainer), unless that process had departed already (then it only confirms it left)."""
+        with self.changed:
+            if incarnation == self.incarnations.get(trainer, incarnation) and trainer not in self.departed:
+                self.fail(message)
+
+    def _depart(self, trainer: int, incarnation: int, why: str) -> None:
+        self.departures.append(Departure(trainer, incarnation, time.time(), why))
+        self.departed.add(trainer)
+        self.changed.notify_all()
+
+    def _refusal(self, trainer: int, incarnation: int) -> str:
+        left = [d for d in self.departures if d.trainer == trainer and d.incarnation == incarnation]
+        why = f"it departed at {time.strftime('%H:%M:%S', time.localtime(left[-1].at))}: {left[-1].why}" if left else \
+            "a newer process of it has joined"
+        return (f"trainer {trainer}'s process (incarnation {incarnation}) is no longer in the job ({why}); "
+                "start the trainer again to rejoin (sync.ps.on_trainer_lost: continue)")
 
     def arrive(self, key: str, trainer: int) -> None:
         """Trainer `trainer` arrived at barrier `key`."""
@@ -149,9 +229,11 @@ class Roster:
             return trainer in self.arrived[key]
 
     def missing(self, key: str) -> tuple[list[int], str | None]:
-        """(the trainers not yet arrived at `key`, the failure or None)."""
+        """(the members not yet arrived at `key`, the failure or None): a departed trainer is
+        waited for by no barrier."""
         with self.changed:
-            return [i for i in range(self.num_trainers) if i not in self.arrived[key]], self.failure
+            return [i for i in range(self.num_trainers) if i not in self.arrived[key] and i not in self.departed], \
+                self.failure
 
     def fail(self, message: str) -> None:
         """Record a failure (a trainer's abort notice, or a verdict); only the first one counts."""
@@ -159,12 +241,6 @@ class Roster:
             if self.failure is None:
                 self.failure = message
             self.changed.notify_all()
-
-    def await_all(self, key: str) -> str | None:
-        """Block until every trainer arrived at `key` or a failure is known; the failure or None."""
-        with self.changed:
-            self.changed.wait_for(lambda: len(self.arrived[key]) == self.num_trainers or self.failure is not None)
-            return self.failure
 
 
 def lost_trainer(trainer: int, rank: int, silent_s: float, why: str, observer: str, detail: str) -> str:

@@ -4,7 +4,8 @@
     channel = open_session(store, server=0, generation=g, trainer=1, ...)   # trainer, per session
 
 The store is the job's (torchrun's agent store, or MASTER_ADDR:MASTER_PORT's), under this attempt's
-prefix (`attempt_store`), so a restarted attempt never reads a dead attempt's keys. Keys of server s
+prefix (`attempt_store`), so a restarted attempt never reads a dead attempt's keys; in the elastic
+layout, server 0's store under `elastic/`. Keys of server s
 live under `ps/gen{g}/server{s}/`, where g counts the transports this rank started (every rank
 starts every transport of the job, in the same order, whatever its role in each: the k-th start
 of a trainer meets the k-th of every server):
@@ -22,7 +23,9 @@ of a trainer meets the k-th of every server):
 
 Nothing here assumes a fixed set of trainers: a trainer opens a session whenever it wants one (a
 reconnect is a new session), and `trainer{i}/latest` tells the server whether a closed session was
-replaced by a newer one of the same trainer or left without a successor.
+replaced by a newer one of the same trainer or left without a successor. Each session names its
+trainer process's incarnation (`trainer_incarnation`); the acceptor answers a ticket with the
+reason instead of accepting it when the server refuses that process (it departed the job).
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from shadowgba.ps.membership import restart_count
 
 SESSION_SETUP_S = 30.0
 """The longest one end waits for the other while their session's group is built."""
+REFUSED = "refused: "
+"""How an acceptor's answer to a ticket starts when it refuses the session (the reason follows)."""
 POLL_S = 0.01
 """How often a key awaited in the store is looked for. Polled with `check`: a TCPStore client whose
 `wait` timed out is out of step with its server (the late answer is read as the next reply), and
@@ -58,6 +62,13 @@ class SessionInfo:
     """The trainer's global rank."""
     timeout_s: float
     """How long the trainer's end waits for a frame: the server beats 4 times as often."""
+    incarnation: int = 1
+    """Which process of this trainer index opens it (`trainer_incarnation`): a server refuses the
+    sessions of a process that departed, and a newer one replaces an older one."""
+
+
+class SessionRefused(RuntimeError):
+    """The server refused a trainer's session; the message says why (its process left the job)."""
 
 
 def server_key(generation: int, server: int, key: str) -> str:
@@ -65,25 +76,38 @@ def server_key(generation: int, server: int, key: str) -> str:
     return f"ps/gen{generation}/server{server}/{key}"
 
 
-def session_group(generation: int, server: int, ticket: int, rank: int, timeout_s: float) -> dist.ProcessGroup:
+def trainer_incarnation(store: dist.Store, generation: int, trainer: int) -> int:
+    """A new number for this process of trainer `trainer` (1, 2, ...: one per process that starts
+    the transport as that trainer), taken in the job's store."""
+    return store.add(f"ps/gen{generation}/trainer{trainer}/incarnations", 1)
+
+
+def session_group(namespace: str, generation: int, server: int, ticket: int, rank: int,
+                  timeout_s: float) -> dist.ProcessGroup:
     """This end (server rank 0, trainer rank 1) of session `ticket`'s 2-rank gloo group, whose
-    operations time out after `timeout_s`; built over a store client of its own (module docstring)."""
+    operations time out after `timeout_s`; built over a store client of its own (module docstring),
+    under `namespace`, the prefix of the transport's store."""
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                            timeout=datetime.timedelta(seconds=SESSION_SETUP_S))
-    prefix = f"attempt_{restart_count()}/{server_key(generation, server, f'session{ticket}')}"
+    prefix = f"{namespace}/{server_key(generation, server, f'session{ticket}')}"
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, client), rank, 2, datetime.timedelta(seconds=timeout_s))
 
 
 def request_session(store: dist.Store, generation: int, server: int, trainer: int, rank: int, timeout_s: float,
-                    accept_within_s: float) -> SessionInfo:
+                    accept_within_s: float, incarnation: int = 1) -> SessionInfo:
     """Trainer: take a ticket at `server`, announce it, and wait up to `accept_within_s` for the
-    server's acceptor to take it. Raises `TimeoutError` when it does not (the server is gone or stopped)."""
+    server's acceptor to take it. Raises `TimeoutError` when it does not (the server is gone or
+    stopped), `SessionRefused` with the server's reason when it refuses this process."""
     ticket = store.add(server_key(generation, server, "joins"), 1)
-    info = SessionInfo(ticket, trainer, rank, timeout_s)
+    info = SessionInfo(ticket, trainer, rank, timeout_s, incarnation)
     store.set(server_key(generation, server, f"trainer{trainer}/latest"), str(ticket))
     store.set(server_key(generation, server, f"join{ticket}"), pickle.dumps(info))
-    if not await_key(store, server_key(generation, server, f"accepted{ticket}"), accept_within_s):
+    accepted = server_key(generation, server, f"accepted{ticket}")
+    if not await_key(store, accepted, accept_within_s):
         raise TimeoutError(f"no acceptance of session {ticket} within {accept_within_s:g} s")
+    answer = store.get(accepted).decode()
+    if answer.startswith(REFUSED):
+        raise SessionRefused(answer[len(REFUSED):])
     return info
 
 
@@ -111,12 +135,13 @@ def latest_ticket(store: dist.Store, generation: int, server: int, trainer: int)
 
 class Acceptor:
     """Server: a thread that takes the trainers' session tickets in order and hands each to
-    `on_session(info)` in a thread of its own (which builds the channel), until `stop()`."""
+    `on_session(info)` in a thread of its own (which builds the channel), until `stop()`; a
+    session for which `refusal(info)` gives a reason is answered with it instead."""
 
     def __init__(self, store: dist.Store, generation: int, server: int,
-                 on_session: Callable[[SessionInfo], None]) -> None:
+                 on_session: Callable[[SessionInfo], None], refusal: Callable[[SessionInfo], str | None]) -> None:
         self._store, self._generation, self._server = store, generation, server
-        self._on_session = on_session
+        self._on_session, self._refusal = on_session, refusal
         self._ended = threading.Event()
         self._thread = threading.Thread(target=self._accept, name=f"shadowgba-acceptor-ps{server}", daemon=True)
         self._thread.start()
@@ -135,9 +160,13 @@ class Acceptor:
                 continue
             try:
                 info: SessionInfo = pickle.loads(self._store.get(key))
-                self._store.set(server_key(self._generation, self._server, f"accepted{ticket}"), "1")
+                refused = self._refusal(info)
+                self._store.set(server_key(self._generation, self._server, f"accepted{ticket}"),
+                                "1" if refused is None else REFUSED + refused)
             except RuntimeError:  # the store's host is gone
                 continue
             ticket += 1
+            if refused is not None:
+                continue
             threading.Thread(target=self._on_session, args=(info,), name=f"shadowgba-session-{info.ticket}",
                              daemon=True).start()

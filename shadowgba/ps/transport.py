@@ -10,7 +10,11 @@
 Roles: the last `num_servers` ranks are servers ("ps0", "ps1", ...), the others trainers
 ("trainer0", ...) with a process group of their own, `Roles.trainer_group`, so that trainer
 collectives never involve a server, and a second one over the same ranks for the library's own
-collectives (`sync_group()`), so that they never pair with TorchRec's or the user's.
+collectives (`sync_group()`), so that they never pair with TorchRec's or the user's. In the
+elastic layout (`start(num_trainers=...)`, `sync.ps.num_trainers`) every process is started on
+its own, names its rank in `SHADOWGBA_RANK`, and meets the others in the TCPStore server 0 hosts
+at MASTER_ADDR:MASTER_PORT; there is no process group at all (`sync_group()` refuses, naming why),
+so a trainer process can die and be started again while the others run.
 
 Carriage: every trainer-server pair talks over a `Channel` (`shadowgba.ps.channel`: a 2-rank gloo
 process group of its own, tensors sent as tensors, a pickled header for the rest), opened as a
@@ -47,8 +51,13 @@ Invariants (why a call cannot deadlock, and why no survivor hangs):
   that trainer within `RECONNECT_GRACE_S` (a killed process's sockets close; a stopped one's stay
   open, so a stall shorter than `timeout_s` is no failure), has lost that trainer: it records the
   verdict in its `Roster` (`shadowgba.ps.membership`), `trainer i (rank r) stopped answering for T
-  s (...); it probably died`, and refuses every later call, barrier and `stop()` with it, so each
-  survivor's next push, lookup or barrier ends naming it, within `timeout_s` of the loss.
+  s (...); it probably died`. Under `on_trainer_lost` continue that trainer process departs:
+  its channel is closed, its replies forgotten, its later sessions refused with the reason, and
+  barriers and `stop()` stop counting it; a new process of that trainer (a higher incarnation)
+  rejoins. Under fail the server refuses every later call, barrier and `stop()` with the verdict,
+  so each survivor's next push, lookup or barrier ends naming it, within `timeout_s` of the loss.
+  Call numbers start at incarnation x `CALLS_PER_INCARNATION`, so `_Replies` never mistakes a
+  departed process's call for its successor's.
 - A trainer's channel that hears nothing from its server for `rpc_timeout_s`, or fails, is
   replaced: the trainer opens a new session, which the server's acceptor must take within
   `ALIVE_WITHIN_S`. If it does not, every call in flight there raises `PeerLost` naming that server
@@ -61,7 +70,7 @@ Invariants (why a call cannot deadlock, and why no survivor hangs):
   call also names the calls to that server its trainer has settled since its last one there (no
   retry of them can follow), and the server forgets their replies.
 - `stop()` is a barrier over every rank that also drains outstanding calls: servers sit in it until
-  every trainer has called it too, or one is lost (a trainer silent for the shorter of `timeout_s`
+  every member trainer has called it too (a departed one is not waited for), or one is lost (a trainer silent for the shorter of `timeout_s`
   and `trainer_timeout_s`, default `TRAINER_TIMEOUT_S`, is lost there too). Every trainer
   announces itself to every server and polls them for the release (no call is held open while a
   slow trainer finishes), so a server's failure reaches them as a `PeerLost` rather than a hang;
@@ -92,6 +101,7 @@ import datetime
 import fcntl
 import functools
 import itertools
+import logging
 import os
 import socket
 import struct
@@ -103,10 +113,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shadowgba.errors import PeerLost
+from shadowgba.errors import PeerLost, SetupError
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost, first_line
+from shadowgba.ps.config import PSConfig
 from shadowgba.ps.membership import Roster, lost_trainer, restart_count
-from shadowgba.ps.sessions import Acceptor, SessionInfo, latest_ticket, request_session, session_group
+from shadowgba.ps.sessions import (Acceptor, SessionInfo, SessionRefused, latest_ticket, request_session,
+                                   session_group, trainer_incarnation)
+
+logger = logging.getLogger("shadowgba")
 
 SERVE_WAIT_S = 30.0
 """How long a call for a service name that is not served (yet) waits for `serve()` on its server."""
@@ -130,6 +144,18 @@ DEFAULT_RPC_TIMEOUT_S = 60.0
 """A trainer's channel silence limit when `start()` is given no `rpc_timeout_s` (capped at `timeout_s`)."""
 SERVER_THREADS = 16
 """Threads a server runs service calls on."""
+CALLS_PER_INCARNATION = 1 << 40
+"""A trainer process numbers its calls from its incarnation times this: no number of a departed
+process of a trainer index can be mistaken, in a server's `_Replies`, for one of its successor's."""
+ELASTIC_RANK = "SHADOWGBA_RANK"
+"""Elastic layout: the environment variable that names this process's place in the job (trainers
+0 .. num_trainers - 1, then the servers, as in one torchrun job)."""
+NO_TRAINER_GROUP = ("the elastic layout (sync.ps.num_trainers > 0) has no process group over the trainers, which "
+                    "this needs: there, only GBA mode with PS-hosted or no tables runs (no sync mode or switch to "
+                    "it, no checkpoint load in GBA mode, no easgd_ps, no TorchRec-sharded tables)")
+"""Why a trainer collective is refused in the elastic layout."""
+ELASTIC_NAMESPACE = "elastic"
+"""The key prefix of an elastic job in its servers' store (one job per set of servers)."""
 CONTROL = "shadowgba.transport"
 """The reserved service name of the transport's own requests (barriers, abort notices)."""
 
@@ -155,8 +181,11 @@ class Roles:
     server_index: int | None
     """Index of this rank among the servers; None on trainers."""
     trainer_group: dist.ProcessGroup | None = dataclasses.field(default=None, compare=False, repr=False)
-    """Process group of the trainers (set by `start()` on trainers; None on servers): TorchRec's and the
-    user's; the library's own collectives run on `sync_group()`."""
+    """Process group of the trainers (set by `start()` on trainers; None on servers and in the elastic
+    layout): TorchRec's and the user's; the library's own collectives run on `sync_group()`."""
+    elastic: bool = False
+    """The elastic layout (`sync.ps.num_trainers` > 0): every process started on its own, trainers
+    come and go, and there is no process group over the trainers (module docstring)."""
 
     @classmethod
     def assign(cls, rank: int, world_size: int, num_servers: int) -> "Roles":
@@ -193,8 +222,8 @@ class _Calls:
     """A trainer's calls to the servers, numbered: a server runs each number once (`_Replies`), and
     forgets its reply once told that this trainer has settled the call (no retry can follow)."""
 
-    def __init__(self) -> None:
-        self._numbers = itertools.count()
+    def __init__(self, first: int = 0) -> None:
+        self._numbers = itertools.count(first)
         self._unreported: dict[int, list[int]] = collections.defaultdict(list)
         self._lock = threading.Lock()
         self.retried = 0
@@ -254,6 +283,11 @@ class _Replies:
             reply.done.wait()
         return reply.value
 
+    def forget(self, trainer: int) -> None:
+        """Drop trainer `trainer`'s replies (its process left the job: no retry of them can follow)."""
+        with self._lock:
+            self._by_trainer.pop(trainer, None)
+
     def clear(self) -> None:
         with self._lock:
             self._by_trainer.clear()
@@ -274,35 +308,38 @@ Caller = tuple[int, int, tuple[int, ...]]
 class Transport:
     """One rank's part in a job of trainers and parameter servers (see the module docstring)."""
 
-    def __init__(self, roles: Roles, store: dist.Store, generation: int, timeout_s: float, rpc_timeout_s: float,
-                 owns_default_group: bool, sync_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, roles: Roles, store: dist.Store, namespace: str, generation: int, timeout_s: float,
+                 rpc_timeout_s: float, owns_default_group: bool, sync_group: dist.ProcessGroup | None,
+                 on_trainer_lost: str, incarnation: int = 0) -> None:
         self.roles = roles
         self.timeout_s = timeout_s
         """The trainer group's collective timeout, the deadline of `barrier()`, and how long a server
         waits on a silent trainer."""
         self.rpc_timeout_s = rpc_timeout_s
         """How long a trainer's channel may hear nothing from its server before it is replaced."""
-        self._store, self._generation = store, generation
+        self._store, self._namespace, self._generation = store, namespace, generation
+        self.incarnation = incarnation
+        """Trainer: which process of its trainer index this is (`trainer_incarnation`); 0 on servers."""
         self._owns_default_group = owns_default_group
         self._sync_group = sync_group
         self._ended = threading.Event()
         self._lock = threading.Lock()
         self._channels: dict[int, Channel] = {}
         """Trainer: per server index, the current channel; server: per trainer index."""
-        self._tickets: dict[int, int] = {}
-        """Server: per trainer index, the ticket of its current session."""
+        self._sessions: dict[int, SessionInfo] = {}
+        """Server: per trainer index, its current session."""
         self._pulse = threading.Thread(target=self._beat, name="shadowgba-pulse", daemon=True)
         # server side
         self._services: dict[str, object] = {}
         self._services_changed = threading.Condition()
         self._replies = _Replies()
-        self.roster = Roster(len(roles.trainer_ranks))
+        self.roster = Roster(len(roles.trainer_ranks), on_trainer_lost)
         """Server: the trainers' arrivals and the first failure it knows of (`shadowgba.ps.membership`)."""
         self._started_at = time.monotonic()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._acceptor: Acceptor | None = None
         # trainer side
-        self._calls = _Calls()
+        self._calls = _Calls(incarnation * CALLS_PER_INCARNATION)
         self._barriers: dict[str, int] = {}
         self._notified = False
         self._in_flight = 0
@@ -314,44 +351,42 @@ class Transport:
     # ------------------------------------------------------------------------------------ joining
     @classmethod
     def start(cls, num_servers: int, backend: str = "gloo", timeout_s: float | None = None,
-              rpc_timeout_s: float | None = None) -> "Transport":
-        """Join the job as trainer or server (collective: every rank calls it, in the same order).
+              rpc_timeout_s: float | None = None, on_trainer_lost: str = PSConfig.on_trainer_lost,
+              num_trainers: int = 0) -> "Transport":
+        """Join the job as trainer or server.
 
-        Reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; initialises the default process
-        group (with `backend`) unless it exists, creates the trainer group (its collectives time out
-        after `timeout_s`; None: torch's default), and opens a channel from every trainer to every
-        server (a trainer's channel is replaced after `rpc_timeout_s` of silence; None:
-        `DEFAULT_RPC_TIMEOUT_S`, capped at `timeout_s`).
+        One torchrun job (`num_trainers` 0; collective: every rank calls it, in the same order): reads
+        torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; initialises the default process
+        group (with `backend`) unless it exists, and creates the trainer group (its collectives time
+        out after `timeout_s`; None: torch's default). The elastic layout (`num_trainers` > 0: every
+        process on its own): reads `SHADOWGBA_RANK` and MASTER_ADDR:MASTER_PORT, where server 0 hosts
+        the job's store; no process group is created. Either way every trainer opens a channel to
+        every server (replaced after `rpc_timeout_s` of silence; None: `DEFAULT_RPC_TIMEOUT_S`,
+        capped at `timeout_s`), and a server that loses a trainer acts on `on_trainer_lost`
+        (`sync.ps.on_trainer_lost`).
         """
         master_addr = os.environ.get("MASTER_ADDR")
         if not master_addr or not os.environ.get("MASTER_PORT"):
             raise RuntimeError("the PS transport needs MASTER_ADDR and MASTER_PORT (as set by torchrun)")
-        owns_default_group = not dist.is_initialized()
-        if owns_default_group:
-            try:
-                rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            except KeyError as missing:
-                raise RuntimeError(f"the PS transport needs {missing.args[0]} (as set by torchrun)") from None
-        else:
-            rank, world_size = dist.get_rank(), dist.get_world_size()
-        roles = Roles.assign(rank, world_size, num_servers)  # before any group exists
         if "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = listen_interface(master_addr)
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         timeout_s = timeout.total_seconds() if timeout is not None else dist.default_pg_timeout.total_seconds()
-        store = attempt_store(rank, world_size, timeout_s)
-        if owns_default_group:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-        trainer_group = dist.new_group(list(roles.trainer_ranks), backend=backend, timeout=timeout)
-        sync_group = dist.new_group(list(roles.trainer_ranks), backend=backend, timeout=timeout)
-        roles = dataclasses.replace(roles, trainer_group=None if roles.is_server else trainer_group)
-        generation = store.add(f"ps/rank{rank}/starts", 1)  # equal on every rank: every rank starts every transport
+        if num_trainers:
+            roles, store, namespace = elastic_roles(num_trainers, num_servers, timeout_s)
+            generation, owns_default_group, sync_group = 0, False, None
+        else:
+            roles, store, owns_default_group, sync_group = _torchrun_roles(num_servers, backend, timeout)
+            namespace = attempt_namespace()
+            generation = store.add(f"ps/rank{roles.rank}/starts", 1)  # equal on every rank: each starts every transport
         rpc_timeout_s = min(DEFAULT_RPC_TIMEOUT_S if rpc_timeout_s is None else rpc_timeout_s, timeout_s)
-        transport = cls(roles, store, generation, timeout_s, rpc_timeout_s, owns_default_group,
-                        None if roles.is_server else sync_group)
+        incarnation = 0 if roles.is_server else trainer_incarnation(store, generation, roles.trainer_index)
+        transport = cls(roles, store, namespace, generation, timeout_s, rpc_timeout_s, owns_default_group,
+                        sync_group, on_trainer_lost, incarnation)
         if roles.is_server:
             transport._pool = concurrent.futures.ThreadPoolExecutor(SERVER_THREADS, f"shadowgba-{roles.name}")
-            transport._acceptor = Acceptor(store, generation, roles.server_index, transport._accept)
+            transport._acceptor = Acceptor(store, generation, roles.server_index, transport._accept,
+                                           transport._refusal)
         else:
             for server in range(num_servers):
                 transport._channels[server] = transport._open(server, timeout_s)
@@ -359,11 +394,18 @@ class Transport:
         atexit.register(transport._abort_at_exit)
         return transport
 
+    @property
+    def store(self) -> dist.Store:
+        """The job's store, under this transport's namespace (the elastic layout's notice board)."""
+        return self._store
+
     def sync_group(self) -> dist.ProcessGroup:
         """The library's own process group over the trainers, apart from `Roles.trainer_group` (TorchRec's
         and the user's), so that the library's collectives never pair with theirs. Held here only, and
         destroyed by `stop()` and `abort()`: a caller that does not keep it lets `abort()` free it, which
         makes a peer's pending collective on it fail at once."""
+        if self.roles.elastic and not self.roles.is_server:
+            raise SetupError(NO_TRAINER_GROUP)
         if self._sync_group is None:
             raise RuntimeError("sync_group() is the trainers' group; this rank is a server"
                                if self.roles.is_server else "the PS transport has ended")
@@ -384,17 +426,20 @@ class Transport:
         """Server, on the acceptor's thread for this session: build the server end of its channel."""
         trainer = f"trainer {info.trainer} (rank {info.rank})"
         try:
-            group = session_group(self._generation, self.roles.server_index, info.ticket, 0, self.timeout_s)
+            group = session_group(self._namespace, self._generation, self.roles.server_index, info.ticket, 0,
+                                  self.timeout_s)
         except RuntimeError:  # the trainer vanished during the setup: its next session, or its loss, decides
             return
         channel = Channel(group, 0, trainer, on_request=self._on_request, on_lost=functools.partial(
             self._trainer_lost, info), timeout_s=self.timeout_s, peer_timeout_s=info.timeout_s)
         with self._lock:
-            if self._ended.is_set() or self._tickets.get(info.trainer, 0) > info.ticket:
+            current = self._sessions.get(info.trainer)
+            if self._ended.is_set() or (current is not None and current.ticket > info.ticket) \
+                    or self._refusal(info) is not None:  # a newer session, or its process departed meanwhile
                 stale = channel
             else:
                 stale = self._channels.get(info.trainer)
-                self._channels[info.trainer], self._tickets[info.trainer] = channel, info.ticket
+                self._channels[info.trainer], self._sessions[info.trainer] = channel, info
         if stale is not None:
             stale.close()
 
@@ -447,9 +492,30 @@ class Transport:
         if method == "missing":
             return self.roster.missing(*args)
         if method == "abort":
-            self.roster.fail(*args)
+            self.roster.abort(*args)
             return None
         raise ValueError(f"unknown transport request {method!r}")
+
+    def _refusal(self, info: SessionInfo) -> str | None:
+        """Server: why `info`'s session is refused (its trainer process departed), or None: the
+        process is (again) a member (`Roster.join`)."""
+        return self.roster.join(info.trainer, info.incarnation)
+
+    def _lose(self, trainer: int, incarnation: int, message: str) -> None:
+        """Server: trainer `trainer`'s process `incarnation` was lost or aborted (`message`). Under
+        `on_trainer_lost` fail, the job's failure; under continue, a departure: its channel is
+        closed (a stopped process that resumes must rejoin) and its replies forgotten. Calls it had
+        in flight were applied when they arrived or never arrive; nothing waits for them."""
+        if not self.roster.lose(trainer, incarnation, message):
+            return
+        logger.warning("shadowgba: %s: trainer %d (incarnation %d) left the job: %s", self.roles.name, trainer,
+                       incarnation, message)
+        with self._lock:
+            session = self._sessions.get(trainer)
+            channel = self._channels.pop(trainer, None) if session and session.incarnation == incarnation else None
+        if channel is not None:
+            channel.close()
+        self._replies.forget(trainer)
 
     def _trainer_lost(self, info: SessionInfo, channel: Channel, error: ChannelLost) -> None:
         """Server: the channel of `info`'s session failed. Unless the trainer has left, or replaced the
@@ -466,8 +532,9 @@ class Transport:
         if self._ended.is_set():
             return
         why = "sync.timeout_s" if error.timed_out else "its connection closed and no new session came"
-        self.roster.fail(lost_trainer(info.trainer, info.rank, time.monotonic() - channel.last_heard, why,
-                                      self.roles.name, str(error)))
+        self._lose(info.trainer, info.incarnation, lost_trainer(info.trainer, info.rank,
+                                                                time.monotonic() - channel.last_heard, why,
+                                                                self.roles.name, str(error)))
 
     # ------------------------------------------------------------------------------------ calling
     def call_async(self, server_index: int, name: str, method: str, *args: Any) -> torch.futures.Future:
@@ -540,8 +607,8 @@ class Transport:
     def _open(self, server: int, accept_within_s: float) -> Channel:
         """Trainer: a new session with server `server` (`TimeoutError` if it takes none in time)."""
         info = request_session(self._store, self._generation, server, self.roles.trainer_index, self.roles.rank,
-                               self.rpc_timeout_s, accept_within_s)
-        group = session_group(self._generation, server, info.ticket, 1, self.rpc_timeout_s)
+                               self.rpc_timeout_s, accept_within_s, self.incarnation)
+        group = session_group(self._namespace, self._generation, server, info.ticket, 1, self.rpc_timeout_s)
         return Channel(group, 1, server_name(server), on_lost=functools.partial(self._server_channel_lost, server),
                        timeout_s=self.rpc_timeout_s, peer_timeout_s=self.timeout_s)
 
@@ -567,6 +634,10 @@ class Transport:
                 raise refused[1]
             try:
                 replacement = self._open(server, ALIVE_WITHIN_S)
+            except SessionRefused as refused:  # this process left the job: every call of it fails with why
+                lost = PeerLost(f"shadowgba: {server_name(server)} refused {self.roles.name}: {refused}")
+                self._refused[server] = (failed, lost, time.monotonic())
+                raise lost from refused
             except (TimeoutError, RuntimeError) as error:
                 lost = PeerLost(f"shadowgba: {server_name(server)} accepted no new session within {ALIVE_WITHIN_S:g} s "
                                 f"either ({first_line(error)})")
@@ -651,9 +722,8 @@ class Transport:
         `PeerLost` for one that aborted or was lost, or that nothing was heard from for `lost_after_s`."""
         while True:
             with self.roster.changed:
-                self.roster.changed.wait_for(
-                    lambda: len(self.roster.arrived["stop"]) == self.roster.num_trainers or self.roster.failure is not None,
-                    timeout=PING_INTERVAL_S / 4)
+                self.roster.changed.wait_for(lambda: self.roster.missing("stop") == ([], None),
+                                             timeout=PING_INTERVAL_S / 4)
             missing, failure = self.roster.missing("stop")
             if failure is not None:
                 time.sleep(ABORT_GRACE_S)  # let the surviving trainers' calls and polls read the failure
@@ -668,8 +738,9 @@ class Transport:
             if silent:
                 index = silent[0]
                 why = "sync.timeout_s" if lost_after_s == self.timeout_s else "trainer_timeout_s"
-                self.roster.fail(lost_trainer(index, self.roles.trainer_ranks[index], now - heard[index], why,
-                                              self.roles.name, "heard nothing while waiting in stop()"))
+                self._lose(index, self.roster.incarnations.get(index, 0),
+                           lost_trainer(index, self.roles.trainer_ranks[index], now - heard[index], why,
+                                        self.roles.name, "heard nothing while waiting in stop()"))
         with self._lock:
             channels = list(self._channels.values())
         for channel in channels:  # each trainer closes its channel once released (or it fails)
@@ -687,7 +758,8 @@ class Transport:
         message = failure_message(self.roles, reason)
         with self._lock:
             channels = list(self._channels.values())
-        notices = [channel.request((None, CONTROL, "abort", (message,))) for channel in channels]
+        notice = (None, CONTROL, "abort", (self.roles.trainer_index, self.incarnation, message))
+        notices = [channel.request(notice) for channel in channels]
         deadline = time.monotonic() + ABORT_NOTICE_S
         for notice in notices:
             answered = threading.Event()
@@ -759,8 +831,11 @@ class _Request:
     def send(self, failed: Channel | None = None, failure: ChannelLost | None = None) -> None:
         try:
             channel = self.transport._channel(self.server, failed)
-        except PeerLost as refused:  # the server takes no new session: the channel's failure names it
-            self._fail(refused if failure is None else failure, None if failure is None else str(refused))
+        except PeerLost as refused:  # the server takes no new session: the channel's failure names it,
+            if failure is None or isinstance(refused.__cause__, SessionRefused):  # unless it refused this process
+                self._fail(refused)
+            else:
+                self._fail(failure, str(refused))
             return
         if failed is not None:
             self.transport._calls.count_retry()
@@ -805,13 +880,59 @@ def failure_message(roles: Roles, reason: str) -> str:
     return f"trainer {roles.trainer_index} (rank {roles.rank}) aborted: {reason}"
 
 
+def _torchrun_roles(num_servers: int, backend: str, timeout: datetime.timedelta | None
+                    ) -> tuple[Roles, dist.Store, bool, dist.ProcessGroup | None]:
+    """One torchrun job: (this rank's roles with its trainer group, the attempt's store, whether the
+    default group was created here, the library's sync group on trainers). Roles are checked before
+    any group exists."""
+    owns_default_group = not dist.is_initialized()
+    if owns_default_group:
+        try:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except KeyError as missing:
+            raise RuntimeError(f"the PS transport needs {missing.args[0]} (as set by torchrun)") from None
+    else:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    roles = Roles.assign(rank, world_size, num_servers)
+    store = attempt_store(rank, world_size, None if timeout is None else timeout.total_seconds())
+    if owns_default_group:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    trainer_group = dist.new_group(list(roles.trainer_ranks), backend=backend, timeout=timeout)
+    sync_group = dist.new_group(list(roles.trainer_ranks), backend=backend, timeout=timeout)
+    if roles.is_server:
+        return roles, store, owns_default_group, None
+    return dataclasses.replace(roles, trainer_group=trainer_group), store, owns_default_group, sync_group
+
+
+def elastic_roles(num_trainers: int, num_servers: int, timeout_s: float) -> tuple[Roles, dist.Store, str]:
+    """The elastic layout: (this process's roles, from `SHADOWGBA_RANK`, the job's store, its key
+    namespace). Server 0 hosts the store at MASTER_ADDR:MASTER_PORT; every other process is a client
+    of it, and waits up to `timeout_s` for it to be up. No process group is created."""
+    try:
+        rank = int(os.environ[ELASTIC_RANK])
+    except (KeyError, ValueError):
+        raise RuntimeError(f"the elastic layout (sync.ps.num_trainers > 0) needs {ELASTIC_RANK}, this process's "
+                           f"place in the job: 0 .. {num_trainers - 1} for a trainer, {num_trainers} .. "
+                           f"{num_trainers + num_servers - 1} for a server") from None
+    roles = dataclasses.replace(Roles.assign(rank, num_trainers + num_servers, num_servers), elastic=True)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=roles.server_index == 0, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return roles, dist.PrefixStore(ELASTIC_NAMESPACE, store), ELASTIC_NAMESPACE
+
+
+def attempt_namespace() -> str:
+    """The key prefix of this torchrun attempt, `attempt_{TORCHELASTIC_RESTART_COUNT}`."""
+    return f"attempt_{restart_count()}"
+
+
 def attempt_store(rank: int, world_size: int, timeout_s: float | None = None) -> dist.Store:
     """The `env://` store (MASTER_ADDR:MASTER_PORT; torchrun's agent store under torchrun) under a
-    prefix of this attempt's own, `attempt_{TORCHELASTIC_RESTART_COUNT}/`: keys written by an
-    earlier attempt of a restarted torchrun job (dead workers' addresses) are not read."""
+    prefix of this attempt's own (`attempt_namespace`): keys written by an earlier attempt of a
+    restarted torchrun job (dead workers' addresses) are not read."""
     timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, **timeout))
-    return dist.PrefixStore(f"attempt_{restart_count()}", store)
+    return dist.PrefixStore(attempt_namespace(), store)
 
 
 def listen_interface(master_addr: str) -> str:

@@ -1,0 +1,197 @@
+"""The elastic layout: a GBA job with PS-hosted tables whose trainers leave and rejoin while the
+server and the other trainers keep running (`sync.ps.num_trainers`, `sync.ps.on_trainer_lost`).
+
+Every process is started on its own (no torchrun, no process group): the server and 3 trainers
+meet at the server's store by `SHADOWGBA_RANK`. The test kills trainer 1 (SIGKILL) mid-run and
+waits past `RECONNECT_GRACE_S`, or stops it (SIGSTOP) for twice `sync.timeout_s` and continues it
+(then the process must find itself departed and exit naming why), so that the server decides on
+its own that it left; then it starts trainer 1 again as a new process, and lets every trainer
+finish once the new one has trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import shadowgba
+from shadowgba.config import SyncConfig
+from shadowgba.gba.config import GBAConfig
+from shadowgba.ps.config import PSConfig
+from shadowgba.ps.transport import ELASTIC_RANK, RECONNECT_GRACE_S
+from tests.multiprocess import _context, free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+TRAINERS = 3
+BATCH = 4
+TABLE = EmbeddingBagConfig(name="items", num_embeddings=50, embedding_dim=4, feature_names=["item"])
+KILL_AT_STEP = 15
+"""Trainer 1's first process is killed once it has reported this many steps."""
+REJOINED_STEPS = 15
+"""Steps the restarted trainer 1 reports before the test lets every trainer finish."""
+MAX_STEPS = 2000
+"""Bound on any trainer's steps (a test that never signals the end fails, it does not hang)."""
+
+
+TIMEOUT_S = {"kill": 10.0, "stop": 4.0}
+"""`sync.timeout_s` per fault: a stop must outlast it, so it is short there."""
+
+
+def config(fault: str) -> SyncConfig:
+    return SyncConfig(algo="gba", timeout_s=TIMEOUT_S[fault], ps=PSConfig(
+        num_servers=1, num_trainers=TRAINERS, rpc_timeout_s=TIMEOUT_S[fault], on_trainer_lost="continue"),
+        gba=GBAConfig(initial_mode="gba"))
+
+
+class Model(nn.Module):
+    def __init__(self, embeddings: nn.Module) -> None:
+        super().__init__()
+        self.embeddings, self.top = embeddings, nn.Linear(4, 1)
+
+    def forward(self, ids: KeyedJaggedTensor) -> torch.Tensor:
+        return self.top(self.embeddings(ids).values())
+
+
+def run_process(rank: int, port: int, fault: str, progress: Any, finish: Any) -> None:
+    """One process of the job (`rank`: its SHADOWGBA_RANK): a trainer reports every step as
+    (trainer, incarnation, step, global step, time) until `finish` is set, and what ended it if it
+    raised ("error", trainer, incarnation, message); the server reports its pid, its dense shard's
+    pushes per trainer and its departures when the job is over."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{ELASTIC_RANK: str(rank)})
+    options = shadowgba.ps_table_options(config(fault), TRAINERS, BATCH, lr=0.05)
+    job = shadowgba.join(config(fault), tables=[TABLE], table_options=options)
+    if job.is_server:
+        dense = job.served["dense"].stats()
+        progress.put(("server", os.getpid(), dense["pushes_by_trainer"], dense["global_step"],
+                      [dataclasses.astuple(left) for left in job.transport.roster.departures]))
+        return
+    torch.manual_seed(0)
+    embeddings = job.ps_embeddings()
+    model = Model(embeddings)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    incarnation = job.transport.incarnation
+    try:
+        train(job.trainer_index, incarnation, model, embeddings, optimizer, job, progress, finish)
+    except Exception as error:
+        progress.put(("error", job.trainer_index, incarnation, str(error)))
+        raise
+
+
+def train(trainer: int, incarnation: int, model: nn.Module, embeddings: Any, optimizer: torch.optim.Optimizer,
+          job: shadowgba.Job, progress: Any, finish: Any) -> None:
+    generator = torch.Generator().manual_seed(trainer)
+    with shadowgba.dense_sync(model, optimizer, job, local_batch_size=BATCH) as sync:
+        for step in range(1, MAX_STEPS + 1):
+            ids = KeyedJaggedTensor.from_lengths_sync(
+                keys=["item"], values=torch.randint(0, 50, (BATCH,), generator=generator),
+                lengths=torch.ones(BATCH, dtype=torch.int32))
+            loss = model(ids).square().mean()
+            loss.backward()
+            embeddings.push_gradients()
+            optimizer.step()
+            optimizer.zero_grad()
+            progress.put((trainer, incarnation, step, sync.global_step, time.time()))
+            if finish.is_set():
+                break
+            time.sleep(0.02)
+        embeddings.flush()
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(fault: str) -> None:
+    """`kill`: SIGKILL, the server decides after RECONNECT_GRACE_S. `stop`: SIGSTOP for twice
+    `sync.timeout_s`, then SIGCONT: the server decided after `timeout_s` of silence, and the
+    continued process finds itself departed and exits naming why (no hang)."""
+    context = _context()
+    progress, finish, port = context.Queue(), context.Event(), free_port()
+    errors: list[tuple] = []
+
+    def start(rank: int) -> Any:
+        process = context.Process(target=run_process, args=(rank, port, fault, progress, finish), daemon=True)
+        process.start()
+        return process
+
+    server = start(TRAINERS)
+    trainers = {index: start(index) for index in range(TRAINERS)}
+    steps: list[tuple[int, int, int, int, float]] = []
+    final: tuple | None = None
+    killed_at = restarted_at = continued_exit = None
+    outage_s = RECONNECT_GRACE_S + 1 if fault == "kill" else 2 * TIMEOUT_S[fault]
+    deadline = time.monotonic() + 50
+    try:
+        while final is None and time.monotonic() < deadline:
+            try:
+                event = progress.get(timeout=0.5)
+            except queue.Empty:
+                event = None
+            if event is not None and event[0] == "server":
+                final = event
+                continue
+            if event is not None:
+                (errors if event[0] == "error" else steps).append(event)
+            ours = [s for s in steps if s[0] == 1]
+            if killed_at is None and ours and ours[-1][2] >= KILL_AT_STEP:
+                os.kill(trainers[1].pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                killed_at = time.time()
+            elif killed_at is not None and restarted_at is None and time.time() > killed_at + outage_s:
+                if fault == "stop":
+                    os.kill(trainers[1].pid, signal.SIGCONT)
+                trainers[1].join(15)  # a continued process must end by itself, naming why
+                continued_exit = trainers[1].exitcode
+                trainers[1] = start(1)
+                restarted_at = time.time()
+            elif restarted_at is not None and sum(1 for s in ours if s[1] == 2) >= REJOINED_STEPS:
+                finish.set()
+    finally:
+        finish.set()
+        for process in [server, *trainers.values()]:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    assert final is not None, f"the server never reported the end of the job; last steps: {steps[-5:]}, {errors}"
+    # the fault fired: trainer 1's first process was killed at its KILL_AT_STEP-th step or just after
+    first = [s for s in steps if s[:2] == (1, 1)]
+    before = [s for s in first if s[4] <= killed_at]  # a continued process may report a step before it fails
+    assert killed_at is not None and before and KILL_AT_STEP <= before[-1][2] <= KILL_AT_STEP + 1, first[-3:]
+    if fault == "kill":
+        assert continued_exit == -signal.SIGKILL and not errors, (continued_exit, errors)
+        assert not any(s[:2] == (1, 1) and s[4] > killed_at for s in steps)
+    else:  # continued, it learnt that it had left, and ended by itself saying so
+        [(_, trainer, incarnation, message)] = errors
+        assert (trainer, incarnation) == (1, 1) and continued_exit == 1, (errors, continued_exit)
+        assert "trainer 1's process (incarnation 1) is no longer in the job (it departed at" in message, message
+    # the survivors kept training during the outage, on the same server process
+    for index in (0, 2):
+        outage = [s for s in steps if s[0] == index and killed_at < s[4] < restarted_at]
+        assert len(outage) >= 10, (index, len(outage))
+    _, server_pid, pushes, global_step, departures = final
+    assert server_pid == server.pid and server.exitcode == 0
+    assert all(process.exitcode == 0 for process in trainers.values()), [p.exitcode for p in trainers.values()]
+    # the server decided on its own that trainer 1's first process left (its connection closed, and no
+    # new session came within RECONNECT_GRACE_S), and nobody else
+    [(trainer, incarnation, left_at, why)] = departures
+    assert (trainer, incarnation) == (1, 1) and killed_at < left_at < restarted_at, departures
+    assert ("its connection closed and no new session came" if fault == "kill" else "(sync.timeout_s)") in why, why
+    # the restarted process rejoined and trained on the current parameters, not on fresh ones
+    rejoined = [s for s in steps if s[:2] == (1, 2)]
+    assert len(rejoined) >= REJOINED_STEPS, len(rejoined)
+    assert rejoined[0][3] >= first[-1][3] > 0, (rejoined[0], first[-1])
+    # every push of the survivors and of the rejoined process landed; of the killed one, all but at
+    # most its in-flight batches (the queue, the push on its way, and the step it did not report)
+    for index in (0, 2):
+        assert pushes[index] == sum(1 for s in steps if s[0] == index), (index, pushes)
+    in_flight = config(fault).gba.queue_size + 2
+    assert len(before) + len(rejoined) - in_flight <= pushes[1] <= len(first) + len(rejoined) + 1, (pushes, len(first))
+    assert 0 < global_step <= sum(pushes.values()) // TRAINERS, (global_step, pushes)  # kept samples / global batch
