@@ -604,8 +604,9 @@ class GBASync(DenseSync):
     def _held_tensors(self) -> dict[str, torch.Tensor]:
         """The dense-sized tensors this runtime holds of its own (`metrics.memory()`): the sync
         all-reduce's buffer (the gradient's, outside GBA mode), the flat optimizer's parameters and
-        state, the GBA queue."""
-        held = {"allreduce": self._allreduce.buffer, **self._client.held_tensors()}
+        state, the GBA queue; and the shared memory of its transport's same-host lanes."""
+        held = {"allreduce": self._allreduce.buffer, **self._client.held_tensors(),
+                **(self.transport.lane_buffers() if self.transport is not None else {})}
         flat = self._flat
         if flat is not None:
             held["optimizer_param"] = flat.param

@@ -337,6 +337,11 @@ class Channel:
         """Whether tensors travel through shared memory (this side's lane, the peer's): same host."""
         return self._lane_out is not None and self._lane_out.accepted, self._lane_in is not None
 
+    def lane_buffers(self) -> dict[str, torch.Tensor]:
+        """The shared memory this channel maps ("out": its own lane, "in": the peer's), for memory accounts."""
+        lanes = {"out": self._lane_out, "in": self._lane_in}
+        return {name: lane.buffer for name, lane in lanes.items() if lane is not None}
+
     @property
     def alive(self) -> bool:
         """Whether messages can still be sent (not failed, not closing)."""
@@ -379,8 +384,17 @@ class Channel:
             return len(self._pending)
 
     def wait_closed(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for the receiver to end (the peer closed, or the link failed)."""
-        return self._closed.wait(timeout_s)
+        """Wait up to `timeout_s` for the receiver to end (the peer closed, or the link failed).
+
+        Waits for its thread to return, not only for the flag: the thread's last lines free gloo
+        works, whose destructor takes the GIL, and a thread that takes the GIL while the interpreter
+        exits aborts the whole process."""
+        deadline = time.monotonic() + timeout_s
+        if not self._closed.wait(timeout_s):
+            return False
+        if threading.current_thread() is not self._receiver:
+            self._receiver.join(max(deadline - time.monotonic(), 0.0))
+        return not self._receiver.is_alive() or threading.current_thread() is self._receiver
 
     def close(self, wait_s: float = 0.0) -> None:
         """End the channel: no new requests; CLOSE is sent, and the receiver ends when the peer answers
@@ -396,7 +410,7 @@ class Channel:
             except RuntimeError:
                 pass
         self._fail_pending(self._refusal())
-        self._closed.wait(wait_s)
+        self.wait_closed(wait_s)
 
     def _refusal(self) -> ChannelLost:
         if self.failure is not None:

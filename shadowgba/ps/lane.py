@@ -60,7 +60,8 @@ class OutgoingLane:
     """The writing side of a lane (see the module docstring)."""
 
     def __init__(self, path: str, buffer: torch.Tensor, token: bytes) -> None:
-        self.path, self._buffer, self._token = path, buffer, token
+        self.path, self.buffer, self._token = path, buffer, token
+        """`buffer`: the mapped file, header and ring (what the lane holds in memory)."""
         self._ring = buffer.numel() - _DATA_START
         self.accepted = False
         """Set once the peer has mapped the lane; until then (and if it refuses) nothing is written."""
@@ -93,7 +94,7 @@ class OutgoingLane:
     @property
     def offer(self) -> tuple[str, int, bytes]:
         """What the peer needs to map the lane: (path, size, token)."""
-        return self.path, self._buffer.numel(), self._token
+        return self.path, self.buffer.numel(), self._token
 
     def reserve(self, nbytes: int) -> int | None:
         """The position for a tensor of `nbytes`, or None (not accepted, too large, or no room now).
@@ -113,7 +114,7 @@ class OutgoingLane:
         """Copy `tensor` (contiguous) to `position` (from `reserve`)."""
         start = _DATA_START + position % self._ring
         nbytes = tensor.numel() * tensor.element_size()
-        self._buffer[start:start + nbytes].copy_(_flat_bytes(tensor))
+        self.buffer[start:start + nbytes].copy_(_flat_bytes(tensor))
 
     def release(self, released: int) -> None:
         """The reader has read everything before `released` (carried by its frames)."""
@@ -130,7 +131,8 @@ class IncomingLane:
     """The reading side of a lane (see the module docstring)."""
 
     def __init__(self, buffer: torch.Tensor) -> None:
-        self._buffer = buffer
+        self.buffer = buffer
+        """The peer's mapped file, header and ring (what the lane holds in memory)."""
         self._ring = buffer.numel() - _DATA_START
         self.released = 0
         """Every byte before this position has been read: sent back on each frame."""
@@ -158,7 +160,7 @@ class IncomingLane:
         """Copy the tensor at `position` into `tensor` (its shape and dtype from the frame's header)."""
         start = _DATA_START + position % self._ring
         nbytes = tensor.numel() * tensor.element_size()
-        _flat_bytes(tensor).copy_(self._buffer[start:start + nbytes])
+        _flat_bytes(tensor).copy_(self.buffer[start:start + nbytes])
         self.released = position + _aligned(nbytes)
 
 

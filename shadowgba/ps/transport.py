@@ -583,6 +583,13 @@ class Transport:
             self.call_async(first_server + index, name, method, *args) for index, args in enumerate(args_by_server)
         ])
 
+    def lane_buffers(self) -> dict[str, torch.Tensor]:
+        """The shared memory this rank's channels map (`Channel.lane_buffers`), by peer and direction."""
+        with self._lock:
+            channels = dict(self._channels)
+        return {f"lane_{kind}_{peer}": buffer for peer, channel in channels.items()
+                for kind, buffer in channel.lane_buffers().items()}
+
     def retried_calls(self) -> int:
         """How many times this trainer sent a call again on a new channel after its channel failed."""
         return self._calls.retried
