@@ -375,7 +375,7 @@ def _serve(job: Job) -> None:
     if job.config.algo == "easgd_ps":
         job.served[CENTER_SERVICE] = ElasticCenter()
     else:
-        job.served[DENSE_SERVICE] = DenseShard()
+        job.served[DENSE_SERVICE] = DenseShard(transport.roster)
     if job.tables is not None:
         embedding = optional.ps_embedding("PS-hosted tables")
         job.served[embedding.DEFAULT_SERVICE] = embedding.EmbeddingShard(

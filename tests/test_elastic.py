@@ -1,8 +1,8 @@
 """The elastic layout: a GBA job with PS-hosted tables whose trainers leave and rejoin while the
 server and the other trainers keep running (`sync.ps.num_trainers`, `sync.ps.on_trainer_lost`).
 
-Every process is started on its own (no torchrun, no process group): the server and 3 trainers
-meet at the server's store by `SHADOWGBA_RANK`. The test kills trainer 1 (SIGKILL) mid-run and
+Every process is started on its own (no torchrun, no process group): the servers and 3 trainers
+meet at server 0's store by `SHADOWGBA_RANK`. The test kills trainer 1 (SIGKILL) mid-run and
 waits past `RECONNECT_GRACE_S`, or stops it (SIGSTOP) for twice `sync.timeout_s` and continues it
 (then the process must find itself departed and exit naming why), so that the server decides on
 its own that it left; then it starts trainer 1 again as a new process, and lets every trainer
@@ -46,11 +46,14 @@ MAX_STEPS = 2000
 
 TIMEOUT_S = {"kill": 10.0, "stop": 4.0}
 """`sync.timeout_s` per fault: a stop must outlast it, so it is short there."""
+SERVERS = {"kill": 2, "stop": 1}
+"""Servers per fault: with two, the dense vector has two shards, and a departed trainer's decided
+push that never reached shard 1 must not stall it (its void closes the gap)."""
 
 
 def config(fault: str) -> SyncConfig:
     return SyncConfig(algo="gba", timeout_s=TIMEOUT_S[fault], ps=PSConfig(
-        num_servers=1, num_trainers=TRAINERS, rpc_timeout_s=TIMEOUT_S[fault], on_trainer_lost="continue"),
+        num_servers=SERVERS[fault], num_trainers=TRAINERS, rpc_timeout_s=TIMEOUT_S[fault], on_trainer_lost="continue"),
         gba=GBAConfig(initial_mode="gba"))
 
 
@@ -66,15 +69,14 @@ class Model(nn.Module):
 def run_process(rank: int, port: int, fault: str, progress: Any, finish: Any) -> None:
     """One process of the job (`rank`: its SHADOWGBA_RANK): a trainer reports every step as
     (trainer, incarnation, step, global step, time) until `finish` is set, and what ended it if it
-    raised ("error", trainer, incarnation, message); the server reports its pid, its dense shard's
-    pushes per trainer and its departures when the job is over."""
+    raised ("error", trainer, incarnation, message); a server reports its index, pid, its dense
+    shard's stats and its departures when the job is over."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{ELASTIC_RANK: str(rank)})
     options = shadowgba.ps_table_options(config(fault), TRAINERS, BATCH, lr=0.05)
     job = shadowgba.join(config(fault), tables=[TABLE], table_options=options)
     if job.is_server:
-        dense = job.served["dense"].stats()
-        progress.put(("server", os.getpid(), dense["pushes_by_trainer"], dense["global_step"],
+        progress.put(("server", rank - TRAINERS, os.getpid(), job.served["dense"].stats(),
                       [dataclasses.astuple(left) for left in job.transport.roster.departures]))
         return
     torch.manual_seed(0)
@@ -123,21 +125,21 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
         process.start()
         return process
 
-    server = start(TRAINERS)
+    servers = [start(TRAINERS + index) for index in range(SERVERS[fault])]
     trainers = {index: start(index) for index in range(TRAINERS)}
     steps: list[tuple[int, int, int, int, float]] = []
-    final: tuple | None = None
+    finals: dict[int, tuple] = {}
     killed_at = restarted_at = continued_exit = None
     outage_s = RECONNECT_GRACE_S + 1 if fault == "kill" else 2 * TIMEOUT_S[fault]
     deadline = time.monotonic() + 50
     try:
-        while final is None and time.monotonic() < deadline:
+        while len(finals) < len(servers) and time.monotonic() < deadline:
             try:
                 event = progress.get(timeout=0.5)
             except queue.Empty:
                 event = None
             if event is not None and event[0] == "server":
-                final = event
+                finals[event[1]] = event
                 continue
             if event is not None:
                 (errors if event[0] == "error" else steps).append(event)
@@ -156,11 +158,11 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
                 finish.set()
     finally:
         finish.set()
-        for process in [server, *trainers.values()]:
+        for process in [*servers, *trainers.values()]:
             process.join(10)
             if process.is_alive():
                 process.kill()
-    assert final is not None, f"the server never reported the end of the job; last steps: {steps[-5:]}, {errors}"
+    assert len(finals) == len(servers), f"a server never reported the end of the job; last steps: {steps[-5:]}, {errors}"
     # the fault fired: trainer 1's first process was killed at its KILL_AT_STEP-th step or just after
     first = [s for s in steps if s[:2] == (1, 1)]
     before = [s for s in first if s[4] <= killed_at]  # a continued process may report a step before it fails
@@ -176,14 +178,20 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
     for index in (0, 2):
         outage = [s for s in steps if s[0] == index and killed_at < s[4] < restarted_at]
         assert len(outage) >= 10, (index, len(outage))
-    _, server_pid, pushes, global_step, departures = final
-    assert server_pid == server.pid and server.exitcode == 0
+    assert [finals[index][2] for index in range(len(servers))] == [server.pid for server in servers]
+    assert all(server.exitcode == 0 for server in servers), [server.exitcode for server in servers]
+    _, _, _, dense, departures = finals[0]
+    pushes, global_step = dense["pushes_by_trainer"], dense["global_step"]
     assert all(process.exitcode == 0 for process in trainers.values()), [p.exitcode for p in trainers.values()]
-    # the server decided on its own that trainer 1's first process left (its connection closed, and no
-    # new session came within RECONNECT_GRACE_S), and nobody else
-    [(trainer, incarnation, left_at, why)] = departures
-    assert (trainer, incarnation) == (1, 1) and killed_at < left_at < restarted_at, departures
-    assert ("its connection closed and no new session came" if fault == "kill" else "(sync.timeout_s)") in why, why
+    # every server decided on its own that trainer 1's first process left (its connection closed, and
+    # no new session came within RECONNECT_GRACE_S), and nobody else
+    for _, _, _, _, departures in finals.values():
+        [(trainer, incarnation, left_at, why)] = departures
+        assert (trainer, incarnation) == (1, 1) and killed_at < left_at < restarted_at, departures
+        assert ("its connection closed and no new session came" if fault == "kill" else "(sync.timeout_s)") in why, why
+    # every other shard applied every decision (by its part or its void) and ended at shard 0's k
+    for _, index, _, other, _ in finals.values():
+        assert (other["global_step"], other["pending_pushes"]) == (global_step, 0), (index, other)
     # the restarted process rejoined and trained on the current parameters, not on fresh ones
     rejoined = [s for s in steps if s[:2] == (1, 2)]
     assert len(rejoined) >= REJOINED_STEPS, len(rejoined)

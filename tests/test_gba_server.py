@@ -15,6 +15,7 @@ from shadowgba.config import from_dict
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
 from shadowgba.ps.dense_server import DenseShard, DenseShardClient, PushRequest
+from shadowgba.ps.membership import Roster
 from shadowgba.ps.transport import Roles
 from sync_algos.gba import GlobalBatchAggregator
 from sync_algos.staleness import StalenessDecayConfig
@@ -285,14 +286,15 @@ def test_watch_answers_once_the_global_step_passes_the_token_and_none_once_expor
 
 
 def sharded(numel: int = 4, num_trainers: int = 2, global_batch: int = 2, on_nonfinite: str = "fail",
-            **decay: object) -> list[DenseShard]:
-    """The dense vector over two in-process shards, configured as `DenseShardClient.configure` does."""
+            roster: Roster | None = None, **decay: object) -> list[DenseShard]:
+    """The dense vector over two in-process shards, configured as `DenseShardClient.configure` does
+    (`roster`: shard 0's server's membership)."""
     spec = OptimizerSpec.of(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), LRSchedule())
     initial = FlatOptimizer(spec, torch.zeros(numel)).export()
     config = GBAConfig(decay=StalenessDecayConfig(**decay))
     shards = []
     for index, (start, end) in enumerate(shard_bounds(numel, 2)):
-        shard = DenseShard()
+        shard = DenseShard(roster if index == 0 else None)
         shard.configure(start, end, num_trainers, spec, slice_export(initial, start, end), config, global_batch,
                         index=index, on_nonfinite=on_nonfinite)
         shards.append(shard)
@@ -345,12 +347,9 @@ def test_a_dropped_push_has_no_decision_and_a_broken_part_keeps_k_in_step() -> N
     assert torch.isfinite(follower.pull().params).all()
 
 
-def test_the_client_reports_a_dropped_push_as_dropped_by_every_shard() -> None:
-    """A push shard 0 dropped reaches no other shard: their replies (pulls) carry weight 0, not 1."""
-    shards = sharded(on_nonfinite="skip", kind="drop", threshold=0, max_staleness=4)
+def local_client(shards: list[DenseShard]) -> DenseShardClient:
+    """A trainer's client of the two shards, called in this process as its transport would call them."""
     class LocalShards:
-        """The two shards called in this process, as the trainer's transport would call them."""
-
         roles = Roles.assign(0, 3, num_servers=2)
 
         def call(self, server: int, service: str, method: str, *args: object) -> object:
@@ -359,13 +358,51 @@ def test_the_client_reports_a_dropped_push_as_dropped_by_every_shard() -> None:
         def call_each(self, service: str, method: str, args_by_server: list, first: int = 0) -> list:
             return [getattr(shards[first + index], method)(*args) for index, args in enumerate(args_by_server)]
 
-    client = DenseShardClient(4, LocalShards())
+    return DenseShardClient(4, LocalShards())
+
+
+def test_the_client_reports_a_dropped_push_as_dropped_by_every_shard() -> None:
+    """A push shard 0 dropped reaches no other shard: their replies (pulls) carry weight 0, not 1."""
+    client = local_client(sharded(on_nonfinite="skip", kind="drop", threshold=0, max_staleness=4))
     for trainer in (0, 1):
         assert [reply.weight for reply in client.push(trainer, torch.ones(4), 0, 1, 0.0)] == [1.0, 1.0]
     stale = client.push(0, torch.ones(4), 0, 1, 0.0)  # staleness 1 > threshold 0
     assert [reply.weight for reply in stale] == [0.0, 0.0] and [reply.token for reply in stale] == [1, 1]
     nonfinite = client.push(0, torch.ones(4), 1, 1, 0.0, finite=False)
     assert [reply.weight for reply in nonfinite] == [0.0, 0.0]
+
+
+def test_a_departed_trainers_missing_part_is_voided_so_the_other_shards_keep_k_with_shard_0() -> None:
+    """Trainer 1 departs after shard 0 decided its push and before shard 1 got its part: shard 0's
+    next decision carries the void, shard 1 counts those samples without a gradient and steps with
+    shard 0 (no push waits forever); the part arriving after all is refused; a gap at the very end
+    (no later decision) is closed by the client's `settle`, which `snapshot` runs."""
+    roster = Roster(2, on_lost="continue")
+    leader, follower = sharded(roster=roster)
+    g_a, g_b = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([3.0, 2.0, 1.0, 0.0])
+    lost = leader.push(PushRequest(1, 0, 2, g_b[:2], 0, 1, 0.0)).decision  # trainer 1's part 1 never sent
+    assert roster.lose(1, 1, "killed")
+    reply = leader.push(PushRequest(0, 0, 2, g_a[:2], 0, 1, 0.0))
+    kept = reply.decision
+    assert [void.seq for void in reply.voided] == [0]
+    follower.push(PushRequest(0, 2, 4, g_a[2:], 0, 1, 0.0, True, kept, voided=reply.voided))
+    assert [shard.stats()["global_step"] for shard in (leader, follower)] == [1, 1]
+    assert follower.stats()["pending_pushes"] == 0
+    assert (leader.stats()["voided_decisions"], follower.stats()["voids_applied"]) == (1, 1)
+    # shard 0 applied both gradients, shard 1 trainer 0's alone, each over the batch's 2 samples (lr 1)
+    torch.testing.assert_close(leader.pull().params, -(g_a[:2] + g_b[:2]) / 2)
+    torch.testing.assert_close(follower.pull().params, -g_a[2:] / 2)
+    with pytest.raises(ValueError, match="decision 0 was already applied"):
+        follower.push(PushRequest(1, 2, 4, g_b[2:], 0, 1, 0.0, True, lost))
+    client = local_client([leader, follower])
+    client.push(0, g_a, 1, 1, 0.0)  # delivered everywhere: a void of it later is ignored
+    last = leader.push(PushRequest(0, 0, 2, g_a[:2], 1, 1, 0.0)).decision  # completes k=2 on shard 0 alone
+    assert roster.lose(0, 1, "killed")
+    assert [shard.stats()["global_step"] for shard in (leader, follower)] == [2, 1]
+    assert client.snapshot(timeout_s=5.0)["global_step"] == 2
+    # trainer 0's three recent decisions were voided; shard 1 lacked only the last
+    assert (leader.stats()["voided_decisions"], follower.stats()["voids_applied"]) == (4, 2)
+    assert last.seq == 3 and follower.stats()["pending_pushes"] == 0
 
 
 def test_non_finite_pushes_are_dropped_and_counted_under_skip_and_end_the_job_under_fail() -> None:

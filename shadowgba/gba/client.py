@@ -216,6 +216,8 @@ class GBAClient:
             if min(reply.token for reply in replies) >= global_step:
                 self._install_replies(replies)
             else:
+                if len({reply.token for reply in replies}) > 1:  # a shard behind: maybe a departed trainer's gap
+                    self._shards.settle()
                 time.sleep(0.001)
 
     def drain(self) -> None:

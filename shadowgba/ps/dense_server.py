@@ -35,6 +35,20 @@ Invariants:
   once every push has reached every shard (a switch or close, after the trainers' drains), all
   shards hold the same k, and a shard's k never runs ahead of shard 0's. A dropped push changes
   nothing anywhere and is not sent to the other shards.
+- **A departed trainer's decision cannot stall the others.** The trainer carries a decision to the
+  other shards, so one that departs between shard 0's reply and those sends (killed, or stopped
+  past the timeout under `sync.ps.on_trainer_lost: continue`) leaves a gap in their `seq` order.
+  Shard 0 remembers each trainer's newest decisions (`RECENT_DECISIONS`; a trainer has one push
+  in flight, so only its newest can be missing) and, once its roster records the departure, turns
+  them into `Void`s that its reply to every later push carries (for `VOID_WINDOW` decisions), kept
+  or dropped, and the trainer hands on to the other shards with that push's parts or pulls;
+  `DenseShardClient.settle` hands them over when no push follows (the end of a job). A shard
+  applies a void it has not applied by its `seq` as a part refused here: no gradient, the
+  decision's samples counted, so k stays shard 0's; one it holds already is ignored. So each shard
+  applies each decision exactly once, by the trainer's part or by its void, and the gap closes
+  with the next push of any trainer. Dropped pushes must carry voids too: while a shard lags,
+  the trainers' tokens (the oldest of their slices') lag with it, and their pushes may all be
+  too stale to keep.
 - **NaN / Inf never lands.** Shard 0 keeps a push whose gradient (the trainer's whole-vector
   check, `PushRequest.finite`, or its own slice) is not finite out of every shard: under
   `on_nonfinite: skip` it is dropped and counted (`nonfinite_dropped`); under `fail` it is refused
@@ -65,6 +79,7 @@ import torch
 from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, concat_exports, shard_bounds, slice_export
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy
+from shadowgba.ps.membership import Roster
 from shadowgba.ps.transport import Transport
 from sync_algos.base import is_finite
 from sync_algos.gba import Admission, GlobalBatchAggregator
@@ -81,6 +96,10 @@ SERVING_POLL_S = 0.05
 """How often a trainer joining an elastic job asks whether the shards serve yet."""
 SNAPSHOT_TIMEOUT_S = 30.0
 """Longest `DenseShardClient.snapshot` retries for a cut in which every shard is at the same k."""
+RECENT_DECISIONS = 4
+"""Shard 0 remembers this many of each trainer's newest kept decisions, to void them if it departs."""
+VOID_WINDOW = 1024
+"""A void rides on the decisions that follow it until this many more were decided."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +110,15 @@ class Decision:
     """How many kept pushes shard 0 decided before this one since it was configured."""
     admission: Admission
     """GBA's rule's verdict (staleness, weight, whether it completes a global batch)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Void:
+    """A kept decision of a trainer that departed: the other shards count its samples without its gradient."""
+
+    seq: int
+    admission: Admission
+    num_samples: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +146,8 @@ class PushRequest:
     reply_params: bool = True
     """Whether the reply should carry the shard's parameters when k has passed `token`; False
     when the trainer's watcher brings them (module docstring)."""
+    voided: tuple["Void", ...] = ()
+    """For the other shards: shard 0's voids (`ShardReply.voided`), taken before the decision."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +163,9 @@ class ShardReply:
     """Decay weight the pushed gradient got (0: dropped); 1 for pulls."""
     decision: Decision | None = None
     """Shard 0's reply to a kept push: the decision the other shards must follow."""
+    voided: tuple["Void", ...] = ()
+    """Shard 0's reply to any push: departed trainers' decisions the other shards may never receive
+    (module docstring), handed to them with the push's parts (or its pulls, when it was dropped)."""
 
 
 class DenseShard:
@@ -142,8 +175,10 @@ class DenseShard:
     """Methods that may wait for other calls (the transport runs them on its pool); every other
     method returns without waiting on anything but the shard's lock."""
 
-    def __init__(self) -> None:
-        """Empty until a trainer `configure`s it: a server rank does not know the model."""
+    def __init__(self, roster: Roster | None = None) -> None:
+        """Empty until a trainer `configure`s it: a server rank does not know the model. `roster`:
+        the server's membership, whose departures shard 0 turns into voids (None: nobody departs)."""
+        self._roster = roster
         self.start = self.end = self.num_trainers = self.index = 0
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -175,8 +210,16 @@ class DenseShard:
         """Shard 0: kept decisions handed out since configure (the next `Decision.seq`)."""
         self._next_seq = 0
         """The other shards: the `Decision.seq` to apply next."""
-        self._pending: dict[int, tuple[PushRequest, bool]] = {}
-        """The other shards: pushes that arrived before their predecessors, by seq (with finiteness)."""
+        self._pending: dict[int, tuple[PushRequest | Void, bool]] = {}
+        """The other shards: pushes (with finiteness) or voids that arrived before their predecessors, by seq."""
+        self._recent: dict[int, collections.deque[Void]] = {}
+        """Shard 0: each trainer's newest kept decisions, voided if it departs."""
+        self._voided: list[Void] = []
+        """Shard 0: the voids of departed trainers' decisions still carried (the last `VOID_WINDOW`)."""
+        self._departures_seen = 0
+        """Shard 0: how many of the roster's departures were turned into voids."""
+        self._voids = 0
+        """Shard 0: decisions voided; the other shards: voids applied (their trainer's part never came)."""
         self._published: tuple[int, torch.Tensor] | None = None
         """(k, a copy of the parameters at k) that replies carry; never written once published."""
 
@@ -214,7 +257,7 @@ class DenseShard:
             self._configured_at = time.monotonic()
             self.index, self._on_nonfinite, self._failure = index, on_nonfinite, None
             self._decided = self._next_seq = 0
-            self._pending = {}
+            self._pending, self._recent, self._voided = {}, {}, []
             self._published = None
             self._changed.notify_all()
             return True
@@ -278,10 +321,13 @@ class DenseShard:
             return True
 
     # ----------------------------------------------------------------------------- push and pull
-    def pull(self, with_params: bool = True) -> ShardReply:
-        """The shard's token and mode request, and its parameters unless `with_params` is False."""
+    def pull(self, with_params: bool = True, voided: Sequence[Void] = ()) -> ShardReply:
+        """The shard's token and mode request, and its parameters unless `with_params` is False;
+        `voided` (the other shards): shard 0's voids, applied first (`settle`)."""
         with self._lock:
             self._require_configured()
+            if voided:
+                self._apply_in_order(voided)
             return self._reply(known=None if with_params else self._aggregator.global_step, exact=True)
 
     def watch(self, token: int, timeout_s: float) -> ShardReply | None:
@@ -330,7 +376,10 @@ class DenseShard:
         admission, mean = self._aggregator.decide(request.gradient, request.token, request.num_samples)
         decision = None
         if not admission.dropped:
-            decision, self._decided = Decision(self._decided, admission), self._decided + 1
+            decision = Decision(self._decided, admission)
+            recent = self._recent.setdefault(request.trainer, collections.deque(maxlen=RECENT_DECISIONS))
+            recent.append(Void(self._decided, admission, request.num_samples))
+            self._decided += 1
         self._count(request, admission)
         if mean is not None:
             self._step(mean)
@@ -348,18 +397,58 @@ class DenseShard:
         if decision.seq < self._next_seq or decision.seq in self._pending:
             raise ValueError(f"push refused by dense shard {self.index}: decision {decision.seq} was already applied")
         self._pending[decision.seq] = (request, finite)
-        while self._next_seq in self._pending:
-            ready, ready_finite = self._pending.pop(self._next_seq)
-            self._next_seq += 1
-            admission = ready.decision.admission
-            mean = self._aggregator.follow(ready.gradient if ready_finite else None, admission, ready.num_samples)
-            self._count(ready, admission)
-            if mean is not None:
-                self._step(mean)
+        self._apply_in_order(request.voided)
         if not finite:
             raise ValueError(f"push refused by dense shard {self.index}: trainer {request.trainer}'s gradient has "
                              "NaN or inf values here (its decision was kept without it, so k stays shard 0's)")
         return self._push_reply(request, decision.admission.weight)
+
+    def voided(self) -> list[Void]:
+        """Shard 0: the voids the other shards may still lack (`DenseShardClient.settle`)."""
+        with self._lock:
+            self._require_configured()
+            return list(self._current_voids())
+
+    def settle(self, voided: Sequence[Void]) -> int:
+        """The other shards: apply shard 0's `voided` decisions they lack, and every decision that
+        waited for them; returns this shard's k."""
+        with self._lock:
+            _, aggregator = self._require_configured()
+            if self.index == 0:
+                raise ValueError("settle refused by dense shard 0: it decides pushes, it does not follow decisions")
+            self._apply_in_order(voided)
+            return aggregator.global_step
+
+    def _apply_in_order(self, voided: Sequence[Void]) -> None:
+        """Take `voided` decisions not held yet, then apply every pending decision whose turn has come
+        (a follower, the lock held)."""
+        for void in voided:
+            if void.seq >= self._next_seq and void.seq not in self._pending:
+                self._pending[void.seq] = (void, False)
+        while self._next_seq in self._pending:
+            ready, ready_finite = self._pending.pop(self._next_seq)
+            self._next_seq += 1
+            if isinstance(ready, Void):
+                mean = self._aggregator.follow(None, ready.admission, ready.num_samples)
+                self._voids += 1
+            else:
+                admission = ready.decision.admission
+                mean = self._aggregator.follow(ready.gradient if ready_finite else None, admission, ready.num_samples)
+                self._count(ready, admission)
+            if mean is not None:
+                self._step(mean)
+
+    def _current_voids(self) -> tuple[Void, ...]:
+        """Shard 0: void the recent decisions of trainers that departed since the last call, and
+        return the voids still carried (the lock held)."""
+        departures = self._roster.departures if self._roster is not None else []
+        for departure in departures[self._departures_seen:]:
+            voids = self._recent.pop(departure.trainer, ())
+            self._voided.extend(voids)
+            self._voids += len(voids)
+        self._departures_seen = len(departures)
+        self._voided = [void for void in self._voided if void.seq >= self._decided - VOID_WINDOW]
+        return tuple(self._voided)
 
     def _nonfinite(self, request: PushRequest) -> ShardReply:
         """Shard 0 and a non-finite gradient: dropped and counted (skip) or the job fails (fail)."""
@@ -406,6 +495,7 @@ class DenseShard:
                 "dropped_samples_at_switch": self._dropped_samples_at_switch,
                 "nonfinite_dropped": self._nonfinite_dropped,
                 "pending_pushes": len(self._pending),
+                "voided_decisions" if self.index == 0 else "voids_applied": self._voids,
                 "failure": self._failure,
             }
 
@@ -431,9 +521,11 @@ class DenseShard:
         return self._published[1]
 
     def _push_reply(self, request: PushRequest, weight: float, decision: Decision | None = None) -> ShardReply:
-        """`_reply` to a push: parameters only if the trainer asked for them and k passed its token."""
+        """`_reply` to a push: parameters only if the trainer asked for them and k passed its token;
+        from shard 0, with the voids the other shards may lack."""
         known = request.token if request.reply_params else self._aggregator.global_step
-        return self._reply(weight, decision, known)
+        reply = self._reply(weight, decision, known)
+        return dataclasses.replace(reply, voided=self._current_voids()) if self.index == 0 else reply
 
     def _require_configured(self) -> tuple[FlatOptimizer, GlobalBatchAggregator]:
         if self._optimizer is None or self._aggregator is None:
@@ -464,7 +556,7 @@ class DenseShard:
 
 def serve_dense_shard(transport: Transport) -> None:
     """On a server rank: host an (unconfigured) dense shard; trainers configure it."""
-    transport.serve(DENSE_SERVICE, DenseShard())
+    transport.serve(DENSE_SERVICE, DenseShard(transport.roster))
 
 
 class DenseShardClient:
@@ -518,11 +610,11 @@ class DenseShardClient:
         if not others:
             return [first]
         if first.decision is None:  # the others only answer with their parameters, at shard 0's weight (dropped)
-            pulled = self._fan_out("pull", [(reply_params,)] * len(others), first_shard=1)
+            pulled = self._fan_out("pull", [(reply_params, first.voided)] * len(others), first_shard=1)
             return [first, *(dataclasses.replace(reply, weight=first.weight) for reply in pulled)]
         return [first, *self._fan_out("push", [
             (PushRequest(trainer, start, end, gradient[start:end], token, num_samples, compute_s, True,
-                         first.decision, reply_params),)
+                         first.decision, reply_params, first.voided),)
             for start, end in others
         ], first_shard=1)]
 
@@ -536,6 +628,7 @@ class DenseShardClient:
 
     def export(self) -> dict[str, Any]:
         """Take the shards' optimizer state back as one whole-vector export; the shards go idle."""
+        self.settle()
         return concat_exports(self._fan_out("export"))
 
     def snapshot(self, timeout_s: float = SNAPSHOT_TIMEOUT_S) -> dict[str, Any]:
@@ -547,9 +640,18 @@ class DenseShardClient:
             steps = sorted({part["global_step"] for part in parts})
             if len(steps) == 1:
                 return concat_exports(parts)
+            self.settle()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"dense shards stayed at different global steps {steps} for {timeout_s}s")
             time.sleep(0.002)
+
+    def settle(self) -> None:
+        """Hand the other shards the voids of departed trainers' decisions (`DenseShard.settle`): what
+        closes a gap in their order when no later decision carries the voids (the end of a job)."""
+        if len(self.bounds) > 1:
+            voided = self._shard0("voided")
+            if voided:
+                self._fan_out("settle", [(voided,)] * (len(self.bounds) - 1), first_shard=1)
 
     def begin_close(self) -> bool:
         """Ask shard 0 to close in GBA mode (`DenseShard.begin_close`): False while a switch is pending."""
