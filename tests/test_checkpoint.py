@@ -495,6 +495,9 @@ def _server_run(case: str, directory: Path, last: int, resume: bool) -> dict[str
                     checkpointer.save(train.step, state)
                 if train.step == SERVER_STOP_AT:
                     out["at_stop"] = _held_state(model, optimizer, sync, tables, centre)
+                    # no trainer's next rows may reach the servers while trainer 0 reads their state (seen:
+                    # 14 rows of step SERVER_STOP_AT + 1 pending in at_stop, none in the checkpoint)
+                    dist.barrier(group=job.trainer_group)
             out["final"] = _held_state(model, optimizer, sync, tables, centre)
             if resume:
                 out |= _fallback(checkpointer, state, directory, setup)
