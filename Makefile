@@ -10,7 +10,7 @@ NPROC ?= 2
 CONFIG ?= examples/configs/bmuf.yaml
 PRESET ?=
 
-.PHONY: setup run test test-newer bench bench-quick bench-quality bench-scaling bench-gba bench-2d bench-ps soak clean
+.PHONY: setup run test test-newer bench bench-quick bench-quality bench-scaling bench-gba bench-2d bench-ps bench-elastic soak clean
 
 setup: $(STAMP)
 
@@ -84,6 +84,11 @@ bench-2d: $(STAMP)
 # and embedding lookups / row pushes (benchmarks/bench_ps.py; runs/bench_ps.json)
 bench-ps: $(STAMP)
 	$(PY) benchmarks/bench_ps.py --embeddings
+
+# A trainer killed at 30% of a GBA job with PS-hosted tables (4 trainers + 1 server, the elastic layout) and
+# restarted 20 s later, against the same job uninterrupted (benchmarks/bench_elastic.py; runs/bench_elastic.json)
+bench-elastic: $(STAMP)
+	$(PY) benchmarks/bench_elastic.py
 
 # Soak (not in `make test`): random configurations as torchrun jobs with faults, restarts and resumes,
 # for SOAK_MINUTES; the report goes to runs/soak.json (benchmarks/soak.py).
