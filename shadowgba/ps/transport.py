@@ -336,6 +336,9 @@ class Transport:
         self.roster = Roster(len(roles.trainer_ranks), on_trainer_lost)
         """Server: the trainers' arrivals and the first failure it knows of (`shadowgba.ps.membership`)."""
         self._started_at = time.monotonic()
+        self._admitted_at: dict[int, float] = {}
+        """Server: per trainer index, when its newest session was admitted (a rejoining process has
+        no channel until the session's group is built)."""
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._acceptor: Acceptor | None = None
         # trainer side
@@ -498,8 +501,11 @@ class Transport:
 
     def _refusal(self, info: SessionInfo) -> str | None:
         """Server: why `info`'s session is refused (its trainer process departed), or None: the
-        process is (again) a member (`Roster.join`)."""
-        return self.roster.join(info.trainer, info.incarnation)
+        process is (again) a member (`Roster.join`), heard from now."""
+        refusal = self.roster.join(info.trainer, info.incarnation)
+        if refusal is None:  # one dict store: called with and without `_lock` held
+            self._admitted_at[info.trainer] = time.monotonic()
+        return refusal
 
     def _lose(self, trainer: int, incarnation: int, message: str) -> None:
         """Server: trainer `trainer`'s process `incarnation` was lost or aborted (`message`). Under
@@ -739,8 +745,9 @@ class Transport:
                 break
             now = time.monotonic()
             with self._lock:
-                heard = {index: self._channels[index].last_heard if index in self._channels else self._started_at
-                         for index in missing}
+                # a trainer whose session is still being set up was heard when it was admitted
+                heard = {index: self._channels[index].last_heard if index in self._channels else
+                         self._admitted_at.get(index, self._started_at) for index in missing}
             silent = [index for index in missing if now - heard[index] > lost_after_s]
             if silent:
                 index = silent[0]
