@@ -405,10 +405,7 @@ class Channel:
             else:
                 already, self._closing = False, True
         if not already:
-            try:
-                self._transmit(CLOSE, None, wait=False)
-            except RuntimeError:
-                pass
+            self._send_close()
         self._fail_pending(self._refusal())
         self.wait_closed(wait_s)
 
@@ -501,11 +498,15 @@ class Channel:
         with self._state_lock:  # the peer closed: answer once, unless this side closed first
             answered, self._closing = self._closing, True
         if not answered:
-            try:
-                self._transmit(CLOSE, None, wait=False)
-            except RuntimeError:
-                pass
+            self._send_close()
         self._fail_pending(self._refusal())
+
+    def _send_close(self) -> None:
+        """Post CLOSE without waiting (a peer that is gone fails the receiver instead)."""
+        try:
+            self._transmit(CLOSE, None, wait=False)
+        except RuntimeError:
+            pass
 
     def _settle_lanes(self, kind: int, body: Any) -> None:
         """The peer offered its lane (map it, answer whether that worked) or answered this side's offer."""

@@ -323,11 +323,10 @@ class DenseShard:
     # ----------------------------------------------------------------------------- push and pull
     def pull(self, with_params: bool = True, voided: Sequence[Void] = ()) -> ShardReply:
         """The shard's token and mode request, and its parameters unless `with_params` is False;
-        `voided` (the other shards): shard 0's voids, applied first (`settle`)."""
+        `voided` (the other shards): shard 0's voids, applied first (`DenseShardClient.settle`)."""
         with self._lock:
             self._require_configured()
-            if voided:
-                self._apply_in_order(voided)
+            self._apply_in_order(voided)
             return self._reply(known=None if with_params else self._aggregator.global_step, exact=True)
 
     def watch(self, token: int, timeout_s: float) -> ShardReply | None:
@@ -409,19 +408,11 @@ class DenseShard:
             self._require_configured()
             return list(self._current_voids())
 
-    def settle(self, voided: Sequence[Void]) -> int:
-        """The other shards: apply shard 0's `voided` decisions they lack, and every decision that
-        waited for them; returns this shard's k."""
-        with self._lock:
-            _, aggregator = self._require_configured()
-            if self.index == 0:
-                raise ValueError("settle refused by dense shard 0: it decides pushes, it does not follow decisions")
-            self._apply_in_order(voided)
-            return aggregator.global_step
-
     def _apply_in_order(self, voided: Sequence[Void]) -> None:
         """Take `voided` decisions not held yet, then apply every pending decision whose turn has come
         (a follower, the lock held)."""
+        if voided and self.index == 0:
+            raise ValueError("voids refused by dense shard 0: it decides pushes, it does not follow decisions")
         for void in voided:
             if void.seq >= self._next_seq and void.seq not in self._pending:
                 self._pending[void.seq] = (void, False)
@@ -646,12 +637,12 @@ class DenseShardClient:
             time.sleep(0.002)
 
     def settle(self) -> None:
-        """Hand the other shards the voids of departed trainers' decisions (`DenseShard.settle`): what
+        """Hand the other shards the voids of departed trainers' decisions (with a pull): what
         closes a gap in their order when no later decision carries the voids (the end of a job)."""
         if len(self.bounds) > 1:
             voided = self._shard0("voided")
             if voided:
-                self._fan_out("settle", [(voided,)] * (len(self.bounds) - 1), first_shard=1)
+                self._fan_out("pull", [(False, voided)] * (len(self.bounds) - 1), first_shard=1)
 
     def begin_close(self) -> bool:
         """Ask shard 0 to close in GBA mode (`DenseShard.begin_close`): False while a switch is pending."""
