@@ -29,7 +29,6 @@ import dataclasses
 import json
 import multiprocessing
 import os
-import queue
 import resource
 import signal
 import statistics
@@ -37,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torchrec.models.dlrm import DLRM, DLRMTrain
@@ -48,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 import shadowgba  # noqa: E402 (the checkout's package, as the tests import it)
 from ctrkit.evaluation import log_loss, roc_auc  # noqa: E402
+from ctrkit.events import Events  # noqa: E402
 from ctrkit.synthetic import SyntheticConfig, SyntheticCTR  # noqa: E402
 from shadowgba.config import SyncConfig  # noqa: E402
 from shadowgba.gba.config import GBAConfig  # noqa: E402
@@ -96,7 +96,7 @@ def tables(data: SyntheticCTR) -> list[EmbeddingBagConfig]:
             for index, (feature, size) in enumerate(zip(data.feature_names, data.num_embeddings_per_feature))]
 
 
-def process(rank: int, run: Run, events: Any) -> None:
+def process(rank: int, run: Run, send: Callable[[tuple], None]) -> None:
     """One process of the job (`rank`: its SHADOWGBA_RANK; the server is rank TRAINERS)."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(run.port), **{ELASTIC_RANK: str(rank)})
@@ -104,8 +104,8 @@ def process(rank: int, run: Run, events: Any) -> None:
     options = shadowgba.ps_table_options(config(), TRAINERS, BATCH, optimizer="rowwise_adagrad", lr=EMBEDDING_LR)
     job = shadowgba.join(config(), tables=tables(data), table_options=options)
     if job.is_server:
-        events.put(("server", [dataclasses.astuple(left) for left in job.transport.roster.departures],
-                    job.served["dense"].stats()["global_step"]))
+        send(("server", [dataclasses.astuple(left) for left in job.transport.roster.departures],
+              job.served["dense"].stats()["global_step"]))
         return
     trainer, incarnation = job.trainer_index, job.transport.incarnation
     torch.manual_seed(0)
@@ -127,11 +127,11 @@ def process(rank: int, run: Run, events: Any) -> None:
             index += 1
             position.with_suffix(".tmp").write_text(str(index))
             position.with_suffix(".tmp").replace(position)
-            events.put(("step", trainer, incarnation, index, sync.global_step, time.time()))
+            send(("step", trainer, incarnation, index, sync.global_step, time.time()))
         embeddings.flush()
         if trainer == 0:  # the model at the last global step: every trainer's pushes counted, as in the other run
             sync.wait_for_global_step(run.global_steps, timeout_s=60.0)
-            events.put(("quality", *evaluate(model, data)))
+            send(("quality", *evaluate(model, data)))
 
 
 def evaluate(model: DLRMTrain, data: SyntheticCTR) -> tuple[float, float]:
@@ -154,13 +154,11 @@ def children_cpu_s() -> float:
 def run_job(run: Run) -> dict[str, Any]:
     """Run one job to its last global step; its timeline and figures."""
     context = multiprocessing.get_context("spawn")
-    events = context.Queue()
+    events = Events(context)
     cpu_before = children_cpu_s()
 
     def start(rank: int) -> Any:
-        child = context.Process(target=process, args=(rank, run, events), daemon=True)
-        child.start()
-        return child
+        return events.start(process, (rank, run))
 
     server = start(TRAINERS)
     trainers = {index: start(index) for index in range(TRAINERS)}
@@ -170,10 +168,7 @@ def run_job(run: Run) -> dict[str, Any]:
     deadline = time.monotonic() + 1800
     try:
         while (server_report is None or quality is None) and time.monotonic() < deadline:
-            try:
-                event = events.get(timeout=0.5)
-            except queue.Empty:
-                event = None
+            event = events.receive(timeout_s=0.5)
             if event is not None and event[0] == "step":
                 steps.append(event[1:])
             elif event is not None and event[0] == "server":

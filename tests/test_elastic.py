@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from shadowgba.config import SyncConfig
 from shadowgba.gba.config import GBAConfig
 from shadowgba.ps.config import PSConfig
 from shadowgba.ps.transport import ELASTIC_RANK, RECONNECT_GRACE_S
+from ctrkit.events import Events
 from tests.multiprocess import _context, free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -66,7 +66,7 @@ class Model(nn.Module):
         return self.top(self.embeddings(ids).values())
 
 
-def run_process(rank: int, port: int, fault: str, progress: Any, finish: Any) -> None:
+def run_process(rank: int, port: int, fault: str, finish: Any, send: Callable[[tuple], None]) -> None:
     """One process of the job (`rank`: its SHADOWGBA_RANK): a trainer reports every step as
     (trainer, incarnation, step, global step, time) until `finish` is set, and what ended it if it
     raised ("error", trainer, incarnation, message); a server reports its index, pid, its dense
@@ -76,7 +76,7 @@ def run_process(rank: int, port: int, fault: str, progress: Any, finish: Any) ->
     options = shadowgba.ps_table_options(config(fault), TRAINERS, BATCH, lr=0.05)
     job = shadowgba.join(config(fault), tables=[TABLE], table_options=options)
     if job.is_server:
-        progress.put(("server", rank - TRAINERS, os.getpid(), job.served["dense"].stats(),
+        send(("server", rank - TRAINERS, os.getpid(), job.served["dense"].stats(),
                       [dataclasses.astuple(left) for left in job.transport.roster.departures]))
         return
     torch.manual_seed(0)
@@ -85,14 +85,14 @@ def run_process(rank: int, port: int, fault: str, progress: Any, finish: Any) ->
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     incarnation = job.transport.incarnation
     try:
-        train(job.trainer_index, incarnation, model, embeddings, optimizer, job, progress, finish)
+        train(job.trainer_index, incarnation, model, embeddings, optimizer, job, send, finish)
     except Exception as error:
-        progress.put(("error", job.trainer_index, incarnation, str(error)))
+        send(("error", job.trainer_index, incarnation, str(error)))
         raise
 
 
 def train(trainer: int, incarnation: int, model: nn.Module, embeddings: Any, optimizer: torch.optim.Optimizer,
-          job: shadowgba.Job, progress: Any, finish: Any) -> None:
+          job: shadowgba.Job, send: Callable[[tuple], None], finish: Any) -> None:
     generator = torch.Generator().manual_seed(trainer)
     with shadowgba.dense_sync(model, optimizer, job, local_batch_size=BATCH) as sync:
         for step in range(1, MAX_STEPS + 1):
@@ -104,7 +104,7 @@ def train(trainer: int, incarnation: int, model: nn.Module, embeddings: Any, opt
             embeddings.push_gradients()
             optimizer.step()
             optimizer.zero_grad()
-            progress.put((trainer, incarnation, step, sync.global_step, time.time()))
+            send((trainer, incarnation, step, sync.global_step, time.time()))
             if finish.is_set():
                 break
             time.sleep(0.02)
@@ -117,13 +117,11 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
     `sync.timeout_s`, then SIGCONT: the server decided after `timeout_s` of silence, and the
     continued process finds itself departed and exits naming why (no hang)."""
     context = _context()
-    progress, finish, port = context.Queue(), context.Event(), free_port()
+    events, finish, port = Events(context), context.Event(), free_port()
     errors: list[tuple] = []
 
     def start(rank: int) -> Any:
-        process = context.Process(target=run_process, args=(rank, port, fault, progress, finish), daemon=True)
-        process.start()
-        return process
+        return events.start(run_process, (rank, port, fault, finish))
 
     servers = [start(TRAINERS + index) for index in range(SERVERS[fault])]
     trainers = {index: start(index) for index in range(TRAINERS)}
@@ -134,10 +132,7 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
     deadline = time.monotonic() + 50
     try:
         while len(finals) < len(servers) and time.monotonic() < deadline:
-            try:
-                event = progress.get(timeout=0.5)
-            except queue.Empty:
-                event = None
+            event = events.receive(timeout_s=0.5)
             if event is not None and event[0] == "server":
                 finals[event[1]] = event
                 continue
@@ -158,8 +153,9 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
                 finish.set()
     finally:
         finish.set()
+        joined_by = time.monotonic() + 8  # within pytest's timeout: a process still alive then is killed
         for process in [*servers, *trainers.values()]:
-            process.join(10)
+            process.join(max(0.0, joined_by - time.monotonic()))
             if process.is_alive():
                 process.kill()
     assert len(finals) == len(servers), f"a server never reported the end of the job; last steps: {steps[-5:]}, {errors}"
