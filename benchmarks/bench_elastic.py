@@ -71,17 +71,31 @@ TIMEOUT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
-    """One job of the benchmark."""
+class Kill:
+    """One trainer process SIGKILLed mid-run, and a new process of it started later."""
 
-    interrupted: bool
-    global_steps: int
-    kill_at: float
+    trainer: int
+    at: float
+    """When: once a step reports a global step of at least this fraction of the run's and the
+    trainer's current process has trained (a kill of a trainer still down or starting waits for its
+    new process's first step, so every killed process had joined the job)."""
     restart_after_s: float
+    """Seconds from the kill to the new process's start."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One job of the benchmark (or of the soak, `benchmarks/soak.py`)."""
+
+    global_steps: int
+    kills: tuple[Kill, ...]
+    """In the order they fire; none: the uninterrupted run."""
     compute_ms: float
     lr: float
     port: int
     workdir: str
+    deadline_s: float = 1800.0
+    """A job not finished by then is killed, and `run_job` raises."""
 
 
 def config() -> SyncConfig:
@@ -152,7 +166,8 @@ def children_cpu_s() -> float:
 
 
 def run_job(run: Run) -> dict[str, Any]:
-    """Run one job to its last global step; its timeline and figures."""
+    """Run one job to its last global step; its timeline (every step, and each kill's `killed_at`,
+    `restarted_at` and the new process's `incarnation`) and figures."""
     context = multiprocessing.get_context("spawn")
     events = Events(context)
     cpu_before = children_cpu_s()
@@ -162,26 +177,38 @@ def run_job(run: Run) -> dict[str, Any]:
 
     server = start(TRAINERS)
     trainers = {index: start(index) for index in range(TRAINERS)}
+    incarnations = dict.fromkeys(trainers, 1)
+    trained: set[int] = set()
+    """Trainers whose current process has reported a step."""
     steps: list[tuple[int, int, int, int, float]] = []
     server_report = quality = None
-    killed_at = restarted_at = None
-    deadline = time.monotonic() + 1800
+    pending, down, kills = list(run.kills), {}, []
+    deadline = time.monotonic() + run.deadline_s
     try:
         while (server_report is None or quality is None) and time.monotonic() < deadline:
             event = events.receive(timeout_s=0.5)
             if event is not None and event[0] == "step":
                 steps.append(event[1:])
+                if event[2] == incarnations[event[1]]:
+                    trained.add(event[1])
             elif event is not None and event[0] == "server":
                 server_report = event[1:]
             elif event is not None and event[0] == "quality":
                 quality = event[1:]
-            if run.interrupted and killed_at is None and steps and steps[-1][3] >= run.kill_at * run.global_steps:
-                os.kill(trainers[KILLED].pid, signal.SIGKILL)
-                killed_at = time.time()
-            elif killed_at is not None and restarted_at is None and time.time() >= killed_at + run.restart_after_s:
-                trainers[KILLED].join(10)
-                trainers[KILLED] = start(KILLED)
-                restarted_at = time.time()
+            for kill in [kill for kill in pending if kill.trainer in trained and steps
+                         and steps[-1][3] >= kill.at * run.global_steps][:1]:
+                pending.remove(kill)
+                trained.discard(kill.trainer)
+                os.kill(trainers[kill.trainer].pid, signal.SIGKILL)
+                down[kill.trainer] = {"trainer": kill.trainer, "killed_at": time.time(),
+                                      "restart_after_s": kill.restart_after_s}
+            for trainer, record in list(down.items()):
+                if time.time() >= record["killed_at"] + record["restart_after_s"]:
+                    trainers[trainer].join(10)
+                    trainers[trainer] = start(trainer)
+                    incarnations[trainer] += 1
+                    kills.append({**down.pop(trainer), "restarted_at": time.time(),
+                                  "incarnation": incarnations[trainer]})
     finally:
         for child in [server, *trainers.values()]:
             child.join(30)
@@ -189,8 +216,9 @@ def run_job(run: Run) -> dict[str, Any]:
                 child.kill()
                 child.join()
     if server_report is None or quality is None:
-        raise RuntimeError(f"the job did not finish: last steps {steps[-3:]}")
-    return {"steps": steps, "killed_at": killed_at, "restarted_at": restarted_at, "departures": server_report[0],
+        raise RuntimeError(f"the job did not finish within {run.deadline_s:g} s: last steps {steps[-3:]}, "
+                           f"kills {kills}, still down {list(down.values())}, not fired {pending}")
+    return {"steps": steps, "kills": kills, "departures": server_report[0],
             "global_step": server_report[1], "auc": quality[0], "log_loss": quality[1],
             "cpu_s": children_cpu_s() - cpu_before, "exit_codes": [child.exitcode for child in [server, *trainers.values()]]}
 
@@ -217,11 +245,12 @@ def figures(result: dict[str, Any], kill_time: float | None, outage_s: float, ki
     before = window_rate(steps, warm, kill, everyone)
     during = window_rate(steps, kill, kill + outage_s, survivors)
     samples = len(steps) * BATCH
+    restarted_at = result["kills"][0]["restarted_at"] if result["kills"] else None
     rejoined = [step for step in steps if step[:2] == (KILLED, 2)]
     return {
         "samples_per_s_before": before, "survivors_samples_per_s_outage": during,
         "outage_ratio": during / before if before else float("nan"),
-        "rejoin_s": rejoined[0][4] - result["restarted_at"] if rejoined and result["restarted_at"] else None,
+        "rejoin_s": rejoined[0][4] - restarted_at if rejoined and restarted_at else None,
         "auc": result["auc"], "log_loss": result["log_loss"], "global_step": result["global_step"],
         "samples": samples, "cpu_s_per_1k_samples": 1000 * result["cpu_s"] / samples,
         "wall_s": max(step[4] for step in steps) - begin, "departures": result["departures"],
@@ -247,16 +276,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows: dict[str, list[dict[str, Any]]] = {"uninterrupted": [], "interrupted": []}
     for rep in range(args.reps):
         order = [False, True] if rep % 2 == 0 else [True, False]
-        kill_times: dict[str, float] = {}
         for interrupted in order:
             with tempfile.TemporaryDirectory() as workdir:
-                run = Run(interrupted, args.global_steps, args.kill_at, args.restart_after_s, args.compute_ms,
-                          args.lr, args.port + rep * 2 + int(interrupted), workdir)
+                kills = (Kill(KILLED, args.kill_at, args.restart_after_s),) if interrupted else ()
+                run = Run(args.global_steps, kills, args.compute_ms, args.lr, args.port + rep * 2 + int(interrupted),
+                          workdir)
                 result = run_job(run)
             name = "interrupted" if interrupted else "uninterrupted"
-            row = figures(result, result["killed_at"], args.restart_after_s, args.kill_at * args.global_steps)
+            killed_at = result["kills"][0]["killed_at"] if result["kills"] else None
+            row = figures(result, killed_at, args.restart_after_s, args.kill_at * args.global_steps)
             rows[name].append(row)
-            kill_times[name] = result["killed_at"] or 0.0
             print(f"rep {rep} {name}: " + ", ".join(f"{key}={value:.4g}" if isinstance(value, float) else
                                                     f"{key}={value}" for key, value in row.items()), flush=True)
     print("\n| run | samples/s before | survivors' samples/s in the outage | ratio | rejoin s | AUC | log loss | "

@@ -1,6 +1,6 @@
 """Soak: torchrun jobs of randomly chosen configurations, faults injected, restarted and resumed, for M minutes.
 
-    python benchmarks/soak.py --minutes 6 [--seed 0] [--job-timeout-s 180] [--output runs/soak.json]
+    python benchmarks/soak.py --minutes 6 [--seed 0] [--job-timeout-s 180] [--elastic-share 0.1] [--output runs/soak.json]
     make soak [SOAK_MINUTES=6]
 
 Not part of `make test`. Each job is one `torchrun --standalone --max-restarts=1` run of
@@ -22,6 +22,15 @@ Not part of `make test`. Each job is one `torchrun --standalone --max-restarts=1
   without a restart, with a finite held-out loss; elsewhere nothing repairs its replica, so the
   job runs with `--sync.max_skipped_steps 1`: it ends at the next step (before a checkpoint could
   keep the NaN) and the restart resumes as after a failure.
+- or, in a share of the draws (`--elastic-share`, default one in ten), an *elastic* job (`gba_elastic`: `benchmarks/bench_elastic.py`'s job,
+  shorter): 4 trainers and 1 server of the elastic layout, each a process of its own, GBA with
+  PS-hosted tables; 1-3 trainers, drawn at random (the same one may be drawn again: its new process
+  is then killed once it has trained), are SIGKILLed at random points of the run and a new process
+  of each is started 1-6 s later (before or after the server has declared the old one departed,
+  `RECONNECT_GRACE_S`), and the job is never restarted.
+  Such a job is an error unless every kill fired, the server recorded exactly the killed processes
+  as departed, every new process trained within `REJOIN_WITHIN_S` of its start, the job reached its
+  global step, and every process still running at the end exited 0.
 A job that runs past `--job-timeout-s` is a hang: torchrun and every worker are killed. A job that exits
 non-zero is an error; so is a finished job whose results contradict its schedule (no restart after
 a fault that fired, a fault that did not fire, a resume from another step than the last checkpoint
@@ -29,6 +38,8 @@ before the fault, or a step count other than the one asked for).
 
 "Samples lost" counts the work a restarted job had done past its last checkpoint and did again:
 (fault step - resumed_from_step) x batch size x trainers; with a checkpoint at the fault step it is 0.
+An elastic job redoes nothing (a killed trainer loses at most its in-flight batches, which GBA's
+global batch does not wait for), so it adds 0; its kills and rejoins are counted instead.
 The report (a table, and every job's record in the JSON file) sums over the jobs.
 """
 
@@ -48,7 +59,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dlrm.faults import FAULTS_ENV, KILL_ENV  # benchmarks/ is this script's folder: its modules import as scripts do
+from bench_elastic import TRAINERS as ELASTIC_TRAINERS  # benchmarks/ is this script's folder: its modules
+from bench_elastic import Kill, Run  # import as scripts do
+from bench_elastic import run_job as run_elastic
+from dlrm.faults import FAULTS_ENV, KILL_ENV
+from dlrm.host import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 32
@@ -72,13 +87,25 @@ CONFIGS: dict[str, tuple[str, int, list[str]]] = {  # name: (config file, ranks,
 }
 
 
+ELASTIC = "gba_elastic"
+"""The elastic job's name in the draws and the report (module docstring)."""
+ELASTIC_GLOBAL_STEPS = 1200
+"""The elastic job's length in global steps (about 45 s here): long enough that each new process
+trains before the end, even a second kill of one trainer, which waits for its first new process
+to train (kills at no later than 40% of the run, restarts at most 6 s after)."""
+REJOIN_WITHIN_S = 30.0
+"""A new trainer process must report its first step within this of its start."""
+
+
 REPAIRED = frozenset({"gba_torchrec", "gba_ps_tables", "sync_allreduce"})
 """Configurations whose dense weights a shared optimizer owns (GBA's shards, or the sync
 all-reduce's flat optimizer on every trainer): a trainer whose weights turn NaN takes them back."""
 
 
-def draw_job(rng: random.Random, index: int) -> dict[str, Any]:
-    """One job's configuration, pacing, schedule and fault."""
+def draw_job(rng: random.Random, index: int, elastic_share: float) -> dict[str, Any]:
+    """One job's configuration, pacing, schedule and fault; elastic with probability `elastic_share`."""
+    if rng.random() < elastic_share:
+        return draw_elastic_job(rng, index)
     name = rng.choice(sorted(CONFIGS))
     config, ranks, extra = CONFIGS[name]
     trainers = ranks - (1 if ranks == 3 else 0)
@@ -104,6 +131,55 @@ def draw_job(rng: random.Random, index: int) -> dict[str, Any]:
         args += ["--sync.max_skipped_steps", "1"]
     return {"index": index, "name": name, "ranks": ranks, "trainers": trainers, "steps": steps,
             "checkpoint_every": every, "gba": gba, "fault": fault, "args": args}
+
+
+def draw_elastic_job(rng: random.Random, index: int) -> dict[str, Any]:
+    """An elastic job: its kills, in firing order."""
+    points = sorted(rng.uniform(0.1, 0.4) for _ in range(rng.randint(1, 3)))
+    kills = [(rng.randrange(ELASTIC_TRAINERS), round(at, 3), round(rng.uniform(1.0, 6.0), 1)) for at in points]
+    return {"index": index, "name": ELASTIC, "ranks": ELASTIC_TRAINERS + 1, "trainers": ELASTIC_TRAINERS,
+            "steps": ELASTIC_GLOBAL_STEPS, "checkpoint_every": 0, "gba": None, "fault": None, "kills": kills}
+
+
+def run_elastic_job(job: dict[str, Any], workdir: Path, timeout_s: float) -> dict[str, Any]:
+    """Run one elastic job (`bench_elastic.run_job`), its kills and rejoins; checked as the module says."""
+    here = workdir / f"job_{job['index']:04d}"
+    here.mkdir()
+    run = Run(job["steps"], tuple(Kill(*kill) for kill in job["kills"]), compute_ms=20.0, lr=0.002,
+              port=free_port(), workdir=str(here), deadline_s=timeout_s)
+    started = time.monotonic()
+    outcome = {**job, "rounds": 0, "mode_switches": 0, "checkpoints": 0, "restarts": 0, "samples_lost": 0,
+               "trainer_kills": 0, "rejoins": 0, "log": str(here / "log.txt")}
+    try:
+        result = run_elastic(run)
+    except RuntimeError as error:  # it did not finish within the deadline
+        (here / "log.txt").write_text(str(error))
+        return {**outcome, "wall_s": round(time.monotonic() - started, 1), "status": "hang"}
+    steps, kills = result["steps"], result["kills"]
+    rejoin_s = []
+    for kill in kills:
+        first = [step[4] for step in steps if step[:2] == (kill["trainer"], kill["incarnation"])]
+        rejoin_s.append(round(first[0] - kill["restarted_at"], 2) if first else None)
+    killed = sorted((kill["trainer"], kill["incarnation"] - 1) for kill in kills)
+    departed = sorted((trainer, incarnation) for trainer, incarnation, *_ in result["departures"])
+    outcome.update(wall_s=round(time.monotonic() - started, 1), trainer_kills=len(kills),
+                   rejoins=sum(seconds is not None for seconds in rejoin_s), rejoin_s=rejoin_s,
+                   departures=result["departures"], global_step=result["global_step"], auc=result["auc"])
+    problems = []
+    if len(kills) != len(job["kills"]):
+        problems.append(f"{len(kills)} of {len(job['kills'])} kills fired and restarted")
+    if departed != killed:
+        problems.append(f"departures {departed}, killed {killed}")
+    if any(seconds is None or seconds > REJOIN_WITHIN_S for seconds in rejoin_s):
+        problems.append(f"seconds from each restart to its first step: {rejoin_s} (limit {REJOIN_WITHIN_S:g})")
+    if result["global_step"] < job["steps"] or not math.isfinite(result["auc"]):
+        problems.append(f"global step {result['global_step']} of {job['steps']}, AUC {result['auc']}")
+    if any(code != 0 for code in result["exit_codes"]):
+        problems.append(f"exit codes (server, trainers) {result['exit_codes']}")
+    (here / "log.txt").write_text(json.dumps({**result, "steps": len(steps)}, indent=1))
+    if problems:
+        return {**outcome, "status": "error", "why": "; ".join(problems)}
+    return {**outcome, "status": "ok"}
 
 
 def _descendants(pid: int) -> list[int]:
@@ -151,7 +227,8 @@ def run_job(job: dict[str, Any], workdir: Path, timeout_s: float) -> dict[str, A
             returncode = None
     outcome = {**{k: v for k, v in job.items() if k != "args"}, "wall_s": round(time.monotonic() - started, 1),
                "returncode": returncode, "log": str(here / "log.txt"),
-               "rounds": 0, "mode_switches": 0, "checkpoints": 0, "restarts": 0, "samples_lost": 0}
+               "rounds": 0, "mode_switches": 0, "checkpoints": 0, "restarts": 0, "samples_lost": 0,
+               "trainer_kills": 0, "rejoins": 0}
     if returncode is None:
         return {**outcome, "status": "hang"}
     if returncode != 0 or not output.exists():
@@ -204,6 +281,7 @@ def report(outcomes: list[dict[str, Any]], minutes: float) -> dict[str, Any]:
         "mode_switches": total("mode_switches"), "checkpoints": total("checkpoints"),
         "restarts": total("restarts"), "errors": sum(o["status"] == "error" for o in outcomes),
         "hangs": sum(o["status"] == "hang" for o in outcomes), "samples_lost": total("samples_lost"),
+        "trainer_kills": total("trainer_kills"), "rejoins": total("rejoins"),
     }
 
 
@@ -215,11 +293,12 @@ def table(summary: dict[str, Any], outcomes: list[dict[str, Any]]) -> str:
     by_config: dict[str, list[dict[str, Any]]] = {}
     for outcome in outcomes:
         by_config.setdefault(outcome["name"], []).append(outcome)
-    lines += ["| configuration | jobs | faults | restarts | errors | hangs | wall s mean |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| configuration | jobs | faults (elastic: kills) | job restarts | rejoins | errors | hangs | wall s mean |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, runs in sorted(by_config.items()):
-        lines.append(f"| {name} | {len(runs)} | {sum(bool(r['fault']) for r in runs)} | "
-                     f"{sum(r['restarts'] for r in runs)} | {sum(r['status'] == 'error' for r in runs)} | "
+        lines.append(f"| {name} | {len(runs)} | {sum(bool(r['fault']) + r['trainer_kills'] for r in runs)} | "
+                     f"{sum(r['restarts'] for r in runs)} | {sum(r['rejoins'] for r in runs)} | "
+                     f"{sum(r['status'] == 'error' for r in runs)} | "
                      f"{sum(r['status'] == 'hang' for r in runs)} | {sum(r['wall_s'] for r in runs) / len(runs):.1f} |")
     return "\n".join(lines)
 
@@ -230,6 +309,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws (default: %(default)s)")
     parser.add_argument("--job-timeout-s", type=float, default=180.0,
                         help="a job running longer is a hang and is killed (default: %(default)s)")
+    parser.add_argument("--elastic-share", type=float, default=0.1,
+                        help="share of the draws that are elastic jobs (default: %(default)s)")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "soak.json")
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -237,10 +318,14 @@ def main() -> None:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="soak_") as scratch:
         while time.monotonic() - started < args.minutes * 60:
-            job = draw_job(rng, len(outcomes))
-            outcome = run_job(job, Path(scratch), args.job_timeout_s)
+            job = draw_job(rng, len(outcomes), args.elastic_share)
+            runner = run_elastic_job if job["name"] == ELASTIC else run_job
+            outcome = runner(job, Path(scratch), args.job_timeout_s)
             outcomes.append(outcome)
-            fault = "{}:{}:{}".format(*job["fault"]) if job["fault"] else "no fault"
+            if job["name"] == ELASTIC:
+                fault = "kills " + ",".join("{}@{}+{}s".format(*kill) for kill in job["kills"])
+            else:
+                fault = "{}:{}:{}".format(*job["fault"]) if job["fault"] else "no fault"
             print(f"job {job['index']:3d} {job['name']:15s} {job['steps']:3d} steps, every {job['checkpoint_every']:2d}, "
                   f"{fault:12s} {job['gba'] or '':22s} -> {outcome['status']} ({outcome['wall_s']:.1f} s)"
                   + (f": {outcome.get('why')}; log kept below" if outcome["status"] != "ok" else ""), flush=True)

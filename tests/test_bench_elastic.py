@@ -24,7 +24,8 @@ def timeline(kill: float | None, restart: float | None, end: float = 60.0) -> li
 
 
 def result(steps: list, restarted_at: float | None) -> dict:
-    return {"steps": steps, "restarted_at": restarted_at, "auc": 0.7, "log_loss": 0.5, "global_step": 100,
+    kills = [] if restarted_at is None else [{"trainer": KILLED, "restarted_at": restarted_at, "incarnation": 2}]
+    return {"steps": steps, "kills": kills, "auc": 0.7, "log_loss": 0.5, "global_step": 100,
             "cpu_s": 12.0, "departures": [], "exit_codes": [0] * (TRAINERS + 1)}
 
 
