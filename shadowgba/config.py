@@ -159,6 +159,9 @@ class SyncConfig:
                 f"trainers alone, not with sync.algo '{self.algo}' or parameter servers (ps.num_servers "
                 f"{self.ps.num_servers}); set sharding_group_size: 0 for those"
             )
+        if self.ps.checkpoint_dir and self.algo != "gba":
+            raise ConfigError(f"ps.checkpoint_dir: the servers' own checkpoints hold GBA's dense shards and the "
+                              f"PS-hosted tables; sync.algo '{self.algo}' has neither")
         if self.ps.num_servers and self.algo not in PS_ALGOS:
             raise ConfigError(
                 f"ps.num_servers: parameter servers need sync.algo gba or easgd_ps, not '{self.algo}' "

@@ -7,7 +7,9 @@
     ├── CheckpointError (ValueError) a state that does not fit this job; nothing was changed
     └── SyncError                   a round, push or collective failed while running; the cause is
         └── PeerLost                chained (`__cause__`) and the local weights are intact
-                                    a peer rank stopped answering; names the rank
+            │                       a peer rank stopped answering; names the rank
+            └── ServerRestarted     a server came back as a new process, restored from its checkpoint,
+                                    while a call to it was in flight (the call was not run again)
 
 Errors raised while the library cleans up after the *user's* exception never replace it: they are
 logged and attached to it as notes (`DenseSync.__exit__`).
@@ -38,3 +40,9 @@ class SyncError(ShadowGBAError):
 
 class PeerLost(SyncError):
     """A peer rank (trainer or server) stopped answering; the message names it."""
+
+
+class ServerRestarted(PeerLost):
+    """A server process was replaced by a new one, restored from the servers' own checkpoint, while a
+    call to it was in flight: the call is not sent again (the new process holds older state); the
+    caller re-reads what it holds from the server (`GBAClient`, `PSEmbeddingBagCollection`)."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import itertools
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -54,12 +55,15 @@ from shadowgba.ps.dense_server import DENSE_SERVICE, DenseShard
 from shadowgba.ps.membership import Heartbeat, NoticeBoard
 from shadowgba.ps.transport import NO_TRAINER_GROUP, Roles, Transport, failure_message
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
+from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
 from shadowgba.reporting import MetricsReporter
 from shadowgba.shadow.runtime import ShadowSync
 from shadowgba.shadow.tables import TableFragments
 
 if TYPE_CHECKING:  # PS-hosted tables need TorchRec: imported where used (`shadowgba.optional`)
     from shadowgba.ps.embedding import PSEmbeddingBagCollection, PSEmbeddingConfig
+
+logger = logging.getLogger("shadowgba")
 
 _JOB_NUMBERS = itertools.count()
 """Numbers the jobs this process joins (`Job.name`)."""
@@ -254,12 +258,16 @@ def join(
         return job
     transport = Transport.start(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s,
                                 rpc_timeout_s=config.ps.rpc_timeout_s, on_trainer_lost=config.ps.on_trainer_lost,
-                                num_trainers=config.ps.num_trainers)
+                                num_trainers=config.ps.num_trainers, server_restart_s=config.ps.server_restart_s)
     roles = transport.roles
     job = Job(config, roles, transport, tables, table_options)
     if roles.is_server:
-        _serve(job)
-        job.close()
+        writer = _serve(job)
+        try:
+            job.close()
+        finally:
+            if writer is not None:
+                writer.close()
         return job
     if optional.available("torchrec") and not roles.elastic:  # without TorchRec or a trainer group, no DMP to guard
         torchrec_integration = optional.torchrec_integration("the sharding guard")
@@ -369,8 +377,9 @@ def dense_sync(
     return sync
 
 
-def _serve(job: Job) -> None:
-    """A server rank's services for `job.config.algo` (trainers configure or initialise them)."""
+def _serve(job: Job) -> CheckpointWriter | None:
+    """A server rank's services for `job.config.algo` (trainers configure or initialise them), resumed
+    from and saved to the servers' own checkpoints under `sync.ps.checkpoint_dir` (the writer)."""
     transport = job.require_transport()
     if job.config.algo == "easgd_ps":
         job.served[CENTER_SERVICE] = ElasticCenter()
@@ -380,8 +389,26 @@ def _serve(job: Job) -> None:
         embedding = optional.ps_embedding("PS-hosted tables")
         job.served[embedding.DEFAULT_SERVICE] = embedding.EmbeddingShard(
             list(job.tables), job.table_options, job.roles.server_index, job.roles.num_servers)
+    writer = _restore_and_checkpoint(job) if job.config.ps.checkpoint_dir else None
     for name, service in job.served.items():
         transport.serve(name, service)
+    return writer
+
+
+def _restore_and_checkpoint(job: Job) -> CheckpointWriter:
+    """Server: take the services' state from this server's newest checkpoint, if any (a restarted
+    process, before it serves), and save them every `sync.ps.checkpoint_every` global steps."""
+    checkpoints = ServerCheckpoints(job.config.ps.checkpoint_dir, job.roles.server_index)
+    saved = checkpoints.latest()
+    if saved is not None:
+        for name, state in saved.items():
+            job.served[name].restore(state)
+        logger.warning("shadowgba: %s resumed from its checkpoint of global step %d (%s)", job.roles.name,
+                       saved["dense"]["exported"]["global_step"], checkpoints.folder)
+    writer = CheckpointWriter(checkpoints, {name: service.export_state for name, service in job.served.items()
+                                            if name != DENSE_SERVICE})
+    job.served[DENSE_SERVICE].on_checkpoint(job.config.ps.checkpoint_every, writer.offer)
+    return writer
 
 
 def _torchrec_integration() -> Any:

@@ -163,6 +163,11 @@ class GBAMetrics(SyncMetrics):
         self.nonfinite_skipped = 0
         """Non-finite (NaN / Inf) gradients left out under on_nonfinite skip: in sync mode every
         trainer counts every trainer's; in GBA and local mode each counts its own."""
+        self.server_restarts = 0
+        """Times this trainer found a server restored from its checkpoint and took its parameters again."""
+        self.pushes_lost_to_restart = 0
+        """Gradients in flight or queued when a server restarted: computed on newer parameters than
+        the restored ones, never applied."""
 
     def record_push(self, weight: float) -> None:
         """A shard answered a push with the decay weight it gave the gradient (0: dropped)."""
@@ -181,13 +186,20 @@ class GBAMetrics(SyncMetrics):
         with self._lock:
             self.nonfinite_skipped += count
 
+    def record_server_restart(self, pushes_lost: int, restarted: bool) -> None:
+        """Gradients lost to a server's restart; `restarted`: one this trainer had not counted yet."""
+        with self._lock:
+            self.server_restarts += int(restarted)
+            self.pushes_lost_to_restart += pushes_lost
+
     def summary(self) -> dict[str, float]:
         summary = super().summary()
         with self._lock:
             summary.update(
                 queue_dropped=self.queue_dropped, decayed=self.push_weights.decayed,
                 stale_dropped=self.push_weights.dropped, mode_switches=self.mode_switches,
-                nonfinite_skipped=self.nonfinite_skipped,
+                nonfinite_skipped=self.nonfinite_skipped, server_restarts=self.server_restarts,
+                pushes_lost_to_restart=self.pushes_lost_to_restart,
             )
         return summary
 
@@ -198,4 +210,6 @@ class GBAMetrics(SyncMetrics):
             f"{super().format()} queue_dropped={s['queue_dropped']} decayed={s['decayed']} "
             f"stale_dropped={s['stale_dropped']} mode_switches={s['mode_switches']}"
             + (f" nonfinite_skipped={s['nonfinite_skipped']}" if s["nonfinite_skipped"] else "")
+            + (f" server_restarts={s['server_restarts']} pushes_lost_to_restart={s['pushes_lost_to_restart']}"
+               if s["server_restarts"] else "")
         )

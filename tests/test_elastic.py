@@ -6,15 +6,20 @@ meet at server 0's store by `SHADOWGBA_RANK`. The test kills trainer 1 (SIGKILL)
 waits past `RECONNECT_GRACE_S`, or stops it (SIGSTOP) for twice `sync.timeout_s` and continues it
 (then the process must find itself departed and exit naming why), so that the server decides on
 its own that it left; then it starts trainer 1 again as a new process, and lets every trainer
-finish once the new one has trained.
+finish once the new one has trained. The last test kills the server instead: it runs as a torchrun
+job of its own, which restarts it, and resumes from its own checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -27,9 +32,10 @@ import shadowgba
 from shadowgba.config import SyncConfig
 from shadowgba.gba.config import GBAConfig
 from shadowgba.ps.config import PSConfig
+from shadowgba.ps.embedding import DEFAULT_SERVICE
 from shadowgba.ps.transport import ELASTIC_RANK, RECONNECT_GRACE_S
 from ctrkit.events import Events
-from tests.multiprocess import _context, free_port
+from tests.multiprocess import CHECKOUT, _context, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,17 +50,25 @@ MAX_STEPS = 2000
 """Bound on any trainer's steps (a test that never signals the end fails, it does not hang)."""
 
 
-TIMEOUT_S = {"kill": 10.0, "stop": 4.0}
+TIMEOUT_S = {"kill": 10.0, "stop": 4.0, "server": 10.0}
 """`sync.timeout_s` per fault: a stop must outlast it, so it is short there."""
-SERVERS = {"kill": 2, "stop": 1}
+SERVERS = {"kill": 2, "stop": 1, "server": 1}
 """Servers per fault: with two, the dense vector has two shards, and a departed trainer's decided
 push that never reached shard 1 must not stall it (its void closes the gap)."""
+SERVER_CHECKPOINT_EVERY = 5
+"""The `server` fault: global steps between the server's own checkpoints."""
+SERVER_KILL_AT = 20
+"""The `server` fault: the server is killed once a trainer reports this global step."""
+SERVER_DOWN_S = 1.0
+"""The `server` fault: seconds between the kill and the new server process's start."""
 
 
-def config(fault: str) -> SyncConfig:
+def config(fault: str, checkpoint_dir: str | None = None) -> SyncConfig:
+    restart = dict(checkpoint_dir=checkpoint_dir, checkpoint_every=SERVER_CHECKPOINT_EVERY,
+                   server_restart_s=30.0) if fault == "server" else {}
     return SyncConfig(algo="gba", timeout_s=TIMEOUT_S[fault], ps=PSConfig(
-        num_servers=SERVERS[fault], num_trainers=TRAINERS, rpc_timeout_s=TIMEOUT_S[fault], on_trainer_lost="continue"),
-        gba=GBAConfig(initial_mode="gba"))
+        num_servers=SERVERS[fault], num_trainers=TRAINERS, rpc_timeout_s=TIMEOUT_S[fault], on_trainer_lost="continue",
+        **restart), gba=GBAConfig(initial_mode="gba"))
 
 
 class Model(nn.Module):
@@ -66,18 +80,23 @@ class Model(nn.Module):
         return self.top(self.embeddings(ids).values())
 
 
-def run_process(rank: int, port: int, fault: str, finish: Any, send: Callable[[tuple], None]) -> None:
+def run_process(rank: int, port: int, fault: str, checkpoint_dir: str | None, finish: Any,
+                send: Callable[[tuple], None]) -> None:
     """One process of the job (`rank`: its SHADOWGBA_RANK): a trainer reports every step as
-    (trainer, incarnation, step, global step, time) until `finish` is set, and what ended it if it
-    raised ("error", trainer, incarnation, message); a server reports its index, pid, its dense
-    shard's stats and its departures when the job is over."""
+    (trainer, incarnation, step, global step, time) until `finish` is set, then ("final", trainer,
+    incarnation, its metrics, row pushes lost to a server's restart), and what ended it if it raised
+    ("error", trainer, incarnation, message); a server reports its index, pid, its dense shard's
+    stats, its departures and its tables' stats when the job is over (`checkpoint_dir`: the `server`
+    fault's server checkpoints)."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{ELASTIC_RANK: str(rank)})
-    options = shadowgba.ps_table_options(config(fault), TRAINERS, BATCH, lr=0.05)
-    job = shadowgba.join(config(fault), tables=[TABLE], table_options=options)
+    sync_config = config(fault, checkpoint_dir)
+    options = shadowgba.ps_table_options(sync_config, TRAINERS, BATCH, lr=0.05)
+    job = shadowgba.join(sync_config, tables=[TABLE], table_options=options)
     if job.is_server:
         send(("server", rank - TRAINERS, os.getpid(), job.served["dense"].stats(),
-                      [dataclasses.astuple(left) for left in job.transport.roster.departures]))
+              [dataclasses.astuple(left) for left in job.transport.roster.departures],
+              job.served[DEFAULT_SERVICE].stats()))
         return
     torch.manual_seed(0)
     embeddings = job.ps_embeddings()
@@ -109,6 +128,7 @@ def train(trainer: int, incarnation: int, model: nn.Module, embeddings: Any, opt
                 break
             time.sleep(0.02)
         embeddings.flush()
+    send(("final", trainer, incarnation, sync.metrics.summary(), embeddings.pushes_lost_to_restart))
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
@@ -121,7 +141,7 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
     errors: list[tuple] = []
 
     def start(rank: int) -> Any:
-        return events.start(run_process, (rank, port, fault, finish))
+        return events.start(run_process, (rank, port, fault, None, finish))
 
     servers = [start(TRAINERS + index) for index in range(SERVERS[fault])]
     trainers = {index: start(index) for index in range(TRAINERS)}
@@ -136,7 +156,7 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
             if event is not None and event[0] == "server":
                 finals[event[1]] = event
                 continue
-            if event is not None:
+            if event is not None and event[0] != "final":
                 (errors if event[0] == "error" else steps).append(event)
             ours = [s for s in steps if s[0] == 1]
             if killed_at is None and ours and ours[-1][2] >= KILL_AT_STEP:
@@ -176,17 +196,17 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
         assert len(outage) >= 10, (index, len(outage))
     assert [finals[index][2] for index in range(len(servers))] == [server.pid for server in servers]
     assert all(server.exitcode == 0 for server in servers), [server.exitcode for server in servers]
-    _, _, _, dense, departures = finals[0]
+    _, _, _, dense, departures, _ = finals[0]
     pushes, global_step = dense["pushes_by_trainer"], dense["global_step"]
     assert all(process.exitcode == 0 for process in trainers.values()), [p.exitcode for p in trainers.values()]
     # every server decided on its own that trainer 1's first process left (its connection closed, and
     # no new session came within RECONNECT_GRACE_S), and nobody else
-    for _, _, _, _, departures in finals.values():
+    for _, _, _, _, departures, _ in finals.values():
         [(trainer, incarnation, left_at, why)] = departures
         assert (trainer, incarnation) == (1, 1) and killed_at < left_at < restarted_at, departures
         assert ("its connection closed and no new session came" if fault == "kill" else "(sync.timeout_s)") in why, why
     # every other shard applied every decision (by its part or its void) and ended at shard 0's k
-    for _, index, _, other, _ in finals.values():
+    for _, index, _, other, _, _ in finals.values():
         assert (other["global_step"], other["pending_pushes"]) == (global_step, 0), (index, other)
     # the restarted process rejoined and trained on the current parameters, not on fresh ones
     rejoined = [s for s in steps if s[:2] == (1, 2)]
@@ -199,3 +219,93 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
     in_flight = config(fault).gba.queue_size + 2
     assert len(before) + len(rejoined) - in_flight <= pushes[1] <= len(first) + len(rejoined) + 1, (pushes, len(first))
     assert 0 < global_step <= sum(pushes.values()) // TRAINERS, (global_step, pushes)  # kept samples / global batch
+
+
+def test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry_on(tmp_path: Path) -> None:
+    """The server (one, with PS-hosted tables) runs as a torchrun job (`--max-restarts=1`, its agent
+    hosting the store at `--master-port`, where the 3 trainers meet it) and saves its state every
+    SERVER_CHECKPOINT_EVERY global steps. Its worker is SIGKILLed at SERVER_KILL_AT; torchrun starts
+    a new one, which resumes from its newest checkpoint, while the trainers, never restarted, wait
+    (`sync.ps.server_restart_s`), then take its parameters and train on."""
+    context = _context()
+    events, finish, port = Events(context), context.Event(), free_port()
+    checkpoint_dir, report = tmp_path / "ckpt", tmp_path / "server.jsonl"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+         f"--master-port={port}", "--max-restarts=1", "--monitor-interval=0.5", "-m", "tests.test_elastic",
+         str(port), str(checkpoint_dir), str(report)],
+        cwd=CHECKOUT, env={**os.environ, "OMP_NUM_THREADS": "1", ELASTIC_RANK: str(TRAINERS),
+                           "PYTHONPATH": os.pathsep.join(filter(None, [CHECKOUT, os.environ.get("PYTHONPATH")]))},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    trainers = [events.start(run_process, (index, port, "server", str(checkpoint_dir), finish))
+                for index in range(TRAINERS)]
+    steps: list[tuple[int, int, int, int, float]] = []
+    finals: dict[int, tuple] = {}
+    errors: list[tuple] = []
+    killed = killed_at = None
+    deadline = time.monotonic() + 45
+    try:
+        while len(finals) < TRAINERS and time.monotonic() < deadline:
+            event = events.receive(timeout_s=0.5)
+            if event is not None:
+                kind = event[0]
+                if kind == "final":
+                    finals[event[1]] = event
+                else:
+                    (errors if kind == "error" else steps).append(event)
+            if killed_at is None and steps and steps[-1][3] >= SERVER_KILL_AT:
+                killed = int(subprocess.check_output(["pgrep", "-P", str(server.pid)]).split()[0])  # the worker
+                os.kill(killed, signal.SIGKILL)
+                killed_at, killed_step = time.time(), max(step[3] for step in steps)
+            elif killed_at is not None and all(sum(1 for step in steps if step[0] == index and step[4] > killed_at) >= 10
+                                               for index in range(TRAINERS)):
+                finish.set()
+    finally:
+        finish.set()
+        joined_by = time.monotonic() + 8
+        for process in trainers:
+            process.join(max(0.0, joined_by - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+        try:
+            output, _ = server.communicate(timeout=max(1.0, joined_by - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            server.kill()
+            output, _ = server.communicate()
+    assert len(finals) == TRAINERS and server.returncode == 0, (sorted(finals), errors, steps[-3:], output[-3000:])
+    # the fault fired: torchrun's first worker was killed at SERVER_KILL_AT or just after, and restarted
+    assert killed is not None and SERVER_KILL_AT <= killed_step <= SERVER_KILL_AT + 3, killed_step
+    [(pid, restart, dense, tables)] = [json.loads(line) for line in report.read_text().splitlines()]
+    assert pid != killed and restart == 1, (pid, killed, restart)
+    # the new process resumed from a checkpoint of the first, at most one interval behind the kill
+    restored = dense["restored_at"]
+    assert restored % SERVER_CHECKPOINT_EVERY == 0 and killed_step - 2 * SERVER_CHECKPOINT_EVERY <= restored <= killed_step
+    assert tables["restored_at"] is not None, tables
+    saved = sorted(path.name for path in (checkpoint_dir / "ps0").iterdir())
+    assert len(saved) == 2 and all(name.startswith("step_") for name in saved), saved  # the newest KEEP_LAST
+    # the trainers were never restarted, saw one restart each, and trained on the restored parameters
+    assert not errors and all(process.exitcode == 0 for process in trainers), (errors, [p.exitcode for p in trainers])
+    assert {step[1] for step in steps} == {1}
+    after = [step for step in steps if step[4] > killed_at]
+    for index in range(TRAINERS):
+        _, _, _, metrics, _ = finals[index]
+        assert metrics["server_restarts"] == 1, (index, metrics)
+        assert sum(1 for step in after if step[0] == index) >= 10, index
+    # the global step went back to the restored one (a trainer that waited longer may first train later)
+    assert min(step[3] for step in after) <= killed_step, after[:6]
+    assert dense["global_step"] >= restored + 5, (dense["global_step"], restored)
+
+
+def serve_under_torchrun(port: int, checkpoint_dir: str, report: str) -> None:
+    """The server of the test above, as torchrun's worker: it reports (pid, torchrun's restart count,
+    its dense shard's stats, its tables' stats) as one JSON line appended to `report`."""
+    def send(event: tuple) -> None:
+        with open(report, "a") as file:
+            file.write(json.dumps([os.getpid(), int(os.environ["TORCHELASTIC_RESTART_COUNT"]), event[3], event[5]])
+                       + "\n")
+
+    run_process(TRAINERS, port, "server", checkpoint_dir, None, send)
+
+
+if __name__ == "__main__":
+    serve_under_torchrun(int(sys.argv[1]), sys.argv[2], sys.argv[3])

@@ -16,6 +16,7 @@ from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
 from shadowgba.ps.dense_server import DenseShard, DenseShardClient, PushRequest
 from shadowgba.ps.membership import Roster
+from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
 from shadowgba.ps.transport import Roles
 from sync_algos.gba import GlobalBatchAggregator
 from sync_algos.staleness import StalenessDecayConfig
@@ -442,3 +443,39 @@ def test_snapshot_keeps_the_shard_serving() -> None:
     assert snapshot["global_step"] == 1 and shard.stats()["buffered_samples"] == 1
     torch.testing.assert_close(snapshot["param"], -torch.ones(4))
     assert shard.push(PushRequest(1, 0, 4, torch.ones(4), 1, 1, 0.0)).token == 2
+
+
+def test_a_shard_saves_at_each_multiple_of_its_interval_and_a_restored_one_drops_newer_tokens(tmp_path) -> None:
+    """The server's own checkpoints: the shard offers its state when configured and at every
+    `every`-th global step; the writer keeps the newest two files, skips one that does not load; a
+    shard restored from one serves the same parameters and k, and drops (and counts) a push computed
+    on parameters newer than its k instead of refusing it as malformed, as a fresh shard does."""
+    offered: list[tuple[int, dict]] = []
+    shard = configured_shard()
+    shard.on_checkpoint(2, lambda step, state: offered.append((step, state)))
+    for _ in range(5):  # 5 global steps of 2 pushes each
+        for trainer in (0, 1):
+            shard.push(PushRequest(trainer, 0, 4, torch.ones(4), shard.stats()["global_step"], 1, 0.0))
+    assert [step for step, _ in offered] == [0, 2, 4]
+    checkpoints = ServerCheckpoints(tmp_path, server_index=0)
+    writer = CheckpointWriter(checkpoints, {"tables": lambda: {"rows": torch.arange(3)}})
+    for step, state in offered:  # a writer behind keeps the newest only: any subset ending at 4 is written
+        writer.offer(step, state)
+    writer.close()
+    assert writer.saved[-1] == 4 and set(writer.saved) <= {0, 2, 4}
+    for step, state in offered[:2]:
+        checkpoints.save(step, {"dense": state})
+    assert checkpoints.steps() == [2, 4]  # the newest KEEP_LAST
+    saved = checkpoints.latest()
+    assert saved["dense"]["exported"]["global_step"] == 4 and torch.equal(saved["tables"]["rows"], torch.arange(3))
+    restored = DenseShard()
+    restored.restore(saved["dense"])
+    torch.testing.assert_close(restored.pull().params, -4 * torch.ones(4))  # SGD lr 1, mean gradient 1, 4 steps
+    reply = restored.push(PushRequest(0, 0, 4, torch.ones(4), 5, 1, 0.0))  # made on step 5, before the restart
+    assert reply.weight == 0.0 and reply.token == 4
+    stats = restored.stats()
+    assert (stats["restored_at"], stats["dropped_after_restore"], stats["buffered_samples"]) == (4, 1, 0)
+    with pytest.raises(ValueError, match="token 6 is from the future"):  # the live shard, at k = 5
+        shard.push(PushRequest(0, 0, 4, torch.ones(4), 6, 1, 0.0))
+    (checkpoints.folder / "step_0000000004.pt").write_bytes(b"truncated")
+    assert checkpoints.latest()["dense"]["exported"]["global_step"] == 2

@@ -178,7 +178,8 @@ def test_hogwild_sgd_sums_repeated_ids_and_serves_only_its_own_rows() -> None:
     torch.testing.assert_close(rows(built, [1, 3]), expected)
     assert built.stats() == {
         "pushes": 1, "updates": 1, "rows_applied": 2, "pending_rows": 0, "pending_samples": 0,
-        "nonfinite_dropped": 0, "failure": None, "decayed": 0, "dropped": 0, "staleness_histogram": {},  # hogwild: no tokens
+        "nonfinite_dropped": 0, "restored_at": None, "dropped_after_restore": 0,
+        "failure": None, "decayed": 0, "dropped": 0, "staleness_histogram": {},  # hogwild: no tokens
     }
 
 
@@ -203,7 +204,8 @@ def test_aggregate_mode_applies_the_sample_weighted_mean_once_a_global_batch_has
     torch.testing.assert_close(rows(built, list(range(10))), initial)  # nothing applied yet
     assert built.stats() | {"rows_applied": None} == {
         "pushes": 1, "updates": 0, "rows_applied": None, "pending_rows": 2, "pending_samples": 4,
-        "nonfinite_dropped": 0, "failure": None, "decayed": 0, "dropped": 0, "staleness_histogram": {"0": 1},
+        "nonfinite_dropped": 0, "restored_at": None, "dropped_after_restore": 0,
+        "failure": None, "decayed": 0, "dropped": 0, "staleness_histogram": {"0": 1},
     }
     built.push({"t": (torch.tensor([2, 5]), second)}, 4, 0)  # equal batches: the mean of the two pushes
     expected = initial.clone()
@@ -211,7 +213,8 @@ def test_aggregate_mode_applies_the_sample_weighted_mean_once_a_global_batch_has
     torch.testing.assert_close(rows(built, list(range(10))), expected)
     assert built.stats() == {
         "pushes": 2, "updates": 1, "rows_applied": 3, "pending_rows": 0, "pending_samples": 0,
-        "nonfinite_dropped": 0, "failure": None, "decayed": 0, "dropped": 0, "staleness_histogram": {"0": 2},
+        "nonfinite_dropped": 0, "restored_at": None, "dropped_after_restore": 0,
+        "failure": None, "decayed": 0, "dropped": 0, "staleness_histogram": {"0": 2},
     }
     built.push({"t": (torch.tensor([7]), first[:1])}, 2, 1)  # unequal batches: weighted by samples
     built.push({"t": (torch.tensor([7]), second[:1])}, 6, 1)

@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 
 from shadowgba.dense import DenseParams
-from shadowgba.errors import SyncError
+from shadowgba.errors import ServerRestarted, SyncError
 from shadowgba.metrics import GBAMetrics
 from shadowgba.ps.dense_server import DenseShardClient, ShardReply
 
@@ -88,8 +88,14 @@ class GBAClient:
         self._sync_requested = threading.Event()
         """Set by the pusher when a reply carries a request to switch to sync; cleared by `leave`."""
         self._epoch = 0
-        """Bumped by `leave`: a watch answered before it (parameters of before a switch or a
-        checkpoint load, whose k may be higher than the new one) is not offered after it."""
+        """Bumped by `leave` and `_rebase`: a watch answered before it (parameters of before a switch,
+        a checkpoint load or a server's restart, whose k may be higher than the new one) is not
+        offered after it."""
+        self._rebased = False
+        """Set by `_rebase`: the next `install_fresh` installs what it holds whatever the tokens
+        (a restored server's k went back); guarded by _replies_lock."""
+        self._restarts_seen = 0
+        """The transport's `server_restarts` at the last `_rebase` (both threads may rebase after one)."""
         self._queue: collections.deque[_Queued] = collections.deque()
         self._spare: list[torch.Tensor] = []
         """Gradient buffers neither queued nor being pushed, for `submit` to reuse: at most
@@ -192,7 +198,8 @@ class GBAClient:
         """Install, shard by shard, the newest parameters received since the last install."""
         with self._replies_lock:
             fresh, self._fresh = self._fresh, [None] * len(self._shards.bounds)
-        newer = [reply is not None and reply.token > token for reply, token in zip(fresh, self.tokens)]
+            rebased, self._rebased = self._rebased, False
+        newer = [reply is not None and (rebased or reply.token > token) for reply, token in zip(fresh, self.tokens)]
         if not any(newer):
             return
         slices = [reply.params if new else None for reply, new in zip(fresh, newer)]
@@ -277,8 +284,12 @@ class GBAClient:
     def _push(self, queued: _Queued) -> None:
         started = time.perf_counter()
         gradient = queued.gradient
-        replies = self._shards.push(self._trainer_index, gradient, queued.token, self._local_batch_size,
-                                    queued.compute_s, queued.finite, reply_params=not self._watch)
+        try:
+            replies = self._shards.push(self._trainer_index, gradient, queued.token, self._local_batch_size,
+                                        queued.compute_s, queued.finite, reply_params=not self._watch)
+        except ServerRestarted:
+            self._rebase(pushes_lost=1)
+            return
         if queued.finite:
             self._metrics.record_push(replies[0].weight)  # one decision for the whole push (shard 0's)
         received = sum(reply.params.numel() * reply.params.element_size() for reply in replies if reply.params is not None)
@@ -299,13 +310,39 @@ class GBAClient:
                     max(token, reply.token if reply is not None else token)
                     for token, reply in zip(self._live_tokens, self._fresh)
                 ]
-            replies = [reply for reply in self._shards.watch(known, WATCH_TIMEOUT_S) if reply is not None]
+            try:
+                replies = [reply for reply in self._shards.watch(known, WATCH_TIMEOUT_S) if reply is not None]
+            except ServerRestarted:
+                self._rebase(pushes_lost=0)
+                continue
             if len(replies) < len(known):  # a shard answered None: the shards are leaving GBA (switch to sync)
                 time.sleep(WATCH_TIMEOUT_S)
                 continue
             self._offer(replies, epoch)
             if all(reply.token <= token for reply, token in zip(replies, known)):
                 time.sleep(WATCH_IDLE_S)  # timed out, or answered at once by a shard with all waiters taken
+
+    def _rebase(self, pushes_lost: int) -> None:
+        """A server came back restored from its checkpoint, at an older k (either background thread):
+        pull every shard's parameters for the training thread to install whatever their tokens, and
+        drop the queued gradients, computed on newer parameters than the restored ones (the shards
+        would drop them too). A push in flight at the restart is lost (`pushes_lost`)."""
+        replies = self._shards.pull()
+        restarts = self._shards.transport.server_restarts
+        with self._queue_ready:
+            lost = [queued.gradient for queued in self._queue]
+            self._queue.clear()
+            self._spare.extend(lost)
+            self._queue_ready.notify_all()
+        with self._replies_lock:
+            self._fresh, self._rebased = list(replies), True
+            self._live_tokens = [reply.token for reply in replies]
+            self._epoch += 1
+            restarted, self._restarts_seen = restarts > self._restarts_seen, restarts
+        self._metrics.record_server_restart(pushes_lost + len(lost), restarted)
+        logger.log(logging.WARNING if restarted else logging.DEBUG, "shadowgba: trainer %d: a server restarted "
+                   "from its checkpoint (global step %d); %d gradients computed on newer parameters were dropped",
+                   self._trainer_index, min(reply.token for reply in replies), pushes_lost + len(lost))
 
     def _offer(self, replies: list[ShardReply], epoch: int | None = None) -> None:
         """Keep, per shard, the newest of the replies with parameters received so far (both

@@ -72,7 +72,7 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -222,6 +222,14 @@ class DenseShard:
         """Shard 0: decisions voided; the other shards: voids applied (their trainer's part never came)."""
         self._published: tuple[int, torch.Tensor] | None = None
         """(k, a copy of the parameters at k) that replies carry; never written once published."""
+        self._configured_with: dict[str, Any] = {}
+        """What `configure` was given besides the export: a checkpoint needs it to configure again."""
+        self._checkpoint: tuple[int, Callable[[int, dict[str, Any]], None]] | None = None
+        """(every, offer): the shard's state is offered at each k that is a multiple of every (`on_checkpoint`)."""
+        self._restored_at: int | None = None
+        """The k this shard's process was restored at (`restore`); None: it was configured by a trainer."""
+        self._dropped_after_restore = 0
+        """Pushes computed on parameters newer than the restored k (before a server restart), dropped."""
 
     # -------------------------------------------------------------------------------- mode changes
     def configure(self, start: int, end: int, num_trainers: int, spec: OptimizerSpec, exported: dict[str, Any],
@@ -259,8 +267,28 @@ class DenseShard:
             self._decided = self._next_seq = 0
             self._pending, self._recent, self._voided = {}, {}, []
             self._published = None
+            self._configured_with = dict(start=start, end=end, num_trainers=num_trainers, spec=spec, config=config,
+                                         global_batch=global_batch, index=index, on_nonfinite=on_nonfinite)
+            self._offer_checkpoint(force=True)
             self._changed.notify_all()
             return True
+
+    def on_checkpoint(self, every: int, offer: Callable[[int, dict[str, Any]], None]) -> None:
+        """Offer the shard's state (what `restore` takes: the `configure` arguments and the
+        optimizer's export at k) to `offer(k, state)` now (if configured) and after every step
+        that brings k to a multiple of `every` (`shadowgba.ps.server_state`); called under the
+        shard's lock, so `offer` must only hand the state over."""
+        with self._lock:
+            self._checkpoint = (every, offer)
+            self._offer_checkpoint(force=True)
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Serve again from a state `on_checkpoint` offered (a new server process, before it serves):
+        pushes computed on parameters newer than its k (made before the restart) are dropped and
+        counted, not refused."""
+        self.configure(**state["configure"], exported=state["exported"])
+        with self._lock:
+            self._restored_at = self._aggregator.global_step
 
     def serving(self) -> bool:
         """Whether the shard serves GBA (configured, and not exported since)."""
@@ -372,6 +400,11 @@ class DenseShard:
                              "the others need its decision")
         if not request.finite or not finite:
             return self._nonfinite(request)
+        if self._restored_at is not None and request.token > self._aggregator.global_step:
+            self._dropped_after_restore += 1  # computed before this process was restored to an older k
+            self._pushes_by_trainer[request.trainer] += 1
+            self._pushes += 1
+            return self._push_reply(request, 0.0)
         admission, mean = self._aggregator.decide(request.gradient, request.token, request.num_samples)
         decision = None
         if not admission.dropped:
@@ -461,11 +494,22 @@ class DenseShard:
     def _step(self, mean: torch.Tensor) -> None:
         """Apply one global batch's mean gradient: k advances; shard 0's policy may ask for sync."""
         self._optimizer.step(mean)
+        self._offer_checkpoint()
         self._changed.notify_all()
         if self.index == 0:
             target = self._policy.observe("gba", self._compute_s)
             if target is not None and not self._closing:
                 self._requested_mode = target
+
+    def _offer_checkpoint(self, force: bool = False) -> None:
+        """Offer the state to the checkpoint writer at a multiple of its step, or now if `force`
+        (the lock held)."""
+        if self._checkpoint is None or self._optimizer is None:
+            return
+        every, offer = self._checkpoint
+        k = self._aggregator.global_step
+        if force or k % every == 0:
+            offer(k, {"configure": dict(self._configured_with), "exported": self._optimizer.export()})
 
     # ---------------------------------------------------------------------------------- metrics
     def stats(self) -> dict[str, Any]:
@@ -487,6 +531,8 @@ class DenseShard:
                 "nonfinite_dropped": self._nonfinite_dropped,
                 "pending_pushes": len(self._pending),
                 "voided_decisions" if self.index == 0 else "voids_applied": self._voids,
+                "restored_at": self._restored_at,
+                "dropped_after_restore": self._dropped_after_restore,
                 "failure": self._failure,
             }
 

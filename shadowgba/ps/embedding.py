@@ -70,7 +70,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, poo
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from shadowgba.errors import ConfigError
+from shadowgba.errors import ConfigError, ServerRestarted
 from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.ps.transport import Transport
 from sync_algos.base import is_finite
@@ -175,6 +175,9 @@ class EmbeddingShard:
         self._nonfinite_dropped = 0
         self._failure: str | None = None
         """Under on_nonfinite fail, why the job failed: every later push is refused with it."""
+        self._restored_at: int | None = None
+        """The token (global step) this shard's process was restored at (`restore`); None: never."""
+        self._dropped_after_restore = 0
 
     def lookup(self, ids_by_table: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Current rows of the given ids, per table."""
@@ -204,6 +207,10 @@ class EmbeddingShard:
                 raise ValueError(f"push refused: the job failed: {self._failure}")
             if not finite:
                 self._nonfinite(trainer)
+                return
+            if self._restored_at is not None and self._rule is not None and token > self._rule.global_step:
+                self._pushes += 1  # rows looked up before this process was restored to an older global step
+                self._dropped_after_restore += 1
                 return
             admission = self._admit(token, num_samples)
             self._pushes += 1
@@ -287,6 +294,14 @@ class EmbeddingShard:
                 self._rule.buffered_samples = state["rule"]["buffered_samples"]
             self._staleness = copy.deepcopy(state["staleness"])
 
+    def restore(self, state: Mapping[str, object]) -> None:
+        """Serve again from `export_state()` output (a new server process, before it serves): row
+        pushes of tokens newer than the restored global step (looked up before the restart) are
+        dropped and counted, not refused."""
+        self.import_state(state)
+        with self._lock:
+            self._restored_at = self._update_count()
+
     def _layout(self) -> dict[str, object]:
         return {
             "server_index": self.server_index, "num_servers": self.num_servers,
@@ -308,6 +323,8 @@ class EmbeddingShard:
                 "pending_rows": sum(len(table.pending_rows) for table in self._tables.values()),
                 "pending_samples": 0 if self._rule is None else self._rule.buffered_samples,
                 "nonfinite_dropped": self._nonfinite_dropped,
+                "restored_at": self._restored_at,
+                "dropped_after_restore": self._dropped_after_restore,
                 "failure": self._failure,
                 **self._staleness.summary(),
             }
@@ -423,6 +440,8 @@ class PSEmbeddingBagCollection(nn.Module):
         self._lengths_per_key = [table.embedding_dim for table in self._tables for _ in table.feature_names]
         self._step: _Step | None = None
         self._in_flight: collections.deque[list[torch.futures.Future]] = collections.deque()
+        self.pushes_lost_to_restart = 0
+        """Row pushes that were in flight when their server restarted (`ServerRestarted`), lost."""
         self.guard: NonFiniteGuard | None = None
         """The trainer's guard (`shadowgba.dense_sync` sets it): told of a push with NaN / Inf rows."""
 
@@ -615,18 +634,26 @@ class PSEmbeddingBagCollection(nn.Module):
         dims = {table.name: table.embedding_dim for table in self._tables}
         rows = {name: torch.empty(len(ids), dims[name], dtype=torch.float32) for name, ids in ids_by_table.items()}
         tokens = []
-        for request, future in zip(requests, futures):
-            server_rows, token = future.wait()
+        for server, (request, future) in enumerate(zip(requests, futures)):
+            try:
+                server_rows, token = future.wait()
+            except ServerRestarted:  # the new process of the server answers from its restored rows
+                server_rows, token = self.transport.call(server, self.service, "lookup_with_token",
+                                                         {name: ids for name, (ids, _) in request.items()})
             tokens.append(token)
             for name, values in server_rows.items():
                 rows[name][request[name][1]] = values
         return rows, tokens
 
     def _settle(self, max_left: int) -> None:
-        """Retire finished steps of pushes, waiting while more than `max_left` are in flight."""
+        """Retire finished steps of pushes, waiting while more than `max_left` are in flight. A push
+        in flight when its server restarted is lost (counted in `pushes_lost_to_restart`)."""
         while self._in_flight and (len(self._in_flight) > max_left or all(f.done() for f in self._in_flight[0])):
             for future in self._in_flight.popleft():
-                future.wait()  # raises the service's error, e.g. "push refused: ..."
+                try:
+                    future.wait()  # raises the service's error, e.g. "push refused: ..."
+                except ServerRestarted:
+                    self.pushes_lost_to_restart += 1
 
 
 def checked_tables(tables: Sequence[EmbeddingBagConfig]) -> list[EmbeddingBagConfig]:

@@ -5,10 +5,13 @@
 
 The store is the job's (torchrun's agent store, or MASTER_ADDR:MASTER_PORT's), under this attempt's
 prefix (`attempt_store`), so a restarted attempt never reads a dead attempt's keys; in the elastic
-layout, server 0's store under `elastic/`. Keys of server s
-live under `ps/gen{g}/server{s}/`, where g counts the transports this rank started (every rank
-starts every transport of the job, in the same order, whatever its role in each: the k-th start
-of a trainer meets the k-th of every server):
+layout, the servers' store under `elastic/`. Keys of server s live under `ps/gen{g}/server{s}/{n}/`,
+where g counts the transports this rank started (every rank starts every transport of the job, in
+the same order, whatever its role in each: the k-th start of a trainer meets the k-th of every
+server) and n is the server's incarnation: each process that starts as server s takes the next
+number (`server_incarnation`) and publishes it under `ps/gen{g}/server{s}/current` once it accepts
+sessions, so a server process restarted in the elastic layout never reads its predecessor's tickets,
+and a trainer always asks the newest one (`current_incarnation`):
 
 - `joins`: the ticket counter. A trainer takes a ticket (`store.add(joins, 1)`), writes who it is
   under `join{t}` and `trainer{i}/latest` (its newest ticket), and waits for `accepted{t}`.
@@ -71,9 +74,31 @@ class SessionRefused(RuntimeError):
     """The server refused a trainer's session; the message says why (its process left the job)."""
 
 
-def server_key(generation: int, server: int, key: str) -> str:
-    """The store key `key` of server `server` in transport generation `generation`."""
-    return f"ps/gen{generation}/server{server}/{key}"
+def server_key(generation: int, server: int, incarnation: int, key: str) -> str:
+    """The store key `key` of incarnation `incarnation` of server `server` in transport generation `generation`."""
+    return f"ps/gen{generation}/server{server}/{incarnation}/{key}"
+
+
+def server_incarnation(store: dist.Store, generation: int, server: int) -> int:
+    """A new number for this process of server `server` (1, 2, ...), taken in the job's store."""
+    return store.add(f"ps/gen{generation}/server{server}/incarnations", 1)
+
+
+def current_incarnation(store: dist.Store, generation: int, server: int, within_s: float,
+                        newer_than: int = 0) -> int | None:
+    """The incarnation of server `server` that accepts sessions, once it is newer than `newer_than`;
+    None if none is within `within_s` (or the store is gone)."""
+    key = f"ps/gen{generation}/server{server}/current"
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if store.check([key]) and (incarnation := int(store.get(key))) > newer_than:
+                return incarnation
+        except RuntimeError:
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(POLL_S)
 
 
 def trainer_incarnation(store: dist.Store, generation: int, trainer: int) -> int:
@@ -82,27 +107,31 @@ def trainer_incarnation(store: dist.Store, generation: int, trainer: int) -> int
     return store.add(f"ps/gen{generation}/trainer{trainer}/incarnations", 1)
 
 
-def session_group(namespace: str, generation: int, server: int, ticket: int, rank: int,
+def session_group(namespace: str, generation: int, server: int, incarnation: int, ticket: int, rank: int,
                   timeout_s: float) -> dist.ProcessGroup:
     """This end (server rank 0, trainer rank 1) of session `ticket`'s 2-rank gloo group, whose
     operations time out after `timeout_s`; built over a store client of its own (module docstring),
     under `namespace`, the prefix of the transport's store."""
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                            timeout=datetime.timedelta(seconds=SESSION_SETUP_S))
-    prefix = f"{namespace}/{server_key(generation, server, f'session{ticket}')}"
+    prefix = f"{namespace}/{server_key(generation, server, incarnation, f'session{ticket}')}"
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, client), rank, 2, datetime.timedelta(seconds=timeout_s))
 
 
-def request_session(store: dist.Store, generation: int, server: int, trainer: int, rank: int, timeout_s: float,
-                    accept_within_s: float, incarnation: int = 1) -> SessionInfo:
-    """Trainer: take a ticket at `server`, announce it, and wait up to `accept_within_s` for the
-    server's acceptor to take it. Raises `TimeoutError` when it does not (the server is gone or
-    stopped), `SessionRefused` with the server's reason when it refuses this process."""
-    ticket = store.add(server_key(generation, server, "joins"), 1)
+def request_session(store: dist.Store, generation: int, server: int, server_incarnation: int, trainer: int,
+                    rank: int, timeout_s: float, accept_within_s: float, incarnation: int = 1) -> SessionInfo:
+    """Trainer: take a ticket at incarnation `server_incarnation` of `server`, announce it, and wait
+    up to `accept_within_s` for the server's acceptor to take it. Raises `TimeoutError` when it does
+    not (the server is gone or stopped), `SessionRefused` with the server's reason when it refuses
+    this process."""
+    def key(name: str) -> str:
+        return server_key(generation, server, server_incarnation, name)
+
+    ticket = store.add(key("joins"), 1)
     info = SessionInfo(ticket, trainer, rank, timeout_s, incarnation)
-    store.set(server_key(generation, server, f"trainer{trainer}/latest"), str(ticket))
-    store.set(server_key(generation, server, f"join{ticket}"), pickle.dumps(info))
-    accepted = server_key(generation, server, f"accepted{ticket}")
+    store.set(key(f"trainer{trainer}/latest"), str(ticket))
+    store.set(key(f"join{ticket}"), pickle.dumps(info))
+    accepted = key(f"accepted{ticket}")
     if not await_key(store, accepted, accept_within_s):
         raise TimeoutError(f"no acceptance of session {ticket} within {accept_within_s:g} s")
     answer = store.get(accepted).decode()
@@ -125,10 +154,10 @@ def await_key(store: dist.Store, key: str, within_s: float, ended: threading.Eve
             return False
 
 
-def latest_ticket(store: dist.Store, generation: int, server: int, trainer: int) -> int | None:
+def latest_ticket(store: dist.Store, generation: int, server: int, incarnation: int, trainer: int) -> int | None:
     """Server: the newest session ticket trainer `trainer` took here (None if the store cannot say)."""
     try:
-        return int(store.get(server_key(generation, server, f"trainer{trainer}/latest")))
+        return int(store.get(server_key(generation, server, incarnation, f"trainer{trainer}/latest")))
     except Exception:  # noqa: BLE001 (the store's host is gone)
         return None
 
@@ -136,12 +165,14 @@ def latest_ticket(store: dist.Store, generation: int, server: int, trainer: int)
 class Acceptor:
     """Server: a thread that takes the trainers' session tickets in order and hands each to
     `on_session(info)` in a thread of its own (which builds the channel), until `stop()`; a
-    session for which `refusal(info)` gives a reason is answered with it instead."""
+    session for which `refusal(info)` gives a reason is answered with it instead. Its incarnation
+    of the server is published as the current one when it starts."""
 
-    def __init__(self, store: dist.Store, generation: int, server: int,
+    def __init__(self, store: dist.Store, generation: int, server: int, incarnation: int,
                  on_session: Callable[[SessionInfo], None], refusal: Callable[[SessionInfo], str | None]) -> None:
-        self._store, self._generation, self._server = store, generation, server
+        self._store, self._generation, self._server, self._incarnation = store, generation, server, incarnation
         self._on_session, self._refusal = on_session, refusal
+        store.set(f"ps/gen{generation}/server{server}/current", str(incarnation))
         self._ended = threading.Event()
         self._thread = threading.Thread(target=self._accept, name=f"shadowgba-acceptor-ps{server}", daemon=True)
         self._thread.start()
@@ -154,14 +185,14 @@ class Acceptor:
     def _accept(self) -> None:
         ticket = 1
         while not self._ended.is_set():
-            key = server_key(self._generation, self._server, f"join{ticket}")
+            key = server_key(self._generation, self._server, self._incarnation, f"join{ticket}")
             if not await_key(self._store, key, float("inf"), self._ended):
                 self._ended.wait(POLL_S)  # the store is gone: keep looking, slowly, until the end
                 continue
             try:
                 info: SessionInfo = pickle.loads(self._store.get(key))
                 refused = self._refusal(info)
-                self._store.set(server_key(self._generation, self._server, f"accepted{ticket}"),
+                self._store.set(server_key(self._generation, self._server, self._incarnation, f"accepted{ticket}"),
                                 "1" if refused is None else REFUSED + refused)
             except RuntimeError:  # the store's host is gone
                 continue

@@ -113,12 +113,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shadowgba.errors import PeerLost, SetupError
+from shadowgba.errors import PeerLost, ServerRestarted, SetupError
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost, first_line
 from shadowgba.ps.config import PSConfig
 from shadowgba.ps.membership import Roster, lost_trainer, restart_count
-from shadowgba.ps.sessions import (Acceptor, SessionInfo, SessionRefused, latest_ticket, request_session,
-                                   session_group, trainer_incarnation)
+from shadowgba.ps.sessions import (Acceptor, SessionInfo, SessionRefused, current_incarnation, latest_ticket,
+                                   request_session, server_incarnation, session_group, trainer_incarnation)
 
 logger = logging.getLogger("shadowgba")
 
@@ -310,7 +310,7 @@ class Transport:
 
     def __init__(self, roles: Roles, store: dist.Store, namespace: str, generation: int, timeout_s: float,
                  rpc_timeout_s: float, owns_default_group: bool, sync_group: dist.ProcessGroup | None,
-                 on_trainer_lost: str, incarnation: int = 0) -> None:
+                 on_trainer_lost: str, incarnation: int = 0, server_restart_s: float = 0.0) -> None:
         self.roles = roles
         self.timeout_s = timeout_s
         """The trainer group's collective timeout, the deadline of `barrier()`, and how long a server
@@ -319,7 +319,11 @@ class Transport:
         """How long a trainer's channel may hear nothing from its server before it is replaced."""
         self._store, self._namespace, self._generation = store, namespace, generation
         self.incarnation = incarnation
-        """Trainer: which process of its trainer index this is (`trainer_incarnation`); 0 on servers."""
+        """Which process of its trainer index (`trainer_incarnation`) or server index
+        (`server_incarnation`) this is."""
+        self.server_restart_s = server_restart_s
+        """Trainer: how long a lost server may take to come back as a new process before the calls to
+        it fail (`sync.ps.server_restart_s`; 0: it is lost once it takes no session in `ALIVE_WITHIN_S`)."""
         self._owns_default_group = owns_default_group
         self._sync_group = sync_group
         self._ended = threading.Event()
@@ -350,12 +354,16 @@ class Transport:
         self._replacing: dict[int, threading.Lock] = collections.defaultdict(threading.Lock)
         self._refused: dict[int, tuple[Channel, PeerLost, float]] = {}
         """Trainer: per server, the last failed replacement of a channel (reused for `ALIVE_WITHIN_S`)."""
+        self._server_incarnations: dict[int, int] = {}
+        """Trainer: per server, the incarnation its current channel talks to."""
+        self.server_restarts = 0
+        """Trainer: how often a server came back as a new process (restored from its checkpoint)."""
 
     # ------------------------------------------------------------------------------------ joining
     @classmethod
     def start(cls, num_servers: int, backend: str = "gloo", timeout_s: float | None = None,
               rpc_timeout_s: float | None = None, on_trainer_lost: str = PSConfig.on_trainer_lost,
-              num_trainers: int = 0) -> "Transport":
+              num_trainers: int = 0, server_restart_s: float = 0.0) -> "Transport":
         """Join the job as trainer or server.
 
         One torchrun job (`num_trainers` 0; collective: every rank calls it, in the same order): reads
@@ -366,7 +374,8 @@ class Transport:
         the job's store; no process group is created. Either way every trainer opens a channel to
         every server (replaced after `rpc_timeout_s` of silence; None: `DEFAULT_RPC_TIMEOUT_S`,
         capped at `timeout_s`), and a server that loses a trainer acts on `on_trainer_lost`
-        (`sync.ps.on_trainer_lost`).
+        (`sync.ps.on_trainer_lost`). A trainer whose server stops answering waits up to
+        `server_restart_s` for a new process of it (`sync.ps.server_restart_s`; elastic layout).
         """
         master_addr = os.environ.get("MASTER_ADDR")
         if not master_addr or not os.environ.get("MASTER_PORT"):
@@ -383,16 +392,17 @@ class Transport:
             namespace = attempt_namespace()
             generation = store.add(f"ps/rank{roles.rank}/starts", 1)  # equal on every rank: each starts every transport
         rpc_timeout_s = min(DEFAULT_RPC_TIMEOUT_S if rpc_timeout_s is None else rpc_timeout_s, timeout_s)
-        incarnation = 0 if roles.is_server else trainer_incarnation(store, generation, roles.trainer_index)
+        incarnation = (server_incarnation(store, generation, roles.server_index) if roles.is_server
+                       else trainer_incarnation(store, generation, roles.trainer_index))
         transport = cls(roles, store, namespace, generation, timeout_s, rpc_timeout_s, owns_default_group,
-                        sync_group, on_trainer_lost, incarnation)
+                        sync_group, on_trainer_lost, incarnation, server_restart_s)
         if roles.is_server:
             transport._pool = concurrent.futures.ThreadPoolExecutor(SERVER_THREADS, f"shadowgba-{roles.name}")
-            transport._acceptor = Acceptor(store, generation, roles.server_index, transport._accept,
+            transport._acceptor = Acceptor(store, generation, roles.server_index, incarnation, transport._accept,
                                            transport._refusal)
         else:
             for server in range(num_servers):
-                transport._channels[server] = transport._open(server, timeout_s)
+                transport._channels[server], transport._server_incarnations[server] = transport._open(server, timeout_s)
         transport._pulse.start()
         atexit.register(transport._abort_at_exit)
         return transport
@@ -429,8 +439,8 @@ class Transport:
         """Server, on the acceptor's thread for this session: build the server end of its channel."""
         trainer = f"trainer {info.trainer} (rank {info.rank})"
         try:
-            group = session_group(self._namespace, self._generation, self.roles.server_index, info.ticket, 0,
-                                  self.timeout_s)
+            group = session_group(self._namespace, self._generation, self.roles.server_index, self.incarnation,
+                                  info.ticket, 0, self.timeout_s)
         except RuntimeError:  # the trainer vanished during the setup: its next session, or its loss, decides
             return
         channel = Channel(group, 0, trainer, on_request=self._on_request, on_lost=functools.partial(
@@ -530,7 +540,8 @@ class Transport:
             return
         deadline = time.monotonic() + (0.0 if error.timed_out else RECONNECT_GRACE_S)
         while True:
-            latest = latest_ticket(self._store, self._generation, self.roles.server_index, info.trainer)
+            latest = latest_ticket(self._store, self._generation, self.roles.server_index, self.incarnation,
+                                   info.trainer)
             if latest is not None and latest > info.ticket:
                 return
             if time.monotonic() >= deadline or self._ended.wait(PING_INTERVAL_S / 4):
@@ -617,13 +628,20 @@ class Transport:
             self._in_flight -= 1
             self._in_flight_changed.notify_all()
 
-    def _open(self, server: int, accept_within_s: float) -> Channel:
-        """Trainer: a new session with server `server` (`TimeoutError` if it takes none in time)."""
-        info = request_session(self._store, self._generation, server, self.roles.trainer_index, self.roles.rank,
-                               self.rpc_timeout_s, accept_within_s, self.incarnation)
-        group = session_group(self._namespace, self._generation, server, info.ticket, 1, self.rpc_timeout_s)
-        return Channel(group, 1, server_name(server), on_lost=functools.partial(self._server_channel_lost, server),
-                       timeout_s=self.rpc_timeout_s, peer_timeout_s=self.timeout_s)
+    def _open(self, server: int, accept_within_s: float, newer_than: int = 0) -> tuple[Channel, int]:
+        """Trainer: a new session with the current incarnation of server `server` (one newer than
+        `newer_than`), and that incarnation (`TimeoutError` if none takes a session in time)."""
+        incarnation = current_incarnation(self._store, self._generation, server, accept_within_s, newer_than)
+        if incarnation is None:
+            raise TimeoutError(f"no process of {server_name(server)} newer than incarnation {newer_than} "
+                               f"accepted sessions within {accept_within_s:g} s")
+        info = request_session(self._store, self._generation, server, incarnation, self.roles.trainer_index,
+                               self.roles.rank, self.rpc_timeout_s, accept_within_s, self.incarnation)
+        group = session_group(self._namespace, self._generation, server, incarnation, info.ticket, 1,
+                              self.rpc_timeout_s)
+        channel = Channel(group, 1, server_name(server), on_lost=functools.partial(self._server_channel_lost, server),
+                          timeout_s=self.rpc_timeout_s, peer_timeout_s=self.timeout_s)
+        return channel, incarnation
 
     def _server_channel_lost(self, server: int, channel: Channel, _: ChannelLost) -> None:
         """Trainer: replace a failed channel at once, so a server waiting for this trainer's new
@@ -645,19 +663,35 @@ class Transport:
             refused = self._refused.get(server)
             if refused is not None and refused[0] is failed and time.monotonic() - refused[2] < ALIVE_WITHIN_S:
                 raise refused[1]
+            known = self._server_incarnations[server]
             try:
-                replacement = self._open(server, ALIVE_WITHIN_S)
+                try:
+                    replacement, incarnation = self._open(server, ALIVE_WITHIN_S)
+                except (TimeoutError, RuntimeError) as error:
+                    if not self.server_restart_s:
+                        raise
+                    logger.warning("shadowgba: %s: %s takes no session (%s); waiting up to %g s (sync.ps."
+                                   "server_restart_s) for a new process of it", self.roles.name, server_name(server),
+                                   first_line(error), self.server_restart_s)
+                    replacement, incarnation = self._open(server, self.server_restart_s, newer_than=known)
             except SessionRefused as refused:  # this process left the job: every call of it fails with why
                 lost = PeerLost(f"shadowgba: {server_name(server)} refused {self.roles.name}: {refused}")
                 self._refused[server] = (failed, lost, time.monotonic())
                 raise lost from refused
             except (TimeoutError, RuntimeError) as error:
-                lost = PeerLost(f"shadowgba: {server_name(server)} accepted no new session within {ALIVE_WITHIN_S:g} s "
-                                f"either ({first_line(error)})")
+                waited = f" nor came back within {self.server_restart_s:g} s (sync.ps.server_restart_s)" \
+                    if self.server_restart_s else " either"
+                lost = PeerLost(f"shadowgba: {server_name(server)} accepted no new session within {ALIVE_WITHIN_S:g} s"
+                                f"{waited} ({first_line(error)})")
                 self._refused[server] = (failed, lost, time.monotonic())
                 raise lost from error
             with self._lock:
                 self._channels[server] = replacement
+                if incarnation != known:  # calls begun before this fail (`_Request.send`): its state is older
+                    self._server_incarnations[server] = incarnation
+                    self.server_restarts += 1
+                    logger.warning("shadowgba: %s: %s came back as a new process (incarnation %d)", self.roles.name,
+                                   server_name(server), incarnation)
         failed.close()
         return replacement
 
@@ -677,17 +711,22 @@ class Transport:
     def _await_release(self, key: str, timeout_s: float | None, servers: int | None = None) -> None:
         """Trainer: announce this trainer under `key` to the first `servers` servers (default: all), then
         poll them until every trainer has arrived there; `PeerLost` on a failure, or after `timeout_s`
-        (None: no deadline, the servers' own verdicts decide)."""
+        (None: no deadline, the servers' own verdicts decide). A server that restarted meanwhile
+        forgot the arrivals: this trainer announces itself to it again."""
         roles = self.roles
         servers = roles.num_servers if servers is None else servers
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for server in range(servers):
-            self._control_call(server, "arrive", key, roles.trainer_index)
+            self._arrive(server, key)
         waiting = list(range(servers))
         pause = 0.005
         while waiting:
             for server in list(waiting):
-                missing, failure = self._control_call(server, "missing", key)
+                try:
+                    missing, failure = self._control_call(server, "missing", key)
+                except ServerRestarted:
+                    self._arrive(server, key)
+                    continue
                 if failure is not None:
                     raise PeerLost(failure)
                 if not missing:
@@ -700,6 +739,13 @@ class Transport:
                     )
             time.sleep(pause)
             pause = min(2 * pause, PING_INTERVAL_S / 4)
+
+    def _arrive(self, server: int, key: str) -> None:
+        """Trainer: announce this trainer under `key` to `server` (again, to a process that restarted)."""
+        try:
+            self._control_call(server, "arrive", key, self.roles.trainer_index)
+        except ServerRestarted:
+            self._control_call(server, "arrive", key, self.roles.trainer_index)
 
     def _control_call(self, server: int, method: str, *args: Any) -> Any:
         """A transport request (idempotent) to `server`, from a trainer in `stop()` or `barrier()`."""
@@ -838,6 +884,9 @@ class _Request:
 
     def __init__(self, transport: Transport, server: int, body: Any, what: str) -> None:
         self.transport, self.server, self.body, self.what = transport, server, body, what
+        self.incarnation = transport._server_incarnations.get(server)
+        """The server process the call is meant for: a new one holds older state (restored), so the
+        call is not sent to it again but fails with `ServerRestarted`."""
         self.began = time.monotonic()
         self.late_attempts = 0
         self.result: torch.futures.Future = torch.futures.Future()
@@ -850,6 +899,9 @@ class _Request:
                 self._fail(refused)
             else:
                 self._fail(failure, str(refused))
+            return
+        if self.transport._server_incarnations.get(self.server) != self.incarnation:
+            self._fail_restarted()
             return
         if failed is not None:
             self.transport._calls.count_retry()
@@ -873,6 +925,14 @@ class _Request:
             self._fail(failure)
             return
         self.send(channel, failure)
+
+    def _fail_restarted(self) -> None:
+        roles = self.transport.roles
+        self.result.set_exception(ServerRestarted(
+            f"server {self.server} ({server_name(self.server)}, rank {roles.server_ranks[self.server]}) restarted "
+            f"(incarnation {self.transport._server_incarnations.get(self.server)}, its state restored from its "
+            f"checkpoint) with a call of {roles.name} in flight ({self.what.removeprefix('failed ')}): not sent "
+            "again, the new process holds older state"))
 
     def _fail(self, error: BaseException, note: str | None = None) -> None:
         roles = self.transport.roles
@@ -920,8 +980,10 @@ def _torchrun_roles(num_servers: int, backend: str, timeout: datetime.timedelta 
 
 def elastic_roles(num_trainers: int, num_servers: int, timeout_s: float) -> tuple[Roles, dist.Store, str]:
     """The elastic layout: (this process's roles, from `SHADOWGBA_RANK`, the job's store, its key
-    namespace). Server 0 hosts the store at MASTER_ADDR:MASTER_PORT; every other process is a client
-    of it, and waits up to `timeout_s` for it to be up. No process group is created."""
+    namespace). Server 0 hosts the store at MASTER_ADDR:MASTER_PORT, unless torchrun's agent does
+    (`store_hosted_elsewhere`: the servers are a torchrun job, whose restarted server processes find
+    the same store); every other process is a client of it, and waits up to `timeout_s` for it to be
+    up. No process group is created."""
     try:
         rank = int(os.environ[ELASTIC_RANK])
     except (KeyError, ValueError):
@@ -930,9 +992,15 @@ def elastic_roles(num_trainers: int, num_servers: int, timeout_s: float) -> tupl
                            f"{num_trainers + num_servers - 1} for a server") from None
     roles = dataclasses.replace(Roles.assign(rank, num_trainers + num_servers, num_servers), elastic=True)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=roles.server_index == 0, wait_for_workers=False,
+                          is_master=roles.server_index == 0 and not store_hosted_elsewhere(), wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     return roles, dist.PrefixStore(ELASTIC_NAMESPACE, store), ELASTIC_NAMESPACE
+
+
+def store_hosted_elsewhere() -> bool:
+    """Whether the store at MASTER_ADDR:MASTER_PORT is hosted outside the job's processes: torchrun's
+    agent store (TORCHELASTIC_USE_AGENT_STORE), which outlives the processes it restarts."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def attempt_namespace() -> str:

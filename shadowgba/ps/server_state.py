@@ -1,0 +1,128 @@
+"""The servers' own checkpoints: a server saves what it serves on a schedule, and a new process of it
+resumes from there while the trainers wait (the elastic layout, `sync.ps.checkpoint_dir`).
+
+    checkpoints = ServerCheckpoints(directory, server_index=0)
+    state = checkpoints.latest()                    # at start: None, or {"dense": ..., "embedding": ...}
+    writer = CheckpointWriter(checkpoints, services)  # a thread; the dense shard offers it its states
+    shard.on_checkpoint(every, writer.offer)
+    ...
+    writer.close()                                  # writes what is pending, then ends
+
+Invariants:
+- What is saved is each service's own state: the dense shard's (its slice's parameters, optimizer
+  state and global step k, with what it was configured with: `DenseShard.on_checkpoint`), taken
+  under the shard's lock right after the step that brought k to a multiple of `checkpoint_every`
+  (and when it is configured), so no partly filled global batch is part of it; and the PS-hosted
+  tables' (`EmbeddingShard.export_state`: rows, Adagrad accumulators, buffered row gradients),
+  taken when the file is written. The tables need no cut with the dense shard: a row's next
+  gradient is computed on whatever the trainer looked up, and GBA's rule decides it by its own token.
+- The dense shard's pushes never wait for the disk: the shard hands over a copy (one slice and its
+  optimizer state), and at most one waits: a newer state replaces one the writer has not taken.
+  The tables are copied under their own lock when the file is written (their pushes and lookups
+  wait for that memory copy, not for the disk). Memory: while a checkpoint is pending or being
+  written, one copy of the dense slice with its optimizer state and one of the tables.
+- Atomic: a file is written as `.tmp-step_<k>.pt`, flushed to disk, renamed to `step_<k>.pt` and
+  the folder flushed, so a crash at any point leaves the previous checkpoint whole. The newest
+  `KEEP_LAST` are kept. A file that does not load is skipped, naming why, for the one before it.
+- One server only (`sync.ps.server_restart_s` refuses more): the dense shards of several servers
+  would have to go back to one common k together, and the others keep serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+logger = logging.getLogger("shadowgba")
+
+KEEP_LAST = 2
+"""Checkpoints kept per server."""
+_STEP_FILE = re.compile(r"^step_(\d{10})\.pt$")
+
+
+class ServerCheckpoints:
+    """One server's checkpoint files, in `directory/ps{server_index}/`."""
+
+    def __init__(self, directory: str | os.PathLike, server_index: int) -> None:
+        self.folder = Path(directory) / f"ps{server_index}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def steps(self) -> list[int]:
+        """The global steps saved, oldest first."""
+        return sorted(int(match.group(1)) for name in os.listdir(self.folder) if (match := _STEP_FILE.match(name)))
+
+    def save(self, step: int, state: Mapping[str, Any]) -> Path:
+        """Write `state` as the checkpoint of global step `step`, atomically; keep the newest `KEEP_LAST`."""
+        path = self.folder / f"step_{step:010d}.pt"
+        tmp = self.folder / f".tmp-{path.name}"
+        with open(tmp, "wb") as file:
+            torch.save(dict(state), file)
+            file.flush()
+            os.fsync(file.fileno())
+        tmp.replace(path)
+        folder = os.open(self.folder, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+        for old in self.steps()[:-KEEP_LAST]:
+            (self.folder / f"step_{old:010d}.pt").unlink(missing_ok=True)
+        return path
+
+    def latest(self) -> dict[str, Any] | None:
+        """The newest checkpoint that loads, or None if there is none."""
+        for step in reversed(self.steps()):
+            path = self.folder / f"step_{step:010d}.pt"
+            try:
+                return torch.load(path, weights_only=False)
+            except Exception as error:  # noqa: BLE001 (a truncated or corrupted file: the one before it)
+                logger.warning("shadowgba: server checkpoint %s does not load (%s); trying the one before", path, error)
+        return None
+
+
+class CheckpointWriter:
+    """A thread that writes the states the dense shard offers (`offer`), each with the other
+    services' states (`extra`: name -> a function returning its state) taken at writing time."""
+
+    def __init__(self, checkpoints: ServerCheckpoints, extra: Mapping[str, Callable[[], Any]]) -> None:
+        self._checkpoints, self._extra = checkpoints, dict(extra)
+        self._pending: tuple[int, Any] | None = None
+        self._changed = threading.Condition()
+        self._closing = False
+        self.saved: list[int] = []
+        """The global steps written so far."""
+        self._thread = threading.Thread(target=self._run, name="shadowgba-server-checkpoints", daemon=True)
+        self._thread.start()
+
+    def offer(self, step: int, dense: Any) -> None:
+        """The dense shard's state at global step `step`, to be written (replacing one not yet taken)."""
+        with self._changed:
+            self._pending = (step, dense)
+            self._changed.notify()
+
+    def close(self) -> None:
+        """Write what is pending, then end the thread."""
+        with self._changed:
+            self._closing = True
+            self._changed.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._pending is not None or self._closing)
+                pending, self._pending = self._pending, None
+                if pending is None:
+                    return
+            step, dense = pending
+            try:
+                self._checkpoints.save(step, {"dense": dense, **{name: state() for name, state in self._extra.items()}})
+                self.saved.append(step)
+            except Exception:  # noqa: BLE001 (a full disk must not end the server; the next step tries again)
+                logger.exception("shadowgba: the server checkpoint of global step %d was not written", step)
