@@ -117,7 +117,7 @@ def experiment_config(path: Path | None = None, overrides: list[str] = ()) -> ob
 
 
 GBA_CONFIGS = {"gba", "gba_ps_embeddings", "sync_allreduce", "async_ps"}
-TWO_D_CONFIGS = {"bmuf_2d": "bmuf", "torchrec_2d": "torchrec_2d"}
+TWO_D_CONFIGS = {"bmuf_2d": "bmuf", "ma_2d": "ma", "torchrec_2d": "torchrec_2d"}
 """The 2D layout's configs (`sync.sharding_group_size`) and what keeps their replicas together."""
 
 
