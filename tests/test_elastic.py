@@ -254,7 +254,7 @@ def test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry
                 else:
                     (errors if kind == "error" else steps).append(event)
             if killed_at is None and steps and steps[-1][3] >= SERVER_KILL_AT:
-                killed = int(subprocess.check_output(["pgrep", "-P", str(server.pid)]).split()[0])  # the worker
+                killed = int(Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()[0])  # the worker
                 os.kill(killed, signal.SIGKILL)
                 killed_at, killed_step = time.time(), max(step[3] for step in steps)
             elif killed_at is not None and all(sum(1 for step in steps if step[0] == index and step[4] > killed_at) >= 10
