@@ -87,6 +87,7 @@ from bench_summary import (
 )
 from dlrm.config import ExperimentConfig
 from example_job import CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, parse_presets, preset_arguments, run_example
+from shadowgba.config import load_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,13 +197,15 @@ def pacing_arguments(args: argparse.Namespace) -> list[str]:
     return ["--sync.interval_steps", str(args.interval_steps), "--sync.interval_ms", str(args.interval_ms)]
 
 
-def quality_length(args: argparse.Namespace) -> list[str]:
+def quality_length(args: argparse.Namespace, overrides: Sequence[str] = ()) -> list[str]:
     """The arguments that end a quality run at `--quality-steps` x trainers x batch samples
-    (`--quality-stop samples`) or at `--quality-steps` steps of every trainer (quality runs train
-    the default model on the default batch)."""
+    (`--quality-stop samples`) or at `--quality-steps` steps of every trainer; the batch is the
+    default model's unless `overrides` (the arguments passed on to the runs) set a `--data.*` key."""
     if args.quality_stop == "steps":
         return ["--train.steps", str(args.quality_steps)]
-    batch_size = ExperimentConfig().data.batch_size
+    pairs = zip(overrides[::2], overrides[1::2])
+    data = [part for key, value in pairs if key.startswith("--data.") for part in (key, value)]
+    batch_size = load_config(ExperimentConfig, None, data).data.batch_size
     return ["--train.job_samples", str(args.quality_steps * args.nproc * batch_size),
             "--train.stop_check_every", str(QUALITY_STOP_CHECK_EVERY)]
 
@@ -429,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     label = f"quality seed {seed} {compute} {straggler} {variant}"
                     result = run_example(label, args.nproc, [
                         *VARIANTS[variant].arguments(args.group_size, args.every), *pacing_arguments(args),
-                        *quality_length(args), "--train.warmup_steps", str(args.warmup_steps),
+                        *quality_length(args, extra), "--train.warmup_steps", str(args.warmup_steps),
                         "--train.seed", str(seed), "--data.synthetic.seed", str(seed), *SYNTHETIC_HELDOUT,
                         *straggler_arguments(compute, straggler, args.quality_step_ms, args), *extra], output)
                     quality.append({

@@ -130,3 +130,11 @@ def test_a_sample_budget_lets_the_fast_replica_group_take_more_of_the_job_sample
     overshoot = 2 * 2 * check_every * batch  # each group may count one check interval past the budget
     assert budget <= run["samples_computed_total"] <= budget + overshoot
     assert run["dense_replica_max_abs_diff"] == 0.0 and run["table_replica_max_abs_diff"] == 0.0
+
+
+def test_a_quality_run_stops_at_its_steps_times_the_batch_the_overrides_set() -> None:
+    args = bench_2d.argparse.Namespace(quality_stop="samples", quality_steps=100, nproc=4)
+    default = bench_2d.ExperimentConfig().data.batch_size
+    assert bench_2d.quality_length(args)[:2] == ["--train.job_samples", str(100 * 4 * default)]
+    overridden = bench_2d.quality_length(args, ["--sync.interval_ms", "0", "--data.synthetic.batch_size", "64"])
+    assert overridden[:2] == ["--train.job_samples", str(100 * 4 * 64)] and default != 64
