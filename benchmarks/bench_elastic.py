@@ -223,6 +223,12 @@ def run_job(run: Run) -> dict[str, Any]:
             "cpu_s": children_cpu_s() - cpu_before, "exit_codes": [child.exitcode for child in [server, *trainers.values()]]}
 
 
+def rejoin_seconds(steps: Sequence[tuple[int, int, int, int, float]], kill: dict[str, Any]) -> float | None:
+    """Seconds from a kill's restart to the new process's first step (None: it never trained)."""
+    first = [step[4] for step in steps if step[:2] == (kill["trainer"], kill["incarnation"])]
+    return first[0] - kill["restarted_at"] if first else None
+
+
 def window_rate(steps: Sequence[tuple[int, int, int, int, float]], start: float, end: float,
                 trainers: set[int]) -> float:
     """Samples per second that `trainers` trained within [start, end)."""
@@ -245,12 +251,10 @@ def figures(result: dict[str, Any], kill_time: float | None, outage_s: float, ki
     before = window_rate(steps, warm, kill, everyone)
     during = window_rate(steps, kill, kill + outage_s, survivors)
     samples = len(steps) * BATCH
-    restarted_at = result["kills"][0]["restarted_at"] if result["kills"] else None
-    rejoined = [step for step in steps if step[:2] == (KILLED, 2)]
     return {
         "samples_per_s_before": before, "survivors_samples_per_s_outage": during,
         "outage_ratio": during / before if before else float("nan"),
-        "rejoin_s": rejoined[0][4] - restarted_at if rejoined and restarted_at else None,
+        "rejoin_s": rejoin_seconds(steps, result["kills"][0]) if result["kills"] else None,
         "auc": result["auc"], "log_loss": result["log_loss"], "global_step": result["global_step"],
         "samples": samples, "cpu_s_per_1k_samples": 1000 * result["cpu_s"] / samples,
         "wall_s": max(step[4] for step in steps) - begin, "departures": result["departures"],

@@ -61,6 +61,7 @@ from typing import Any
 
 from bench_elastic import TRAINERS as ELASTIC_TRAINERS  # benchmarks/ is this script's folder: its modules
 from bench_elastic import Kill, Run  # import as scripts do
+from bench_elastic import rejoin_seconds
 from bench_elastic import run_job as run_elastic
 from dlrm.faults import FAULTS_ENV, KILL_ENV
 from dlrm.host import free_port
@@ -93,6 +94,9 @@ ELASTIC_GLOBAL_STEPS = 1200
 """The elastic job's length in global steps (about 45 s here): long enough that each new process
 trains before the end, even a second kill of one trainer, which waits for its first new process
 to train (kills at no later than 40% of the run, restarts at most 6 s after)."""
+NO_COUNTS = {"rounds": 0, "mode_switches": 0, "checkpoints": 0, "restarts": 0, "samples_lost": 0,
+             "trainer_kills": 0, "rejoins": 0}
+"""A job's counts in the report before its results are read (each job kind fills its own)."""
 REJOIN_WITHIN_S = 30.0
 """A new trainer process must report its first step within this of its start."""
 
@@ -148,18 +152,14 @@ def run_elastic_job(job: dict[str, Any], workdir: Path, timeout_s: float) -> dic
     run = Run(job["steps"], tuple(Kill(*kill) for kill in job["kills"]), compute_ms=20.0, lr=0.002,
               port=free_port(), workdir=str(here), deadline_s=timeout_s)
     started = time.monotonic()
-    outcome = {**job, "rounds": 0, "mode_switches": 0, "checkpoints": 0, "restarts": 0, "samples_lost": 0,
-               "trainer_kills": 0, "rejoins": 0, "log": str(here / "log.txt")}
+    outcome = {**job, **NO_COUNTS, "log": str(here / "log.txt")}
     try:
         result = run_elastic(run)
     except RuntimeError as error:  # it did not finish within the deadline
         (here / "log.txt").write_text(str(error))
         return {**outcome, "wall_s": round(time.monotonic() - started, 1), "status": "hang"}
     steps, kills = result["steps"], result["kills"]
-    rejoin_s = []
-    for kill in kills:
-        first = [step[4] for step in steps if step[:2] == (kill["trainer"], kill["incarnation"])]
-        rejoin_s.append(round(first[0] - kill["restarted_at"], 2) if first else None)
+    rejoin_s = [None if (seconds := rejoin_seconds(steps, kill)) is None else round(seconds, 2) for kill in kills]
     killed = sorted((kill["trainer"], kill["incarnation"] - 1) for kill in kills)
     departed = sorted((trainer, incarnation) for trainer, incarnation, *_ in result["departures"])
     outcome.update(wall_s=round(time.monotonic() - started, 1), trainer_kills=len(kills),
@@ -227,8 +227,7 @@ def run_job(job: dict[str, Any], workdir: Path, timeout_s: float) -> dict[str, A
             returncode = None
     outcome = {**{k: v for k, v in job.items() if k != "args"}, "wall_s": round(time.monotonic() - started, 1),
                "returncode": returncode, "log": str(here / "log.txt"),
-               "rounds": 0, "mode_switches": 0, "checkpoints": 0, "restarts": 0, "samples_lost": 0,
-               "trainer_kills": 0, "rejoins": 0}
+               **NO_COUNTS}
     if returncode is None:
         return {**outcome, "status": "hang"}
     if returncode != 0 or not output.exists():

@@ -454,12 +454,12 @@ class Checkpointer:
         meta = {"format": FORMAT, "step": step, "setup": self.setup.to_json(), "files": files,
                 "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final = self.path_of(step)
         if final.exists():  # an earlier run's checkpoint of the same step (e.g. after a restart)
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         for _, old in self.checkpoints()[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -601,7 +601,8 @@ def _size_and_crc(file: Path) -> tuple[int, int]:
     return size, crc
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (a rename in it) to disk; best effort: a file system that cannot is skipped."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -63,6 +63,18 @@ SERVER_DOWN_S = 1.0
 """The `server` fault: seconds between the kill and the new server process's start."""
 
 
+JOIN_S = 8.0
+"""How long the processes get to end once the test lets them finish (within pytest's timeout)."""
+
+
+def join_or_kill(processes: list[Any], joined_by: float) -> None:
+    """Join `processes` until the monotonic time `joined_by`; kill any still alive then."""
+    for process in processes:
+        process.join(max(0.0, joined_by - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+
+
 def config(fault: str, checkpoint_dir: str | None = None) -> SyncConfig:
     restart = dict(checkpoint_dir=checkpoint_dir, checkpoint_every=SERVER_CHECKPOINT_EVERY,
                    server_restart_s=30.0) if fault == "server" else {}
@@ -173,11 +185,7 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
                 finish.set()
     finally:
         finish.set()
-        joined_by = time.monotonic() + 8  # within pytest's timeout: a process still alive then is killed
-        for process in [*servers, *trainers.values()]:
-            process.join(max(0.0, joined_by - time.monotonic()))
-            if process.is_alive():
-                process.kill()
+        join_or_kill([*servers, *trainers.values()], time.monotonic() + JOIN_S)
     assert len(finals) == len(servers), f"a server never reported the end of the job; last steps: {steps[-5:]}, {errors}"
     # the fault fired: trainer 1's first process was killed at its KILL_AT_STEP-th step or just after
     first = [s for s in steps if s[:2] == (1, 1)]
@@ -262,11 +270,8 @@ def test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry
                 finish.set()
     finally:
         finish.set()
-        joined_by = time.monotonic() + 8
-        for process in trainers:
-            process.join(max(0.0, joined_by - time.monotonic()))
-            if process.is_alive():
-                process.kill()
+        joined_by = time.monotonic() + JOIN_S
+        join_or_kill(trainers, joined_by)
         try:
             output, _ = server.communicate(timeout=max(1.0, joined_by - time.monotonic()))
         except subprocess.TimeoutExpired:

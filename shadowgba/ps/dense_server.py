@@ -402,9 +402,7 @@ class DenseShard:
             return self._nonfinite(request)
         if self._restored_at is not None and request.token > self._aggregator.global_step:
             self._dropped_after_restore += 1  # computed before this process was restored to an older k
-            self._pushes_by_trainer[request.trainer] += 1
-            self._pushes += 1
-            return self._push_reply(request, 0.0)
+            return self._dropped(request)
         admission, mean = self._aggregator.decide(request.gradient, request.token, request.num_samples)
         decision = None
         if not admission.dropped:
@@ -481,6 +479,10 @@ class DenseShard:
             self._failure = f"{message} (sync.on_nonfinite: fail)"
             raise ValueError(f"push refused by dense shard {self.index}: {self._failure}")
         self._nonfinite_dropped += 1
+        return self._dropped(request)
+
+    def _dropped(self, request: PushRequest) -> ShardReply:
+        """Shard 0's reply to a push it counts but applies nowhere (the lock held)."""
         self._pushes += 1
         self._pushes_by_trainer[request.trainer] += 1
         return self._push_reply(request, 0.0)

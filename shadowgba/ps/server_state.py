@@ -39,6 +39,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from shadowgba.checkpoint import fsync_dir
+
 logger = logging.getLogger("shadowgba")
 
 KEEP_LAST = 2
@@ -57,28 +59,28 @@ class ServerCheckpoints:
         """The global steps saved, oldest first."""
         return sorted(int(match.group(1)) for name in os.listdir(self.folder) if (match := _STEP_FILE.match(name)))
 
+    def path_of(self, step: int) -> Path:
+        """The file of global step `step`'s checkpoint."""
+        return self.folder / f"step_{step:010d}.pt"
+
     def save(self, step: int, state: Mapping[str, Any]) -> Path:
         """Write `state` as the checkpoint of global step `step`, atomically; keep the newest `KEEP_LAST`."""
-        path = self.folder / f"step_{step:010d}.pt"
+        path = self.path_of(step)
         tmp = self.folder / f".tmp-{path.name}"
         with open(tmp, "wb") as file:
             torch.save(dict(state), file)
             file.flush()
             os.fsync(file.fileno())
         tmp.replace(path)
-        folder = os.open(self.folder, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+        fsync_dir(self.folder)
         for old in self.steps()[:-KEEP_LAST]:
-            (self.folder / f"step_{old:010d}.pt").unlink(missing_ok=True)
+            self.path_of(old).unlink(missing_ok=True)
         return path
 
     def latest(self) -> dict[str, Any] | None:
         """The newest checkpoint that loads, or None if there is none."""
         for step in reversed(self.steps()):
-            path = self.folder / f"step_{step:010d}.pt"
+            path = self.path_of(step)
             try:
                 return torch.load(path, weights_only=False)
             except Exception as error:  # noqa: BLE001 (a truncated or corrupted file: the one before it)

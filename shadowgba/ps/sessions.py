@@ -74,21 +74,31 @@ class SessionRefused(RuntimeError):
     """The server refused a trainer's session; the message says why (its process left the job)."""
 
 
+def _server_root(generation: int, server: int) -> str:
+    """Where every key of server `server` in transport generation `generation` lives."""
+    return f"ps/gen{generation}/server{server}"
+
+
 def server_key(generation: int, server: int, incarnation: int, key: str) -> str:
     """The store key `key` of incarnation `incarnation` of server `server` in transport generation `generation`."""
-    return f"ps/gen{generation}/server{server}/{incarnation}/{key}"
+    return f"{_server_root(generation, server)}/{incarnation}/{key}"
 
 
 def server_incarnation(store: dist.Store, generation: int, server: int) -> int:
     """A new number for this process of server `server` (1, 2, ...), taken in the job's store."""
-    return store.add(f"ps/gen{generation}/server{server}/incarnations", 1)
+    return store.add(f"{_server_root(generation, server)}/incarnations", 1)
+
+
+def _current_key(generation: int, server: int) -> str:
+    """The key naming the incarnation of server `server` that accepts sessions (its `Acceptor` sets it)."""
+    return f"{_server_root(generation, server)}/current"
 
 
 def current_incarnation(store: dist.Store, generation: int, server: int, within_s: float,
                         newer_than: int = 0) -> int | None:
     """The incarnation of server `server` that accepts sessions, once it is newer than `newer_than`;
     None if none is within `within_s` (or the store is gone)."""
-    key = f"ps/gen{generation}/server{server}/current"
+    key = _current_key(generation, server)
     deadline = time.monotonic() + within_s
     while True:
         try:
@@ -172,7 +182,7 @@ class Acceptor:
                  on_session: Callable[[SessionInfo], None], refusal: Callable[[SessionInfo], str | None]) -> None:
         self._store, self._generation, self._server, self._incarnation = store, generation, server, incarnation
         self._on_session, self._refusal = on_session, refusal
-        store.set(f"ps/gen{generation}/server{server}/current", str(incarnation))
+        store.set(_current_key(generation, server), str(incarnation))
         self._ended = threading.Event()
         self._thread = threading.Thread(target=self._accept, name=f"shadowgba-acceptor-ps{server}", daemon=True)
         self._thread.start()
