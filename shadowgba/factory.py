@@ -355,8 +355,9 @@ def dense_sync(
     else:
         # S-EASGD's broadcast and final average run on the library's own group, never on TorchRec's
         group, resources, tables = job.trainer_group, None, None
-        if config.algo == "easgd_ps":
-            group, resources = job.require_transport().sync_group(), {"centre": job.centre()}
+        if config.algo == "easgd_ps":  # the elastic layout has no trainer group: each trainer on its own
+            group = None if job.roles.elastic else job.require_transport().sync_group()
+            resources = {"centre": job.centre(), "trainers": job.num_trainers}
         if job.layout is not None:
             if torchrec_integration is None or not torchrec_integration.has_sharded_tables(model):
                 raise SetupError("sync.sharding_group_size > 0 needs a DistributedModelParallel built with "

@@ -131,10 +131,14 @@ class FlaggedAllReduce:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, like: torch.Tensor) -> None:
+        """`group` None: the default group, or, where torch.distributed is not initialised, this
+        process alone (a one-rank sum, with no collective): S-EASGD's trainers in a job without a
+        trainer group."""
         self._group = group
-        self.rank = dist.get_rank(group)
+        self._local = group is None and not dist.is_initialized()
+        self.rank = 0 if self._local else dist.get_rank(group)
         self._size = like.numel()
-        self._ranks = dist.get_world_size(group)
+        self._ranks = 1 if self._local else dist.get_world_size(group)
         self._buffer = torch.empty(self._size + 1 + 2 * self._ranks, dtype=like.dtype, device=like.device)
         self.payload = self._buffer[: self._size]
         """The payload part of the buffer: where `sum` sums, and `Reduced.total` is."""
@@ -146,6 +150,11 @@ class FlaggedAllReduce:
     def buffer(self) -> torch.Tensor:
         """The one buffer every call reuses: `[payload | stop | statuses]`."""
         return self._buffer
+
+    @property
+    def ranks(self) -> int:
+        """How many ranks the sum runs over."""
+        return self._ranks
 
     @property
     def bytes_per_call(self) -> int:
@@ -169,7 +178,8 @@ class FlaggedAllReduce:
         trailer[0] = 1.0 if stop or aborted else 0.0
         trailer[1 + self.rank] = float(status)
         trailer[1 + self._ranks + self.rank] = float(self.steps)
-        dist.all_reduce(self._buffer, op=dist.ReduceOp.SUM, group=self._group)
+        if not self._local:
+            dist.all_reduce(self._buffer, op=dist.ReduceOp.SUM, group=self._group)
         any_stop, *flags = (int(value) for value in trailer.tolist())
         statuses, steps = flags[: self._ranks], flags[self._ranks :]
         return Reduced(
@@ -208,8 +218,8 @@ class SyncAlgorithm(abc.ABC):
         """`initial` is the flat dense parameters, already identical on every rank."""
         self.config = config
         self.group = group
-        self.world_size = dist.get_world_size(group)
         self.allreduce = FlaggedAllReduce(group, initial)
+        self.world_size = self.allreduce.ranks
         self.rank = self.allreduce.rank
         self.started = False  # until the first round (or a restored state) has placed the state
 

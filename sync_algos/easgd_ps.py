@@ -7,6 +7,12 @@ trainer slows nobody and the stop flag needs no agreement (each trainer simply l
 A snapshot holding NaN / Inf is not sent to the centre: the round keeps the trainer's own weights
 and reports the trainer in `nonfinite_ranks` (only to itself: there is no collective to tell the
 others, and no other trainer's weights were at risk). The algorithm is built with its centre as a resource: `build_algorithm("easgd_ps", ..., centre=...)`.
+
+A trainer starts where the centre is (`Centre.init` returns it): at the start of a job that is the
+initial weights every trainer holds; a trainer that joins a job already running (a restarted
+process in a job whose trainers come and go) starts from the job's consensus, not from its own
+initial weights. Without a process group (`group` None where torch.distributed is not initialised)
+the algorithm runs on this trainer alone: `trainers` then says how many share the centre.
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ class Centre(abc.ABC):
     """
 
     @abc.abstractmethod
-    def init(self, initial: torch.Tensor) -> None:
-        """Start the centre at `initial`, the flat dense weights that every trainer holds at start;
-        every trainer calls it, and the calls after the first one change nothing."""
+    def init(self, initial: torch.Tensor) -> torch.Tensor:
+        """Start the centre at `initial`, this trainer's flat dense weights at its start, unless it
+        has started already (the calls after the first one change nothing); return the centre as it
+        is then: where this trainer starts."""
 
     @abc.abstractmethod
     def exchange(self, snapshot: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -50,13 +57,19 @@ class ElasticAveragingPS(SyncAlgorithm):
     uses_collectives: ClassVar[bool] = False
 
     def __init__(
-        self, config: EASGDConfig, group: dist.ProcessGroup | None, initial: torch.Tensor, centre: Centre
+        self, config: EASGDConfig, group: dist.ProcessGroup | None, initial: torch.Tensor, centre: Centre,
+        trainers: int | None = None,
     ) -> None:
-        """`group` is the trainers' group (its size sets `alpha = beta / n`); `centre` the shared centre."""
+        """`group` is the trainers' group; `centre` the shared centre; `trainers` how many trainers
+        share it (`alpha = beta / trainers`; default the group's size). `initial` is overwritten
+        with the centre: where this trainer starts."""
         super().__init__(config, group, initial)
-        self.alpha = config.alpha if config.alpha is not None else config.beta / self.world_size
+        trainers = self.world_size if trainers is None else trainers
+        if trainers < 1:
+            raise ValueError(f"trainers must be >= 1, got {trainers}")
+        self.alpha = config.alpha if config.alpha is not None else config.beta / trainers
         self.centre = centre
-        self.centre.init(initial)
+        initial.copy_(self.centre.init(initial))
 
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
         if not is_finite(snapshot):  # never sent: the shared centre would pass it to every trainer

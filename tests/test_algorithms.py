@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import sync_algos
 from shadowgba.metrics import GBAMetrics
@@ -285,13 +286,16 @@ def test_unknown_algorithm_names_the_allowed_ones() -> None:
 class ScriptedCentre(Centre):
     """A centre that answers each exchange with a pull fixed in advance and records the calls."""
 
-    def __init__(self, pulls: list[torch.Tensor]) -> None:
+    def __init__(self, pulls: list[torch.Tensor], running: torch.Tensor | None = None) -> None:
         self.pulls = pulls
+        self.running = running
+        """A centre that other trainers have moved already (None: it starts at the first `init`)."""
         self.initial: torch.Tensor | None = None
         self.exchanges: list[tuple[torch.Tensor, float]] = []
 
-    def init(self, initial: torch.Tensor) -> None:
+    def init(self, initial: torch.Tensor) -> torch.Tensor:
         self.initial = initial.clone()
+        return initial.clone() if self.running is None else self.running.clone()
 
     def exchange(self, snapshot: torch.Tensor, alpha: float) -> torch.Tensor:
         self.exchanges.append((snapshot.clone(), alpha))
@@ -318,6 +322,22 @@ def test_easgd_ps_targets_its_centres_pull_with_alpha_beta_over_n_and_no_agreeme
             torch.testing.assert_close(target, snapshot - pull)  # no averaging first round
             assert round_result.stop == stops[r]  # each trainer's own flag: no collective
             assert round_result.bytes_moved == 2 * SIZE * 8
+
+
+def test_easgd_ps_without_a_group_starts_at_a_running_centre_with_alpha_over_its_trainers() -> None:
+    """A trainer that joins a job already running, with no process group (torch.distributed not
+    initialised here): it starts at the centre, not at its own weights, and `trainers` sets alpha."""
+    assert not dist.is_initialized()
+    running = torch.full((SIZE,), 3.0, dtype=torch.float64)
+    centre = ScriptedCentre([torch.full((SIZE,), 0.5, dtype=torch.float64)], running=running)
+    initial = INITIAL.clone()
+    algorithm = sync_algos.build_algorithm("easgd_ps", {"beta": 0.6}, None, initial, centre=centre, trainers=3)
+    torch.testing.assert_close(centre.initial, INITIAL)  # offered its own weights
+    torch.testing.assert_close(initial, running)  # and starts where the centre is
+    result, target = target_of(algorithm.sync, snapshot_of(0, 0), True)
+    assert centre.exchanges[0][1] == pytest.approx(0.6 / 3)
+    torch.testing.assert_close(target, snapshot_of(0, 0) - 0.5)
+    assert (result.stop, result.last, result.kept_local) == (True, True, False)
 
 
 def test_elastic_pull_conserves_replica_plus_centre() -> None:

@@ -711,8 +711,13 @@ def test_a_centre_slice_loads_a_checkpoints_values_and_refuses_another_slice_sha
     assert torch.equal(centre.center(), torch.arange(4.0))  # nothing changed
     fresh = ElasticCenter()
     fresh.load(0, 4, torch.ones(4))  # before any trainer's init: it starts the slice, and init keeps it
-    fresh.init(0, 4, torch.zeros(4))
+    assert torch.equal(fresh.init(0, 4, torch.zeros(4)), torch.ones(4))  # where the trainer starts
     assert torch.equal(fresh.center(), torch.ones(4))
+    # unless_moved (the elastic layout): loaded while no exchange has moved the slice, kept after
+    assert centre.load(4, 8, torch.ones(4), unless_moved=True) and torch.equal(centre.center(), torch.ones(4))
+    centre.pull(4, 8, torch.full((4,), 3.0), 0.5)
+    assert not centre.load(4, 8, torch.zeros(4), unless_moved=True)
+    assert torch.equal(centre.center(), torch.full((4,), 2.0))
 
 
 @pytest.mark.timeout(300)

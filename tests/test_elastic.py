@@ -1,5 +1,6 @@
 """The elastic layout: a GBA job with PS-hosted tables whose trainers leave and rejoin while the
-server and the other trainers keep running (`sync.ps.num_trainers`, `sync.ps.on_trainer_lost`).
+server and the other trainers keep running (`sync.ps.num_trainers`, `sync.ps.on_trainer_lost`), and
+the same for S-EASGD's centre on the server (`easgd_ps`).
 
 Every process is started on its own (no torchrun, no process group): the servers and 3 trainers
 meet at server 0's store by `SHADOWGBA_RANK`. The test kills trainer 1 (SIGKILL) mid-run and
@@ -32,6 +33,7 @@ import shadowgba
 from shadowgba.config import SyncConfig
 from shadowgba.gba.config import GBAConfig
 from shadowgba.ps.config import PSConfig
+from shadowgba.ps.easgd_center import CENTER_SERVICE
 from shadowgba.ps.embedding import DEFAULT_SERVICE
 from shadowgba.ps.transport import ELASTIC_RANK, RECONNECT_GRACE_S
 from ctrkit.events import Events
@@ -50,11 +52,13 @@ MAX_STEPS = 2000
 """Bound on any trainer's steps (a test that never signals the end fails, it does not hang)."""
 
 
-TIMEOUT_S = {"kill": 10.0, "stop": 4.0, "server": 10.0}
+TIMEOUT_S = {"kill": 10.0, "stop": 4.0, "server": 10.0, "easgd": 10.0}
 """`sync.timeout_s` per fault: a stop must outlast it, so it is short there."""
-SERVERS = {"kill": 2, "stop": 1, "server": 1}
+SERVERS = {"kill": 2, "stop": 1, "server": 1, "easgd": 1}
 """Servers per fault: with two, the dense vector has two shards, and a departed trainer's decided
 push that never reached shard 1 must not stall it (its void closes the gap)."""
+EASGD_INTERVAL_MS = 20.0
+"""The `easgd` fault (the `kill` fault under S-EASGD): the shadow thread's pacing."""
 SERVER_CHECKPOINT_EVERY = 5
 """The `server` fault: global steps between the server's own checkpoints."""
 SERVER_KILL_AT = 20
@@ -78,7 +82,8 @@ def join_or_kill(processes: list[Any], joined_by: float) -> None:
 def config(fault: str, checkpoint_dir: str | None = None) -> SyncConfig:
     restart = dict(checkpoint_dir=checkpoint_dir, checkpoint_every=SERVER_CHECKPOINT_EVERY,
                    server_restart_s=30.0) if fault == "server" else {}
-    return SyncConfig(algo="gba", timeout_s=TIMEOUT_S[fault], ps=PSConfig(
+    return SyncConfig(algo="easgd_ps" if fault == "easgd" else "gba", timeout_s=TIMEOUT_S[fault],
+                      interval_ms=EASGD_INTERVAL_MS, ps=PSConfig(
         num_servers=SERVERS[fault], num_trainers=TRAINERS, rpc_timeout_s=TIMEOUT_S[fault], on_trainer_lost="continue",
         **restart), gba=GBAConfig(initial_mode="gba"))
 
@@ -94,19 +99,22 @@ class Model(nn.Module):
 
 def run_process(rank: int, port: int, fault: str, checkpoint_dir: str | None, finish: Any,
                 send: Callable[[tuple], None]) -> None:
-    """One process of the job (`rank`: its SHADOWGBA_RANK): a trainer reports every step as
-    (trainer, incarnation, step, global step, time) until `finish` is set, then ("final", trainer,
-    incarnation, its metrics, row pushes lost to a server's restart), and what ended it if it raised
-    ("error", trainer, incarnation, message); a server reports its index, pid, its dense shard's
-    stats, its departures and its tables' stats when the job is over (`checkpoint_dir`: the `server`
-    fault's server checkpoints)."""
+    """One process of the job (`rank`: its SHADOWGBA_RANK): a trainer reports ("start", trainer,
+    incarnation, how far its dense weights moved from the seeded ones when its sync started), then
+    every step as (trainer, incarnation, step, progress, time) until `finish` is set (progress: the
+    global step; under S-EASGD its exchanges with the centre), then ("final", trainer, incarnation,
+    its metrics, row pushes lost to a server's restart), and what ended it if it raised ("error",
+    trainer, incarnation, message); a server reports its index, pid, its dense shard's stats (S-EASGD:
+    the centre's exchanges), its departures and its tables' stats when the job is over
+    (`checkpoint_dir`: the `server` fault's server checkpoints)."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{ELASTIC_RANK: str(rank)})
     sync_config = config(fault, checkpoint_dir)
     options = shadowgba.ps_table_options(sync_config, TRAINERS, BATCH, lr=0.05)
     job = shadowgba.join(sync_config, tables=[TABLE], table_options=options)
     if job.is_server:
-        send(("server", rank - TRAINERS, os.getpid(), job.served["dense"].stats(),
+        dense = job.served[CENTER_SERVICE].round_count() if fault == "easgd" else job.served["dense"].stats()
+        send(("server", rank - TRAINERS, os.getpid(), dense,
               [dataclasses.astuple(left) for left in job.transport.roster.departures],
               job.served[DEFAULT_SERVICE].stats()))
         return
@@ -125,7 +133,9 @@ def run_process(rank: int, port: int, fault: str, checkpoint_dir: str | None, fi
 def train(trainer: int, incarnation: int, model: nn.Module, embeddings: Any, optimizer: torch.optim.Optimizer,
           job: shadowgba.Job, send: Callable[[tuple], None], finish: Any) -> None:
     generator = torch.Generator().manual_seed(trainer)
+    seeded = model.top.weight.detach().clone()
     with shadowgba.dense_sync(model, optimizer, job, local_batch_size=BATCH) as sync:
+        send(("start", trainer, incarnation, float((model.top.weight - seeded).abs().max())))
         for step in range(1, MAX_STEPS + 1):
             ids = KeyedJaggedTensor.from_lengths_sync(
                 keys=["item"], values=torch.randint(0, 50, (BATCH,), generator=generator),
@@ -135,7 +145,8 @@ def train(trainer: int, incarnation: int, model: nn.Module, embeddings: Any, opt
             embeddings.push_gradients()
             optimizer.step()
             optimizer.zero_grad()
-            send((trainer, incarnation, step, sync.global_step, time.time()))
+            progress = sync.metrics.rounds if job.config.algo == "easgd_ps" else sync.global_step
+            send((trainer, incarnation, step, progress, time.time()))
             if finish.is_set():
                 break
             time.sleep(0.02)
@@ -143,14 +154,35 @@ def train(trainer: int, incarnation: int, model: nn.Module, embeddings: Any, opt
     send(("final", trainer, incarnation, sync.metrics.summary(), embeddings.pushes_lost_to_restart))
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop"])
-def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(fault: str) -> None:
-    """`kill`: SIGKILL, the server decides after RECONNECT_GRACE_S. `stop`: SIGSTOP for twice
-    `sync.timeout_s`, then SIGCONT: the server decided after `timeout_s` of silence, and the
-    continued process finds itself departed and exits naming why (no hang)."""
+@dataclasses.dataclass
+class Outage:
+    """What a job that lost trainer 1 and restarted it recorded (`lose_trainer_1`)."""
+
+    steps: list[tuple[int, int, int, int, float]]
+    starts: list[tuple]
+    """("start", trainer, incarnation, distance from the seeded weights) of every trainer process."""
+    errors: list[tuple]
+    finals: dict[int, tuple]
+    """The servers' reports, by server index."""
+    trainer_finals: list[tuple]
+    """("final", trainer, incarnation, metrics, lost row pushes) of every trainer process that ended its loop."""
+    servers: list[Any]
+    trainers: dict[int, Any]
+    killed_at: float | None
+    restarted_at: float | None
+    continued_exit: int | None
+    """The exit code of trainer 1's first process."""
+
+
+def lose_trainer_1(fault: str) -> Outage:
+    """Run the job, lose trainer 1's process once it reported KILL_AT_STEP steps (`stop`: SIGSTOP,
+    continued after twice `sync.timeout_s`; otherwise SIGKILL, restarted after RECONNECT_GRACE_S),
+    start it again, and let every trainer finish once the new process reported REJOINED_STEPS steps."""
     context = _context()
     events, finish, port = Events(context), context.Event(), free_port()
     errors: list[tuple] = []
+    starts: list[tuple] = []
+    trainer_finals: list[tuple] = []
 
     def start(rank: int) -> Any:
         return events.start(run_process, (rank, port, fault, None, finish))
@@ -160,19 +192,20 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
     steps: list[tuple[int, int, int, int, float]] = []
     finals: dict[int, tuple] = {}
     killed_at = restarted_at = continued_exit = None
-    outage_s = RECONNECT_GRACE_S + 1 if fault == "kill" else 2 * TIMEOUT_S[fault]
+    outage_s = 2 * TIMEOUT_S[fault] if fault == "stop" else RECONNECT_GRACE_S + 1
     deadline = time.monotonic() + 50
     try:
-        while len(finals) < len(servers) and time.monotonic() < deadline:
+        # a trainer reports its end after its part of the job, which may be after the servers'
+        while (len(finals) < len(servers) or len(trainer_finals) < TRAINERS) and time.monotonic() < deadline:
             event = events.receive(timeout_s=0.5)
             if event is not None and event[0] == "server":
                 finals[event[1]] = event
                 continue
-            if event is not None and event[0] != "final":
-                (errors if event[0] == "error" else steps).append(event)
+            if event is not None:
+                {"error": errors, "start": starts, "final": trainer_finals}.get(event[0], steps).append(event)
             ours = [s for s in steps if s[0] == 1]
             if killed_at is None and ours and ours[-1][2] >= KILL_AT_STEP:
-                os.kill(trainers[1].pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                os.kill(trainers[1].pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
                 killed_at = time.time()
             elif killed_at is not None and restarted_at is None and time.time() > killed_at + outage_s:
                 if fault == "stop":
@@ -187,32 +220,51 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
         finish.set()
         join_or_kill([*servers, *trainers.values()], time.monotonic() + JOIN_S)
     assert len(finals) == len(servers), f"a server never reported the end of the job; last steps: {steps[-5:]}, {errors}"
-    # the fault fired: trainer 1's first process was killed at its KILL_AT_STEP-th step or just after
+    return Outage(steps, starts, errors, finals, trainer_finals, servers, trainers, killed_at, restarted_at,
+                  continued_exit)
+
+
+def assert_the_fault_fired_and_the_others_carried_on(outage: Outage, fault: str) -> None:
+    """Trainer 1's first process was lost at its KILL_AT_STEP-th step or just after; the survivors
+    kept training during the outage on the same server processes, which decided on their own that
+    it left (and nobody else); every process ended with exit code 0 but a killed one."""
+    steps, killed_at, restarted_at = outage.steps, outage.killed_at, outage.restarted_at
     first = [s for s in steps if s[:2] == (1, 1)]
     before = [s for s in first if s[4] <= killed_at]  # a continued process may report a step before it fails
     assert killed_at is not None and before and KILL_AT_STEP <= before[-1][2] <= KILL_AT_STEP + 1, first[-3:]
-    if fault == "kill":
-        assert continued_exit == -signal.SIGKILL and not errors, (continued_exit, errors)
-        assert not any(s[:2] == (1, 1) and s[4] > killed_at for s in steps)
-    else:  # continued, it learnt that it had left, and ended by itself saying so
-        [(_, trainer, incarnation, message)] = errors
-        assert (trainer, incarnation) == (1, 1) and continued_exit == 1, (errors, continued_exit)
+    if fault == "stop":  # continued, it learnt that it had left, and ended by itself saying so
+        [(_, trainer, incarnation, message)] = outage.errors
+        assert (trainer, incarnation) == (1, 1) and outage.continued_exit == 1, (outage.errors, outage.continued_exit)
         assert "trainer 1's process (incarnation 1) is no longer in the job (it departed at" in message, message
-    # the survivors kept training during the outage, on the same server process
+    else:
+        assert outage.continued_exit == -signal.SIGKILL and not outage.errors, (outage.continued_exit, outage.errors)
+        assert not any(s[:2] == (1, 1) and s[4] > killed_at for s in steps)
     for index in (0, 2):
-        outage = [s for s in steps if s[0] == index and killed_at < s[4] < restarted_at]
-        assert len(outage) >= 10, (index, len(outage))
-    assert [finals[index][2] for index in range(len(servers))] == [server.pid for server in servers]
-    assert all(server.exitcode == 0 for server in servers), [server.exitcode for server in servers]
-    _, _, _, dense, departures, _ = finals[0]
-    pushes, global_step = dense["pushes_by_trainer"], dense["global_step"]
-    assert all(process.exitcode == 0 for process in trainers.values()), [p.exitcode for p in trainers.values()]
-    # every server decided on its own that trainer 1's first process left (its connection closed, and
-    # no new session came within RECONNECT_GRACE_S), and nobody else
-    for _, _, _, _, departures, _ in finals.values():
+        during = [s for s in steps if s[0] == index and killed_at < s[4] < restarted_at]
+        assert len(during) >= 10, (index, len(during))
+    assert [outage.finals[index][2] for index in range(len(outage.servers))] == [s.pid for s in outage.servers]
+    assert all(server.exitcode == 0 for server in outage.servers), [server.exitcode for server in outage.servers]
+    assert all(p.exitcode == 0 for p in outage.trainers.values()), [p.exitcode for p in outage.trainers.values()]
+    for _, _, _, _, departures, _ in outage.finals.values():
         [(trainer, incarnation, left_at, why)] = departures
         assert (trainer, incarnation) == (1, 1) and killed_at < left_at < restarted_at, departures
-        assert ("its connection closed and no new session came" if fault == "kill" else "(sync.timeout_s)") in why, why
+        assert ("(sync.timeout_s)" if fault == "stop" else "its connection closed and no new session came") in why, why
+    rejoined = [s for s in steps if s[:2] == (1, 2)]
+    assert len(rejoined) >= REJOINED_STEPS, len(rejoined)
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(fault: str) -> None:
+    """`kill`: SIGKILL, the server decides after RECONNECT_GRACE_S. `stop`: SIGSTOP for twice
+    `sync.timeout_s`, then SIGCONT: the server decided after `timeout_s` of silence, and the
+    continued process finds itself departed and exits naming why (no hang)."""
+    outage = lose_trainer_1(fault)
+    assert_the_fault_fired_and_the_others_carried_on(outage, fault)
+    steps, finals, killed_at = outage.steps, outage.finals, outage.killed_at
+    first = [s for s in steps if s[:2] == (1, 1)]
+    before = [s for s in first if s[4] <= killed_at]
+    _, _, _, dense, _, _ = finals[0]
+    pushes, global_step = dense["pushes_by_trainer"], dense["global_step"]
     # every other shard applied every decision (by its part or its void) and ended at shard 0's k
     for _, index, _, other, _, _ in finals.values():
         assert (other["global_step"], other["pending_pushes"]) == (global_step, 0), (index, other)
@@ -227,6 +279,32 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
     in_flight = config(fault).gba.queue_size + 2
     assert len(before) + len(rejoined) - in_flight <= pushes[1] <= len(first) + len(rejoined) + 1, (pushes, len(first))
     assert 0 < global_step <= sum(pushes.values()) // TRAINERS, (global_step, pushes)  # kept samples / global batch
+
+
+def test_the_s_easgd_centre_loses_a_trainer_takes_fewer_exchanges_and_its_restart_starts_at_the_centre() -> None:
+    """S-EASGD (`easgd_ps`) in the elastic layout: trainer 1 is SIGKILLed; the centre keeps taking the
+    survivors' exchanges (nothing waits for the lost one: it holds no token, no share of a batch),
+    and the restarted process starts from the centre as it is, not from its own initial weights."""
+    outage = lose_trainer_1("easgd")
+    assert_the_fault_fired_and_the_others_carried_on(outage, "easgd")
+    steps, killed_at, restarted_at = outage.steps, outage.killed_at, outage.restarted_at
+    # the survivors exchanged with the centre during the outage
+    for index in (0, 2):
+        during = [s[3] for s in steps if s[0] == index and killed_at < s[4] < restarted_at]
+        assert during[-1] - during[0] >= 5, (index, during[0], during[-1])
+    # every exchange the trainers counted reached the one centre: the survivors' and the rejoined
+    # process's all (at the end), the killed one's at least until its last step (its rounds after
+    # that are unknown to the test, its last one perhaps half done)
+    [(_, _, _, centre_rounds, _, _)] = outage.finals.values()
+    assert sorted(final[1:3] for final in outage.trainer_finals) == [(0, 1), (1, 2), (2, 1)], outage.trainer_finals
+    ended = sum(metrics["rounds"] for _, _, _, metrics, _ in outage.trainer_finals)
+    killed_rounds = max(s[3] for s in steps if s[:2] == (1, 1))
+    assert ended + killed_rounds <= centre_rounds, (ended, killed_rounds, centre_rounds)
+    # the first process to come started the centre at its (seeded) weights and started there; one
+    # that came later starts where the others' exchanges had moved it: the restarted one surely
+    distance = {(trainer, incarnation): moved for _, trainer, incarnation, moved in outage.starts}
+    assert set(distance) == {(0, 1), (1, 1), (2, 1), (1, 2)}, distance
+    assert min(distance[(index, 1)] for index in range(TRAINERS)) == 0.0 < distance[(1, 2)], distance
 
 
 def test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry_on(tmp_path: Path) -> None:
@@ -259,7 +337,7 @@ def test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry
                 kind = event[0]
                 if kind == "final":
                     finals[event[1]] = event
-                else:
+                elif kind != "start":
                     (errors if kind == "error" else steps).append(event)
             if killed_at is None and steps and steps[-1][3] >= SERVER_KILL_AT:
                 killed = int(Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()[0])  # the worker

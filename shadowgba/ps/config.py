@@ -40,8 +40,8 @@ class PSConfig:
     started and restarted independently, that meet at MASTER_ADDR:MASTER_PORT, where server 0 hosts
     the job's store; each process names its place in the environment variable SHADOWGBA_RANK
     (trainers 0 .. num_trainers - 1, then the servers). There is no process group over the trainers,
-    so only GBA mode with PS-hosted (or no) tables runs: no sync mode or switch, no easgd_ps, no
-    TorchRec-sharded tables."""
+    so only GBA mode or easgd_ps (each trainer exchanging with the centre on its own), with
+    PS-hosted (or no) tables, runs: no sync mode or switch, no TorchRec-sharded tables."""
     checkpoint_dir: str | None = None
     """Elastic layout: where the servers save their own state (the dense shard's slice, optimizer
     state and global step; the PS-hosted tables' rows and accumulators), server i in `ps{i}/`,

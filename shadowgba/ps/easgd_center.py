@@ -12,6 +12,7 @@ no other checkpointed object holds it, the algorithm's own state included.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Mapping
 
@@ -26,6 +27,8 @@ from sync_algos.easgd_ps import Centre
 
 CENTER_SERVICE = "easgd_center"
 
+logger = logging.getLogger("shadowgba")
+
 
 class ElasticCenter:
     """A thread-safe centre slice [start, end), set by the first trainer that asks (or a checkpoint)."""
@@ -36,24 +39,32 @@ class ElasticCenter:
         self._bounds = (0, 0)
         self.rounds = 0
 
-    def init(self, start: int, end: int, initial: torch.Tensor) -> None:
-        """Start the centre from the (broadcast, identical) initial weights; later calls are no-ops
-        if they agree, refused if they name another slice."""
+    def init(self, start: int, end: int, initial: torch.Tensor) -> torch.Tensor:
+        """Start the centre from the first trainer's initial weights; later calls change nothing if
+        they name the same slice, and are refused if they name another. Returns the slice as it is
+        then: where the calling trainer starts (a trainer joining a running job starts at the centre)."""
         with self._lock:
             if self._center is None:
                 self._center, self._bounds = self._accepted(start, end, initial), (start, end)
             else:
                 self._require_slice(start, end)
+            return self._center.clone()
 
-    def load(self, start: int, end: int, centre: torch.Tensor) -> None:
-        """Replace the slice with `centre` (a checkpoint's). Refused (ValueError, nothing changed):
-        another slice than the one held, or values that `slice_problem` names (of another shape or
-        dtype than the slice held, NaN / Inf). On a centre not yet initialised it starts the slice
-        (a later `init` then keeps it)."""
+    def load(self, start: int, end: int, centre: torch.Tensor, unless_moved: bool = False) -> bool:
+        """Replace the slice with `centre` (a checkpoint's); with `unless_moved`, only if no exchange
+        has moved it yet (a trainer that rejoins a running job must not roll the job's centre back).
+        Returns whether it was replaced. Refused (ValueError, nothing changed): another slice than
+        the one held, or values that `slice_problem` names (of another shape or dtype than the slice
+        held, NaN / Inf). On a centre not yet initialised it starts the slice (a later `init` then
+        keeps it)."""
         with self._lock:
             if self._center is not None:
                 self._require_slice(start, end)
-            self._center, self._bounds = self._accepted(start, end, centre), (start, end)
+            accepted = self._accepted(start, end, centre)
+            if unless_moved and self.rounds:
+                return False
+            self._center, self._bounds = accepted, (start, end)
+            return True
 
     def pull(self, start: int, end: int, snapshot: torch.Tensor, alpha: float) -> torch.Tensor:
         """One elastic exchange: returns `d = alpha * (s - c)` after moving the centre by it."""
@@ -133,9 +144,10 @@ class CenterClient(Centre):
         self._layout: tuple[int, torch.dtype] | None = None
         """Length and dtype of the flat centre, set by `init`."""
 
-    def init(self, initial: torch.Tensor) -> None:
-        self._call_each_slice("init", initial)
+    def init(self, initial: torch.Tensor) -> torch.Tensor:
+        centre = torch.cat(self._call_each_slice("init", initial))
         self._layout = (initial.numel(), initial.dtype)
+        return centre
 
     def exchange(self, snapshot: torch.Tensor, alpha: float) -> torch.Tensor:
         return torch.cat(self._call_each_slice("pull", snapshot, alpha))
@@ -151,7 +163,9 @@ class CenterClient(Centre):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()` output onto the servers (trainer 0; the others have nothing to do).
         Refuses (`CheckpointError`, before any server changed) a state that is not one, or one of
-        another server count or dense layout (length, dtype), or holding NaN / Inf."""
+        another server count or dense layout (length, dtype), or holding NaN / Inf. In the elastic
+        layout, where the servers outlive the trainers, a slice that exchanges have moved already is
+        kept: trainer 0 rejoining a running job resumes its own replica, not the job's centre."""
         length, dtype = self._require_layout()
         if not self._saving_trainer():
             return
@@ -165,7 +179,10 @@ class CenterClient(Centre):
         problem = slice_problem(0, length, state["centre"], dtype)
         if problem is not None:
             raise CheckpointError(f"the S-EASGD centre of this job's dense layout cannot be loaded: {problem}")
-        self._call_each_slice("load", state["centre"])
+        kept = self._call_each_slice("load", state["centre"], self.transport.roles.elastic).count(False)
+        if kept:
+            logger.info("shadowgba: the S-EASGD centre kept its running values on %d of %d servers instead of this "
+                        "checkpoint's (the job is running: this trainer rejoined it)", kept, self.num_servers)
 
     def _require_layout(self) -> tuple[int, torch.dtype]:
         if self._layout is None:

@@ -151,8 +151,8 @@ ELASTIC_RANK = "SHADOWGBA_RANK"
 """Elastic layout: the environment variable that names this process's place in the job (trainers
 0 .. num_trainers - 1, then the servers, as in one torchrun job)."""
 NO_TRAINER_GROUP = ("the elastic layout (sync.ps.num_trainers > 0) has no process group over the trainers, which "
-                    "this needs: there, only GBA mode with PS-hosted or no tables runs (no sync mode or switch to "
-                    "it, no checkpoint load in GBA mode, no easgd_ps, no TorchRec-sharded tables)")
+                    "this needs: there, only GBA mode or easgd_ps, with PS-hosted or no tables, runs (no sync mode or "
+                    "switch to it, no checkpoint load in GBA mode, no TorchRec-sharded tables)")
 """Why a trainer collective is refused in the elastic layout."""
 ELASTIC_NAMESPACE = "elastic"
 """The key prefix of an elastic job in its servers' store (one job per set of servers)."""

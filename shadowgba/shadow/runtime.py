@@ -75,8 +75,10 @@ class ShadowSync(DenseSync):
     `params` overrides which parameters are synchronized (default: the dense ones, i.e. all minus
     TorchRec-sharded tables). `algorithm_kwargs` are the algorithm's resources beyond its config
     (S-EASGD: the client of its centre). `process_group` is the group whose ranks synchronize (default: world);
-    the shadow traffic gets a new group over those ranks (unless the algorithm only talks to a
-    parameter server: then `process_group` itself carries the initial broadcast and final average).
+    the shadow traffic gets a new group over those ranks. An algorithm that only talks to a
+    parameter server (S-EASGD) has no traffic of its own: `process_group` carries its initial
+    broadcast and final average, and without one (a job whose trainers come and go has no group)
+    each trainer starts where the algorithm puts it (S-EASGD: at the centre) and ends on its own replica.
     `guard`: this trainer's `NonFiniteGuard` (`shadowgba.dense_sync` shares it with the model's
     tables); default one of its own. A step whose gradients, or whatever the guard caught in it
     (embedding gradients, row pushes), hold NaN / Inf does not run the user's optimizer: the
@@ -127,6 +129,8 @@ class ShadowSync(DenseSync):
         self._thread: threading.Thread | None = None
         self._group: dist.ProcessGroup | None = None
         self._owns_group = False
+        self._running = False
+        """Between `start()` and `close()` / `abort()`."""
         self._algorithm: sync_algos.SyncAlgorithm | None = None
         self._writeback: WriteBack | None = None
         self._table_writeback: WriteBack | None = None
@@ -137,30 +141,30 @@ class ShadowSync(DenseSync):
     # ----------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
         """Collective over the ranks: new group, broadcast of the dense weights, hooks, shadow thread."""
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ShadowSync needs torch.distributed initialised (init_process_group) first")
-        if self._group is not None:
+        if self._running:
             raise RuntimeError("ShadowSync.start() called twice")
-        if sync_algos.get_algorithm(self.config.algo).uses_collectives:
+        collective = sync_algos.get_algorithm(self.config.algo).uses_collectives
+        if (collective or self._parent_group is not None) and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("ShadowSync needs torch.distributed initialised (init_process_group) first")
+        if collective:
             ranks = None if self._parent_group is None else dist.get_process_group_ranks(self._parent_group)
             backend = "nccl" if self.dense.device.type == "cuda" else "gloo"
             self._group = dist.new_group(
                 ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=self.config.timeout_s)
             )
             self._owns_group = True
-        else:  # rounds talk to a parameter server: the group only carries the broadcast and final average
-            if self._parent_group is None:
-                raise ValueError(f"sync.algo '{self.config.algo}' needs process_group=roles.trainer_group "
-                                 "(the world includes the parameter servers)")
+        else:  # rounds talk to a parameter server: a group only carries the broadcast and final average
             self._group = self._parent_group
             self._owns_group = False
+        self._running = True
         initial = self._snapshot  # free until the first round; what the algorithm keeps, it copies
         self.dense.copy_to(initial)
-        dist.broadcast(initial, src=self._group_rank0(), group=self._group)
-        self.dense.copy_from(initial)
+        if self._group is not None:
+            dist.broadcast(initial, src=self._group_rank0(), group=self._group)
         self._algorithm = sync_algos.build_algorithm(
             self.config.algo, self.config.algorithm_config(), self._group, initial, **self._algorithm_kwargs
         )
+        self.dense.copy_from(initial)  # after the build: an algorithm may start this rank elsewhere (S-EASGD)
         self._algorithm.state_guard = self._state_lock
         # the fused optimizer writes table rows inside backward: only a step boundary may touch them
         handoff = self.config.mode == "shadow" and self.config.writeback == "handoff"
@@ -175,7 +179,7 @@ class ShadowSync(DenseSync):
         logger.info(
             "shadowgba started: algo=%s mode=%s writeback=%s params=%d (%.2f MiB) ranks=%d",
             self.config.algo, self.config.mode, self.config.writeback, self.dense.numel,
-            self.dense.numel * self._snapshot.element_size() / 2**20, dist.get_world_size(self._group),
+            self.dense.numel * self._snapshot.element_size() / 2**20, self._algorithm.world_size,
         )
         if self.tables is not None:
             logger.info("shadowgba tables: %d shards, %d values in a cycle of %d fragments, averaged over %d replicas",
@@ -189,9 +193,10 @@ class ShadowSync(DenseSync):
         its last weights and its stop flag raised) until the others close too, then in the final
         average. Raises `SyncError` if the rounds failed (the shadow thread, a peer that aborted,
         NaN / Inf under `on_nonfinite: fail`) and that was not yet raised; the final average is then
-        skipped, as every rank skips it alike.
+        skipped, as every rank skips it alike. Without a group (see the class) there is no final
+        average: this rank's last round was its own.
         """
-        if self._group is None:
+        if not self._running:
             return
         final_sync = self.config.final_sync if final_sync is None else final_sync
         self._stop_requested.set()
@@ -208,9 +213,9 @@ class ShadowSync(DenseSync):
         finally:
             self._step_hook.remove()
             self.guard.enabled = False
-            group, self._group = self._group, None
+            group, self._group, self._running = self._group, None, False
         try:
-            if self._error is None and final_sync:
+            if self._error is None and final_sync and group is not None:
                 nonfinite = self.dense.average_(group, self._snapshot, self._algorithm.allreduce)
                 self._check_flags(self._global_ranks(nonfinite, group), (), "the final average")
                 if self.tables is not None and self._error is None:
@@ -231,7 +236,7 @@ class ShadowSync(DenseSync):
         therefore waits at most `ABORT_ROUND_S` for the round; a round still blocked then is left to
         the process's exit (a daemon thread, its group not destroyed under it) and the peers learn of
         the failure from the job's notice or from this process's connections closing."""
-        if self._group is None:
+        if not self._running:
             return
         self._aborting.set()  # before _stop_requested: see _run_round
         self._stop_requested.set()
@@ -253,7 +258,7 @@ class ShadowSync(DenseSync):
         finally:
             self._step_hook.remove()
             self.guard.enabled = False
-            group, self._group = self._group, None
+            group, self._group, self._running = self._group, None, False
             self._error_reported = True  # the caller's exception is the one that matters
             if last is not None and last.is_alive():
                 logger.warning("shadowgba: the aborted round still waits for a peer after %gs; it is left to "
@@ -274,7 +279,7 @@ class ShadowSync(DenseSync):
             finally:
                 self._rounds_finished = True
 
-    def _release(self, group: dist.ProcessGroup) -> None:
+    def _release(self, group: dist.ProcessGroup | None) -> None:
         self._end_report()
         if self._owns_group:
             dist.destroy_process_group(group)
