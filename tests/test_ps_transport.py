@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.errors import PeerLost
-from shadowgba.ps import channel, transport
+from shadowgba.ps import channel, sessions, transport
 from shadowgba.ps.transport import Transport
 from tests.multiprocess import run_ranks, run_ranks_outcomes, run_shared
 
@@ -480,3 +480,17 @@ def test_the_channels_listen_on_the_interface_that_reaches_the_master() -> None:
 if __name__ == "__main__":
     outcome = exercise_transport(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     print(f"transport ok: {outcome['roles'].name}", flush=True)
+
+
+def test_a_trainer_stops_waiting_on_a_dead_server_process_once_a_newer_one_is_current() -> None:
+    """A session request at server incarnation 1 fails at once, not after its `accept_within_s`,
+    when incarnation 2 of that server has published itself (the old process is dead: a trainer
+    reaches the restarted server sooner); with none newer it waits its whole time."""
+    store = dist.HashStore()
+    for within_s, newest in ((0.3, 1), (30.0, 2)):
+        store.set(sessions._current_key(0, 0), str(newest))
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="no acceptance of session .* by incarnation 1"):
+            sessions.request_session(store, 0, 0, 1, trainer=0, rank=0, timeout_s=10.0, accept_within_s=within_s)
+        waited = time.monotonic() - started
+        assert (waited >= within_s) if newest == 1 else (waited < 1.0), (newest, waited)

@@ -132,8 +132,9 @@ def request_session(store: dist.Store, generation: int, server: int, server_inca
                     rank: int, timeout_s: float, accept_within_s: float, incarnation: int = 1) -> SessionInfo:
     """Trainer: take a ticket at incarnation `server_incarnation` of `server`, announce it, and wait
     up to `accept_within_s` for the server's acceptor to take it. Raises `TimeoutError` when it does
-    not (the server is gone or stopped), `SessionRefused` with the server's reason when it refuses
-    this process."""
+    not (the server is gone or stopped), at once when a newer process of the server has published
+    itself meanwhile (this one is dead: no need to wait the rest), `SessionRefused` with the
+    server's reason when it refuses this process."""
     def key(name: str) -> str:
         return server_key(generation, server, server_incarnation, name)
 
@@ -142,22 +143,28 @@ def request_session(store: dist.Store, generation: int, server: int, server_inca
     store.set(key(f"trainer{trainer}/latest"), str(ticket))
     store.set(key(f"join{ticket}"), pickle.dumps(info))
     accepted = key(f"accepted{ticket}")
-    if not await_key(store, accepted, accept_within_s):
-        raise TimeoutError(f"no acceptance of session {ticket} within {accept_within_s:g} s")
+    current = _current_key(generation, server)
+    if not await_key(store, accepted, accept_within_s,
+                     superseded=lambda: store.check([current]) and int(store.get(current)) > server_incarnation):
+        raise TimeoutError(f"no acceptance of session {ticket} by incarnation {server_incarnation} within "
+                           f"{accept_within_s:g} s, or a newer process of the server came first")
     answer = store.get(accepted).decode()
     if answer.startswith(REFUSED):
         raise SessionRefused(answer[len(REFUSED):])
     return info
 
 
-def await_key(store: dist.Store, key: str, within_s: float, ended: threading.Event | None = None) -> bool:
-    """Whether `key` appeared in `store` within `within_s` (False also once `ended` is set or the
-    store fails: its host is gone)."""
+def await_key(store: dist.Store, key: str, within_s: float, ended: threading.Event | None = None,
+              superseded: Callable[[], bool] | None = None) -> bool:
+    """Whether `key` appeared in `store` within `within_s` (False also once `ended` is set, once
+    `superseded()` says the wait is pointless, or when the store fails: its host is gone)."""
     deadline = time.monotonic() + within_s
     while True:
         try:
             if store.check([key]):
                 return True
+            if superseded is not None and superseded():
+                return False
         except RuntimeError:
             return False
         if time.monotonic() >= deadline or (ended or threading.Event()).wait(POLL_S):
