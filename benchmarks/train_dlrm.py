@@ -101,7 +101,7 @@ def run_trainer(
     num_trainers = len(roles.trainer_ranks)
     stop = StopRule(config.train, config.lockstep, roles, device, applied_samples(gba, config) if gba else None,
                     paired_trainers(config, job), config.data.batch_size)
-    curve = heldout_curve(config, model.module, data, roles, device, sync)
+    curve = heldout_curve(config, model.module, data, roles, device, sync, stop)
     checkpoints = JobCheckpoints(options, config, model, optimizer, sync, job) if options.directory else None
     fault = FaultInjector.from_env(roles.trainer_index, model.dense_params)
     clock = StepWallClock()

@@ -3,6 +3,10 @@
 Samples seen count over all trainers. With TorchRec tables the trainers are in lockstep (and the
 forward pass is itself collective): samples seen are step x batch x trainers, and every trainer
 evaluates at the same step, each scoring its share of the held-out set, as the final evaluation.
+In a 2D job only a sharding group's ranks pair their steps: each group evaluates its own replica,
+among its own ranks (an evaluation over every trainer would make a fast group wait for the slow
+one at every point, so that both end with the same steps), at the job's samples seen, the
+`train.job_samples` counter its decider read at its last stop decision (`StopRule.job_samples_seen`).
 Without lockstep (tables on the PS) trainers step independently, so they must not meet in a
 collective: trainer 0 alone scores the whole held-out set with its replica (under GBA every
 trainer pulls the same parameters) and counts the samples applied by the GBA global step; without a
@@ -25,7 +29,7 @@ from torch import nn
 
 from dlrm.config import ExperimentConfig
 from dlrm.job import applied_samples
-from dlrm.loop import evaluate
+from dlrm.loop import StopRule, evaluate
 from ctrkit.ctr_data import CTRData
 from shadowgba.ps import transport
 
@@ -91,18 +95,22 @@ def heldout_curve(
     roles: transport.Roles,
     device: torch.device,
     sync: Any | None,
+    stop: StopRule,
 ) -> HeldoutCurve:
-    """This trainer's curve: evaluating on every trainer in lockstep, else on trainer 0 alone."""
+    """This trainer's curve: evaluating on the trainers `stop` pairs (every trainer in lockstep, a
+    2D job's sharding group), else on trainer 0 alone."""
     num_trainers = len(roles.trainer_ranks)
     alone = not config.lockstep
     every = config.train.eval_every_samples if not alone or roles.trainer_index == 0 else 0
 
     def evaluate_now() -> dict[str, float]:
-        quality = evaluate(model, data, roles, device, alone=alone)
+        quality = evaluate(model, data, roles, device, alone=alone, group=stop.group)
         model.train()
         return quality
 
     count = applied_samples(sync, config) if alone and config.algo == "gba" else None
+    if config.lockstep and config.train.job_samples:
+        count = lambda: stop.job_samples_seen  # noqa: E731 (the same on every rank that evaluates together)
 
     def samples_seen(step: int) -> int:
         return count() if count is not None else step * config.data.batch_size * num_trainers

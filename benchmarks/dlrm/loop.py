@@ -93,6 +93,9 @@ class StopRule:
         self.samples_per_step = batch_size * (dist.get_world_size(self.group) if lockstep else 1)
         """Samples one step of this decider's trainers computes (all of its paired group's)."""
         self.counted_step = 0
+        self.job_samples_seen = 0
+        """`job_samples`: the job's counter at this trainer's last stop decision, the same on every
+        trainer of its paired group (the decider's, broadcast with the decision)."""
 
     def __call__(self, step: int, since_warmup_s: float) -> bool:
         config = self.config
@@ -108,12 +111,14 @@ class StopRule:
         elif config.global_samples:
             stop = self.applied_samples() >= config.global_samples
         else:
-            stop = self._job_samples(step) >= config.job_samples
+            self.job_samples_seen = self._job_samples(step)
+            stop = self.job_samples_seen >= config.job_samples
         if not self.lockstep:
             return stop
-        decision = torch.tensor([stop], device=self.device)
+        decision = torch.tensor([float(stop), float(self.job_samples_seen)], dtype=torch.float64, device=self.device)
         dist.broadcast(decision, src=self.source, group=self.group)
-        return bool(decision.item())
+        self.job_samples_seen = int(decision[1].item())
+        return bool(decision[0].item())
 
     def _job_samples(self, step: int) -> int:
         """Adds the samples this decider's trainers computed since its last count to the job's
@@ -208,21 +213,24 @@ def global_steps_per_s(stats: TrainStats) -> float | None:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, data: CTRData, roles: transport.Roles, device: torch.device, alone: bool = False
+    model: nn.Module, data: CTRData, roles: transport.Roles, device: torch.device, alone: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
-    """Held-out AUC and log loss over the whole set; each trainer scores its share with its replica
-    (collective), or with `alone` this trainer scores all of it, with no collective (PS tables only:
-    a TorchRec-sharded forward is itself collective)."""
+    """Held-out AUC and log loss over the whole set; each trainer of `group` (default every trainer;
+    a 2D job's sharding group during training: its replica, evaluated while the other groups train
+    on) scores its share with its replica (collective), or with `alone` this trainer scores all of
+    it, with no collective (PS tables only: a TorchRec-sharded forward is itself collective)."""
     model.eval()
+    group = roles.trainer_group if group is None else group
     logits, labels = [], []
-    for batch in data.heldout_batches(*((0, 1) if alone else (roles.trainer_index, len(roles.trainer_ranks)))):
+    share = (0, 1) if alone else (dist.get_rank(group), dist.get_world_size(group))
+    for batch in data.heldout_batches(*share):
         _, (_, batch_logits, batch_labels) = model(batch.to(device))
         logits.append(batch_logits)
         labels.append(batch_labels)
     all_logits, all_labels = torch.cat(logits), torch.cat(labels)
     if not alone:
-        all_logits, all_labels = (all_gather_rows(all_logits, roles.trainer_group),
-                                  all_gather_rows(all_labels, roles.trainer_group))
+        all_logits, all_labels = all_gather_rows(all_logits, group), all_gather_rows(all_labels, group)
     return {"auc": roc_auc(all_logits, all_labels), "log_loss": log_loss(all_logits, all_labels)}
 
 
