@@ -30,16 +30,9 @@ Invariants:
   waits for the current message's tensors, so the next message never waits for a posted receive.
   Lane positions are taken under the same lock, so they grow in the order the frames are posted.
 - Every send is waited for (a gloo send holds its buffer, and reports completion, only once
-  waited). A message with parts sent apart from its frame (the caller's tensors, which gloo reads
-  until the send completes) by its sender, right after posting, so that the caller may change
-  them once the call returns. A frame-only message (every tensor inline or in the lane: the frame
-  is the encoder's own buffer; small calls and replies, heartbeats, lane and close frames) once the
-  peer's frames say they received it, when the wait returns at once: its sender goes on at once
-  (a reply does not hold the receiver thread for gloo's loop thread to write it), and a stopped
-  peer blocks no pulse. No send is ever waited for under the send lock before the peer has it.
-  What is held meanwhile is bounded: a peer that hears nothing for its timeout ends the channel,
-  and until then the messages to it are its own calls' replies, this side's calls in flight
-  (each bounded by its caller's timeout) and one heartbeat per `beat_s`.
+  waited): a request or reply by its sender, right after posting; a frame-only message that must
+  not block (heartbeat, lane and close frames) once the peer's frames say they received it, when
+  the wait returns at once. So a stopped peer blocks no pulse, and nothing is held for ever.
 - Several requests can be in flight: each carries an id, and a reply completes the future of its
   id, whatever the order the peer answers in (the owner decides where a request runs: see
   `shadowgba.ps.transport`).
@@ -312,9 +305,10 @@ class Channel:
         self.last_heard = time.monotonic()
         """When the last frame (message or heartbeat) arrived from the peer."""
         self._unsettled: collections.deque[tuple[int, Any]] = collections.deque()
-        """(frame number, send) of the frame-only messages, posted without waiting (see the module
-        docstring). A gloo send is complete only once waited for, and holds its buffer until then;
-        each is waited for (at once) when the peer's frames say it has arrived. Guarded by `_send_lock`."""
+        """(frame number, send) of the frames posted without waiting (heartbeats, lane and close
+        frames: a stopped peer must not block the pulse). A gloo send is complete only once waited
+        for, and holds its buffer until then; each is waited for (at once) when the peer's frames
+        say it has arrived. Guarded by `_send_lock`."""
         self._frames_sent = 0
         """Frames posted to the peer; guarded by `_send_lock`."""
         self._frames_heard = 0
@@ -334,7 +328,7 @@ class Channel:
         self._receiver.start()
         if self._lane_out is not None:
             try:
-                self._transmit(LANE_OFFER, self._lane_out.offer)
+                self._transmit(LANE_OFFER, self._lane_out.offer, wait=False)
             except RuntimeError as error:
                 self._fail(error)
 
@@ -380,7 +374,7 @@ class Channel:
         if not self.alive or time.monotonic() - self._last_sent < self.beat_s:
             return
         try:
-            self._transmit(HEARTBEAT, None)
+            self._transmit(HEARTBEAT, None, wait=False)
         except RuntimeError as error:
             self._fail(error)
 
@@ -432,10 +426,10 @@ class Channel:
         except RuntimeError as error:
             raise self._fail(error) from error
 
-    def _transmit(self, kind: int, body: Any) -> None:
+    def _transmit(self, kind: int, body: Any, wait: bool = True) -> None:
         """Encode a message and post every part of it, under the send lock: parts of two messages
         never interleave, and lane positions are taken in posting order. Then wait until it is
-        sent, or, a frame-only message, leave it to `_unsettled` (see the module docstring)."""
+        sent, or (`wait` False: a frame-only message) leave it to `_unsettled`."""
         peer = 1 - self.rank
         with self._send_lock:
             while self._unsettled and self._unsettled[0][0] < self._peer_heard:  # arrived: the wait returns at once
@@ -451,7 +445,6 @@ class Channel:
                 works.append(self.group.send([encoded.header], peer, _HEADER_TAG))
             works.extend(self.group.send([tensor], peer, tag) for tensor, tag in encoded.sends)
             self._last_sent = time.monotonic()
-            wait = bool(encoded.sends)
             if not wait:
                 self._unsettled.extend((self._frames_sent, work) for work in works)
             self._frames_sent += 1
@@ -511,7 +504,7 @@ class Channel:
     def _send_close(self) -> None:
         """Post CLOSE without waiting (a peer that is gone fails the receiver instead)."""
         try:
-            self._transmit(CLOSE, None)
+            self._transmit(CLOSE, None, wait=False)
         except RuntimeError:
             pass
 
@@ -519,7 +512,7 @@ class Channel:
         """The peer offered its lane (map it, answer whether that worked) or answered this side's offer."""
         if kind == LANE_OFFER:
             self._lane_in = IncomingLane.open(*body)
-            self._transmit(LANE_ANSWER, self._lane_in is not None)
+            self._transmit(LANE_ANSWER, self._lane_in is not None, wait=False)
         elif self._lane_out is not None:
             if body:
                 self._lane_out.accepted = True
