@@ -116,13 +116,15 @@ def test_option_lists_refuse_unknown_names() -> None:
 def test_a_sample_budget_lets_the_fast_replica_group_take_more_of_the_job_samples(tmp_path: Path) -> None:
     """`--quality-stop samples`: a 2 x 2 shadow BMUF job with trainer 1 three times slower stops once
     the trainers together computed the budget; the fast group took more of it, and the job still
-    ended with identical replicas."""
-    batch, check_every, budget = 64, 5, 4 * 60 * 64
+    ended with identical replicas. With the held-out curve on: each group evaluates its own replica
+    at the job's samples seen, so the curve's points do not hold the fast group back to the slow
+    one's steps (they did while the curve evaluated over every trainer)."""
+    batch, check_every, budget, every = 64, 5, 4 * 60 * 64, 4096
     arguments = [*VARIANTS["bmuf-shadow"].arguments(2, 10), "--train.job_samples", str(budget),
                  "--train.stop_check_every", str(check_every), "--train.warmup_steps", "5",
                  "--data.synthetic.batch_size", str(batch), "--data.synthetic.eval_batches", "4",
                  "--sync.interval_ms", "20", "--straggler.trainers", "[1]", "--straggler.factor", "3",
-                 "--straggler.step_ms", "30"]
+                 "--straggler.step_ms", "30", "--train.eval_every_samples", str(every)]
     run = run_example("job_samples", 4, arguments, tmp_path / "result.json")
     slow, fast = run["steps_by_trainer"][:2], run["steps_by_trainer"][2:]
     assert slow[0] == slow[1] and fast[0] == fast[1]  # each group's all-to-all pairs its steps
@@ -130,6 +132,12 @@ def test_a_sample_budget_lets_the_fast_replica_group_take_more_of_the_job_sample
     overshoot = 2 * 2 * check_every * batch  # each group may count one check interval past the budget
     assert budget <= run["samples_computed_total"] <= budget + overshoot
     assert run["dense_replica_max_abs_diff"] == 0.0 and run["table_replica_max_abs_diff"] == 0.0
+    # trainer 0's curve: a point past each multiple of `every` the job's counter crossed, read at a
+    # stop decision (at most one check interval of both groups late), then the final evaluation
+    seen = [point["samples_seen"] for point in run["curve"]]
+    assert seen == sorted(seen) and len(seen) == budget // every + 1, seen
+    for multiple, point in zip(range(every, budget, every), seen):
+        assert multiple <= point <= multiple + overshoot, (multiple, seen)
 
 
 def test_a_quality_run_stops_at_its_steps_times_the_batch_the_overrides_set() -> None:
