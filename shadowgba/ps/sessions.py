@@ -143,9 +143,8 @@ def request_session(store: dist.Store, generation: int, server: int, server_inca
     store.set(key(f"trainer{trainer}/latest"), str(ticket))
     store.set(key(f"join{ticket}"), pickle.dumps(info))
     accepted = key(f"accepted{ticket}")
-    current = _current_key(generation, server)
-    if not await_key(store, accepted, accept_within_s,
-                     superseded=lambda: store.check([current]) and int(store.get(current)) > server_incarnation):
+    if not await_key(store, accepted, accept_within_s, superseded=lambda: current_incarnation(
+            store, generation, server, 0.0, newer_than=server_incarnation) is not None):
         raise TimeoutError(f"no acceptance of session {ticket} by incarnation {server_incarnation} within "
                            f"{accept_within_s:g} s, or a newer process of the server came first")
     answer = store.get(accepted).decode()
