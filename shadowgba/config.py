@@ -159,9 +159,12 @@ class SyncConfig:
                 f"trainers alone, not with sync.algo '{self.algo}' or parameter servers (ps.num_servers "
                 f"{self.ps.num_servers}); set sharding_group_size: 0 for those"
             )
-        if self.ps.checkpoint_dir and self.algo != "gba":
-            raise ConfigError(f"ps.checkpoint_dir: the servers' own checkpoints hold GBA's dense shards and the "
-                              f"PS-hosted tables; sync.algo '{self.algo}' has neither")
+        if self.ps.checkpoint_dir and self.algo not in PS_ALGOS:
+            raise ConfigError(f"ps.checkpoint_dir: the servers' own checkpoints hold GBA's dense shards or the S-EASGD "
+                              f"centre, and the PS-hosted tables; sync.algo '{self.algo}' has none of them")
+        if self.ps.server_restart_s and self.algo == "gba" and self.ps.num_servers != 1:
+            raise ConfigError(f"ps.server_restart_s > 0 under gba needs exactly one server, got {self.ps.num_servers}: "
+                              "the dense shards of several servers would have to go back to one global step together")
         if self.ps.num_servers and self.algo not in PS_ALGOS:
             raise ConfigError(
                 f"ps.num_servers: parameter servers need sync.algo gba or easgd_ps, not '{self.algo}' "

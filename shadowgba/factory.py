@@ -398,17 +398,20 @@ def _serve(job: Job) -> CheckpointWriter | None:
 
 def _restore_and_checkpoint(job: Job) -> CheckpointWriter:
     """Server: take the services' state from this server's newest checkpoint, if any (a restarted
-    process, before it serves), and save them every `sync.ps.checkpoint_every` global steps."""
+    process, before it serves), and save them on the schedule of the service that offers its state:
+    every `sync.ps.checkpoint_every` global steps of the dense shard (GBA) or exchanges of the
+    centre slice (S-EASGD)."""
     checkpoints = ServerCheckpoints(job.config.ps.checkpoint_dir, job.roles.server_index)
     saved = checkpoints.latest()
     if saved is not None:
-        for name, state in saved.items():
+        step, states = saved
+        for name, state in states.items():
             job.served[name].restore(state)
-        logger.warning("shadowgba: %s resumed from its checkpoint of global step %d (%s)", job.roles.name,
-                       saved["dense"]["exported"]["global_step"], checkpoints.folder)
-    writer = CheckpointWriter(checkpoints, {name: service.export_state for name, service in job.served.items()
-                                            if name != DENSE_SERVICE})
-    job.served[DENSE_SERVICE].on_checkpoint(job.config.ps.checkpoint_every, writer.offer)
+        logger.warning("shadowgba: %s resumed from its checkpoint %s", job.roles.name, checkpoints.path_of(step))
+    offering = CENTER_SERVICE if job.config.algo == "easgd_ps" else DENSE_SERVICE
+    writer = CheckpointWriter(checkpoints, offering, {name: service.export_state
+                                                      for name, service in job.served.items() if name != offering})
+    job.served[offering].on_checkpoint(job.config.ps.checkpoint_every, writer.offer)
     return writer
 
 

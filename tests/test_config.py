@@ -54,6 +54,13 @@ def test_a_section_of_a_larger_job_file_loads_alone_and_ignores_the_application_
         load_config(SyncConfig, path, ["--sync.gba.queue_size", "0"], section="sync")
 
 
+def test_several_servers_may_restart_under_s_easgd(tmp_path: Path) -> None:
+    """The centre's slices need no common cut (unlike GBA's dense shards, refused above)."""
+    text = "sync: {algo: easgd_ps, ps: {num_servers: 2, num_trainers: 2, checkpoint_dir: ckpt, server_restart_s: 30}}"
+    ps = load_config(Job, write(tmp_path, text), []).sync.ps
+    assert (ps.num_servers, ps.server_restart_s, ps.checkpoint_dir) == (2, 30.0, "ckpt")
+
+
 @pytest.mark.parametrize(
     "text,overrides,message",
     [
@@ -65,6 +72,8 @@ def test_a_section_of_a_larger_job_file_loads_alone_and_ignores_the_application_
         ("sync: {ps: {num_servers: 1}}", [], r"sync\.ps\.num_servers: parameter servers need sync\.algo gba or easgd_ps, not 'ma'"),
         ("sync: {algo: gba, ps: {num_servers: 1}, timeout_s: 30}", [],
          r"sync\.timeout_s: with parameter servers need ps\.rpc_timeout_s \(60\) <= timeout_s \(30\) <= ps\.trainer_timeout_s \(300\)"),
+        ("sync: {algo: gba, ps: {num_servers: 2, num_trainers: 2, checkpoint_dir: ckpt, server_restart_s: 30}}", [],
+         r"sync\.ps\.server_restart_s > 0 under gba needs exactly one server, got 2: the dense shards"),
         ("sync: {ps: {rpc_timeout_s: 400}}", [], r"sync\.ps\.rpc_timeout_s must be > 0 and <= trainer_timeout_s \(300\), got 400"),
         ("sync: {algorithm: ma}", [], r"sync\.algorithm: unknown key; allowed keys: \[.*'algo'.*\]"),
         ("sync: {mode: async}", [], r"sync\.mode: 'async' is not allowed; allowed values: \['shadow', 'foreground'\]"),

@@ -12,6 +12,7 @@ import torch
 import sync_algos
 from shadowgba.ps.transport import Transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
+from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
 from tests.multiprocess import run_ranks
 from tests.test_algorithms import target_of
 
@@ -71,6 +72,34 @@ def test_centre_refuses_mismatched_slices_and_snapshots() -> None:
         centre.pull(0, 3, torch.tensor([0.0, float("nan"), 1.0]), 0.1)
     torch.testing.assert_close(centre.center(), torch.zeros(3))
     assert centre.round_count() == 0
+
+
+def test_a_centre_slice_offers_itself_every_interval_and_a_restored_one_counts_as_moved(tmp_path: Path) -> None:
+    """The servers' own checkpoints under S-EASGD: the slice is offered when a trainer starts it and
+    after every `every`-th exchange, saved by the writer under its service name with the other
+    services' states; a new process restored from the file holds the same slice and exchange count,
+    and a rejoining trainer 0's checkpoint (`load(unless_moved)`) cannot roll it back."""
+    offered: list[tuple[int, dict]] = []
+    centre = ElasticCenter()
+    centre.on_checkpoint(2, lambda step, state: offered.append((step, state)))
+    centre.init(3, 6, torch.zeros(3))
+    for value in (1.0, 2.0, 3.0, 4.0, 5.0):
+        centre.pull(3, 6, torch.full((3,), value), 0.5)
+    assert [step for step, _ in offered] == [0, 2, 4]
+    assert offered[0][1]["centre"].abs().max() == 0.0  # a copy: the exchanges after it did not move it
+    checkpoints = ServerCheckpoints(tmp_path, server_index=1)
+    writer = CheckpointWriter(checkpoints, CENTER_SERVICE, {"tables": lambda: {"rows": torch.arange(2)}})
+    writer.offer(*offered[-1])
+    writer.close()
+    step, saved = checkpoints.latest()
+    assert step == 4 and writer.saved == [4] and torch.equal(saved["tables"]["rows"], torch.arange(2))
+    restored = ElasticCenter()
+    restored.restore(saved[CENTER_SERVICE])
+    assert restored.stats() == {"rounds": 4, "restored_at": 4} and centre.stats() == {"rounds": 5, "restored_at": None}
+    torch.testing.assert_close(restored.center(), offered[-1][1]["centre"])
+    assert not restored.load(3, 6, torch.zeros(3), unless_moved=True)
+    with pytest.raises(ValueError, match=r"centre slice \[3, 6\) holds 3 values, got \(2,\)"):
+        ElasticCenter().restore({"start": 3, "end": 6, "centre": torch.zeros(2), "rounds": 1})
 
 
 def shadow_job(rank: int, world_size: int, steps: list[int]) -> dict | None:

@@ -52,17 +52,20 @@ MAX_STEPS = 2000
 """Bound on any trainer's steps (a test that never signals the end fails, it does not hang)."""
 
 
-TIMEOUT_S = {"kill": 10.0, "stop": 4.0, "server": 10.0, "easgd": 10.0}
+TIMEOUT_S = {"kill": 10.0, "stop": 4.0, "server": 10.0, "easgd": 10.0, "easgd_server": 10.0}
 """`sync.timeout_s` per fault: a stop must outlast it, so it is short there."""
-SERVERS = {"kill": 2, "stop": 1, "server": 1, "easgd": 1}
+SERVERS = {"kill": 2, "stop": 1, "server": 1, "easgd": 1, "easgd_server": 2}
 """Servers per fault: with two, the dense vector has two shards, and a departed trainer's decided
-push that never reached shard 1 must not stall it (its void closes the gap)."""
+push that never reached shard 1 must not stall it (its void closes the gap); under `easgd_server`
+both servers are one torchrun job, which restarts them together."""
+EASGD_FAULTS = ("easgd", "easgd_server")
+"""The faults run under S-EASGD (`easgd_ps`); the others under GBA."""
 EASGD_INTERVAL_MS = 20.0
 """The `easgd` fault (the `kill` fault under S-EASGD): the shadow thread's pacing."""
 SERVER_CHECKPOINT_EVERY = 5
-"""The `server` fault: global steps between the server's own checkpoints."""
+"""The `server` faults: global steps (exchanges with a centre slice) between a server's own checkpoints."""
 SERVER_KILL_AT = 20
-"""The `server` fault: the server is killed once a trainer reports this global step."""
+"""The `server` faults: a server is killed once a trainer reports this global step (exchanges)."""
 SERVER_DOWN_S = 1.0
 """The `server` fault: seconds between the kill and the new server process's start."""
 
@@ -81,8 +84,8 @@ def join_or_kill(processes: list[Any], joined_by: float) -> None:
 
 def config(fault: str, checkpoint_dir: str | None = None) -> SyncConfig:
     restart = dict(checkpoint_dir=checkpoint_dir, checkpoint_every=SERVER_CHECKPOINT_EVERY,
-                   server_restart_s=30.0) if fault == "server" else {}
-    return SyncConfig(algo="easgd_ps" if fault == "easgd" else "gba", timeout_s=TIMEOUT_S[fault],
+                   server_restart_s=30.0) if fault in ("server", "easgd_server") else {}
+    return SyncConfig(algo="easgd_ps" if fault in EASGD_FAULTS else "gba", timeout_s=TIMEOUT_S[fault],
                       interval_ms=EASGD_INTERVAL_MS, ps=PSConfig(
         num_servers=SERVERS[fault], num_trainers=TRAINERS, rpc_timeout_s=TIMEOUT_S[fault], on_trainer_lost="continue",
         **restart), gba=GBAConfig(initial_mode="gba"))
@@ -105,15 +108,15 @@ def run_process(rank: int, port: int, fault: str, checkpoint_dir: str | None, fi
     global step; under S-EASGD its exchanges with the centre), then ("final", trainer, incarnation,
     its metrics, row pushes lost to a server's restart), and what ended it if it raised ("error",
     trainer, incarnation, message); a server reports its index, pid, its dense shard's stats (S-EASGD:
-    the centre's exchanges), its departures and its tables' stats when the job is over
-    (`checkpoint_dir`: the `server` fault's server checkpoints)."""
+    its centre slice's), its departures and its tables' stats when the job is over
+    (`checkpoint_dir`: the `server` faults' server checkpoints)."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{ELASTIC_RANK: str(rank)})
     sync_config = config(fault, checkpoint_dir)
     options = shadowgba.ps_table_options(sync_config, TRAINERS, BATCH, lr=0.05)
     job = shadowgba.join(sync_config, tables=[TABLE], table_options=options)
     if job.is_server:
-        dense = job.served[CENTER_SERVICE].round_count() if fault == "easgd" else job.served["dense"].stats()
+        dense = job.served[CENTER_SERVICE if fault in EASGD_FAULTS else "dense"].stats()
         send(("server", rank - TRAINERS, os.getpid(), dense,
               [dataclasses.astuple(left) for left in job.transport.roster.departures],
               job.served[DEFAULT_SERVICE].stats()))
@@ -151,7 +154,8 @@ def train(trainer: int, incarnation: int, model: nn.Module, embeddings: Any, opt
                 break
             time.sleep(0.02)
         embeddings.flush()
-    send(("final", trainer, incarnation, sync.metrics.summary(), embeddings.pushes_lost_to_restart))
+    metrics = {"server_restarts": job.transport.server_restarts, **sync.metrics.summary()}  # GBA counts its own
+    send(("final", trainer, incarnation, metrics, embeddings.pushes_lost_to_restart))
 
 
 @dataclasses.dataclass
@@ -295,7 +299,8 @@ def test_the_s_easgd_centre_loses_a_trainer_takes_fewer_exchanges_and_its_restar
     # every exchange the trainers counted reached the one centre: the survivors' and the rejoined
     # process's all (at the end), the killed one's at least until its last step (its rounds after
     # that are unknown to the test, its last one perhaps half done)
-    [(_, _, _, centre_rounds, _, _)] = outage.finals.values()
+    [(_, _, _, centre, _, _)] = outage.finals.values()
+    centre_rounds = centre["rounds"]
     assert sorted(final[1:3] for final in outage.trainer_finals) == [(0, 1), (1, 2), (2, 1)], outage.trainer_finals
     ended = sum(metrics["rounds"] for _, _, _, metrics, _ in outage.trainer_finals)
     killed_rounds = max(s[3] for s in steps if s[:2] == (1, 1))
@@ -307,23 +312,27 @@ def test_the_s_easgd_centre_loses_a_trainer_takes_fewer_exchanges_and_its_restar
     assert min(distance[(index, 1)] for index in range(TRAINERS)) == 0.0 < distance[(1, 2)], distance
 
 
-def test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry_on(tmp_path: Path) -> None:
-    """The server (one, with PS-hosted tables) runs as a torchrun job (`--max-restarts=1`, its agent
-    hosting the store at `--master-port`, where the 3 trainers meet it) and saves its state every
-    SERVER_CHECKPOINT_EVERY global steps. Its worker is SIGKILLed at SERVER_KILL_AT; torchrun starts
-    a new one, which resumes from its newest checkpoint, while the trainers, never restarted, wait
-    (`sync.ps.server_restart_s`), then take its parameters and train on."""
+@pytest.mark.parametrize("fault", ["server", "easgd_server"])
+def test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry_on(fault: str, tmp_path: Path) -> None:
+    """The servers (with PS-hosted tables) run as a torchrun job (`--max-restarts=1`, its agent
+    hosting the store at `--master-port`, where the 3 trainers meet them) and save their state every
+    SERVER_CHECKPOINT_EVERY global steps (`easgd_server`: exchanges with a centre slice). The first
+    worker is SIGKILLed once a trainer reports SERVER_KILL_AT; torchrun starts the worker group
+    again (`easgd_server`: both servers, restarting together), which resume from their newest
+    checkpoints, while the trainers, never restarted, wait (`sync.ps.server_restart_s`), then
+    take the restored state and train on. GBA allows one server (`server`); the centre's slices
+    need no common cut, so S-EASGD allows several."""
     context = _context()
     events, finish, port = Events(context), context.Event(), free_port()
-    checkpoint_dir, report = tmp_path / "ckpt", tmp_path / "server.jsonl"
+    checkpoint_dir, report, servers = tmp_path / "ckpt", tmp_path / "server.jsonl", SERVERS[fault]
     server = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-         f"--master-port={port}", "--max-restarts=1", "--monitor-interval=0.5", "-m", "tests.test_elastic",
-         str(port), str(checkpoint_dir), str(report)],
-        cwd=CHECKOUT, env={**os.environ, "OMP_NUM_THREADS": "1", ELASTIC_RANK: str(TRAINERS),
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={servers}",
+         "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=1", "--monitor-interval=0.5",
+         "-m", "tests.test_elastic", str(port), str(checkpoint_dir), str(report), fault],
+        cwd=CHECKOUT, env={**os.environ, "OMP_NUM_THREADS": "1",
                            "PYTHONPATH": os.pathsep.join(filter(None, [CHECKOUT, os.environ.get("PYTHONPATH")]))},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    trainers = [events.start(run_process, (index, port, "server", str(checkpoint_dir), finish))
+    trainers = [events.start(run_process, (index, port, fault, str(checkpoint_dir), finish))
                 for index in range(TRAINERS)]
     steps: list[tuple[int, int, int, int, float]] = []
     finals: dict[int, tuple] = {}
@@ -340,7 +349,7 @@ def test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry
                 elif kind != "start":
                     (errors if kind == "error" else steps).append(event)
             if killed_at is None and steps and steps[-1][3] >= SERVER_KILL_AT:
-                killed = int(Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()[0])  # the worker
+                killed = int(Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()[0])  # a worker
                 os.kill(killed, signal.SIGKILL)
                 killed_at, killed_step = time.time(), max(step[3] for step in steps)
             elif killed_at is not None and all(sum(1 for step in steps if step[0] == index and step[4] > killed_at) >= 10
@@ -356,39 +365,49 @@ def test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry
             server.kill()
             output, _ = server.communicate()
     assert len(finals) == TRAINERS and server.returncode == 0, (sorted(finals), errors, steps[-3:], output[-3000:])
-    # the fault fired: torchrun's first worker was killed at SERVER_KILL_AT or just after, and restarted
+    # the fault fired: a first worker was killed at SERVER_KILL_AT or just after, and every server
+    # that reports the end of the job is a process of torchrun's restart
     assert killed is not None and SERVER_KILL_AT <= killed_step <= SERVER_KILL_AT + 3, killed_step
-    [(pid, restart, dense, tables)] = [json.loads(line) for line in report.read_text().splitlines()]
-    assert pid != killed and restart == 1, (pid, killed, restart)
-    # the new process resumed from a checkpoint of the first, at most one interval behind the kill
-    restored = dense["restored_at"]
-    assert restored % SERVER_CHECKPOINT_EVERY == 0 and killed_step - 2 * SERVER_CHECKPOINT_EVERY <= restored <= killed_step
-    assert tables["restored_at"] is not None, tables
-    saved = sorted(path.name for path in (checkpoint_dir / "ps0").iterdir())
-    assert len(saved) == 2 and all(name.startswith("step_") for name in saved), saved  # the newest KEEP_LAST
-    # the trainers were never restarted, saw one restart each, and trained on the restored parameters
+    reports = {index: (pid, restart, state, tables)
+               for index, pid, restart, state, tables in map(json.loads, report.read_text().splitlines())}
+    assert sorted(reports) == list(range(servers)), reports
+    for index, (pid, restart, state, tables) in reports.items():
+        assert pid != killed and restart == 1, (index, pid, killed, restart)
+        # each resumed from a checkpoint of its first process, and trained on from there
+        restored, progress = (state["restored_at"], state["rounds"] if fault in EASGD_FAULTS else state["global_step"])
+        assert restored > 0 and restored % SERVER_CHECKPOINT_EVERY == 0 and progress >= restored + 5, (index, state)
+        assert tables["restored_at"] is not None, tables
+        saved = sorted(path.name for path in (checkpoint_dir / f"ps{index}").iterdir())
+        assert len(saved) == 2 and all(name.startswith("step_") for name in saved), saved  # the newest KEEP_LAST
+    # the trainers were never restarted, saw each server restart once, and trained on after it
     assert not errors and all(process.exitcode == 0 for process in trainers), (errors, [p.exitcode for p in trainers])
     assert {step[1] for step in steps} == {1}
     after = [step for step in steps if step[4] > killed_at]
     for index in range(TRAINERS):
         _, _, _, metrics, _ = finals[index]
-        assert metrics["server_restarts"] == 1, (index, metrics)
+        assert metrics["server_restarts"] == servers, (index, metrics)
         assert sum(1 for step in after if step[0] == index) >= 10, index
-    # the global step went back to the restored one (a trainer that waited longer may first train later)
-    assert min(step[3] for step in after) <= killed_step, after[:6]
-    assert dense["global_step"] >= restored + 5, (dense["global_step"], restored)
+    if fault == "server":  # the global step went back to the restored one (a trainer that waited longer may first train later)
+        restored = reports[0][2]["restored_at"]
+        assert killed_step - 2 * SERVER_CHECKPOINT_EVERY <= restored <= killed_step, (restored, killed_step)
+        assert min(step[3] for step in after) <= killed_step, after[:6]
+    else:  # every trainer's exchanges went on after the restart
+        for index in range(TRAINERS):
+            rounds = [step[3] for step in after if step[0] == index]
+            assert rounds[-1] - rounds[0] >= 5, (index, rounds[0], rounds[-1])
 
 
-def serve_under_torchrun(port: int, checkpoint_dir: str, report: str) -> None:
-    """The server of the test above, as torchrun's worker: it reports (pid, torchrun's restart count,
-    its dense shard's stats, its tables' stats) as one JSON line appended to `report`."""
+def serve_under_torchrun(port: int, checkpoint_dir: str, report: str, fault: str) -> None:
+    """A server of the test above, as torchrun's worker (server LOCAL_RANK): it reports (its index,
+    pid, torchrun's restart count, its dense shard's or centre slice's stats, its tables' stats) as
+    one JSON line appended to `report`."""
     def send(event: tuple) -> None:
         with open(report, "a") as file:
-            file.write(json.dumps([os.getpid(), int(os.environ["TORCHELASTIC_RESTART_COUNT"]), event[3], event[5]])
-                       + "\n")
+            file.write(json.dumps([event[1], os.getpid(), int(os.environ["TORCHELASTIC_RESTART_COUNT"]), event[3],
+                                   event[5]]) + "\n")
 
-    run_process(TRAINERS, port, "server", checkpoint_dir, None, send)
+    run_process(TRAINERS + int(os.environ["LOCAL_RANK"]), port, fault, checkpoint_dir, None, send)
 
 
 if __name__ == "__main__":
-    serve_under_torchrun(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+    serve_under_torchrun(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])

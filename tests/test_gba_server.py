@@ -458,7 +458,7 @@ def test_a_shard_saves_at_each_multiple_of_its_interval_and_a_restored_one_drops
             shard.push(PushRequest(trainer, 0, 4, torch.ones(4), shard.stats()["global_step"], 1, 0.0))
     assert [step for step, _ in offered] == [0, 2, 4]
     checkpoints = ServerCheckpoints(tmp_path, server_index=0)
-    writer = CheckpointWriter(checkpoints, {"tables": lambda: {"rows": torch.arange(3)}})
+    writer = CheckpointWriter(checkpoints, "dense", {"tables": lambda: {"rows": torch.arange(3)}})
     for step, state in offered:  # a writer behind keeps the newest only: any subset ending at 4 is written
         writer.offer(step, state)
     writer.close()
@@ -466,8 +466,8 @@ def test_a_shard_saves_at_each_multiple_of_its_interval_and_a_restored_one_drops
     for step, state in offered[:2]:
         checkpoints.save(step, {"dense": state})
     assert checkpoints.steps() == [2, 4]  # the newest KEEP_LAST
-    saved = checkpoints.latest()
-    assert saved["dense"]["exported"]["global_step"] == 4 and torch.equal(saved["tables"]["rows"], torch.arange(3))
+    step, saved = checkpoints.latest()
+    assert step == saved["dense"]["exported"]["global_step"] == 4 and torch.equal(saved["tables"]["rows"], torch.arange(3))
     restored = DenseShard()
     restored.restore(saved["dense"])
     torch.testing.assert_close(restored.pull().params, -4 * torch.ones(4))  # SGD lr 1, mean gradient 1, 4 steps
@@ -478,4 +478,4 @@ def test_a_shard_saves_at_each_multiple_of_its_interval_and_a_restored_one_drops
     with pytest.raises(ValueError, match="token 6 is from the future"):  # the live shard, at k = 5
         shard.push(PushRequest(0, 0, 4, torch.ones(4), 6, 1, 0.0))
     (checkpoints.folder / "step_0000000004.pt").write_bytes(b"truncated")
-    assert checkpoints.latest()["dense"]["exported"]["global_step"] == 2
+    assert checkpoints.latest()[1]["dense"]["exported"]["global_step"] == 2

@@ -43,22 +43,25 @@ class PSConfig:
     so only GBA mode or easgd_ps (each trainer exchanging with the centre on its own), with
     PS-hosted (or no) tables, runs: no sync mode or switch, no TorchRec-sharded tables."""
     checkpoint_dir: str | None = None
-    """Elastic layout: where the servers save their own state (the dense shard's slice, optimizer
-    state and global step; the PS-hosted tables' rows and accumulators), server i in `ps{i}/`,
-    every `checkpoint_every` global steps (the newest `server_state.KEEP_LAST` kept), and where a new
+    """Elastic layout: where the servers save their own state (GBA: the dense shard's slice, optimizer
+    state and global step; S-EASGD: the centre's slice; the PS-hosted tables' rows and
+    accumulators), server i in `ps{i}/`, every `checkpoint_every` global steps or exchanges with
+    the centre slice (the newest `server_state.KEEP_LAST` kept), and where a new
     process of a server resumes from before it serves (`shadowgba.ps.server_state`). A folder every
     server sees. None: the servers save nothing themselves. (In one torchrun job the trainers'
     `Checkpointer` saves the servers' state, and a restart restarts every rank.)"""
     checkpoint_every: int = 100
-    """Global steps between two of the servers' checkpoints."""
+    """Global steps (GBA) or exchanges with a centre slice (S-EASGD) between two of a server's checkpoints."""
     server_restart_s: float = 0.0
-    """Elastic layout with `checkpoint_dir`, one server: how long a trainer whose server stopped
+    """Elastic layout with `checkpoint_dir` (GBA: one server): how long a trainer whose server stopped
     answering waits for a new process of it (restarted by its supervisor, e.g. torchrun
     --max-restarts, whose agent hosts the store so that it outlives the server) before its calls
     fail. Meanwhile the trainers wait (their pushes and lookups block); once it is back, what
     they had in flight is dropped and counted, and they train on its restored parameters. 0: a
     server that takes no new session within `transport.ALIVE_WITHIN_S` is lost and the job ends.
-    One server only: the dense shards of several would have to go back to one global step together."""
+    GBA allows one server only: the dense shards of several would have to go back to one global
+    step together. S-EASGD allows any number, restarting alone or together (a trainer's exchange
+    that a restart cut is sent again to the new process, whose centre slice is its checkpoint's)."""
     trainer_timeout_s: float = 300.0
     """How long a server at the end of the job waits for a trainer that has neither finished nor
     answered a ping before it gives up on it, naming it (`PeerLost`). Must be at least
@@ -89,6 +92,3 @@ class PSConfig:
         if self.server_restart_s and not self.checkpoint_dir:
             raise ValueError("server_restart_s > 0 (trainers wait for a restarted server) needs checkpoint_dir, "
                              "the servers' own checkpoints a new server process resumes from")
-        if self.server_restart_s and self.num_servers != 1:
-            raise ValueError(f"server_restart_s > 0 needs exactly one server, got {self.num_servers}: the dense "
-                             "shards of several servers would have to go back to one global step together")

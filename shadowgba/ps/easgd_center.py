@@ -7,19 +7,25 @@ snapshot, all calls in flight at once; the server computes the elastic pull `d =
 (`sync_algos.easgd.elastic_pull`), moves its slice `c <- c + d` and returns `d`. There is no
 collective: trainers talk to each slice one at a time, under its lock, so a slow trainer slows nobody.
 The centre is in the job's checkpoints through its client (`CenterClient.state_dict`, a `Stateful`):
-no other checkpointed object holds it, the algorithm's own state included.
+no other checkpointed object holds it, the algorithm's own state included. In the elastic layout
+each server also saves its own slice (`ElasticCenter.on_checkpoint`, `shadowgba.ps.server_state`),
+and a new process of it resumes from there: the slices are independent (each trainer exchanges with
+each on its own), so a server, or all of them at once, can come back at an older centre, and a
+trainer sends the exchange that was in flight at the restart again to the new process
+(`CenterClient`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-from shadowgba.errors import CheckpointError
+from shadowgba.errors import CheckpointError, ServerRestarted
 from shadowgba.flat_optimizer import shard_bounds
+from shadowgba.ps.channel import first_line
 from shadowgba.ps.transport import Transport
 from sync_algos.base import is_finite
 from sync_algos.easgd import elastic_pull
@@ -38,6 +44,11 @@ class ElasticCenter:
         self._center: torch.Tensor | None = None
         self._bounds = (0, 0)
         self.rounds = 0
+        """Exchanges this slice has taken since it started (a restored slice: since the job's)."""
+        self._checkpoint: tuple[int, Callable[[int, dict[str, Any]], None]] | None = None
+        """(every, offer): the slice is offered after every `every`-th exchange (`on_checkpoint`)."""
+        self._restored_at: int | None = None
+        """The exchange count this process was restored at (`restore`); None: started by a trainer."""
 
     def init(self, start: int, end: int, initial: torch.Tensor) -> torch.Tensor:
         """Start the centre from the first trainer's initial weights; later calls change nothing if
@@ -46,6 +57,7 @@ class ElasticCenter:
         with self._lock:
             if self._center is None:
                 self._center, self._bounds = self._accepted(start, end, initial), (start, end)
+                self._offer_checkpoint(force=True)
             else:
                 self._require_slice(start, end)
             return self._center.clone()
@@ -64,6 +76,7 @@ class ElasticCenter:
             if unless_moved and self.rounds:
                 return False
             self._center, self._bounds = accepted, (start, end)
+            self._offer_checkpoint(force=True)
             return True
 
     def pull(self, start: int, end: int, snapshot: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -81,7 +94,25 @@ class ElasticCenter:
             pull = elastic_pull(snapshot, self._center, alpha)
             self._center += pull
             self.rounds += 1
+            self._offer_checkpoint()
             return pull
+
+    def on_checkpoint(self, every: int, offer: Callable[[int, dict[str, Any]], None]) -> None:
+        """Offer the slice's state (what `restore` takes) to `offer(exchanges, state)` now (if
+        started), whenever a trainer or a checkpoint sets it, and after every `every`-th exchange
+        (`shadowgba.ps.server_state`); called under the slice's lock, so `offer` must only hand the
+        state over. Memory: one copy of the slice per offer, until the writer has saved it."""
+        with self._lock:
+            self._checkpoint = (every, offer)
+            self._offer_checkpoint(force=True)
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Serve again from a state `on_checkpoint` offered (a new server process, before it serves).
+        Refused (ValueError) like `load`; the restored slice counts as moved (`load(unless_moved)`)."""
+        start, end = state["start"], state["end"]
+        with self._lock:
+            self._center, self._bounds = self._accepted(start, end, state["centre"]), (start, end)
+            self.rounds = self._restored_at = int(state["rounds"])
 
     def center(self) -> torch.Tensor:
         with self._lock:
@@ -92,6 +123,21 @@ class ElasticCenter:
     def round_count(self) -> int:
         with self._lock:
             return self.rounds
+
+    def stats(self) -> dict[str, int | None]:
+        """The slice's exchanges, and the count it was restored at (None: never restored)."""
+        with self._lock:
+            return {"rounds": self.rounds, "restored_at": self._restored_at}
+
+    def _offer_checkpoint(self, force: bool = False) -> None:
+        """Offer the slice to the checkpoint writer at a multiple of its interval, or now if `force`
+        (the lock held, the slice started)."""
+        if self._checkpoint is None or self._center is None:
+            return
+        every, offer = self._checkpoint
+        if force or self.rounds % every == 0:
+            start, end = self._bounds
+            offer(self.rounds, {"start": start, "end": end, "centre": self._center.clone(), "rounds": self.rounds})
 
     def _require_slice(self, start: int, end: int) -> None:
         if self._bounds != (start, end):
@@ -157,7 +203,7 @@ class CenterClient(Centre):
         self._require_layout()
         if not self._saving_trainer():
             return {}
-        slices = self.transport.call_each(self.service, "center", [()] * self.num_servers)
+        slices = self._call_each("center", [()] * self.num_servers)
         return {"num_servers": self.num_servers, "centre": torch.cat(slices)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -195,6 +241,24 @@ class CenterClient(Centre):
     def _call_each_slice(self, method: str, whole: torch.Tensor, *extra: Any) -> list[Any]:
         """`method(start, end, whole[start:end], *extra)` on every server at once; results in slice
         order. Slices are cloned: sending a view would send the whole vector's storage."""
-        return self.transport.call_each(self.service, method, [
+        return self._call_each(method, [
             (start, end, whole[start:end].clone(), *extra) for start, end in shard_bounds(whole.numel(), self.num_servers)
         ])
+
+    def _call_each(self, method: str, args_by_server: list[tuple[Any, ...]]) -> list[Any]:
+        """`method(*args_by_server[i])` on server i, all in flight at once; a call that a server's
+        restart cut (`ServerRestarted`) is sent again, once, to its new process. Safe for every
+        method of the slice: `init`, `load` and `center` change nothing twice, and an exchange the
+        dead process took is gone with it, or (saved after it) pulled once more, which an elastic
+        pull tolerates (it moves both sides towards each other)."""
+        futures = [self.transport.call_async(server, self.service, method, *args)
+                   for server, args in enumerate(args_by_server)]
+        results = []
+        for server, future in enumerate(futures):
+            try:
+                results.append(future.wait())
+            except ServerRestarted as restarted:
+                logger.warning("shadowgba: the S-EASGD centre sends the %s that a restart cut to the new process of "
+                               "server %d, restored from its checkpoint (%s)", method, server, first_line(restarted))
+                results.append(self.transport.call(server, self.service, method, *args_by_server[server]))
+        return results

@@ -2,30 +2,34 @@
 resumes from there while the trainers wait (the elastic layout, `sync.ps.checkpoint_dir`).
 
     checkpoints = ServerCheckpoints(directory, server_index=0)
-    state = checkpoints.latest()                    # at start: None, or {"dense": ..., "embedding": ...}
-    writer = CheckpointWriter(checkpoints, services)  # a thread; the dense shard offers it its states
+    saved = checkpoints.latest()          # at start: None, or (step, {"dense": ..., "embedding": ...})
+    writer = CheckpointWriter(checkpoints, "dense", others)  # a thread; the dense shard offers it its states
     shard.on_checkpoint(every, writer.offer)
     ...
-    writer.close()                                  # writes what is pending, then ends
+    writer.close()                        # writes what is pending, then ends
 
 Invariants:
-- What is saved is each service's own state: the dense shard's (its slice's parameters, optimizer
-  state and global step k, with what it was configured with: `DenseShard.on_checkpoint`), taken
-  under the shard's lock right after the step that brought k to a multiple of `checkpoint_every`
-  (and when it is configured), so no partly filled global batch is part of it; and the PS-hosted
-  tables' (`EmbeddingShard.export_state`: rows, Adagrad accumulators, buffered row gradients),
-  taken when the file is written. The tables need no cut with the dense shard: a row's next
+- What is saved is each service's own state. One service sets the schedule by offering its state:
+  under GBA the dense shard (its slice's parameters, optimizer state and global step k, with what
+  it was configured with: `DenseShard.on_checkpoint`), taken under the shard's lock right after
+  the step that brought k to a multiple of `checkpoint_every` (and when it is configured), so no
+  partly filled global batch is part of it; under S-EASGD the centre slice
+  (`ElasticCenter.on_checkpoint`: every `checkpoint_every` exchanges, the files numbered by them).
+  The others are taken when the file is written: the PS-hosted tables' (`EmbeddingShard.export_state`:
+  rows, Adagrad accumulators, buffered row gradients). The tables need no cut with the dense shard: a row's next
   gradient is computed on whatever the trainer looked up, and GBA's rule decides it by its own token.
-- The dense shard's pushes never wait for the disk: the shard hands over a copy (one slice and its
-  optimizer state), and at most one waits: a newer state replaces one the writer has not taken.
+- The offering service's calls never wait for the disk: it hands over a copy (one slice, and the
+  dense shard's optimizer state), and at most one waits: a newer state replaces one the writer has not taken.
   The tables are copied under their own lock when the file is written (their pushes and lookups
   wait for that memory copy, not for the disk). Memory: while a checkpoint is pending or being
   written, one copy of the dense slice with its optimizer state and one of the tables.
 - Atomic: a file is written as `.tmp-step_<k>.pt`, flushed to disk, renamed to `step_<k>.pt` and
   the folder flushed, so a crash at any point leaves the previous checkpoint whole. The newest
   `KEEP_LAST` are kept. A file that does not load is skipped, naming why, for the one before it.
-- One server only (`sync.ps.server_restart_s` refuses more): the dense shards of several servers
-  would have to go back to one common k together, and the others keep serving.
+- GBA: one server only (`sync.ps.server_restart_s` refuses more): the dense shards of several
+  servers would have to go back to one common k together, and the others keep serving. S-EASGD:
+  any number, one at a time or all at once (a torchrun job of the servers restarts them together):
+  the centre's slices need no common cut, each is an elastic average of its own.
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ class ServerCheckpoints:
         return self.folder / f"step_{step:010d}.pt"
 
     def save(self, step: int, state: Mapping[str, Any]) -> Path:
-        """Write `state` as the checkpoint of global step `step`, atomically; keep the newest `KEEP_LAST`."""
+        """Write `state` as the checkpoint of step `step` (global step or exchanges), atomically; keep
+        the newest `KEEP_LAST`."""
         path = self.path_of(step)
         tmp = self.folder / f".tmp-{path.name}"
         with open(tmp, "wb") as file:
@@ -77,23 +82,24 @@ class ServerCheckpoints:
             self.path_of(old).unlink(missing_ok=True)
         return path
 
-    def latest(self) -> dict[str, Any] | None:
-        """The newest checkpoint that loads, or None if there is none."""
+    def latest(self) -> tuple[int, dict[str, Any]] | None:
+        """(its step, its state) of the newest checkpoint that loads, or None if there is none."""
         for step in reversed(self.steps()):
             path = self.path_of(step)
             try:
-                return torch.load(path, weights_only=False)
+                return step, torch.load(path, weights_only=False)
             except Exception as error:  # noqa: BLE001 (a truncated or corrupted file: the one before it)
                 logger.warning("shadowgba: server checkpoint %s does not load (%s); trying the one before", path, error)
         return None
 
 
 class CheckpointWriter:
-    """A thread that writes the states the dense shard offers (`offer`), each with the other
-    services' states (`extra`: name -> a function returning its state) taken at writing time."""
+    """A thread that writes the states one service offers (`offer`), saved under its name
+    `offered_as`, each with the other services' states (`extra`: name -> a function returning its
+    state) taken at writing time."""
 
-    def __init__(self, checkpoints: ServerCheckpoints, extra: Mapping[str, Callable[[], Any]]) -> None:
-        self._checkpoints, self._extra = checkpoints, dict(extra)
+    def __init__(self, checkpoints: ServerCheckpoints, offered_as: str, extra: Mapping[str, Callable[[], Any]]) -> None:
+        self._checkpoints, self._offered_as, self._extra = checkpoints, offered_as, dict(extra)
         self._pending: tuple[int, Any] | None = None
         self._changed = threading.Condition()
         self._closing = False
@@ -102,10 +108,10 @@ class CheckpointWriter:
         self._thread = threading.Thread(target=self._run, name="shadowgba-server-checkpoints", daemon=True)
         self._thread.start()
 
-    def offer(self, step: int, dense: Any) -> None:
-        """The dense shard's state at global step `step`, to be written (replacing one not yet taken)."""
+    def offer(self, step: int, state: Any) -> None:
+        """The offering service's state at its step `step`, to be written (replacing one not yet taken)."""
         with self._changed:
-            self._pending = (step, dense)
+            self._pending = (step, state)
             self._changed.notify()
 
     def close(self) -> None:
@@ -122,9 +128,10 @@ class CheckpointWriter:
                 pending, self._pending = self._pending, None
                 if pending is None:
                     return
-            step, dense = pending
+            step, offered = pending
             try:
-                self._checkpoints.save(step, {"dense": dense, **{name: state() for name, state in self._extra.items()}})
+                self._checkpoints.save(step, {self._offered_as: offered,
+                                              **{name: state() for name, state in self._extra.items()}})
                 self.saved.append(step)
             except Exception:  # noqa: BLE001 (a full disk must not end the server; the next step tries again)
                 logger.exception("shadowgba: the server checkpoint of global step %d was not written", step)
