@@ -117,55 +117,15 @@ def trainer_incarnation(store: dist.Store, generation: int, trainer: int) -> int
     return store.add(f"ps/gen{generation}/trainer{trainer}/incarnations", 1)
 
 
-class SessionDevices:
-    """The gloo devices this process's session groups share: each device is a listening socket and
-    one event-loop thread that does the socket I/O of every group built on it.
-
-    Why shared: a group built alone gets a device of its own, so a server with n trainers ran n
-    loop threads, each woken for its channel's every message and never for two at once; one loop
-    for all of them wakes once for whatever arrived together, and took 13% more pushes per second
-    through a server with 2 trainers on 2 cores (benchmarks/bench_ps.py). Why a few rather than one:
-    past the same-host lanes, a loop thread carries every byte of its groups, so on a machine
-    with more cores the groups are spread over `LOOPS` devices, round robin.
-
-    Each device is the one torch builds for a group by default (GLOO_SOCKET_IFNAME's interfaces,
-    else the host name's address), taken from the first group built on it; later groups are
-    built on it through ProcessGroupGloo's options."""
-
-    LOOPS = max(1, (os.cpu_count() or 1) // 4)
-    """How many devices (loop threads) a process spreads its sessions over."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._devices: list[list[dist.ProcessGroupGloo.Device]] = []
-        self._built = 0
-
-    def group(self, store: dist.Store, rank: int, timeout_s: float) -> dist.ProcessGroup:
-        """A 2-rank gloo group over `store` (this side `rank`), whose operations time out after `timeout_s`."""
-        timeout = datetime.timedelta(seconds=timeout_s)
-        with self._lock:
-            index, self._built = self._built % self.LOOPS, self._built + 1
-            devices = self._devices[index] if index < len(self._devices) else None
-        if devices is None:
-            group = dist.ProcessGroupGloo(store, rank, 2, timeout)
-            with self._lock:
-                if len(self._devices) < self.LOOPS:
-                    self._devices.append(group.options._devices)
-            return group
-        options = dist.ProcessGroupGloo._Options()
-        options._devices, options._timeout, options._threads = devices, timeout, 1  # send / recv use no worker
-        return dist.ProcessGroupGloo(store, rank, 2, options)
-
-
-def session_group(devices: SessionDevices, namespace: str, generation: int, server: int, incarnation: int,
-                  ticket: int, rank: int, timeout_s: float) -> dist.ProcessGroup:
-    """This end (server rank 0, trainer rank 1) of session `ticket`'s 2-rank gloo group, built on
-    `devices`, whose operations time out after `timeout_s`; over a store client of its own (module
-    docstring), under `namespace`, the prefix of the transport's store."""
+def session_group(namespace: str, generation: int, server: int, incarnation: int, ticket: int, rank: int,
+                  timeout_s: float) -> dist.ProcessGroup:
+    """This end (server rank 0, trainer rank 1) of session `ticket`'s 2-rank gloo group, whose
+    operations time out after `timeout_s`; built over a store client of its own (module docstring),
+    under `namespace`, the prefix of the transport's store."""
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                            timeout=datetime.timedelta(seconds=SESSION_SETUP_S))
     prefix = f"{namespace}/{server_key(generation, server, incarnation, f'session{ticket}')}"
-    return devices.group(dist.PrefixStore(prefix, client), rank, timeout_s)
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, client), rank, 2, datetime.timedelta(seconds=timeout_s))
 
 
 def request_session(store: dist.Store, generation: int, server: int, server_incarnation: int, trainer: int,

@@ -117,9 +117,8 @@ from shadowgba.errors import PeerLost, ServerRestarted, SetupError
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost, first_line
 from shadowgba.ps.config import PSConfig
 from shadowgba.ps.membership import Roster, lost_trainer, restart_count
-from shadowgba.ps.sessions import (Acceptor, SessionDevices, SessionInfo, SessionRefused, current_incarnation,
-                                   latest_ticket, request_session, server_incarnation, session_group,
-                                   trainer_incarnation)
+from shadowgba.ps.sessions import (Acceptor, SessionInfo, SessionRefused, current_incarnation, latest_ticket,
+                                   request_session, server_incarnation, session_group, trainer_incarnation)
 
 logger = logging.getLogger("shadowgba")
 
@@ -333,8 +332,6 @@ class Transport:
         """Trainer: per server index, the current channel; server: per trainer index."""
         self._sessions: dict[int, SessionInfo] = {}
         """Server: per trainer index, its current session."""
-        self._devices = SessionDevices()
-        """The gloo devices (socket loop threads) every session group of this transport is built on."""
         self._pulse = threading.Thread(target=self._beat, name="shadowgba-pulse", daemon=True)
         # server side
         self._services: dict[str, object] = {}
@@ -442,8 +439,8 @@ class Transport:
         """Server, on the acceptor's thread for this session: build the server end of its channel."""
         trainer = f"trainer {info.trainer} (rank {info.rank})"
         try:
-            group = session_group(self._devices, self._namespace, self._generation, self.roles.server_index,
-                                  self.incarnation, info.ticket, 0, self.timeout_s)
+            group = session_group(self._namespace, self._generation, self.roles.server_index, self.incarnation,
+                                  info.ticket, 0, self.timeout_s)
         except RuntimeError:  # the trainer vanished during the setup: its next session, or its loss, decides
             return
         channel = Channel(group, 0, trainer, on_request=self._on_request, on_lost=functools.partial(
@@ -640,7 +637,7 @@ class Transport:
                                f"accepted sessions within {accept_within_s:g} s")
         info = request_session(self._store, self._generation, server, incarnation, self.roles.trainer_index,
                                self.roles.rank, self.rpc_timeout_s, accept_within_s, self.incarnation)
-        group = session_group(self._devices, self._namespace, self._generation, server, incarnation, info.ticket, 1,
+        group = session_group(self._namespace, self._generation, server, incarnation, info.ticket, 1,
                               self.rpc_timeout_s)
         channel = Channel(group, 1, server_name(server), on_lost=functools.partial(self._server_channel_lost, server),
                           timeout_s=self.rpc_timeout_s, peer_timeout_s=self.timeout_s)
