@@ -14,7 +14,7 @@ from shadowgba.flat_optimizer import (SHARD_ALIGN, FlatOptimizer, LRSchedule, Op
 from shadowgba.config import from_dict
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
-from shadowgba.ps.dense_server import DenseShard, DenseShardClient, PushRequest
+from shadowgba.ps.dense_server import WATCHERS, DenseShard, DenseShardClient, PushRequest
 from shadowgba.ps.membership import Roster
 from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
 from shadowgba.ps.transport import Roles
@@ -199,7 +199,7 @@ def test_a_shard_for_bf16_parameters_rounds_its_watch_and_push_replies_but_never
     gradient = torch.full((3,), 1 + 2**-10)  # its negative, the new parameters, is no bf16 value
     shard.push(PushRequest(0, 0, 3, gradient, 0, 1, 0.0))
     stepped = shard.push(PushRequest(1, 0, 3, gradient, 0, 1, 0.0))
-    watched = shard.watch(token=0, timeout_s=1.0)
+    watched = shard.watch(token=0, timeout_s=1.0).result()
     assert stepped.token == watched.token == 1 and stepped.params is watched.params  # one copy per step
     assert watched.params.dtype == torch.bfloat16 and torch.equal(watched.params.float(), -torch.ones(3))
     pulled = shard.pull().params
@@ -245,7 +245,8 @@ def test_replies_share_one_published_copy_per_global_step_that_later_steps_never
     shard = configured_shard()
     shard.push(PushRequest(0, 0, 4, torch.ones(4), 0, 1, 0.0))
     stepped = shard.push(PushRequest(1, 0, 4, torch.ones(4), 0, 1, 0.0))  # k 0 -> 1
-    readers = [stepped.params, shard.pull().params, shard.watch(token=0, timeout_s=1.0).params, shard.pull().params]
+    readers = [stepped.params, shard.pull().params, shard.watch(token=0, timeout_s=1.0).result().params,
+               shard.pull().params]
     assert all(params is readers[0] for params in readers)  # one clone for four readers
     assert readers[0] is not shard._optimizer.param
     shard.push(PushRequest(0, 0, 4, torch.ones(4), 1, 1, 0.0))
@@ -261,29 +262,30 @@ def test_replies_share_one_published_copy_per_global_step_that_later_steps_never
 
 
 def test_watch_answers_once_the_global_step_passes_the_token_and_none_once_exported() -> None:
-    """The long poll behind a trainer's fresh parameters: it waits for k > token, times out with
-    what the shard holds, and releases its waiter (None) when the shard leaves GBA."""
+    """The long poll behind a trainer's fresh parameters: a Future, never a wait, that the push
+    moving k past the token completes on its own thread once the shard's lock is released (the
+    transport replies from there); at its timeout the expiry thread completes it with what the shard
+    holds; past `WATCHERS` waiting, or k already past, it is answered at once; when the shard
+    leaves GBA every waiting one gets None."""
     shard = configured_shard()
     started = time.monotonic()
-    assert shard.watch(token=0, timeout_s=0.05).token == 0  # nothing new: answered at the timeout
+    assert shard.watch(token=0, timeout_s=0.05).result(timeout=2.0).token == 0  # nothing new: at the timeout
     assert time.monotonic() - started >= 0.04
-    answered: list[object] = []
-    waiter = threading.Thread(target=lambda: answered.append(shard.watch(token=0, timeout_s=5.0)))
-    waiter.start()
+    watch = shard.watch(token=0, timeout_s=5.0)
+    completed_by: list[tuple[threading.Thread, bool]] = []
+    watch.add_done_callback(lambda _: completed_by.append((threading.current_thread(), shard._lock.locked())))
     shard.push(PushRequest(0, 0, 4, torch.ones(4), 0, 1, 0.0))
-    time.sleep(0.05)
-    assert not answered  # half a global batch: k has not moved
+    assert not watch.done()  # half a global batch: k has not moved
     shard.push(PushRequest(1, 0, 4, torch.ones(4), 0, 1, 0.0))
-    waiter.join(timeout=2.0)
-    assert answered and answered[0].token == 1
-    torch.testing.assert_close(answered[0].params, -torch.ones(4))
-    assert shard.watch(token=0, timeout_s=5.0).token == 1  # already past: at once
-    waiter = threading.Thread(target=lambda: answered.append(shard.watch(token=1, timeout_s=5.0)))
-    waiter.start()
-    time.sleep(0.05)
+    assert watch.done() and watch.result().token == 1
+    assert completed_by == [(threading.current_thread(), False)]  # by the pushing thread, the lock released
+    torch.testing.assert_close(watch.result().params, -torch.ones(4))
+    assert shard.watch(token=0, timeout_s=5.0).result(timeout=0).token == 1  # already past: at once
+    waiting = [shard.watch(token=1, timeout_s=5.0) for _ in range(WATCHERS)]
+    extra = shard.watch(token=1, timeout_s=5.0)
+    assert not any(waiter.done() for waiter in waiting) and extra.result(timeout=0).token == 1
     shard.export()
-    waiter.join(timeout=2.0)
-    assert not waiter.is_alive() and answered[-1] is None
+    assert [waiter.result(timeout=0) for waiter in waiting] == [None] * WATCHERS
 
 
 def sharded(numel: int = 4, num_trainers: int = 2, global_batch: int = 2, on_nonfinite: str = "fail",

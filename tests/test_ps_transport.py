@@ -8,6 +8,7 @@ checks with torchrun's agent owning MASTER_PORT and `start()` creating the defau
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import re
@@ -35,10 +36,28 @@ SERVE_DELAY_S = 0.5
 
 
 class Echo:
-    """A toy service: returns what it was given, doubles tensors, refuses on request."""
+    """A toy service: returns what it was given, doubles tensors, refuses on request, and answers
+    `later(key)` only when some trainer calls `answer(key, value)` (a Future, as a long poll is)."""
 
     def __init__(self, server_index: int) -> None:
         self.server_index = server_index
+        self._lock = threading.Lock()
+        self._later: dict[str, concurrent.futures.Future] = {}
+
+    def later(self, key: str) -> concurrent.futures.Future:
+        with self._lock:
+            return self._later.setdefault(key, concurrent.futures.Future())
+
+    def waiting(self, key: str) -> bool:
+        with self._lock:
+            return key in self._later
+
+    def answer(self, key: str, value: object) -> None:
+        future = self.later(key)
+        if isinstance(value, Exception):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
 
     def describe(self, sender: int, values: torch.Tensor) -> dict:
         return {"server": self.server_index, "sender": sender, "doubled": values * 2}
@@ -91,6 +110,21 @@ def exercise_transport(rank: int, world_size: int) -> dict:
                 ps.call(0, "echo", "_private")
             with pytest.raises(ValueError, match=r"server_index must be in \[0, 1\)"):
                 ps.call_async(1, "echo", "describe")
+            # answers that come later: completed by this trainer's own next call (sent on the same
+            # channel after that call's reply), by the other trainer's (sent from the server's pool)
+            mine = ps.call_async(0, "echo", "later", f"mine{rank}")
+            ps.call(0, "echo", "answer", f"mine{rank}", rank)
+            assert mine.wait() == rank
+            refused = ps.call_async(0, "echo", "later", f"refused{rank}")
+            ps.call(0, "echo", "answer", f"refused{rank}", ValueError(f"late refusal for trainer{rank}"))
+            with pytest.raises(ValueError, match=f"late refusal for trainer{rank}"):
+                refused.wait()
+            if rank == 0:
+                assert ps.call_async(0, "echo", "later", "cross").wait() == "from trainer1"
+            else:
+                while not ps.call(0, "echo", "waiting", "cross"):
+                    time.sleep(0.01)
+                ps.call(0, "echo", "answer", "cross", "from trainer1")
             total = torch.ones(1)
             dist.all_reduce(total, group=roles.trainer_group)  # the trainer group excludes the server
             assert total.item() == 2.0

@@ -90,6 +90,9 @@ _WORDS_FORMAT = struct.Struct(f"<{_WORDS}q")
 _HEAD_BYTES = _WORDS_FORMAT.size
 _ALIGN = 16
 """Inline tensors start at offsets that are multiples of this (any dtype's element size divides it)."""
+_FRAMES_POSTED = 2
+"""Frame receives a side keeps posted: one more than the frame being read, so that a peer that
+sends two messages at once (a push and a watch) finds a receive for each."""
 _HEADER_TAG, _STAGED_TAG, _FIRST_APART_TAG = 1, 2, 3
 INLINE, STAGED, APART, SHARED = range(4)
 """Where a tensor of a message travels: in the frame, into the staged buffer, in a send of its own,
@@ -378,6 +381,10 @@ class Channel:
         except RuntimeError as error:
             self._fail(error)
 
+    def is_receiver_thread(self) -> bool:
+        """Whether the calling thread is this channel's receiver (the one `on_request` runs on)."""
+        return threading.current_thread() is self._receiver
+
     def pending(self) -> int:
         """How many requests wait for their reply."""
         with self._state_lock:
@@ -454,13 +461,15 @@ class Channel:
 
     def _receive_loop(self) -> None:
         peer = 1 - self.rank
-        frame, spare = torch.empty(FRAME_BYTES, dtype=torch.uint8), torch.empty(FRAME_BYTES, dtype=torch.uint8)
-        views = {id(frame): _as_bytes(frame), id(spare): _as_bytes(spare)}
-        work = self.group.recv([frame], peer, 0)
+        buffers = [torch.empty(FRAME_BYTES, dtype=torch.uint8) for _ in range(_FRAMES_POSTED + 1)]
+        views = {id(buffer): _as_bytes(buffer) for buffer in buffers}
+        posted = collections.deque((buffer, self.group.recv([buffer], peer, 0)) for buffer in buffers[:-1])
+        spare = buffers[-1]
         staged = torch.empty(STAGED_BYTES, dtype=torch.uint8)
         staged_work = self.group.recv([staged], peer, _STAGED_TAG)
         try:
             while True:
+                frame, work = posted.popleft()
                 work.wait()
                 self.last_heard = time.monotonic()
                 current = Frame.read(views[id(frame)])
@@ -474,8 +483,8 @@ class Channel:
                     self.group.recv([header], peer, _HEADER_TAG).wait()
                 if current.kind == CLOSE:
                     break
-                frame, spare = spare, frame  # the next frame lands in the other buffer while this one is read
-                work = self.group.recv([frame], peer, 0)  # before this message's tensors: see the docstring
+                posted.append((spare, self.group.recv([spare], peer, 0)))  # before this message's tensors
+                spare = frame  # free again once this frame is read, when the next one is taken
                 if current.kind == HEARTBEAT:
                     continue
                 if current.kind in (LANE_OFFER, LANE_ANSWER):

@@ -56,10 +56,13 @@ Invariants:
   same message, so every trainer's job ends naming the one that failed.
 - The shard also relays mode switches: a request (API or policy) is stored here and carried in
   every reply until the trainers have switched.
-- `watch(token)` is a long poll: it answers once k has passed `token` (or after a timeout), so a
-  trainer's watcher thread holds the newest parameters without polling. At most `WATCHERS` calls
-  wait at once, each holding one of the server's threads for at most its timeout; further
-  ones are answered at once, so watches can never starve pushes of threads.
+- `watch(token)` is a long poll: it returns a Future that completes once k has passed `token` (or
+  after its timeout, with the token alone), so a trainer's watcher thread holds the newest
+  parameters without polling, and no server thread waits for it. The watches that a step answers
+  are completed by the thread that stepped, after it released the shard's lock (the transport
+  then replies at once when that thread is the watching trainer's own channel's, so with one
+  trainer no reply takes a thread hop); the timeouts by one expiry thread per shard. At most
+  `WATCHERS` watches wait at once; further ones are answered at once.
 
 Trainers never name the service's methods as strings: `DenseShardClient` (below) has one typed
 method per `DenseShard` method, fans it out over every shard in parallel and returns the shards'
@@ -69,10 +72,12 @@ replies in shard order. `serve_dense_shard()` is the server rank's side of the s
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -86,8 +91,7 @@ from sync_algos.gba import Admission, GlobalBatchAggregator
 from sync_algos.staleness import StalenessCounts
 
 WATCHERS = 8
-"""At most this many `watch` calls wait on one shard at the same time (the transport serves with
-`SERVER_THREADS`, 16, threads); the rest are answered at once."""
+"""At most this many `watch` calls wait on one shard at the same time; the rest are answered at once."""
 WATCH_MAX_S = 1.0
 """Longest one `watch` call may wait, whatever timeout it asks for."""
 DENSE_SERVICE = "dense"
@@ -168,12 +172,17 @@ class ShardReply:
     (module docstring), handed to them with the push's parts (or its pulls, when it was dropped)."""
 
 
+@dataclasses.dataclass
+class _Watch:
+    """A `watch` waiting for k to pass `token`, answered by its deadline at the latest."""
+
+    token: int
+    deadline: float
+    future: concurrent.futures.Future
+
+
 class DenseShard:
     """A thread-safe GBA server for the flat slice [start, end) of the dense parameters."""
-
-    blocking_methods = frozenset({"watch"})
-    """Methods that may wait for other calls (the transport runs them on its pool); every other
-    method returns without waiting on anything but the shard's lock."""
 
     def __init__(self, roster: Roster | None = None) -> None:
         """Empty until a trainer `configure`s it: a server rank does not know the model. `roster`:
@@ -181,9 +190,16 @@ class DenseShard:
         self._roster = roster
         self.start = self.end = self.num_trainers = self.index = 0
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        """Notified when k advances or the shard stops serving GBA (wakes `watch`)."""
-        self._watchers = 0
+        self._watches: list[_Watch] = []
+        """The long polls waiting for k to pass their token (guarded by `_lock`)."""
+        self._answered: list[tuple[concurrent.futures.Future, ShardReply | None]] = []
+        """Watches answered under the lock, completed once it is released (`_locked`)."""
+        self._expiry: threading.Thread | None = None
+        """Answers watches at their deadlines; runs while any wait (started by `watch`)."""
+        self._expiry_at = float("inf")
+        """The deadline the expiry thread sleeps until (guarded by `_lock`)."""
+        self._earlier_watch = threading.Event()
+        """Set by a `watch` due before `_expiry_at`: the expiry thread wakes to sleep less."""
         self._optimizer: FlatOptimizer | None = None
         self._aggregator: GlobalBatchAggregator | None = None
         self._push_dtype: torch.dtype | None = None
@@ -250,7 +266,7 @@ class DenseShard:
         optimizer.load(exported)
         aggregator = GlobalBatchAggregator(config, numel, exported["param"].dtype, global_batch)
         aggregator.global_step = optimizer.global_step
-        with self._lock:
+        with self._locked():
             if if_idle and self._optimizer is not None:
                 return False
             self.start, self.end, self.num_trainers = start, end, num_trainers
@@ -270,7 +286,7 @@ class DenseShard:
             self._configured_with = dict(start=start, end=end, num_trainers=num_trainers, spec=spec, config=config,
                                          global_batch=global_batch, index=index, on_nonfinite=on_nonfinite)
             self._offer_checkpoint(force=True)
-            self._changed.notify_all()
+            self._answer_passed()
             return True
 
     def on_checkpoint(self, every: int, offer: Callable[[int, dict[str, Any]], None]) -> None:
@@ -301,7 +317,7 @@ class DenseShard:
         A partly filled global batch is discarded (counted in `dropped_samples_at_switch`): its
         gradients belong to no step the synchronous side will take.
         """
-        with self._lock:
+        with self._locked():
             optimizer, aggregator = self._require_configured()
             if self._pending:
                 raise RuntimeError(f"dense shard {self.index} cannot export: pushes {sorted(self._pending)} still "
@@ -309,7 +325,7 @@ class DenseShard:
             self._dropped_samples_at_switch = aggregator.discard()
             exported = optimizer.export()
             self._optimizer = self._aggregator = self._published = None
-            self._changed.notify_all()
+            self._answer_passed()
             return exported
 
     def snapshot(self) -> dict[str, Any]:
@@ -352,26 +368,81 @@ class DenseShard:
     def pull(self, with_params: bool = True, voided: Sequence[Void] = ()) -> ShardReply:
         """The shard's token and mode request, and its parameters unless `with_params` is False;
         `voided` (the other shards): shard 0's voids, applied first (`DenseShardClient.settle`)."""
-        with self._lock:
+        with self._locked():
             self._require_configured()
             self._apply_in_order(voided)
             return self._reply(known=None if with_params else self._aggregator.global_step, exact=True)
 
-    def watch(self, token: int, timeout_s: float) -> ShardReply | None:
-        """Long poll: the parameters once the global step has passed `token`, or, after
-        `timeout_s`, the token alone (nothing newer); None when the shard is not serving GBA (the
-        trainers are switching to sync mode). Answered at once when `WATCHERS` calls already wait."""
-        with self._changed:
-            if self._watchers < WATCHERS:
-                self._watchers += 1
+    def watch(self, token: int, timeout_s: float) -> concurrent.futures.Future:
+        """Long poll: a Future of the parameters once the global step has passed `token`, or, after
+        `timeout_s` (at most `WATCH_MAX_S`), of the token alone (nothing newer); of None when the
+        shard is not serving GBA (the trainers are switching to sync mode). Answered at once when
+        k has passed already, or `WATCHERS` watches already wait. Never blocks: the transport
+        replies when the Future completes."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            timeout_s = min(max(timeout_s, 0.0), WATCH_MAX_S)
+            if self._aggregator is None or self._aggregator.global_step > token or timeout_s == 0.0 \
+                    or len(self._watches) >= WATCHERS:
+                future.set_result(None if self._aggregator is None else self._reply(known=token))
+                return future
+            deadline = time.monotonic() + timeout_s
+            self._watches.append(_Watch(token, deadline, future))
+            earlier = deadline < self._expiry_at
+            if self._expiry is None:
+                self._expiry = threading.Thread(target=self._expire_watches, name="shadowgba-watch-expiry", daemon=True)
+                self._expiry.start()
+        if earlier:
+            self._earlier_watch.set()
+        return future
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The shard's lock, for a method that may answer watches (a step, a configure, an export):
+        the watches it answered are completed once the lock is released, so that the transport's
+        replies to them (run by their completion) never hold the shard."""
+        answered: list[tuple[concurrent.futures.Future, ShardReply | None]] = []
+        try:
+            with self._lock:
                 try:
-                    self._changed.wait_for(
-                        lambda: self._aggregator is None or self._aggregator.global_step > token,
-                        min(max(timeout_s, 0.0), WATCH_MAX_S),
-                    )
-                finally:
-                    self._watchers -= 1
-            return None if self._aggregator is None else self._reply(known=token)
+                    yield
+                finally:  # a method that raised after a step still answers its watches
+                    answered, self._answered = self._answered, []
+        finally:
+            for future, reply in answered:
+                future.set_result(reply)
+
+    def _answer_passed(self) -> None:
+        """Answer every watch whose token k has passed, or all when the shard stopped serving (the
+        lock held, under `_locked`)."""
+        k = None if self._aggregator is None else self._aggregator.global_step
+        self._answer_watches(lambda watch: k is None or k > watch.token)
+
+    def _answer_watches(self, due: Callable[["_Watch"], bool]) -> None:
+        """Answer the watches `due` selects, with the parameters they lack (the lock held)."""
+        waiting = []
+        for watch in self._watches:
+            if due(watch):
+                self._answered.append((watch.future, None if self._aggregator is None else self._reply(known=watch.token)))
+            else:
+                waiting.append(watch)
+        self._watches = waiting
+
+    def _expire_watches(self) -> None:
+        """The expiry thread: answer each watch at its deadline with what the shard has then; end
+        once none waits. It wakes at the earliest deadline only (watches arriving with later ones,
+        the common case, cost it nothing)."""
+        while True:
+            with self._locked():
+                now = time.monotonic()
+                self._answer_watches(lambda watch: watch.deadline <= now)
+                if not self._watches:
+                    self._expiry, self._expiry_at = None, float("inf")
+                    return
+                self._expiry_at = min(watch.deadline for watch in self._watches)
+                wait_s = self._expiry_at - now
+            self._earlier_watch.wait(wait_s)
+            self._earlier_watch.clear()
 
     def push(self, request: PushRequest) -> ShardReply:
         """Add one trainer's gradient slice; step the optimizer when a global batch is complete.
@@ -382,7 +453,7 @@ class DenseShard:
         try:
             # the one pass over the values, outside the lock; a gradient that is no tensor is refused below
             finite = isinstance(request.gradient, torch.Tensor) and is_finite(request.gradient)
-            with self._lock:
+            with self._locked():
                 self._require_configured()
                 if self._failure is not None:
                     raise ValueError(f"push refused by dense shard {self.index}: the job failed: {self._failure}")
@@ -497,7 +568,7 @@ class DenseShard:
         """Apply one global batch's mean gradient: k advances; shard 0's policy may ask for sync."""
         self._optimizer.step(mean)
         self._offer_checkpoint()
-        self._changed.notify_all()
+        self._answer_passed()
         if self.index == 0:
             target = self._policy.observe("gba", self._compute_s)
             if target is not None and not self._closing:

@@ -36,13 +36,14 @@ Rendezvous and listening:
   MASTER_ADDR: loopback on one machine, the interface facing the master across machines.
 
 Invariants (why a call cannot deadlock, and why no survivor hangs):
-- A call is one request and one reply. A service method must not issue collectives. One that may
-  wait on other calls (a long-poll `watch`) is named in its service's `blocking_methods` and runs
-  on one of the server's `SERVER_THREADS`, so it holds up no other call of any trainer; every
-  other method runs on the receiving channel's thread, in its trainer's order, and waits at most
-  for a lock of its service (the hop to a pool thread would cost more than most calls). So no
-  cycle of waits can form. Services are called concurrently (one thread per trainer, plus the
-  pool) and must be thread-safe.
+- A call is one request and one reply. A service method must not issue collectives, and runs on
+  the receiving channel's thread, in its trainer's order, waiting at most for a lock of its
+  service (the hop to a pool thread would cost more than most calls). One that must wait on other
+  calls (a long-poll `watch`) returns a `concurrent.futures.Future` instead of waiting, and the
+  reply is sent when it completes: by the thread that completed it when that is the same
+  channel's receiver (no hop; after the reply of the call it runs), else by one of the server's
+  `SERVER_THREADS` (a thread serving one trainer never spends its time on another's reply). So no cycle of waits can form. Services are
+  called concurrently (one thread per trainer, plus the pool) and must be thread-safe.
 - `start()` returns on trainers before the servers have called `serve()`; a call for a name that
   is not served yet waits up to `SERVE_WAIT_S` for it, then fails naming the served services.
 - Liveness is the channels': both ends send a heartbeat every `PING_INTERVAL_S` when idle. A server
@@ -143,7 +144,8 @@ before it declares the trainer lost (a killed trainer opens none)."""
 DEFAULT_RPC_TIMEOUT_S = 60.0
 """A trainer's channel silence limit when `start()` is given no `rpc_timeout_s` (capped at `timeout_s`)."""
 SERVER_THREADS = 16
-"""Threads a server runs service calls on."""
+"""Threads a server sends the replies of answers that came later on (a watch that another trainer's
+push or its timeout answered), and runs the calls for services not served yet on."""
 CALLS_PER_INCARNATION = 1 << 40
 """A trainer process numbers its calls from its incarnation times this: no number of a departed
 process of a trainer index can be mistaken, in a server's `_Replies`, for one of its successor's."""
@@ -337,6 +339,9 @@ class Transport:
         self._services: dict[str, object] = {}
         self._services_changed = threading.Condition()
         self._replies = _Replies()
+        self._later = threading.local()
+        """Server: per receiver thread, the answers that came later which a call it is running
+        completed (`_answer_later`), sent after that call's own reply."""
         self.roster = Roster(len(roles.trainer_ranks), on_trainer_lost)
         """Server: the trainers' arrivals and the first failure it knows of (`shadowgba.ps.membership`)."""
         self._started_at = time.monotonic()
@@ -457,13 +462,11 @@ class Transport:
             stale.close()
 
     def _on_request(self, channel: Channel, request_id: int, body: Any) -> None:
-        """Server, on the channel's receiver: answer on the same channel. A call that never waits on
-        another is run right here, in its trainer's order (the hop to a pool thread costs more than
-        most calls); one that may wait (a method in its service's `blocking_methods`, e.g. a long
-        poll, or a call for a service not served yet) runs on the pool, so that it holds up no other."""
-        _, name, method, _ = body
-        service = self._services.get(name)
-        if name == CONTROL or (service is not None and method not in getattr(service, "blocking_methods", ())):
+        """Server, on the channel's receiver: answer on the same channel. A call is run right here,
+        in its trainer's order (the hop to a pool thread costs more than most calls), unless its
+        service is not served yet: that one waits for it on the pool, holding up no other."""
+        _, name, _, _ = body
+        if name == CONTROL or name in self._services:
             self._answer(channel, request_id, body)
             return
         pool = self._pool
@@ -478,8 +481,41 @@ class Transport:
         caller, name, method, args = body
         if name == CONTROL:
             channel.reply(request_id, self._control(method, *args))
+            return
+        self._later.replies = later = []
+        try:
+            value = self._replies.run_once(caller, lambda: self._serve_call(name, method, args))
+        finally:
+            self._later.replies = None
+        if isinstance(value, concurrent.futures.Future):  # answered later (a long poll)
+            value.add_done_callback(functools.partial(self._answer_later, channel, request_id))
         else:
-            channel.reply(request_id, self._replies.run_once(caller, lambda: self._serve_call(name, method, args)))
+            channel.reply(request_id, value)
+        for request, answer in later:
+            channel.reply(request, answer)
+
+    def _answer_later(self, channel: Channel, request_id: int, done: concurrent.futures.Future) -> None:
+        """Reply with the value of a service's Future: on the thread that completed it when that is
+        the channel's own receiver (no hop: a push of this trainer answered its own watch; sent
+        after the push's own reply, which the trainer's next push waits for), else on the pool
+        (the stepping thread serves another trainer, or the shard's expiry thread)."""
+        try:
+            value = done.result()
+        except Exception as error:  # noqa: BLE001 (the service's failure goes back to the caller)
+            value = _Failure(error, traceback.format_exc())
+        if channel.is_receiver_thread():
+            later = getattr(self._later, "replies", None)
+            if later is not None:  # after the reply of the call this thread runs
+                later.append((request_id, value))
+            else:
+                channel.reply(request_id, value)
+            return
+        pool = self._pool
+        try:
+            if pool is not None:
+                pool.submit(channel.reply, request_id, value)
+        except RuntimeError:  # the pool is shut down: this server has ended
+            pass
 
     def _serve_call(self, name: str, method: str, args: tuple[Any, ...]) -> Any:
         """A service call's return value, or its exception as a `_Failure`."""
