@@ -46,7 +46,7 @@ from shadowgba import optional, reporting
 from shadowgba.batch_size import check_first_batch
 from shadowgba.config import PS_ALGOS, SyncConfig, load_config
 from shadowgba.dense import trainable_named_parameters
-from shadowgba.errors import PeerLost, SetupError, SyncError
+from shadowgba.errors import ConfigError, PeerLost, SetupError, SyncError
 from shadowgba.gba.runtime import GBASync
 from shadowgba.interface import DenseSync
 from shadowgba.layout import ReplicaLayout
@@ -405,6 +405,9 @@ def _restore_and_checkpoint(job: Job) -> CheckpointWriter:
     saved = checkpoints.latest()
     if saved is not None:
         step, states = saved
+        if not set(states) <= set(job.served):
+            raise ConfigError(f"sync.ps.checkpoint_dir: {checkpoints.path_of(step)} holds {sorted(states)}, but this "
+                              f"{job.config.algo} server serves {sorted(job.served)} (a folder of another job?)")
         for name, state in states.items():
             job.served[name].restore(state)
         logger.warning("shadowgba: %s resumed from its checkpoint %s", job.roles.name, checkpoints.path_of(step))

@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import sync_algos
+from shadowgba import factory
+from shadowgba.config import SyncConfig
+from shadowgba.errors import ConfigError
+from shadowgba.ps.config import PSConfig
 from shadowgba.ps.transport import Transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
@@ -102,9 +107,19 @@ def test_a_centre_slice_offers_itself_every_interval_and_a_restored_one_counts_a
         ElasticCenter().restore({"start": 3, "end": 6, "centre": torch.zeros(2), "rounds": 1})
 
 
+def test_a_server_refuses_a_checkpoint_folder_that_another_algorithm_wrote(tmp_path: Path) -> None:
+    """A restarted server whose `checkpoint_dir` holds a GBA job's files must say so, not fail on a
+    missing service (what the folder holds and what it serves)."""
+    ServerCheckpoints(tmp_path, server_index=0).save(5, {"dense": {}})
+    config = SyncConfig(algo="easgd_ps", ps=PSConfig(num_servers=1, num_trainers=2, checkpoint_dir=str(tmp_path)))
+    job = SimpleNamespace(config=config, roles=SimpleNamespace(server_index=0, name="ps0"),
+                          served={CENTER_SERVICE: ElasticCenter()})
+    with pytest.raises(ConfigError, match=r"step_0000000005\.pt holds \['dense'\], but this easgd_ps server serves "
+                                          r"\['easgd_center'\]"):
+        factory._restore_and_checkpoint(job)
+
+
 def shadow_job(rank: int, world_size: int, steps: list[int]) -> dict | None:
-    from shadowgba import SyncConfig
-    from shadowgba.ps.config import PSConfig
     from shadowgba.shadow.runtime import ShadowSync
     from tests.test_runtime import ConstantStep, flat, vector_model
 

@@ -236,8 +236,9 @@ def step_paced_rounds(rank: int, world_size: int) -> dict:
             optimizer.step()
             steps += 1
             time.sleep(0.002 if rank == 0 else 0.010)
-        rounds = sync.metrics.rounds
-    return {"steps": steps, "rounds": rounds}
+    # read once the rounds have ended on both ranks: inside the block one rank's shadow thread may
+    # have recorded a round that the other's has not yet
+    return {"steps": steps, "rounds": sync.metrics.rounds}
 
 
 def test_step_pacing_follows_the_fastest_rank(two_ranks: dict) -> None:
@@ -245,8 +246,9 @@ def test_step_pacing_follows_the_fastest_rank(two_ranks: dict) -> None:
     assert fast["rounds"] == slow["rounds"]
     assert fast["steps"] > 3 * slow["steps"], (fast, slow)
     # about one round per 10 steps of the fast rank (plus the first two, before any step time is
-    # known), and far more than one per 10 steps of the slow rank, which must not set the pace
-    assert 2 * slow["steps"] / 10 < fast["rounds"] <= fast["steps"] / 10 + 3, (fast, slow)
+    # known, and the one that carries the stop flags at close), and far more than one per 10 steps
+    # of the slow rank, which must not set the pace
+    assert 2 * slow["steps"] / 10 < fast["rounds"] <= fast["steps"] / 10 + 4, (fast, slow)
 
 
 class FakeClock:

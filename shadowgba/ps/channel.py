@@ -68,8 +68,8 @@ from shadowgba.errors import PeerLost
 from shadowgba.ps.lane import IncomingLane, OutgoingLane
 
 FRAME_BYTES = 256 << 10
-"""The most a frame holds; two receive buffers of this size per channel side are posted in advance
-and reused (the next frame lands in one while the other is read)."""
+"""The most a frame holds; `_FRAMES_POSTED` receive buffers of this size per channel side are posted
+in advance and reused, and one more is read meanwhile."""
 INLINE_TENSOR_BYTES = 64 << 10
 """A tensor up to this size rides in its message's frame (copied in and out: cheaper than a send of
 its own, whose receive is posted only once the frame has arrived, a round trip of wake-ups)."""

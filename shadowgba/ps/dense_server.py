@@ -90,8 +90,10 @@ from sync_algos.base import is_finite
 from sync_algos.gba import Admission, GlobalBatchAggregator
 from sync_algos.staleness import StalenessCounts
 
-WATCHERS = 8
-"""At most this many `watch` calls wait on one shard at the same time; the rest are answered at once."""
+WATCHERS = 1024
+"""At most this many `watch` calls wait on one shard at the same time; the rest are answered at once.
+A waiting watch holds no thread, only its Future: the bound is against a client gone wrong, far
+above one watcher per trainer."""
 WATCH_MAX_S = 1.0
 """Longest one `watch` call may wait, whatever timeout it asks for."""
 DENSE_SERVICE = "dense"

@@ -108,7 +108,8 @@ class ElasticCenter:
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Serve again from a state `on_checkpoint` offered (a new server process, before it serves).
-        Refused (ValueError) like `load`; the restored slice counts as moved (`load(unless_moved)`)."""
+        Refused (ValueError) like `load`; a slice restored after exchanges counts as moved
+        (`load(unless_moved)` keeps it)."""
         start, end = state["start"], state["end"]
         with self._lock:
             self._center, self._bounds = self._accepted(start, end, state["centre"]), (start, end)
@@ -247,7 +248,8 @@ class CenterClient(Centre):
 
     def _call_each(self, method: str, args_by_server: list[tuple[Any, ...]]) -> list[Any]:
         """`method(*args_by_server[i])` on server i, all in flight at once; a call that a server's
-        restart cut (`ServerRestarted`) is sent again, once, to its new process. Safe for every
+        restart cut (`ServerRestarted`) is sent again to its new process (again if that one restarts
+        too: each try needs a new process, which the transport waits for at most `server_restart_s`). Safe for every
         method of the slice: `init`, `load` and `center` change nothing twice, and an exchange the
         dead process took is gone with it, or (saved after it) pulled once more, which an elastic
         pull tolerates (it moves both sides towards each other)."""
@@ -255,10 +257,12 @@ class CenterClient(Centre):
                    for server, args in enumerate(args_by_server)]
         results = []
         for server, future in enumerate(futures):
-            try:
-                results.append(future.wait())
-            except ServerRestarted as restarted:
-                logger.warning("shadowgba: the S-EASGD centre sends the %s that a restart cut to the new process of "
-                               "server %d, restored from its checkpoint (%s)", method, server, first_line(restarted))
-                results.append(self.transport.call(server, self.service, method, *args_by_server[server]))
+            while True:
+                try:
+                    results.append(future.wait())
+                    break
+                except ServerRestarted as restarted:
+                    logger.warning("shadowgba: the S-EASGD centre sends the %s that a restart cut to the new process "
+                                   "of server %d, restored from its checkpoint (%s)", method, server, first_line(restarted))
+                    future = self.transport.call_async(server, self.service, method, *args_by_server[server])
         return results
