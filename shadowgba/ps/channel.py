@@ -34,8 +34,8 @@ Invariants:
   not block (heartbeat, lane and close frames) once the peer's frames say they received it, when
   the wait returns at once. So a stopped peer blocks no pulse, and nothing is held for ever.
 - Several requests can be in flight: each carries an id, and a reply completes the future of its
-  id, whatever the order the peer answers in (the owner decides where a request runs: see
-  `shadowgba.ps.transport`).
+  id, whatever the order the peer answers in (one reply message may answer several; the owner
+  decides where a request runs: see `shadowgba.ps.transport`).
 - Liveness: both sides send a heartbeat frame when they have sent nothing for `beat_s` (at most
   `PING_INTERVAL_S`, and a quarter of the peer's timeout; `pulse()`, driven by the owner's
   thread), so a receive that sees nothing for the group's timeout (`timeout_s`) means the peer is
@@ -365,10 +365,11 @@ class Channel:
             self._settle(request_id, error)
         return future
 
-    def reply(self, request_id: int, value: Any) -> None:
-        """Answer request `request_id` with `value`; dropped when the channel is dead (the peer retries)."""
+    def reply(self, request_id: int, value: Any, *more: tuple[int, Any]) -> None:
+        """Answer request `request_id` with `value`, and each (request id, value) of `more` in the
+        same message; dropped when the channel is dead (the peer retries)."""
         try:
-            self._send(REPLY, (request_id, value))
+            self._send(REPLY, ((request_id, value), *more))
         except ChannelLost:
             pass
 
@@ -428,8 +429,12 @@ class Channel:
             except _Unencodable as error:  # an unpicklable reply: the caller gets why, not a hang
                 if kind != REPLY:
                     raise error.__cause__ from None
-                request_id, value = body
-                self._transmit(kind, (request_id, RuntimeError(f"unpicklable reply {type(value).__name__!r}")))
+                if len(body) > 1:  # alone, only the unpicklable one is answered with why
+                    for answer in body:
+                        self._send(kind, (answer,))
+                    return
+                [(request_id, value)] = body
+                self._transmit(kind, ((request_id, RuntimeError(f"unpicklable reply {type(value).__name__!r}")),))
         except RuntimeError as error:
             raise self._fail(error) from error
 
@@ -536,13 +541,15 @@ class Channel:
             work.wait()
 
     def _deliver(self, kind: int, body: Any) -> None:
-        request_id, value = body
         if kind == REPLY:
-            with self._state_lock:
-                future = self._pending.pop(request_id, None)
-            if future is not None:
-                future.set_result(value)
-        elif self._on_request is not None:
+            for request_id, value in body:
+                with self._state_lock:
+                    future = self._pending.pop(request_id, None)
+                if future is not None:
+                    future.set_result(value)
+            return
+        request_id, value = body
+        if self._on_request is not None:
             self._on_request(self, request_id, value)
 
     def _settle(self, request_id: int, error: ChannelLost) -> None:

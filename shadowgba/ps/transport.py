@@ -41,9 +41,10 @@ Invariants (why a call cannot deadlock, and why no survivor hangs):
   service (the hop to a pool thread would cost more than most calls). One that must wait on other
   calls (a long-poll `watch`) returns a `concurrent.futures.Future` instead of waiting, and the
   reply is sent when it completes: by the thread that completed it when that is the same
-  channel's receiver (no hop; after the reply of the call it runs), else by one of the server's
-  `SERVER_THREADS` (a thread serving one trainer never spends its time on another's reply). So no cycle of waits can form. Services are
-  called concurrently (one thread per trainer, plus the pool) and must be thread-safe.
+  channel's receiver (no hop; in one message with the reply of the call it runs), else by one of
+  the server's `SERVER_THREADS` (a thread serving one trainer never spends its time on another's
+  reply). So no cycle of waits can form. Services are called concurrently (one thread per
+  trainer, plus the pool) and must be thread-safe.
 - `start()` returns on trainers before the servers have called `serve()`; a call for a name that
   is not served yet waits up to `SERVE_WAIT_S` for it, then fails naming the served services.
 - Liveness is the channels': both ends send a heartbeat every `PING_INTERVAL_S` when idle. A server
@@ -489,15 +490,15 @@ class Transport:
             self._later.replies = None
         if isinstance(value, concurrent.futures.Future):  # answered later (a long poll)
             value.add_done_callback(functools.partial(self._answer_later, channel, request_id))
+            for request, answer in later:
+                channel.reply(request, answer)
         else:
-            channel.reply(request_id, value)
-        for request, answer in later:
-            channel.reply(request, answer)
+            channel.reply(request_id, value, *later)
 
     def _answer_later(self, channel: Channel, request_id: int, done: concurrent.futures.Future) -> None:
         """Reply with the value of a service's Future: on the thread that completed it when that is
-        the channel's own receiver (no hop: a push of this trainer answered its own watch; sent
-        after the push's own reply, which the trainer's next push waits for), else on the pool
+        the channel's own receiver (no hop: a push of this trainer answered its own watch; sent in
+        one message with the push's own reply), else on the pool
         (the stepping thread serves another trainer, or the shard's expiry thread)."""
         try:
             value = done.result()
