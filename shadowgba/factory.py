@@ -382,25 +382,23 @@ def _serve(job: Job) -> CheckpointWriter | None:
     """A server rank's services for `job.config.algo` (trainers configure or initialise them), resumed
     from and saved to the servers' own checkpoints under `sync.ps.checkpoint_dir` (the writer)."""
     transport = job.require_transport()
-    if job.config.algo == "easgd_ps":
-        job.served[CENTER_SERVICE] = ElasticCenter()
-    else:
-        job.served[DENSE_SERVICE] = DenseShard(transport.roster)
+    dense_service = CENTER_SERVICE if job.config.algo == "easgd_ps" else DENSE_SERVICE
+    job.served[dense_service] = ElasticCenter() if dense_service == CENTER_SERVICE else DenseShard(transport.roster)
     if job.tables is not None:
         embedding = optional.ps_embedding("PS-hosted tables")
         job.served[embedding.DEFAULT_SERVICE] = embedding.EmbeddingShard(
             list(job.tables), job.table_options, job.roles.server_index, job.roles.num_servers)
-    writer = _restore_and_checkpoint(job) if job.config.ps.checkpoint_dir else None
+    writer = _restore_and_checkpoint(job, dense_service) if job.config.ps.checkpoint_dir else None
     for name, service in job.served.items():
         transport.serve(name, service)
     return writer
 
 
-def _restore_and_checkpoint(job: Job) -> CheckpointWriter:
+def _restore_and_checkpoint(job: Job, offering: str) -> CheckpointWriter:
     """Server: take the services' state from this server's newest checkpoint, if any (a restarted
-    process, before it serves), and save them on the schedule of the service that offers its state:
-    every `sync.ps.checkpoint_every` global steps of the dense shard (GBA) or exchanges of the
-    centre slice (S-EASGD)."""
+    process, before it serves), and save them on the schedule of service `offering`: every
+    `sync.ps.checkpoint_every` global steps of the dense shard (GBA) or exchanges of the centre
+    slice (S-EASGD)."""
     checkpoints = ServerCheckpoints(job.config.ps.checkpoint_dir, job.roles.server_index)
     saved = checkpoints.latest()
     if saved is not None:
@@ -411,7 +409,6 @@ def _restore_and_checkpoint(job: Job) -> CheckpointWriter:
         for name, state in states.items():
             job.served[name].restore(state)
         logger.warning("shadowgba: %s resumed from its checkpoint %s", job.roles.name, checkpoints.path_of(step))
-    offering = CENTER_SERVICE if job.config.algo == "easgd_ps" else DENSE_SERVICE
     writer = CheckpointWriter(checkpoints, offering, {name: service.export_state
                                                       for name, service in job.served.items() if name != offering})
     job.served[offering].on_checkpoint(job.config.ps.checkpoint_every, writer.offer)

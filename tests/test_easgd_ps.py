@@ -116,7 +116,7 @@ def test_a_server_refuses_a_checkpoint_folder_that_another_algorithm_wrote(tmp_p
                           served={CENTER_SERVICE: ElasticCenter()})
     with pytest.raises(ConfigError, match=r"step_0000000005\.pt holds \['dense'\], but this easgd_ps server serves "
                                           r"\['easgd_center'\]"):
-        factory._restore_and_checkpoint(job)
+        factory._restore_and_checkpoint(job, CENTER_SERVICE)
 
 
 def shadow_job(rank: int, world_size: int, steps: list[int]) -> dict | None:

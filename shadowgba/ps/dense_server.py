@@ -85,6 +85,7 @@ from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, concat_export
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy
 from shadowgba.ps.membership import Roster
+from shadowgba.ps.server_state import OfferSchedule
 from shadowgba.ps.transport import Transport
 from sync_algos.base import is_finite
 from sync_algos.gba import Admission, GlobalBatchAggregator
@@ -242,8 +243,8 @@ class DenseShard:
         """(k, a copy of the parameters at k) that replies carry; never written once published."""
         self._configured_with: dict[str, Any] = {}
         """What `configure` was given besides the export: a checkpoint needs it to configure again."""
-        self._checkpoint: tuple[int, Callable[[int, dict[str, Any]], None]] | None = None
-        """(every, offer): the shard's state is offered at each k that is a multiple of every (`on_checkpoint`)."""
+        self._checkpoint: OfferSchedule | None = None
+        """When the shard's state is offered: at each k that is a multiple of its interval (`on_checkpoint`)."""
         self._restored_at: int | None = None
         """The k this shard's process was restored at (`restore`); None: it was configured by a trainer."""
         self._dropped_after_restore = 0
@@ -297,7 +298,7 @@ class DenseShard:
         that brings k to a multiple of `every` (`shadowgba.ps.server_state`); called under the
         shard's lock, so `offer` must only hand the state over."""
         with self._lock:
-            self._checkpoint = (every, offer)
+            self._checkpoint = OfferSchedule(every, offer)
             self._offer_checkpoint(force=True)
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -581,10 +582,8 @@ class DenseShard:
         (the lock held)."""
         if self._checkpoint is None or self._optimizer is None:
             return
-        every, offer = self._checkpoint
-        k = self._aggregator.global_step
-        if force or k % every == 0:
-            offer(k, {"configure": dict(self._configured_with), "exported": self._optimizer.export()})
+        self._checkpoint.offer_at(self._aggregator.global_step, lambda: {
+            "configure": dict(self._configured_with), "exported": self._optimizer.export()}, force)
 
     # ---------------------------------------------------------------------------------- metrics
     def stats(self) -> dict[str, Any]:

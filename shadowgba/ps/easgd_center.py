@@ -26,6 +26,7 @@ import torch
 from shadowgba.errors import CheckpointError, ServerRestarted
 from shadowgba.flat_optimizer import shard_bounds
 from shadowgba.ps.channel import first_line
+from shadowgba.ps.server_state import OfferSchedule
 from shadowgba.ps.transport import Transport
 from sync_algos.base import is_finite
 from sync_algos.easgd import elastic_pull
@@ -45,8 +46,8 @@ class ElasticCenter:
         self._bounds = (0, 0)
         self.rounds = 0
         """Exchanges this slice has taken since it started (a restored slice: since the job's)."""
-        self._checkpoint: tuple[int, Callable[[int, dict[str, Any]], None]] | None = None
-        """(every, offer): the slice is offered after every `every`-th exchange (`on_checkpoint`)."""
+        self._checkpoint: OfferSchedule | None = None
+        """When the slice is offered: after every `every`-th exchange (`on_checkpoint`)."""
         self._restored_at: int | None = None
         """The exchange count this process was restored at (`restore`); None: started by a trainer."""
 
@@ -103,7 +104,7 @@ class ElasticCenter:
         (`shadowgba.ps.server_state`); called under the slice's lock, so `offer` must only hand the
         state over. Memory: one copy of the slice per offer, until the writer has saved it."""
         with self._lock:
-            self._checkpoint = (every, offer)
+            self._checkpoint = OfferSchedule(every, offer)
             self._offer_checkpoint(force=True)
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -135,10 +136,9 @@ class ElasticCenter:
         (the lock held, the slice started)."""
         if self._checkpoint is None or self._center is None:
             return
-        every, offer = self._checkpoint
-        if force or self.rounds % every == 0:
-            start, end = self._bounds
-            offer(self.rounds, {"start": start, "end": end, "centre": self._center.clone(), "rounds": self.rounds})
+        start, end = self._bounds
+        self._checkpoint.offer_at(self.rounds, lambda: {
+            "start": start, "end": end, "centre": self._center.clone(), "rounds": self.rounds}, force)
 
     def _require_slice(self, start: int, end: int) -> None:
         if self._bounds != (start, end):
@@ -249,10 +249,10 @@ class CenterClient(Centre):
     def _call_each(self, method: str, args_by_server: list[tuple[Any, ...]]) -> list[Any]:
         """`method(*args_by_server[i])` on server i, all in flight at once; a call that a server's
         restart cut (`ServerRestarted`) is sent again to its new process (again if that one restarts
-        too: each try needs a new process, which the transport waits for at most `server_restart_s`). Safe for every
-        method of the slice: `init`, `load` and `center` change nothing twice, and an exchange the
-        dead process took is gone with it, or (saved after it) pulled once more, which an elastic
-        pull tolerates (it moves both sides towards each other)."""
+        too: each try needs a new process, which the transport waits for at most
+        `server_restart_s`). Safe for every method of the slice: `init`, `load` and `center` change
+        nothing twice, and an exchange the dead process took is gone with it, or (saved after it)
+        pulled once more, which an elastic pull tolerates (it moves both sides towards each other)."""
         futures = [self.transport.call_async(server, self.service, method, *args)
                    for server, args in enumerate(args_by_server)]
         results = []

@@ -15,11 +15,13 @@ Invariants:
   the step that brought k to a multiple of `checkpoint_every` (and when it is configured), so no
   partly filled global batch is part of it; under S-EASGD the centre slice
   (`ElasticCenter.on_checkpoint`: every `checkpoint_every` exchanges, the files numbered by them).
-  The others are taken when the file is written: the PS-hosted tables' (`EmbeddingShard.export_state`:
-  rows, Adagrad accumulators, buffered row gradients). The tables need no cut with the dense shard: a row's next
-  gradient is computed on whatever the trainer looked up, and GBA's rule decides it by its own token.
+  The others are taken when the file is written: the PS-hosted tables'
+  (`EmbeddingShard.export_state`: rows, Adagrad accumulators, buffered row gradients). The tables
+  need no cut with the dense shard: a row's next gradient is computed on whatever the trainer
+  looked up, and GBA's rule decides it by its own token.
 - The offering service's calls never wait for the disk: it hands over a copy (one slice, and the
-  dense shard's optimizer state), and at most one waits: a newer state replaces one the writer has not taken.
+  dense shard's optimizer state), and at most one waits: a newer state replaces one the writer has
+  not taken.
   The tables are copied under their own lock when the file is written (their pushes and lookups
   wait for that memory copy, not for the disk). Memory: while a checkpoint is pending or being
   written, one copy of the dense slice with its optimizer state and one of the tables.
@@ -34,6 +36,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -50,6 +53,20 @@ logger = logging.getLogger("shadowgba")
 KEEP_LAST = 2
 """Checkpoints kept per server."""
 _STEP_FILE = re.compile(r"^step_(\d{10})\.pt$")
+
+
+@dataclasses.dataclass(frozen=True)
+class OfferSchedule:
+    """When a service hands its state to the writer (its `on_checkpoint`): at each of its steps
+    that is a multiple of `every`, and whenever the service forces it (set, configured, loaded)."""
+
+    every: int
+    offer: Callable[[int, dict[str, Any]], None]
+
+    def offer_at(self, step: int, state: Callable[[], dict[str, Any]], force: bool = False) -> None:
+        """Hand `state()` over at `step` when the schedule says so (built only then: it is a copy)."""
+        if force or step % self.every == 0:
+            self.offer(step, state())
 
 
 class ServerCheckpoints:

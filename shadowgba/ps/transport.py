@@ -342,7 +342,7 @@ class Transport:
         self._replies = _Replies()
         self._later = threading.local()
         """Server: per receiver thread, the answers that came later which a call it is running
-        completed (`_answer_later`), sent after that call's own reply."""
+        completed (`_answer_later`), sent in one message with that call's own reply."""
         self.roster = Roster(len(roles.trainer_ranks), on_trainer_lost)
         """Server: the trainers' arrivals and the first failure it knows of (`shadowgba.ps.membership`)."""
         self._started_at = time.monotonic()
@@ -506,7 +506,7 @@ class Transport:
             value = _Failure(error, traceback.format_exc())
         if channel.is_receiver_thread():
             later = getattr(self._later, "replies", None)
-            if later is not None:  # after the reply of the call this thread runs
+            if later is not None:  # with the reply of the call this thread runs
                 later.append((request_id, value))
             else:
                 channel.reply(request_id, value)
