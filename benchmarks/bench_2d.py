@@ -86,7 +86,9 @@ from bench_summary import (
     ratios_to, resource_spreads, select, spread, spread_cell,
 )
 from dlrm.config import ExperimentConfig
-from example_job import CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, parse_presets, preset_arguments, run_example
+from example_job import (
+    CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, WARMUP_STEPS, parse_presets, preset_arguments, run_example,
+)
 from shadowgba.config import load_config
 
 
@@ -375,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--duration-s", type=float, default=40.0,
                         help="each trainer's timed time after its warm-up (the common window is shorter by the "
                              "slow group's later warm-up)")
-    parser.add_argument("--warmup-steps", type=int, default=20, help="steps before a trainer's timed time")
+    parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="steps before a trainer's timed time")
     parser.add_argument("--nproc", type=int, default=4, help="trainers per run")
     parser.add_argument("--group-size", type=int, default=2,
                         help="trainers per replica group (sync.sharding_group_size)")

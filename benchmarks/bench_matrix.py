@@ -61,7 +61,7 @@ from typing import Any, Sequence
 
 from bench_matrix_report import markdown_report, matrix_runs
 from bench_summary import plotting
-from example_job import CONFIGS, ROOT, SYNTHETIC_HELDOUT, parse_presets, preset_arguments, run_example
+from example_job import CONFIGS, ROOT, SYNTHETIC_HELDOUT, WARMUP_STEPS, parse_presets, preset_arguments, run_example
 
 TRAINERS = 2
 """Trainer ranks of every cell (variants with servers add one server rank)."""
@@ -74,8 +74,6 @@ CURVE_POINTS = 8
 """Held-out evaluations per run, the final one included."""
 WARMUP_SHARE = 0.1
 """Share of a run's steps before its throughput window opens."""
-MODEL_WARMUP_STEPS = 20
-"""Steps before the timed window of a throughput cell at a model preset."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +141,7 @@ class Cell:
         samples = self.steps * BATCH_SIZE * TRAINERS
         length = [
             *preset_arguments(self.model), "--train.duration_s", str(self.duration_s),
-            "--train.warmup_steps", str(MODEL_WARMUP_STEPS),
+            "--train.warmup_steps", str(WARMUP_STEPS),
         ] if self.model else [
             "--train.steps", str(self.steps),
             "--train.warmup_steps", str(max(1, int(WARMUP_SHARE * self.steps))),
@@ -220,8 +218,8 @@ STEP_S = {"synthetic": 0.010, "movielens": 0.012}
 """Measured seconds per training step of 2 trainers on 2 cores, per dataset."""
 
 
-MODEL_WARMUP_S = 30.0
-"""Upper bound of a model preset's warm-up (`MODEL_WARMUP_STEPS`) on 2 cores, the production preset's."""
+MODEL_WARMUP_S = 60.0
+"""Upper bound of a model preset's warm-up (`WARMUP_STEPS`) on 2 cores, the production preset's."""
 
 
 STRAGGLER_SETTINGS = {"even": False, "straggler": True}

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from bench_matrix import VARIANTS
 from bench_summary import Column, Run, markdown_table, median_or_none, optional, plotting, ratios_to, select
-from example_job import ROOT, preset_arguments, run_example
+from example_job import ROOT, WARMUP_STEPS, preset_arguments, run_example
 
 DEFAULT_VARIANTS = ("none", "ddp", "ma-shadow", "easgd-shadow", "bmuf-shadow")
 STARTUP_S = 10.0
@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
     parser.add_argument("--reps", type=int, default=2, help="repetitions of the interleaved sequence")
     parser.add_argument("--duration-s", type=float, default=10.0, help="timed window of each run")
-    parser.add_argument("--warmup-steps", type=int, default=20, help="steps before the timed window")
+    parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="steps before the timed window")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_scaling.json", help="JSON results")
     parser.add_argument("--plots", type=Path, default=ROOT / "runs" / "plots", help="folder for scaling.png")
     args = parser.parse_args(argv)

@@ -28,7 +28,7 @@ from bench_summary import (
     EXTRA_OVER_NONE_COLUMN, PRESET_COLUMN, RESOURCE_COLUMNS, Column, Run, difference_spread, extra_x_dense,
     markdown_table, ratio_spread, resource_spreads, select, spread, spread_cell,
 )
-from example_job import CONFIGS, MODEL_PRESETS, ROOT, parse_presets, preset_arguments, run_example
+from example_job import CONFIGS, MODEL_PRESETS, ROOT, WARMUP_STEPS, parse_presets, preset_arguments, run_example
 
 MODES: dict[str, list[str]] = {
     "none": ["--config", str(CONFIGS / "none.yaml")],
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="repetitions of the interleaved sequence")
     parser.add_argument("--duration-s", type=float, default=30.0, help="timed window of each run")
-    parser.add_argument("--warmup-steps", type=int, default=50, help="steps before the timed window")
+    parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="steps before the timed window")
     parser.add_argument("--nproc", type=int, default=2, help="ranks per run")
     parser.add_argument("--presets", default=",".join(MODEL_PRESETS), help=f"comma-separated subset of {MODEL_PRESETS}")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {list(MODES)}")

@@ -13,9 +13,16 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from shadowgba.config import SyncConfig
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = ROOT / "benchmarks" / "train_dlrm.py"
 CONFIGS = ROOT / "examples" / "configs"
+
+WARMUP_STEPS = SyncConfig().first_round_after + 10
+"""Steps before a throughput window opens: past the shadow runtime's first round
+(`sync.first_round_after`) and a few more, so that every timed step of a shadow variant is one whose
+rounds run beside it."""
 
 MODEL_PRESETS = ("small", "production")
 """The model presets the throughput benchmarks run side by side (examples/configs/presets/): small, 8

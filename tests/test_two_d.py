@@ -47,7 +47,7 @@ def _pipeline_job(rank: int, world_size: int, options: dict[str, Any], fault: tu
     config = shadowgba.SyncConfig(**{"sharding_group_size": 2, "interval_ms": 5.0, "first_round_after": 2,
                                      "foreground_every": 3, "timeout_s": 20.0, "log_interval_s": 0.0, **options})
     job = shadowgba.join(config)
-    torch.manual_seed(rank)  # different initial replicas: the runtime must make them meet
+    torch.manual_seed(rank)  # tables built apart: the start must make the replicas one
     model = tiny_dmp.TinyRec()
     apply_optimizer_in_backward(RowWiseAdagrad, model.ebc.parameters(), {"lr": 0.1})
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), **job.dmp_kwargs())
@@ -70,8 +70,11 @@ def _pipeline_job(rank: int, world_size: int, options: dict[str, Any], fault: tu
             next(iter(dense.values())).view(-1)[:3] = float("nan")
             fused_table_shards(dmp)[0].tensors[0][:2] = float("nan")
 
+    built = [tensor.clone() for shard in fused_table_shards(dmp) for tensor in shard.tensors]
     try:
         with shadowgba.dense_sync(dmp, optimizer, job) as sync:
+            out["start"] = {"built": built,
+                            "started": [tensor.clone() for shard in fused_table_shards(dmp) for tensor in shard.tensors]}
             with contextlib.suppress(StopIteration):
                 while True:
                     pipeline.progress(batches)
@@ -139,6 +142,15 @@ def test_a_2x2_job_on_the_train_pipeline_ends_with_identical_replicas(four_ranks
     assert metrics["table_rounds"] >= metrics["table_cycles"] >= (1 if case == "bmuf-shadow" else STEPS // 3)
     assert metrics["fragment_age_steps_max"] == 0  # the final sync has just averaged every fragment
     assert metrics["memory_bytes"] > 0 and metrics["table_bytes_moved"] > 0
+
+
+def test_table_replicas_built_apart_start_as_their_replica_groups_first_rank_built_them(four_ranks: dict) -> None:
+    """Each rank seeds its own tables (`torch.manual_seed(rank)`): the start broadcasts them."""
+    starts = [result["start"] for result in four_ranks["bmuf-shadow"]]
+    for first, partner in ((0, 2), (1, 3)):
+        assert _max_diff(starts[first]["built"], starts[partner]["built"]) > 0.0
+        assert _max_diff(starts[partner]["started"], starts[first]["built"]) == 0.0
+        assert _max_diff(starts[first]["started"], starts[first]["built"]) == 0.0
 
 
 def test_the_bounded_fragments_rotate_over_many_rounds_in_shadow_mode(four_ranks: dict) -> None:

@@ -17,9 +17,9 @@ Threads and invariants:
   and `interval_steps` (`shadowgba.shadow.pacing`).
 - All shadow traffic runs on a process group of its own, created at `start()`. The training thread
   never issues a collective on it while the shadow thread is alive (the only training-thread
-  collectives on it are the initial broadcast, before the thread starts, and the final average,
-  after it has joined), and the shadow thread never touches the group TorchRec's all-to-all uses:
-  two threads on one gloo group deadlock.
+  collectives on it are the initial broadcast, before the thread starts, as is a 2D job's tables'
+  on their replica group, and the final average, after it has joined), and the shadow thread never
+  touches the group TorchRec's all-to-all uses: two threads on one gloo group deadlock.
 - Rounds are in lockstep across ranks and each carries a stop flag (see `sync_algos.base`): a rank
   that closes raises it in every round from then on, serving its own snapshots from `close()`, and
   every rank leaves after the round in which all of them have raised it, so ranks that finish at
@@ -165,6 +165,8 @@ class ShadowSync(DenseSync):
             self.config.algo, self.config.algorithm_config(), self._group, initial, **self._algorithm_kwargs
         )
         self.dense.copy_from(initial)  # after the build: an algorithm may start this rank elsewhere (S-EASGD)
+        if self.tables is not None:  # table replicas start together too
+            self.tables.broadcast_(dist.get_process_group_ranks(self.tables.group)[0])
         self._algorithm.state_guard = self._state_lock
         # the fused optimizer writes table rows inside backward: only a step boundary may touch them
         handoff = self.config.mode == "shadow" and self.config.writeback == "handoff"

@@ -177,6 +177,16 @@ class TableFragments:
             offset += piece.numel()
         return parts
 
+    def broadcast_(self, src: int) -> None:
+        """Collective on the replica group: every partner's rows and optimizer state become global
+        rank `src`'s, a fragment at a time (the buffer's memory, not a table's). The runtime's start:
+        replicas that begin apart would be averaged into rows none of them trained with. Leaves the
+        rotation where it was."""
+        for _ in self.fragments:
+            self.copy_to(self.buffer)
+            dist.broadcast(self.buffer, src=src, group=self.group)
+            self.copy_from(self.buffer)
+
     def mark_applied(self, step: int) -> None:
         """The current fragment's delta reached the rows at training step `step`."""
         age = step - self.applied_at[self.cursor]
