@@ -1,8 +1,9 @@
 """The 2D layout (`sync.sharding_group_size`): 2 replica groups x 2 ranks on gloo.
 
 One spawned group of 4 ranks runs every job that ends normally, one after another (`run_shared`):
-TorchRec's `TrainPipelineSparseDist` over a tiny DMP through the one factory, in shadow and in
-foreground mode (replicas identical at the end, tables and dense, and the table counters); the
+TorchRec's `TrainPipelineSparseDist` over a tiny DMP through the one factory, in shadow mode (with a
+live control file) and in foreground mode (tables built apart made one at the start, replicas
+identical at the end, tables and dense, and the table counters); the
 harness's exact-resume case (foreground BMUF stopped and resumed == uninterrupted); and a NaN
 replica. Jobs whose ranks fail on purpose each get a group of their own.
 """
@@ -86,7 +87,8 @@ def _pipeline_job(rank: int, world_size: int, options: dict[str, Any], fault: tu
         return out
     shards = fused_table_shards(dmp)
     return out | {"tables": [tensor.clone() for shard in shards for tensor in shard.tensors],
-                  "dense": [param.detach().clone() for param in dense.values()], "metrics": sync.metrics.summary()}
+                  "dense": [param.detach().clone() for param in dense.values()], "metrics": sync.metrics.summary(),
+                  "pacing": (sync.interval_ms, sync.interval_steps)}
 
 
 def _resume_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -114,10 +116,17 @@ def _resume_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "resumed_from": resumed["checkpoint"]["resumed_from_step"]}
 
 
+CONTROL = "interval_ms: 7\ninterval_steps: 3\n"
+"""The live control file of the shadow case (configured: 5 ms, 0 steps): every rank must take it."""
+
+
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    control = tmp_path_factory.mktemp("two_d_control") / "control.yaml"
+    control.write_text(CONTROL)
     return run_shared(4, {
-        "bmuf-shadow": (_pipeline_job, ({"algo": "bmuf", "tables": TableSyncConfig(fragment_mb=1e-4)},)),
+        "bmuf-shadow": (_pipeline_job, ({"algo": "bmuf", "tables": TableSyncConfig(fragment_mb=1e-4),
+                                         "control_file": str(control)},)),
         "ma-foreground": (_pipeline_job, ({"algo": "ma", "mode": "foreground"},)),
         "nan": (_pipeline_job, ({"algo": "ma", "mode": "foreground"}, ("nan", 1, 10))),
         "resume": (_resume_job, (str(tmp_path_factory.mktemp("two_d")),)),
@@ -151,6 +160,10 @@ def test_table_replicas_built_apart_start_as_their_replica_groups_first_rank_bui
         assert _max_diff(starts[first]["built"], starts[partner]["built"]) > 0.0
         assert _max_diff(starts[partner]["started"], starts[first]["built"]) == 0.0
         assert _max_diff(starts[first]["started"], starts[first]["built"]) == 0.0
+
+
+def test_every_rank_of_a_2d_job_takes_the_live_control_file(four_ranks: dict) -> None:
+    assert [result["pacing"] for result in four_ranks["bmuf-shadow"]] == [(7.0, 3)] * 4
 
 
 def test_the_bounded_fragments_rotate_over_many_rounds_in_shadow_mode(four_ranks: dict) -> None:
