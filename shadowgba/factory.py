@@ -382,8 +382,11 @@ def _serve(job: Job) -> CheckpointWriter | None:
     """A server rank's services for `job.config.algo` (trainers configure or initialise them), resumed
     from and saved to the servers' own checkpoints under `sync.ps.checkpoint_dir` (the writer)."""
     transport = job.require_transport()
-    dense_service = CENTER_SERVICE if job.config.algo == "easgd_ps" else DENSE_SERVICE
-    job.served[dense_service] = ElasticCenter() if dense_service == CENTER_SERVICE else DenseShard(transport.roster)
+    if job.config.algo == "easgd_ps":
+        dense_service, service = CENTER_SERVICE, ElasticCenter()
+    else:
+        dense_service, service = DENSE_SERVICE, DenseShard(transport.roster)
+    job.served[dense_service] = service
     if job.tables is not None:
         embedding = optional.ps_embedding("PS-hosted tables")
         job.served[embedding.DEFAULT_SERVICE] = embedding.EmbeddingShard(

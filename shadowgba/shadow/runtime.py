@@ -166,7 +166,7 @@ class ShadowSync(DenseSync):
         )
         self.dense.copy_from(initial)  # after the build: an algorithm may start this rank elsewhere (S-EASGD)
         if self.tables is not None:  # table replicas start together too
-            self.tables.broadcast_(dist.get_process_group_ranks(self.tables.group)[0])
+            self.tables.broadcast_()
         self._algorithm.state_guard = self._state_lock
         # the fused optimizer writes table rows inside backward: only a step boundary may touch them
         handoff = self.config.mode == "shadow" and self.config.writeback == "handoff"

@@ -177,11 +177,12 @@ class TableFragments:
             offset += piece.numel()
         return parts
 
-    def broadcast_(self, src: int) -> None:
-        """Collective on the replica group: every partner's rows and optimizer state become global
-        rank `src`'s, a fragment at a time (the buffer's memory, not a table's). The runtime's start:
-        replicas that begin apart would be averaged into rows none of them trained with. Leaves the
-        rotation where it was."""
+    def broadcast_(self) -> None:
+        """Collective on the replica group: every partner's rows and optimizer state become the
+        group's first rank's, a fragment at a time (the buffer's memory, not a table's). The
+        runtime's start: replicas that begin apart would be averaged into rows none of them trained
+        with. Leaves the rotation where it was."""
+        src = dist.get_process_group_ranks(self.group)[0]
         for _ in self.fragments:
             self.copy_to(self.buffer)
             dist.broadcast(self.buffer, src=src, group=self.group)
