@@ -2,7 +2,7 @@
 
     python benchmarks/bench_ps.py [--sizes 1KB,100KB,1MB,10MB] [--trainers 2] [--shards 1,2] \
         [--in-flight 1,4] [--push-dtypes float32,bfloat16] [--params-dtypes float32,bfloat16] [--reps 5] \
-        [--duration-s 30] [--embeddings] \
+        [--duration-s 30] [--embeddings] [--threads 1] \
         [--trees after=.,before=/old/checkout]
 
 No model and no training: every trainer rank pushes one fixed gradient of `--sizes` bytes as float32
@@ -16,6 +16,10 @@ trainer's does: the parameters the server sends are part of its cost. The shards
 default (Adam, global batch = trainers x 512 samples, staleness decay), so the server's whole cost
 per push is measured: receiving and unpickling the request, validation, the finiteness check, the
 buffer add, the optimizer step once per global batch, and the reply.
+
+Every rank runs torch with `--threads` intra-op threads (default 1: the cores are the ranks'; a
+user's trainer runs with torch's default of one per core, where whatever the transport does with
+torch ops on large tensors spreads over an OpenMP pool).
 
 Ingest per server rank = gradient bytes received by that rank per second (a push of B bytes over S
 shards brings B/S to each), and the same in parameters per second, which compares dtypes. CPU
@@ -152,7 +156,7 @@ def _rank_main(rank: int, world: World, port: int, plan: dict[str, Any], results
                       WORLD_SIZE=str(world.trainers + world.shards))
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(plan["threads"])
     ps = PS(world.shards)
     roles = ps.roles
     try:
@@ -460,6 +464,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--duration-s", type=float, default=30.0, help="timed window of each measurement")
     parser.add_argument("--embeddings", action="store_true", help="also measure lookups and row pushes")
     parser.add_argument("--floor", action="store_true", help="also send the same bytes bare (the transport's own cost)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads per rank (a user's trainer runs with one per core, torch's default)")
     parser.add_argument("--trees", default=f"current={ROOT}",
                         help="comma-separated NAME=PATH checkouts to import shadowgba from (first: the baseline)")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_ps.json", help="JSON results")
@@ -468,7 +474,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     plan = {"sizes": [parse_size(size) for size in args.sizes.split(",")],
             "in_flight": [int(value) for value in args.in_flight.split(",")],
             "push_dtypes": args.push_dtypes.split(","), "params_dtypes": args.params_dtypes.split(","),
-            "duration_s": args.duration_s, "embeddings": args.embeddings, "floor": args.floor}
+            "duration_s": args.duration_s, "embeddings": args.embeddings, "floor": args.floor,
+            "threads": args.threads}
     worlds = [(int(t), int(s)) for t in args.trainers.split(",") for s in args.shards.split(",")]
     per_world_s = ((len(plan["params_dtypes"]) + args.floor) * len(plan["sizes"]) * len(plan["push_dtypes"])
                    * len(plan["in_flight"])
