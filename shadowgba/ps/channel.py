@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.errors import PeerLost
-from shadowgba.ps.lane import IncomingLane, OutgoingLane, copy_bytes
+from shadowgba.ps.lane import IncomingLane, OutgoingLane
 
 FRAME_BYTES = 256 << 10
 """The most a frame holds; `_FRAMES_POSTED` receive buffers of this size per channel side are posted
@@ -272,7 +272,7 @@ class Frame:
                     raise RuntimeError("the peer sent a tensor through a lane this side never mapped")
                 lane.read(position, tensor)
             elif place == STAGED and nbytes:
-                copy_bytes(tensor, staged[:nbytes])
+                tensor.reshape(-1).view(torch.uint8).copy_(staged[:nbytes])
             elif place == INLINE:
                 if nbytes:
                     _as_bytes(tensor)[:] = self.frame[offset:offset + nbytes]

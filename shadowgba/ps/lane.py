@@ -36,7 +36,6 @@ from __future__ import annotations
 import os
 import secrets
 
-import numpy
 import torch
 
 LANE_BYTES = 32 << 20
@@ -53,21 +52,8 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _flat_bytes(tensor: torch.Tensor) -> numpy.ndarray:
-    """A contiguous CPU tensor's bytes as a numpy array (a view of its memory, no copy; any dtype)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
-
-
-def copy_bytes(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy the bytes of contiguous CPU tensor `source` into `destination` (as many bytes, any dtypes).
-
-    Every copy of the transport goes through this one: a plain memcpy on the calling thread that
-    releases the GIL (numpy's), never torch's `copy_`. A torch copy of more than its grain (32 KB)
-    runs as an OpenMP parallel region, and between regions the pool's threads spin waiting for
-    the next one: a copy every few hundred microseconds, as a channel makes them, kept the other
-    core busy ~0.3 ms per copy (2 cores, 100 KB - 1 MB; 10x the copy itself), time taken from
-    the training and serving threads."""
-    numpy.copyto(_flat_bytes(destination), _flat_bytes(source))
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 class OutgoingLane:
@@ -128,7 +114,7 @@ class OutgoingLane:
         """Copy `tensor` (contiguous) to `position` (from `reserve`)."""
         start = _DATA_START + position % self._ring
         nbytes = tensor.numel() * tensor.element_size()
-        copy_bytes(self.buffer[start:start + nbytes], tensor)
+        self.buffer[start:start + nbytes].copy_(_flat_bytes(tensor))
 
     def release(self, released: int) -> None:
         """The reader has read everything before `released` (carried by its frames)."""
@@ -174,7 +160,7 @@ class IncomingLane:
         """Copy the tensor at `position` into `tensor` (its shape and dtype from the frame's header)."""
         start = _DATA_START + position % self._ring
         nbytes = tensor.numel() * tensor.element_size()
-        copy_bytes(tensor, self.buffer[start:start + nbytes])
+        _flat_bytes(tensor).copy_(self.buffer[start:start + nbytes])
         self.released = position + _aligned(nbytes)
 
 
