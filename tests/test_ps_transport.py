@@ -294,12 +294,34 @@ def paused_calls(rank: int, world_size: int) -> dict:
         transport.ALIVE_WITHIN_S = alive_within
 
 
+LATE_S = 3.0
+"""How long after the others trainer 1 starts the transport in `late_start`: longer than its timeout."""
+LATE_TIMEOUT_S = 1.5
+
+
+def late_start(rank: int, world_size: int) -> dict:
+    """Trainer 1 reaches `Transport.start` LATE_S after the others (as a trainer that builds its
+    model while a server starts at once), with a `timeout_s` of LATE_TIMEOUT_S, the trainer groups'
+    own: when it started, how long each rank waited in `start`, and a call's result."""
+    if rank == 1:
+        time.sleep(LATE_S)
+    started = time.monotonic()
+    ps = Transport.start(num_servers=1, timeout_s=LATE_TIMEOUT_S)
+    seen = {"started": started, "waited": time.monotonic() - started}
+    if ps.roles.is_server:
+        ps.serve("counter", Counter())
+    else:
+        seen["applied"] = ps.call(0, "counter", "push", 0.0)
+    ps.stop()
+    return seen
+
+
 @pytest.fixture(scope="module")
 def spawned() -> dict[str, list]:
     """The spawned-rank cases of this file, one after another in one group of 3 ranks."""
     return run_shared(3, {"calls": (exercise_transport, ()), "abort": (abort_and_barriers, ()),
                           "stalls": (stalls_watched, ()), "paused": (paused_calls, ()),
-                          "departs": (stall_departs, ())}, timeout_s=150)
+                          "departs": (stall_departs, ()), "late": (late_start, ())}, timeout_s=160)
 
 
 def test_roles_calls_and_remote_errors_on_three_spawned_ranks(spawned: dict[str, list]) -> None:
@@ -308,6 +330,14 @@ def test_roles_calls_and_remote_errors_on_three_spawned_ranks(spawned: dict[str,
     loopback = {("tcp", "0100007F"), ("tcp6", "00000000000000000000000001000000")}
     for result in results:  # the trainers' channels are open by now (the server's may still be building)
         assert result["opened"] <= loopback and (result["opened"] or result["roles"].is_server), result["opened"]
+
+
+def test_a_trainer_that_starts_the_transport_later_than_its_timeout_still_joins(spawned: dict[str, list]) -> None:
+    trainer0, trainer1, server = spawned["late"]
+    assert trainer1["started"] - trainer0["started"] >= LATE_S - 0.5, (trainer0, trainer1)  # it did come late
+    for seen in (trainer0, server):  # the others waited for it, past their timeout
+        assert seen["waited"] >= LATE_S - 0.5 > LATE_TIMEOUT_S, seen
+    assert {trainer0["applied"], trainer1["applied"]} == {1, 2}, (trainer0, trainer1)
 
 
 def test_an_aborted_trainer_ends_every_barrier_call_and_stop_at_once_naming_it(spawned: dict[str, list]) -> None:

@@ -119,7 +119,7 @@ from shadowgba.errors import PeerLost, ServerRestarted, SetupError
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost, first_line
 from shadowgba.ps.config import PSConfig
 from shadowgba.ps.membership import Roster, lost_trainer, restart_count
-from shadowgba.ps.sessions import (Acceptor, SessionInfo, SessionRefused, current_incarnation, latest_ticket,
+from shadowgba.ps.sessions import (POLL_S, Acceptor, SessionInfo, SessionRefused, current_incarnation, latest_ticket,
                                    request_session, server_incarnation, session_group, trainer_incarnation)
 
 logger = logging.getLogger("shadowgba")
@@ -394,9 +394,8 @@ class Transport:
             roles, store, namespace = elastic_roles(num_trainers, num_servers, timeout_s)
             generation, owns_default_group, sync_group = 0, False, None
         else:
-            roles, store, owns_default_group, sync_group = _torchrun_roles(num_servers, backend, timeout)
+            roles, store, generation, owns_default_group, sync_group = _torchrun_roles(num_servers, backend, timeout)
             namespace = attempt_namespace()
-            generation = store.add(f"ps/rank{roles.rank}/starts", 1)  # equal on every rank: each starts every transport
         rpc_timeout_s = min(DEFAULT_RPC_TIMEOUT_S if rpc_timeout_s is None else rpc_timeout_s, timeout_s)
         incarnation = (server_incarnation(store, generation, roles.server_index) if roles.is_server
                        else trainer_incarnation(store, generation, roles.trainer_index))
@@ -992,10 +991,16 @@ def failure_message(roles: Roles, reason: str) -> str:
 
 
 def _torchrun_roles(num_servers: int, backend: str, timeout: datetime.timedelta | None
-                    ) -> tuple[Roles, dist.Store, bool, dist.ProcessGroup | None]:
-    """One torchrun job: (this rank's roles with its trainer group, the attempt's store, whether the
-    default group was created here, the library's sync group on trainers). Roles are checked before
-    any group exists."""
+                    ) -> tuple[Roles, dist.Store, int, bool, dist.ProcessGroup | None]:
+    """One torchrun job: (this rank's roles with its trainer group, the attempt's store, the transport
+    generation, whether the default group was created here, the library's sync group on trainers).
+    Roles are checked before any group exists.
+
+    The trainer groups are built only once every rank has arrived (`_await_every_rank`): building a
+    group waits for its members for the group's own timeout (`sync.timeout_s`, seconds, meant for
+    a dead peer), and ranks reach the start far apart when the default group already existed: a
+    server arrives at once while trainers build and shard their model for minutes, and on a loaded
+    host even adjacent lines can be seconds apart."""
     owns_default_group = not dist.is_initialized()
     if owns_default_group:
         try:
@@ -1008,11 +1013,26 @@ def _torchrun_roles(num_servers: int, backend: str, timeout: datetime.timedelta 
     store = attempt_store(rank, world_size, None if timeout is None else timeout.total_seconds())
     if owns_default_group:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    generation = store.add(f"ps/rank{rank}/starts", 1)  # equal on every rank: each starts every transport
+    _await_every_rank(store, f"ps/gen{generation}/arrived", world_size, dist.default_pg_timeout.total_seconds())
     trainer_group = dist.new_group(list(roles.trainer_ranks), backend=backend, timeout=timeout)
     sync_group = dist.new_group(list(roles.trainer_ranks), backend=backend, timeout=timeout)
     if roles.is_server:
-        return roles, store, owns_default_group, None
-    return dataclasses.replace(roles, trainer_group=trainer_group), store, owns_default_group, sync_group
+        return roles, store, generation, owns_default_group, None
+    return (dataclasses.replace(roles, trainer_group=trainer_group), store, generation, owns_default_group,
+            sync_group)
+
+
+def _await_every_rank(store: dist.Store, key: str, world_size: int, within_s: float) -> None:
+    """Count this rank in at `key` and wait until all `world_size` ranks are (polled every `POLL_S`);
+    raises naming how many came when some do not within `within_s`."""
+    arrived = store.add(key, 1)
+    deadline = time.monotonic() + within_s
+    while arrived < world_size:
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"only {arrived} of {world_size} ranks started the PS transport within {within_s:g} s")
+        time.sleep(POLL_S)
+        arrived = store.add(key, 0)
 
 
 def elastic_roles(num_trainers: int, num_servers: int, timeout_s: float) -> tuple[Roles, dist.Store, str]:
