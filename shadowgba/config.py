@@ -67,14 +67,16 @@ class SyncConfig:
     foreground_every: int = 10
     """Foreground mode: training steps between two synchronous rounds. Ignored by gba."""
     first_round_after: int = 50
-    """Shadow mode: training steps a rank takes before its shadow thread starts rounds (foreground
-    mode's first round is after `foreground_every` steps). The optimizers' first steps are large and
-    sign-like (Adam's bias correction, Adagrad's near-empty accumulators): replicas averaged every
-    step or two while they take them can end in a worse basin. Measured: after 1 step in the flat
-    layout, after 10 in the 2D one (one seed in three, every time, 0.019 AUC below at 4M samples);
-    from 40 steps on every seed was level (docs/benchmarks.md, "Near convergence" and "Replica
-    groups"). Replicas that start at the same weights train apart that long at no measured cost;
-    the benchmarks' timed windows start after it (their warm-up). 0 starts at once. Ignored by gba."""
+    """Training steps a rank takes before rounds start: its shadow thread's first (shadow mode), or
+    the first multiple of `foreground_every` from this step on (foreground mode). The optimizers'
+    first steps are large and sign-like (Adam's bias correction, Adagrad's near-empty
+    accumulators): replicas averaged every step or two while they take them can end in a worse
+    basin. Measured: after 1 step in the flat layout, after 10 in the 2D one (one seed in three,
+    every time, 0.019 AUC below at 4M samples), and foreground rounds every step from the first
+    (0.018 below); from 40 steps on every seed was level (docs/benchmarks.md, "Near convergence"
+    and "Replica groups"). Replicas that start at the same weights train apart that long at no
+    measured cost; the benchmarks' timed windows start after it (their warm-up). 0 starts at once
+    (ShadowSync's foreground baselines as published). Ignored by gba."""
     final_sync: bool = True
     """On close, average the dense replicas once more (blocking) so every rank ends identical.
     Ignored by gba, whose trainers always end identical."""

@@ -45,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS, STOP_AT = 8, 4
 SMALL = [
     "--train.warmup_steps", "0", "--train.progress", "false", "--sync.foreground_every", "2",
+    "--sync.first_round_after", "0",
     "--data.synthetic.num_tables", "3", "--data.synthetic.num_embeddings", "100",
     "--data.synthetic.batch_size", "32", "--data.synthetic.eval_batches", "2",
     "--data.synthetic.calibration_samples", "2048",
@@ -387,8 +388,10 @@ SERVER_CASES: dict[str, dict[str, Any]] = {
                      "ps": {"num_servers": 1}},
     "gba_ps": {"algo": "gba", "gba": {"initial_mode": "gba", "aggregation": "global_batch"}, "ps": {"num_servers": 1}},
     "sync_ps": {"algo": "gba", "gba": {"initial_mode": "sync"}, "ps": {"num_servers": 1}},
-    "easgd_ps": {"algo": "easgd_ps", "mode": "foreground", "foreground_every": 2, "ps": {"num_servers": 2}},
-    "easgd_ps_torchrec": {"algo": "easgd_ps", "mode": "foreground", "foreground_every": 2, "ps": {"num_servers": 2}},
+    "easgd_ps": {"algo": "easgd_ps", "mode": "foreground", "foreground_every": 2, "first_round_after": 0,
+                 "ps": {"num_servers": 2}},
+    "easgd_ps_torchrec": {"algo": "easgd_ps", "mode": "foreground", "foreground_every": 2, "first_round_after": 0,
+                          "ps": {"num_servers": 2}},
 }
 """gba in GBA mode over TorchRec-sharded tables and over PS tables, gba in sync all-reduce mode over PS
 tables (2 trainers + 1 server; sync mode over TorchRec tables is `EXACT_CASES`' gba_sync), and

@@ -149,12 +149,13 @@ def test_ranks_that_stop_at_different_steps_all_exit_with_identical_weights(labe
     assert [r["metrics"]["steps"] for r in results] == [20, 300, 90]
 
 
-def test_foreground_mode_syncs_every_k_steps(two_ranks: dict) -> None:
+def test_foreground_mode_syncs_every_k_steps_from_first_round_after_on(two_ranks: dict) -> None:
     results = two_ranks["foreground-every"]
     for result in results:
-        # rounds at steps 10..60, plus the stop round that close() raises its flag in
-        assert result["metrics"]["rounds"] == 7
-        assert result["metrics"]["sync_gap_steps_mean"] == pytest.approx(60 / 7)
+        # rounds at steps 30..60 (none at 10 and 20, before first_round_after), plus the stop round
+        # that close() raises its flag in
+        assert result["metrics"]["rounds"] == 5
+        assert result["metrics"]["sync_gap_steps_mean"] == pytest.approx(60 / 5)
 
 
 def shadow_failure_reaches_training(rank: int, world_size: int) -> str:
@@ -348,7 +349,7 @@ def close_right_after_a_round(rank: int, world_size: int) -> dict:
     torch.manual_seed(rank)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    config = SyncConfig(algo="bmuf", mode="foreground", foreground_every=5, log_interval_s=0.0)
+    config = SyncConfig(algo="bmuf", mode="foreground", foreground_every=5, log_interval_s=0.0, first_round_after=0)
     sync = ShadowSync(model, optimizer, config)
     with sync:
         for step in range(60):
@@ -379,7 +380,8 @@ def two_ranks() -> dict[str, list]:
         "first-round-after": (rounds_around_the_first_round_step, (19, 21)),
         "short-job": (rounds_around_the_first_round_step, (5, 0)),
         "foreground-every": (
-            final_weights_after_unequal_training, ([60, 60], {"algo": "ma", "mode": "foreground", "foreground_every": 10})
+            final_weights_after_unequal_training, ([60, 60], {"algo": "ma", "mode": "foreground", "foreground_every": 10,
+                                                          "first_round_after": 25})
         ),
         "pacing": (paced_rounds, ()),
         "step-pacing": (step_paced_rounds, ()),

@@ -106,7 +106,7 @@ def adoption_pitfalls(rank: int, world_size: int, tensorboard_dir: str) -> dict:
         result["ddp_refused"] = str(error)
     records = capture_logs()
     model, optimizer = tiny_dmp.build()
-    config = SyncConfig(algo="ma", mode="foreground", foreground_every=5, log_interval_s=0.01,
+    config = SyncConfig(algo="ma", mode="foreground", foreground_every=5, first_round_after=0, log_interval_s=0.01,
                         tensorboard_dir=tensorboard_dir)
     with shadowgba.dense_sync(model, optimizer, config, local_batch_size=2 * tiny_dmp.BATCH) as sync:
         for index in range(30):

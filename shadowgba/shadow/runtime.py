@@ -11,7 +11,7 @@ Threads and invariants:
 
 - The *training thread(s)* call `optimizer.step()`; shadowgba wraps that method on the instance
   (`shadowgba.step_hook`) so the loop needs no change. After each step it serves the write-back (handoff), runs a
-  foreground round every `foreground_every` steps (foreground mode), and re-raises a failure of the
+  foreground round every `foreground_every` steps from `first_round_after` on (foreground mode), and re-raises a failure of the
   shadow thread with its cause.
 - The *shadow thread* (shadow mode) loops snapshot -> round -> write back, paced by `interval_ms`
   and `interval_steps` (`shadowgba.shadow.pacing`).
@@ -408,7 +408,8 @@ class ShadowSync(DenseSync):
             if self._step >= self.config.first_round_after:
                 self._first_round_due.set()
             self._on_step_boundary()
-        elif not self._rounds_finished and self._step % self._foreground_every == 0:
+        elif not self._rounds_finished and self._step >= self.config.first_round_after \
+                and self._step % self._foreground_every == 0:
             self._foreground_round()
             self._raise_unreported_error()
         self.metrics.record_step(time.perf_counter() - started + self._check_s)
