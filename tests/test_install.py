@@ -67,14 +67,15 @@ def test_the_wheel_installs_next_to_the_user_s_torch_and_the_plain_example_runs_
     names = run([python, "-m", "zipfile", "-l", str(wheel)], cwd=tmp_path, timeout_s=30)
     assert "shadowgba/" in names and "sync_algos/" in names and "ctrkit/" not in names
 
-    # Resolving the wheel with its dependencies keeps the installed torch and adds only PyYAML.
+    # Resolving the wheel with its dependencies keeps the installed torch and adds only PyYAML and numpy
+    # (which torch does not require; the PS channel reads its frames through it).
     report = pip(user_env, "install", "--dry-run", "--report", "-", str(wheel))
     planned = {item["metadata"]["name"].lower(): item["metadata"]["version"]
                for item in json.loads(report)["install"]}
-    assert planned.keys() == {"shadowgba", "pyyaml"}, planned
+    assert planned.keys() == {"shadowgba", "pyyaml", "numpy"}, planned
 
     pip(user_env, "install", "--no-deps", str(wheel))
-    pip(user_env, "install", "pyyaml")
+    pip(user_env, "install", "pyyaml", "numpy")
     probe = run([python, "-c", "import importlib.util as u, shadowgba, torch; print(shadowgba.__file__, torch.__version__, "
                  "[name for name in ('torchrec', 'fbgemm_gpu', 'ctrkit') if u.find_spec(name)])"],
                 cwd=tmp_path, timeout_s=60)

@@ -153,9 +153,10 @@ JOBS = {
     "gba-torchrec": {"tables": "torchrec", "steps": GBA_STEPS, "sync": sync_section("gba", 1)},
     "gba-ps": {"tables": "ps", "steps": GBA_STEPS, "sync": sync_section("gba", 1)},
     "ma-fail": {"tables": "torchrec", "steps": MA_STEPS, "sync": sync_section(
-        "ma", 0, mode="foreground", foreground_every=1, on_nonfinite="fail")},
+        "ma", 0, mode="foreground", foreground_every=1, first_round_after=0, on_nonfinite="fail")},
     "ma-skip": {"tables": "torchrec", "steps": MA_STEPS, "sync": sync_section(
-        "ma", 0, mode="foreground", foreground_every=1, max_skipped_steps=3), "pipeline": True},
+        "ma", 0, mode="foreground", foreground_every=1, first_round_after=0, max_skipped_steps=3),
+        "pipeline": True},
 }
 
 
