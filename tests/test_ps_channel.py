@@ -21,6 +21,7 @@ import torch.distributed as dist
 from shadowgba.ps import channel as links
 from shadowgba.ps import lane
 from shadowgba.ps.channel import REPLY, REQUEST, Channel, ChannelLost, Frame, encode
+from shadowgba.ps.sessions import GLOO_LOOP_THREAD, threads_named
 from tests.multiprocess import run_ranks, run_ranks_outcomes
 
 pytestmark = pytest.mark.timeout(120)
@@ -139,10 +140,11 @@ def test_a_lane_wraps_refuses_when_full_and_its_file_lives_only_until_mapped() -
 def channel_end(rank: int, timeout_s: float, handler: Any = None, on_lost: Any = None, lanes: bool = True) -> Channel:
     """This rank's end of a channel over the harness's store (server rank 0 answers with `handler`)."""
     store = dist.PrefixStore("channel-test", dist.distributed_c10d._get_default_store())
+    before = threads_named(GLOO_LOOP_THREAD)  # the harness's default group's
     group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
     peer = "trainer 1 (rank 1)" if rank == 0 else "ps0"
     return Channel(group, rank, peer, on_request=handler, on_lost=on_lost, timeout_s=timeout_s,
-                   peer_timeout_s=timeout_s, lanes=lanes)
+                   peer_timeout_s=timeout_s, lanes=lanes, loop_threads=sorted(threads_named(GLOO_LOOP_THREAD) - before))
 
 
 def pulse(end: Channel) -> threading.Event:
@@ -194,14 +196,20 @@ def concurrent_calls(rank: int, world_size: int, lanes: bool) -> dict[str, Any]:
     body = mixed_body()
     echoed = end.request((0.0, body)).wait()
     used = end.lanes
+    nice = {thread: os.getpriority(os.PRIO_PROCESS, thread) for thread in threads_named(GLOO_LOOP_THREAD)}
     end.close(wait_s=10.0)
-    return {"results": results, "echoed": echoed, "expected": body, "lanes": used}
+    return {"results": results, "echoed": echoed, "expected": body, "lanes": used, "nice": nice,
+            "loop_threads": end._loop_threads}
 
 
 @pytest.mark.parametrize("lanes", [True, False], ids=["same-host-lanes", "gloo-only"])
 def test_many_concurrent_calls_in_flight_get_their_own_replies(lanes: bool) -> None:
     trainer = run_ranks(concurrent_calls, 2, lanes, timeout_s=90)[1]
     assert trainer["lanes"] == (lanes, lanes)  # both directions mapped (one host), or none offered
+    # the channel's gloo loop yields to every other thread once it only reads frames; others keep theirs
+    assert trainer["loop_threads"] and set(trainer["loop_threads"]) < set(trainer["nice"]), trainer["nice"]
+    for thread, nice in trainer["nice"].items():
+        assert nice == (links.LOOP_NICE if lanes and thread in trainer["loop_threads"] else 0), trainer["nice"]
     assert sorted(trainer["results"]) == list(range(200))
     for index, reply in trainer["results"].items():
         assert reply["index"] == index

@@ -55,11 +55,12 @@ import collections
 import dataclasses
 import io
 import itertools
+import os
 import pickle
 import struct
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,16 @@ that it needs no round trip before it is sent; copied out into a tensor of its o
 keep, and `torch.save` would write, the whole buffer) and posted again. One per channel side.
 Larger tensors are received straight into their own memory: past a few MB the copy costs more
 than the round trip (measured with benchmarks/bench_ps.py)."""
+LOOP_NICE = 10
+"""Niceness given to a same-host channel's gloo event-loop thread once both lanes are mapped.
+
+gloo's loop skips a ready socket whose pair another thread has locked (a send or a posted receive
+of ours, a system call under the pair's lock) and polls again at once: while that thread is
+preempted, as it often is with more busy threads than cores, the loop spins, and takes the core
+from it (~1M epoll calls a second measured on the server of `bench_ps`, a third of its CPU).
+Between processes of one host the loop only reads frames of a few hundred bytes (the tensors go
+through the lanes), so it loses nothing by yielding to every other thread; across hosts it reads
+the tensors themselves and keeps its priority. Measured in `bench_ps` (docs/benchmarks.md)."""
 PING_INTERVAL_S = 1.0
 """A side that sent nothing for this long sends a heartbeat (`pulse()`), or for a quarter of the
 peer's silence limit if that is shorter (`Channel.beat_s`)."""
@@ -292,8 +303,12 @@ class Channel:
     def __init__(self, group: dist.ProcessGroup, rank: int, peer: str,
                  on_request: Callable[["Channel", int, Any], None] | None = None,
                  on_lost: Callable[["Channel", ChannelLost], None] | None = None,
-                 timeout_s: float = 60.0, peer_timeout_s: float = 60.0, lanes: bool = True) -> None:
+                 timeout_s: float = 60.0, peer_timeout_s: float = 60.0, lanes: bool = True,
+                 loop_threads: Sequence[int] = ()) -> None:
         self.group, self.rank, self.peer = group, rank, peer
+        self._loop_threads = tuple(loop_threads)
+        """Ids of the gloo event-loop threads of `group` (`sessions.session_group`), lowered to
+        `LOOP_NICE` once both lanes are mapped."""
         """`peer`: how the other side is named in errors (e.g. `ps0` or `trainer 1 (rank 1)`)."""
         self.timeout_s = timeout_s
         """How long this side's receive waits for any frame (the group's timeout)."""
@@ -533,6 +548,12 @@ class Channel:
             else:  # another host: tensors stay on gloo
                 self._lane_out.close()
                 self._lane_out = None
+        if self.lanes == (True, True):  # each side settles once: the loop only reads frames now
+            for thread in self._loop_threads:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, thread, LOOP_NICE)  # Linux: a thread id names the thread
+                except OSError:  # ended, or not allowed: it keeps its priority
+                    pass
 
     def _receive_apart(self, tensors: list[tuple[torch.Tensor, int]]) -> None:
         peer = 1 - self.rank

@@ -118,14 +118,38 @@ def trainer_incarnation(store: dist.Store, generation: int, trainer: int) -> int
 
 
 def session_group(namespace: str, generation: int, server: int, incarnation: int, ticket: int, rank: int,
-                  timeout_s: float) -> dist.ProcessGroup:
+                  timeout_s: float) -> tuple[dist.ProcessGroup, list[int]]:
     """This end (server rank 0, trainer rank 1) of session `ticket`'s 2-rank gloo group, whose
-    operations time out after `timeout_s`; built over a store client of its own (module docstring),
-    under `namespace`, the prefix of the transport's store."""
+    operations time out after `timeout_s`, and the ids of the event-loop threads gloo started for it
+    (`Channel` lowers their priority; empty where the threads cannot be told apart); built over a
+    store client of its own (module docstring), under `namespace`, the prefix of the transport's store."""
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                            timeout=datetime.timedelta(seconds=SESSION_SETUP_S))
     prefix = f"{namespace}/{server_key(generation, server, incarnation, f'session{ticket}')}"
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, client), rank, 2, datetime.timedelta(seconds=timeout_s))
+    before = threads_named(GLOO_LOOP_THREAD)
+    group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, client), rank, 2, datetime.timedelta(seconds=timeout_s))
+    return group, sorted(threads_named(GLOO_LOOP_THREAD) - before)
+
+
+GLOO_LOOP_THREAD = "gloo_tcp_loop"
+"""The name gloo gives the event-loop thread of each of its TCP devices (one per process group)."""
+
+
+def threads_named(name: str) -> set[int]:
+    """Ids of this process's threads called `name` (Linux's /proc; none elsewhere)."""
+    found = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                if comm.read().strip() == name:
+                    found.add(int(task))
+        except OSError:  # ended meanwhile
+            pass
+    return found
 
 
 def request_session(store: dist.Store, generation: int, server: int, server_incarnation: int, trainer: int,

@@ -444,12 +444,13 @@ class Transport:
         """Server, on the acceptor's thread for this session: build the server end of its channel."""
         trainer = f"trainer {info.trainer} (rank {info.rank})"
         try:
-            group = session_group(self._namespace, self._generation, self.roles.server_index, self.incarnation,
-                                  info.ticket, 0, self.timeout_s)
+            group, loop_threads = session_group(self._namespace, self._generation, self.roles.server_index,
+                                                self.incarnation, info.ticket, 0, self.timeout_s)
         except RuntimeError:  # the trainer vanished during the setup: its next session, or its loss, decides
             return
         channel = Channel(group, 0, trainer, on_request=self._on_request, on_lost=functools.partial(
-            self._trainer_lost, info), timeout_s=self.timeout_s, peer_timeout_s=info.timeout_s)
+            self._trainer_lost, info), timeout_s=self.timeout_s, peer_timeout_s=info.timeout_s,
+            loop_threads=loop_threads)
         with self._lock:
             current = self._sessions.get(info.trainer)
             if self._ended.is_set() or (current is not None and current.ticket > info.ticket) \
@@ -673,10 +674,10 @@ class Transport:
                                f"accepted sessions within {accept_within_s:g} s")
         info = request_session(self._store, self._generation, server, incarnation, self.roles.trainer_index,
                                self.roles.rank, self.rpc_timeout_s, accept_within_s, self.incarnation)
-        group = session_group(self._namespace, self._generation, server, incarnation, info.ticket, 1,
-                              self.rpc_timeout_s)
+        group, loop_threads = session_group(self._namespace, self._generation, server, incarnation, info.ticket, 1,
+                                            self.rpc_timeout_s)
         channel = Channel(group, 1, server_name(server), on_lost=functools.partial(self._server_channel_lost, server),
-                          timeout_s=self.rpc_timeout_s, peer_timeout_s=self.timeout_s)
+                          timeout_s=self.rpc_timeout_s, peer_timeout_s=self.timeout_s, loop_threads=loop_threads)
         return channel, incarnation
 
     def _server_channel_lost(self, server: int, channel: Channel, _: ChannelLost) -> None:
