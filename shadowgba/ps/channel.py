@@ -80,8 +80,9 @@ that it needs no round trip before it is sent; copied out into a tensor of its o
 keep, and `torch.save` would write, the whole buffer) and posted again. One per channel side.
 Larger tensors are received straight into their own memory: past a few MB the copy costs more
 than the round trip (measured with benchmarks/bench_ps.py)."""
-LOOP_NICE = 10
-"""Niceness given to a same-host channel's gloo event-loop thread once both lanes are mapped.
+LOOP_NICE = 19
+"""Niceness given to a same-host channel's gloo event-loop thread once both lanes are mapped (the
+lowest priority: it still runs every scheduling period, far inside any timeout here).
 
 gloo's loop skips a ready socket whose pair another thread has locked (a send or a posted receive
 of ours, a system call under the pair's lock) and polls again at once: while that thread is
@@ -89,7 +90,9 @@ preempted, as it often is with more busy threads than cores, the loop spins, and
 from it (~1M epoll calls a second measured on the server of `bench_ps`, a third of its CPU).
 Between processes of one host the loop only reads frames of a few hundred bytes (the tensors go
 through the lanes), so it loses nothing by yielding to every other thread; across hosts it reads
-the tensors themselves and keeps its priority. Measured in `bench_ps` (docs/benchmarks.md)."""
+the tensors themselves and keeps its priority. Measured in `bench_ps` (docs/benchmarks.md): 19 was
+0.02-0.11 above 10 at 1-10 MB, and level with it for pushes too large for a lane (32 MB), which
+the loop reads even on one host."""
 PING_INTERVAL_S = 1.0
 """A side that sent nothing for this long sends a heartbeat (`pulse()`), or for a quarter of the
 peer's silence limit if that is shorter (`Channel.beat_s`)."""
