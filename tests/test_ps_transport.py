@@ -128,6 +128,8 @@ def exercise_transport(rank: int, world_size: int) -> dict:
             total = torch.ones(1)
             dist.all_reduce(total, group=roles.trainer_group)  # the trainer group excludes the server
             assert total.item() == 2.0
+            loops = ps._channel(0)._loop_threads  # its session group's gloo loop, lowered (one host)
+            result["loop_nice"] = [os.getpriority(os.PRIO_PROCESS, thread) for thread in loops]
     finally:  # a failing trainer still releases the server from stop()
         result["opened"] = {(table, address) for table, address, _ in listening_sockets() - before}
         ps.stop()
@@ -330,6 +332,8 @@ def test_roles_calls_and_remote_errors_on_three_spawned_ranks(spawned: dict[str,
     loopback = {("tcp", "0100007F"), ("tcp6", "00000000000000000000000001000000")}
     for result in results:  # the trainers' channels are open by now (the server's may still be building)
         assert result["opened"] <= loopback and (result["opened"] or result["roles"].is_server), result["opened"]
+        if not result["roles"].is_server:
+            assert result["loop_nice"] == [channel.LOOP_NICE], result["loop_nice"]
 
 
 def test_a_trainer_that_starts_the_transport_later_than_its_timeout_still_joins(spawned: dict[str, list]) -> None:

@@ -120,15 +120,18 @@ def trainer_incarnation(store: dist.Store, generation: int, trainer: int) -> int
 def session_group(namespace: str, generation: int, server: int, incarnation: int, ticket: int, rank: int,
                   timeout_s: float) -> tuple[dist.ProcessGroup, list[int]]:
     """This end (server rank 0, trainer rank 1) of session `ticket`'s 2-rank gloo group, whose
-    operations time out after `timeout_s`, and the ids of the event-loop threads gloo started for it
-    (`Channel` lowers their priority; empty where the threads cannot be told apart); built over a
-    store client of its own (module docstring), under `namespace`, the prefix of the transport's store."""
+    operations time out after `timeout_s`, and the id of the event-loop thread gloo started for it
+    (`Channel` lowers its priority), in a list that is empty where it cannot be told apart: no
+    /proc, or another group built meanwhile by another thread (two new loops; neither is touched);
+    built over a store client of its own (module docstring), under `namespace`, the prefix of the
+    transport's store."""
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                            timeout=datetime.timedelta(seconds=SESSION_SETUP_S))
     prefix = f"{namespace}/{server_key(generation, server, incarnation, f'session{ticket}')}"
     before = threads_named(GLOO_LOOP_THREAD)
     group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, client), rank, 2, datetime.timedelta(seconds=timeout_s))
-    return group, sorted(threads_named(GLOO_LOOP_THREAD) - before)
+    started = threads_named(GLOO_LOOP_THREAD) - before
+    return group, sorted(started) if len(started) == 1 else []
 
 
 GLOO_LOOP_THREAD = "gloo_tcp_loop"
