@@ -2,7 +2,7 @@
 
     python benchmarks/bench_ps.py [--sizes 1KB,100KB,1MB,10MB] [--trainers 2] [--shards 1,2] \
         [--in-flight 1,4] [--push-dtypes float32,bfloat16] [--params-dtypes float32,bfloat16] [--reps 5] \
-        [--duration-s 30] [--embeddings] [--threads 1] \
+        [--duration-s 30] [--embeddings] [--threads 1] [--lane-mb 32] \
         [--trees after=.,before=/old/checkout]
 
 No model and no training: every trainer rank pushes one fixed gradient of `--sizes` bytes as float32
@@ -113,12 +113,13 @@ class PS:
     """The transport of the tree a world imports, whichever its API: a `Transport` object, or the
     module functions of the code before it (`transport.start()` ... over `torch.distributed.rpc`)."""
 
-    def __init__(self, num_servers: int) -> None:
+    def __init__(self, num_servers: int, lane_mb: float | None = None) -> None:
         from shadowgba.ps import transport
 
         self._object = hasattr(transport, "Transport")
         if self._object:
-            self.api: Any = transport.Transport.start(num_servers)
+            lanes = {} if lane_mb is None else {"lane_bytes": int(lane_mb * (1 << 20))}
+            self.api: Any = transport.Transport.start(num_servers, **lanes)
             self.roles = self.api.roles
         else:
             self.roles, self.api = transport.start(num_servers), transport
@@ -157,7 +158,7 @@ def _rank_main(rank: int, world: World, port: int, plan: dict[str, Any], results
     import torch
 
     torch.set_num_threads(plan["threads"])
-    ps = PS(world.shards)
+    ps = PS(world.shards, plan["lane_mb"])
     roles = ps.roles
     try:
         if roles.is_server:
@@ -466,6 +467,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--floor", action="store_true", help="also send the same bytes bare (the transport's own cost)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads per rank (a user's trainer runs with one per core, torch's default)")
+    parser.add_argument("--lane-mb", type=float, default=None,
+                        help="sync.ps.lane_mb of the channel transport's trees (default: theirs)")
     parser.add_argument("--trees", default=f"current={ROOT}",
                         help="comma-separated NAME=PATH checkouts to import shadowgba from (first: the baseline)")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_ps.json", help="JSON results")
@@ -475,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "in_flight": [int(value) for value in args.in_flight.split(",")],
             "push_dtypes": args.push_dtypes.split(","), "params_dtypes": args.params_dtypes.split(","),
             "duration_s": args.duration_s, "embeddings": args.embeddings, "floor": args.floor,
-            "threads": args.threads}
+            "threads": args.threads, "lane_mb": args.lane_mb}
     worlds = [(int(t), int(s)) for t in args.trainers.split(",") for s in args.shards.split(",")]
     per_world_s = ((len(plan["params_dtypes"]) + args.floor) * len(plan["sizes"]) * len(plan["push_dtypes"])
                    * len(plan["in_flight"])

@@ -110,3 +110,11 @@ def test_missing_file_and_malformed_overrides_are_clear(tmp_path: Path) -> None:
         parse_overrides(["--sync.algo"])
     with pytest.raises(ConfigError, match="expected an override like --sync.algo=bmuf, got 'bmuf'"):
         parse_overrides(["bmuf"])
+
+
+def test_the_lane_size_is_read_from_the_ps_section_and_must_be_positive(tmp_path: Path) -> None:
+    path = tmp_path / "big_lanes.yaml"
+    path.write_text("sync:\n  algo: gba\n  ps: {num_servers: 1, lane_mb: 128}\n")
+    assert load_config(SyncConfig, path, section="sync").ps.lane_mb == 128.0
+    with pytest.raises((ConfigError, ValueError), match="lane_mb must be > 0, got 0"):
+        load_config(SyncConfig, path, ["--sync.ps.lane_mb", "0"], section="sync")

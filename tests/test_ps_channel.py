@@ -137,14 +137,16 @@ def test_a_lane_wraps_refuses_when_full_and_its_file_lives_only_until_mapped() -
     out.close()  # the file is already gone: nothing to do, no error
 
 
-def channel_end(rank: int, timeout_s: float, handler: Any = None, on_lost: Any = None, lanes: bool = True) -> Channel:
+def channel_end(rank: int, timeout_s: float, handler: Any = None, on_lost: Any = None, lanes: bool = True,
+                lane_bytes: int | None = None) -> Channel:
     """This rank's end of a channel over the harness's store (server rank 0 answers with `handler`)."""
     store = dist.PrefixStore("channel-test", dist.distributed_c10d._get_default_store())
     before = threads_named(GLOO_LOOP_THREAD)  # the harness's default group's
     group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
     peer = "trainer 1 (rank 1)" if rank == 0 else "ps0"
     return Channel(group, rank, peer, on_request=handler, on_lost=on_lost, timeout_s=timeout_s,
-                   peer_timeout_s=timeout_s, lanes=lanes, loop_threads=sorted(threads_named(GLOO_LOOP_THREAD) - before))
+                   peer_timeout_s=timeout_s, lanes=lanes, loop_threads=sorted(threads_named(GLOO_LOOP_THREAD) - before),
+                   lane_bytes=lane_bytes)
 
 
 def pulse(end: Channel) -> threading.Event:
@@ -215,6 +217,32 @@ def test_many_concurrent_calls_in_flight_get_their_own_replies(lanes: bool) -> N
         assert reply["index"] == index
         torch.testing.assert_close(reply["rows"], torch.full((index, 3), index))
     assert_same(trainer["echoed"], trainer["expected"])
+
+
+BIG_LANE_BYTES = 48 << 20
+"""`big_tensor_through_a_big_lane`'s lanes: room for a tensor of more than half the default lane."""
+
+
+def big_tensor_through_a_big_lane(rank: int, world_size: int) -> dict[str, Any]:
+    """A 20 MB tensor (over half of a default lane) echoed through channels whose lanes hold
+    BIG_LANE_BYTES: what the trainer got back, its lane's size, and the bytes its lane carried."""
+    end = channel_end(rank, 30.0, answer_in_threads if rank == 0 else None, lane_bytes=BIG_LANE_BYTES)
+    if rank == 0:
+        end.wait_closed(60.0)
+        return {}
+    big = torch.arange(5 << 20, dtype=torch.float32)
+    echoed = end.request((0.0, big)).wait()
+    seen = {"equal": torch.equal(echoed, big), "lane": end.lane_buffers()["out"].numel(),
+            "written": end._lane_out._written, "lanes": end.lanes}
+    end.close(wait_s=10.0)
+    return seen
+
+
+def test_a_tensor_over_half_a_default_lane_goes_through_a_lane_sized_for_it() -> None:
+    assert 20 << 20 > lane.LANE_BYTES // 2  # the default lane would send it over gloo
+    trainer = run_ranks(big_tensor_through_a_big_lane, 2, timeout_s=90)[1]
+    assert trainer["equal"] and trainer["lanes"] == (True, True), trainer
+    assert trainer["lane"] == BIG_LANE_BYTES and trainer["written"] >= 20 << 20, trainer
 
 
 def lost_peer(rank: int, world_size: int, how: str) -> dict[str, Any] | None:

@@ -307,7 +307,7 @@ class Channel:
                  on_request: Callable[["Channel", int, Any], None] | None = None,
                  on_lost: Callable[["Channel", ChannelLost], None] | None = None,
                  timeout_s: float = 60.0, peer_timeout_s: float = 60.0, lanes: bool = True,
-                 loop_threads: Sequence[int] = ()) -> None:
+                 loop_threads: Sequence[int] = (), lane_bytes: int | None = None) -> None:
         self.group, self.rank, self.peer = group, rank, peer
         self._loop_threads = tuple(loop_threads)
         """Ids of the gloo event-loop threads of `group` (`sessions.session_group`), lowered to
@@ -341,8 +341,9 @@ class Channel:
         self._closing = False
         self._closed = threading.Event()
         """Set once the receiver has ended (the peer answered CLOSE, or the link failed)."""
-        self._lane_out: OutgoingLane | None = OutgoingLane.create() if lanes else None
-        """This side's lane to the peer, offered at once; used once the peer has mapped it."""
+        self._lane_out: OutgoingLane | None = OutgoingLane.create(lane_bytes) if lanes else None
+        """This side's lane to the peer (`lane_bytes`; None: `LANE_BYTES`), offered at once; used once
+        the peer has mapped it."""
         self._lane_in: IncomingLane | None = None
         """The peer's lane, once mapped (its offer came and the file was on this host)."""
         self._receiver = threading.Thread(target=self._receive_loop, name=f"shadowgba-channel-{peer}", daemon=True)

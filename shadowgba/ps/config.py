@@ -62,6 +62,14 @@ class PSConfig:
     GBA allows one server only: the dense shards of several would have to go back to one global
     step together. S-EASGD allows any number, restarting alone or together (a trainer's exchange
     that a restart cut is sent again to the new process, whose centre slice is its checkpoint's)."""
+    lane_mb: float = 32.0
+    """Size of each shared-memory lane of a trainer-server channel on one host (one per direction,
+    reserved in /dev/shm when the channel opens): a tensor of up to half of it travels through
+    shared memory, a larger one over TCP loopback, 0.75x RPC's speed at 32 MB (docs/benchmarks.md).
+    Raise it when a push to one shard exceeds 16 MB: at least twice the largest, e.g. 4 x its size
+    (float32 dense parameters / servers x 4 bytes). Costs that much shared memory per direction per
+    trainer-server pair on one host; a /dev/shm too small for it refuses the lane, and that channel's
+    tensors go over TCP."""
     trainer_timeout_s: float = 300.0
     """How long a server at the end of the job waits for a trainer that has neither finished nor
     answered a ping before it gives up on it, naming it (`PeerLost`). Must be at least
@@ -85,6 +93,8 @@ class PSConfig:
         if self.checkpoint_dir and not self.num_trainers:
             raise ValueError("checkpoint_dir (the servers' own checkpoints) needs the elastic layout (num_trainers > 0): "
                              "in one torchrun job the trainers' Checkpointer saves the servers' state")
+        if not self.lane_mb > 0:
+            raise ValueError(f"lane_mb must be > 0, got {self.lane_mb:g}")
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.server_restart_s < 0:

@@ -313,8 +313,11 @@ class Transport:
 
     def __init__(self, roles: Roles, store: dist.Store, namespace: str, generation: int, timeout_s: float,
                  rpc_timeout_s: float, owns_default_group: bool, sync_group: dist.ProcessGroup | None,
-                 on_trainer_lost: str, incarnation: int = 0, server_restart_s: float = 0.0) -> None:
+                 on_trainer_lost: str, incarnation: int = 0, server_restart_s: float = 0.0,
+                 lane_bytes: int | None = None) -> None:
         self.roles = roles
+        self._lane_bytes = lane_bytes
+        """Size of each same-host lane of this rank's channels (`sync.ps.lane_mb`; None: `LANE_BYTES`)."""
         self.timeout_s = timeout_s
         """The trainer group's collective timeout, the deadline of `barrier()`, and how long a server
         waits on a silent trainer."""
@@ -369,7 +372,7 @@ class Transport:
     @classmethod
     def start(cls, num_servers: int, backend: str = "gloo", timeout_s: float | None = None,
               rpc_timeout_s: float | None = None, on_trainer_lost: str = PSConfig.on_trainer_lost,
-              num_trainers: int = 0, server_restart_s: float = 0.0) -> "Transport":
+              num_trainers: int = 0, server_restart_s: float = 0.0, lane_bytes: int | None = None) -> "Transport":
         """Join the job as trainer or server.
 
         One torchrun job (`num_trainers` 0; collective: every rank calls it, in the same order): reads
@@ -382,6 +385,7 @@ class Transport:
         capped at `timeout_s`), and a server that loses a trainer acts on `on_trainer_lost`
         (`sync.ps.on_trainer_lost`). A trainer whose server stops answering waits up to
         `server_restart_s` for a new process of it (`sync.ps.server_restart_s`; elastic layout).
+        Each same-host channel's lanes hold `lane_bytes` (`sync.ps.lane_mb`; None: `LANE_BYTES`).
         """
         master_addr = os.environ.get("MASTER_ADDR")
         if not master_addr or not os.environ.get("MASTER_PORT"):
@@ -400,7 +404,7 @@ class Transport:
         incarnation = (server_incarnation(store, generation, roles.server_index) if roles.is_server
                        else trainer_incarnation(store, generation, roles.trainer_index))
         transport = cls(roles, store, namespace, generation, timeout_s, rpc_timeout_s, owns_default_group,
-                        sync_group, on_trainer_lost, incarnation, server_restart_s)
+                        sync_group, on_trainer_lost, incarnation, server_restart_s, lane_bytes)
         if roles.is_server:
             transport._pool = concurrent.futures.ThreadPoolExecutor(SERVER_THREADS, f"shadowgba-{roles.name}")
             transport._acceptor = Acceptor(store, generation, roles.server_index, incarnation, transport._accept,
@@ -450,7 +454,7 @@ class Transport:
             return
         channel = Channel(group, 0, trainer, on_request=self._on_request, on_lost=functools.partial(
             self._trainer_lost, info), timeout_s=self.timeout_s, peer_timeout_s=info.timeout_s,
-            loop_threads=loop_threads)
+            loop_threads=loop_threads, lane_bytes=self._lane_bytes)
         with self._lock:
             current = self._sessions.get(info.trainer)
             if self._ended.is_set() or (current is not None and current.ticket > info.ticket) \
@@ -677,7 +681,8 @@ class Transport:
         group, loop_threads = session_group(self._namespace, self._generation, server, incarnation, info.ticket, 1,
                                             self.rpc_timeout_s)
         channel = Channel(group, 1, server_name(server), on_lost=functools.partial(self._server_channel_lost, server),
-                          timeout_s=self.rpc_timeout_s, peer_timeout_s=self.timeout_s, loop_threads=loop_threads)
+                          timeout_s=self.rpc_timeout_s, peer_timeout_s=self.timeout_s, loop_threads=loop_threads,
+                          lane_bytes=self._lane_bytes)
         return channel, incarnation
 
     def _server_channel_lost(self, server: int, channel: Channel, _: ChannelLost) -> None:
