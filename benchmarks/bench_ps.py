@@ -118,7 +118,9 @@ class PS:
 
         self._object = hasattr(transport, "Transport")
         if self._object:
-            lanes = {} if lane_mb is None else {"lane_bytes": int(lane_mb * (1 << 20))}
+            from shadowgba.ps.config import PSConfig
+
+            lanes = {} if lane_mb is None else {"lane_bytes": PSConfig(lane_mb=lane_mb).lane_bytes}
             self.api: Any = transport.Transport.start(num_servers, **lanes)
             self.roles = self.api.roles
         else:

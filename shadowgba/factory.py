@@ -259,7 +259,7 @@ def join(
     transport = Transport.start(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s,
                                 rpc_timeout_s=config.ps.rpc_timeout_s, on_trainer_lost=config.ps.on_trainer_lost,
                                 num_trainers=config.ps.num_trainers, server_restart_s=config.ps.server_restart_s,
-                                lane_bytes=int(config.ps.lane_mb * (1 << 20)))
+                                lane_bytes=config.ps.lane_bytes)
     roles = transport.roles
     job = Job(config, roles, transport, tables, table_options)
     if roles.is_server:

@@ -87,12 +87,10 @@ lowest priority: it still runs every scheduling period, far inside any timeout h
 gloo's loop skips a ready socket whose pair another thread has locked (a send or a posted receive
 of ours, a system call under the pair's lock) and polls again at once: while that thread is
 preempted, as it often is with more busy threads than cores, the loop spins, and takes the core
-from it (~1M epoll calls a second measured on the server of `bench_ps`, a third of its CPU).
-Between processes of one host the loop only reads frames of a few hundred bytes (the tensors go
-through the lanes), so it loses nothing by yielding to every other thread; across hosts it reads
-the tensors themselves and keeps its priority. Measured in `bench_ps` (docs/benchmarks.md): 19 was
-0.02-0.11 above 10 at 1-10 MB, and level with it for pushes too large for a lane (32 MB), which
-the loop reads even on one host."""
+from it. Between processes of one host the loop only reads frames of a few hundred bytes (the
+tensors go through the lanes), so it loses nothing by yielding to every other thread; across hosts
+it reads the tensors themselves and keeps its priority. Measured against RPC and against nice 10
+in docs/benchmarks.md ("The gloo loop's priority lowered on same-host channels")."""
 PING_INTERVAL_S = 1.0
 """A side that sent nothing for this long sends a heartbeat (`pulse()`), or for a quarter of the
 peer's silence limit if that is shorter (`Channel.beat_s`)."""
@@ -309,10 +307,10 @@ class Channel:
                  timeout_s: float = 60.0, peer_timeout_s: float = 60.0, lanes: bool = True,
                  loop_threads: Sequence[int] = (), lane_bytes: int | None = None) -> None:
         self.group, self.rank, self.peer = group, rank, peer
+        """`peer`: how the other side is named in errors (e.g. `ps0` or `trainer 1 (rank 1)`)."""
         self._loop_threads = tuple(loop_threads)
         """Ids of the gloo event-loop threads of `group` (`sessions.session_group`), lowered to
         `LOOP_NICE` once both lanes are mapped."""
-        """`peer`: how the other side is named in errors (e.g. `ps0` or `trainer 1 (rank 1)`)."""
         self.timeout_s = timeout_s
         """How long this side's receive waits for any frame (the group's timeout)."""
         self.beat_s = min(PING_INTERVAL_S, peer_timeout_s / 4)

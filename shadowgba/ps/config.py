@@ -65,11 +65,11 @@ class PSConfig:
     lane_mb: float = 32.0
     """Size of each shared-memory lane of a trainer-server channel on one host (one per direction,
     reserved in /dev/shm when the channel opens): a tensor of up to half of it travels through
-    shared memory, a larger one over TCP loopback, 0.75x RPC's speed at 32 MB (docs/benchmarks.md).
-    Raise it when a push to one shard exceeds 16 MB: at least twice the largest, e.g. 4 x its size
-    (float32 dense parameters / servers x 4 bytes). Costs that much shared memory per direction per
-    trainer-server pair on one host; a /dev/shm too small for it refuses the lane, and that channel's
-    tensors go over TCP."""
+    shared memory, a larger one over TCP loopback, much slower (docs/benchmarks.md). Raise it when
+    a push to one shard exceeds 16 MB: at least twice the largest, e.g. 4 x its size (float32 dense
+    parameters / servers x 4 bytes). Costs that much shared memory per direction per trainer-server
+    pair on one host; a /dev/shm too small for it refuses the lane, and that channel's tensors go
+    over TCP."""
     trainer_timeout_s: float = 300.0
     """How long a server at the end of the job waits for a trainer that has neither finished nor
     answered a ping before it gives up on it, naming it (`PeerLost`). Must be at least
@@ -102,3 +102,8 @@ class PSConfig:
         if self.server_restart_s and not self.checkpoint_dir:
             raise ValueError("server_restart_s > 0 (trainers wait for a restarted server) needs checkpoint_dir, "
                              "the servers' own checkpoints a new server process resumes from")
+
+    @property
+    def lane_bytes(self) -> int:
+        """`lane_mb` in bytes, as the transport takes it."""
+        return int(self.lane_mb * (1 << 20))

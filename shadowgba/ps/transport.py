@@ -119,8 +119,9 @@ from shadowgba.errors import PeerLost, ServerRestarted, SetupError
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost, first_line
 from shadowgba.ps.config import PSConfig
 from shadowgba.ps.membership import Roster, lost_trainer, restart_count
-from shadowgba.ps.sessions import (POLL_S, Acceptor, SessionInfo, SessionRefused, current_incarnation, latest_ticket,
-                                   request_session, server_incarnation, session_group, trainer_incarnation)
+from shadowgba.ps.sessions import (Acceptor, SessionInfo, SessionRefused, await_key, current_incarnation,
+                                   latest_ticket, request_session, server_incarnation, session_group,
+                                   trainer_incarnation)
 
 logger = logging.getLogger("shadowgba")
 
@@ -1030,15 +1031,13 @@ def _torchrun_roles(num_servers: int, backend: str, timeout: datetime.timedelta 
 
 
 def _await_every_rank(store: dist.Store, key: str, world_size: int, within_s: float) -> None:
-    """Count this rank in at `key` and wait until all `world_size` ranks are (polled every `POLL_S`);
-    raises naming how many came when some do not within `within_s`."""
-    arrived = store.add(key, 1)
-    deadline = time.monotonic() + within_s
-    while arrived < world_size:
-        if time.monotonic() >= deadline:
-            raise RuntimeError(f"only {arrived} of {world_size} ranks started the PS transport within {within_s:g} s")
-        time.sleep(POLL_S)
-        arrived = store.add(key, 0)
+    """Count this rank in at `key` and wait until all `world_size` ranks are (the last one in marks
+    it, `await_key` polls for the mark); raises naming how many came when some do not within `within_s`."""
+    if store.add(key, 1) == world_size:
+        store.set(f"{key}/all", "1")
+    if not await_key(store, f"{key}/all", within_s):
+        raise RuntimeError(f"only {store.add(key, 0)} of {world_size} ranks started the PS transport "
+                           f"within {within_s:g} s")
 
 
 def elastic_roles(num_trainers: int, num_servers: int, timeout_s: float) -> tuple[Roles, dist.Store, str]:
