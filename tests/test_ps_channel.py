@@ -137,16 +137,43 @@ def test_a_lane_wraps_refuses_when_full_and_its_file_lives_only_until_mapped() -
     out.close()  # the file is already gone: nothing to do, no error
 
 
+def test_a_lent_tensor_holds_its_lane_region_until_it_and_every_view_of_it_are_freed() -> None:
+    ring = 4096
+    out = lane.OutgoingLane.create(ring + 64)
+    reader = lane.IncomingLane.open(*out.offer)
+    out.accepted = True
+    first, second = torch.arange(400.0), torch.arange(400.0) * 2  # 1600 B each
+    at_first, at_second = out.reserve(1600), out.reserve(1600)
+    out.write(at_first, first)
+    out.write(at_second, second)
+    lent_first = reader.lend(at_first, torch.float32, (20, 20))
+    lent_second = reader.lend(at_second, torch.float32, (400,))
+    assert torch.equal(lent_first.reshape(-1), first) and torch.equal(lent_second, second)
+    kept = lent_first[3:5]  # a view of a view: it shares the region's memory
+    del lent_first
+    assert reader.released == at_first  # held by the view
+    del lent_second
+    assert reader.released == at_first  # freed out of order: still held by the oldest region
+    out.release(reader.released)
+    assert out.reserve(1600) is None  # the next turn would overlap the held region
+    del kept
+    assert reader.released == at_second + 1600  # both regions free
+    out.release(reader.released)
+    assert out.reserve(1600) == ring  # the next turn
+    assert not reader.worth_telling(reader.released) and reader.worth_telling(0)
+
+
 def channel_end(rank: int, timeout_s: float, handler: Any = None, on_lost: Any = None, lanes: bool = True,
                 lane_bytes: int | None = None) -> Channel:
-    """This rank's end of a channel over the harness's store (server rank 0 answers with `handler`)."""
+    """This rank's end of a channel over the harness's store (server rank 0 answers with `handler`,
+    lending the tensors of its lane as the transport's server end does)."""
     store = dist.PrefixStore("channel-test", dist.distributed_c10d._get_default_store())
     before = threads_named(GLOO_LOOP_THREAD)  # the harness's default group's
     group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
     peer = "trainer 1 (rank 1)" if rank == 0 else "ps0"
     return Channel(group, rank, peer, on_request=handler, on_lost=on_lost, timeout_s=timeout_s,
                    peer_timeout_s=timeout_s, lanes=lanes, loop_threads=sorted(threads_named(GLOO_LOOP_THREAD) - before),
-                   lane_bytes=lane_bytes)
+                   lane_bytes=lane_bytes, lend=rank == 0)
 
 
 def pulse(end: Channel) -> threading.Event:
@@ -176,12 +203,24 @@ def concurrent_calls(rank: int, world_size: int, lanes: bool) -> dict[str, Any]:
     """200 requests in flight from 4 threads, answered out of order: each future gets its own reply
     (frames of SMALL_FRAME_BYTES: the bigger requests and replies send their tensors apart). With
     `lanes`, through rings of SMALL_LANE_BYTES that wrap and fill many times (a tensor that finds no
-    room goes over gloo, in the same message as others in the ring)."""
+    room goes over gloo, in the same message as others in the ring); the server end echoes each
+    request's tensors as it got them, lent views of its lane held for up to 0.1 s while later
+    requests fill the ring. Rank 0 returns how many of its requests' rows tensors were lent."""
     links.FRAME_BYTES, links.INLINE_TENSOR_BYTES, lane.LANE_BYTES = SMALL_FRAME_BYTES, 64, SMALL_LANE_BYTES
-    end = channel_end(rank, 30.0, answer_in_threads if rank == 0 else None, lanes=lanes)
+    lent = []
+
+    def answer_and_count(channel: Channel, request_id: int, body: Any) -> None:
+        rows = body[1].get("rows") if isinstance(body[1], dict) else None
+        ring = channel.lane_buffers().get("in")
+        if rows is not None and ring is not None and \
+                ring.data_ptr() <= rows.data_ptr() < ring.data_ptr() + ring.numel():
+            lent.append(request_id)
+        answer_in_threads(channel, request_id, body)
+
+    end = channel_end(rank, 30.0, answer_and_count if rank == 0 else None, lanes=lanes)
     if rank == 0:
         end.wait_closed(60.0)  # the trainer end closes when done
-        return {}
+        return {"lent": len(lent)}
     results: dict[int, Any] = {}
 
     def caller(first: int) -> None:
@@ -206,8 +245,10 @@ def concurrent_calls(rank: int, world_size: int, lanes: bool) -> dict[str, Any]:
 
 @pytest.mark.parametrize("lanes", [True, False], ids=["same-host-lanes", "gloo-only"])
 def test_many_concurrent_calls_in_flight_get_their_own_replies(lanes: bool) -> None:
-    trainer = run_ranks(concurrent_calls, 2, lanes, timeout_s=90)[1]
+    server, trainer = run_ranks(concurrent_calls, 2, lanes, timeout_s=90)
     assert trainer["lanes"] == (lanes, lanes)  # both directions mapped (one host), or none offered
+    # lent views of the lane, kept while the ring wrapped, still hold what was sent (checked below)
+    assert (server["lent"] >= 10) if lanes else (server["lent"] == 0), server
     # the channel's gloo loop yields to every other thread once it only reads frames; others keep theirs
     assert trainer["loop_threads"] and set(trainer["loop_threads"]) < set(trainer["nice"]), trainer["nice"]
     for thread, nice in trainer["nice"].items():

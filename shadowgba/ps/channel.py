@@ -21,7 +21,9 @@ once its receive is posted, so a tensor whose receive is posted after the frame 
 round trip of wake-ups (gloo's loop thread, then the waiting one) on top of its bytes; a copy is
 cheaper below a few MB, the round trip above; and between processes of one host, shared memory
 costs two plain copies where TCP loopback costs kernel copies and system calls. A small call is a
-single gloo message each way. A header too long for the frame is sent apart too.
+single gloo message each way. A header too long for the frame is sent apart too. A side built with
+`lend` (a server's: its services read a request's tensors once) takes the tensors of the peer's
+lane as views of it, one copy fewer, each held in the lane until dropped (`IncomingLane.lend`).
 
 Invariants:
 - Ordering: gloo matches sends and receives of one tag in posting order. Each side posts the parts
@@ -269,19 +271,24 @@ class Frame:
         return bytes(_as_bytes(header))
 
     def decode(self, header: bytes, staged: torch.Tensor | None,
-               receive: Callable[[list[tuple[torch.Tensor, int]]], None], lane: IncomingLane | None = None) -> Any:
+               receive: Callable[[list[tuple[torch.Tensor, int]]], None], lane: IncomingLane | None = None,
+               lend: bool = False) -> Any:
         """The message's body: inline tensors copied out of the frame, the staged one out of `staged`
-        (its receive buffer), shared ones out of `lane`, the others received by `receive([(tensor, tag), ...])`."""
+        (its receive buffer), shared ones out of `lane` (`lend`: views of it, no copy), the others
+        received by `receive([(tensor, tag), ...])`."""
         stream = io.BytesIO(header)
         specs: list[tuple[torch.dtype, tuple[int, ...], int, int]] = pickle.load(stream)
         tensors, apart = [], []
         offset = _aligned(_HEAD_BYTES + self.header_length)
         for index, (dtype, shape, place, position) in enumerate(specs):
+            if place == SHARED and lane is None:
+                raise RuntimeError("the peer sent a tensor through a lane this side never mapped")
+            if place == SHARED and lend:
+                tensors.append(lane.lend(position, dtype, shape))
+                continue
             tensor = torch.empty(shape, dtype=dtype)
             nbytes = _nbytes(tensor)
             if place == SHARED:
-                if lane is None:
-                    raise RuntimeError("the peer sent a tensor through a lane this side never mapped")
                 lane.read(position, tensor)
             elif place == STAGED and nbytes:
                 tensor.reshape(-1).view(torch.uint8).copy_(staged[:nbytes])
@@ -305,7 +312,7 @@ class Channel:
                  on_request: Callable[["Channel", int, Any], None] | None = None,
                  on_lost: Callable[["Channel", ChannelLost], None] | None = None,
                  timeout_s: float = 60.0, peer_timeout_s: float = 60.0, lanes: bool = True,
-                 loop_threads: Sequence[int] = (), lane_bytes: int | None = None) -> None:
+                 loop_threads: Sequence[int] = (), lane_bytes: int | None = None, lend: bool = False) -> None:
         self.group, self.rank, self.peer = group, rank, peer
         """`peer`: how the other side is named in errors (e.g. `ps0` or `trainer 1 (rank 1)`)."""
         self._loop_threads = tuple(loop_threads)
@@ -344,6 +351,12 @@ class Channel:
         the peer has mapped it."""
         self._lane_in: IncomingLane | None = None
         """The peer's lane, once mapped (its offer came and the file was on this host)."""
+        self._lend = lend
+        """Whether the tensors that come through the peer's lane are handed over as views of it
+        (`IncomingLane.lend`) instead of copies: for an owner that mostly reads them once and drops
+        them (a server's services); one it keeps holds ring room, never a wrong value."""
+        self._released_told = 0
+        """The last `released` of the peer's lane sent on a frame; guarded by `_send_lock`."""
         self._receiver = threading.Thread(target=self._receive_loop, name=f"shadowgba-channel-{peer}", daemon=True)
         self._receiver.start()
         if self._lane_out is not None:
@@ -464,11 +477,12 @@ class Channel:
             while self._unsettled and self._unsettled[0][0] < self._peer_heard:  # arrived: the wait returns at once
                 self._unsettled.popleft()[1].wait()
             lane_in = self._lane_in
+            released = 0 if lane_in is None else lane_in.released
             try:
-                encoded = encode(kind, body, self._lane_out, 0 if lane_in is None else lane_in.released,
-                                 self._frames_heard)
+                encoded = encode(kind, body, self._lane_out, released, self._frames_heard)
             except Exception as error:
                 raise _Unencodable() from error
+            self._released_told = released
             works = [self.group.send([encoded.frame], peer, 0)]
             if encoded.header is not None:
                 works.append(self.group.send([encoded.header], peer, _HEADER_TAG))
@@ -514,11 +528,15 @@ class Channel:
                     continue
                 if current.staged >= 0:  # this message's first large tensor is in the staged buffer
                     staged_work.wait()
-                body = current.decode(current.header_bytes(header), staged, self._receive_apart, self._lane_in)
+                body = current.decode(current.header_bytes(header), staged, self._receive_apart, self._lane_in,
+                                      self._lend)
                 if current.staged >= 0:  # copied out: the buffer takes the next one
                     staged_work = self.group.recv([staged], peer, _STAGED_TAG)
                 self.last_heard = time.monotonic()
                 self._deliver(current.kind, body)
+                body = None  # lent tensors the owner did not keep return to the lane now
+                if self._lend and self._lane_in is not None and self._lane_in.worth_telling(self._released_told):
+                    self._transmit(HEARTBEAT, None, wait=False)
         except Exception as error:  # noqa: BLE001 (gloo raises RuntimeError; a bad header anything)
             self._fail(error)
             return

@@ -6,6 +6,8 @@
     lane.write(position, tensor); ...            # then the frame naming `position` is sent
     peer_lane.read(position, out)                # reader, once that frame arrived; its later
     lane.release(peer_lane.released)             #   frames carry `released` back to the writer
+    view = peer_lane.lend(position, dtype, shape)  # or: no copy, the bytes stay the reader's until
+                                                   #   `view` (and every view of it) is dropped
 
 Why: between two processes of one host, gloo's TCP loopback costs a kernel copy on each side,
 system calls and wake-ups of gloo's loop threads per tensor: at 1 MB more than twice the two
@@ -19,6 +21,11 @@ A lane is a ring of `LANE_BYTES` in a file of its own under `/dev/shm`, mapped b
   them in the order its frames are posted (under the channel's send lock), and the reader reads in
   frame order, so "released up to p" frees every byte before p. A tensor that would cross the
   ring's end starts at the next turn instead (the skipped bytes are freed with it).
+- A tensor the reader *lends* (`lend`: a view of the ring instead of a copy) stays the reader's
+  until the last tensor sharing its memory is freed, however long a service keeps it or a view
+  of it: `released` stops at the oldest region still lent, so the writer never overwrites bytes
+  someone can read. A region kept long only costs ring room (the writer's tensors go over gloo
+  while the ring is full), never a wrong value.
 - Nothing here needs atomics or memory fences: the position of a tensor reaches the reader in a
   gloo frame sent after the tensor was written, and the released count reaches the writer in a
   frame sent after the tensor was read; each send and receive is a system call, which orders the
@@ -33,8 +40,11 @@ A lane is a ring of `LANE_BYTES` in a file of its own under `/dev/shm`, mapped b
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
+import threading
+import weakref
 
 import torch
 
@@ -133,9 +143,28 @@ class IncomingLane:
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
         """The peer's mapped file, header and ring (what the lane holds in memory)."""
+        self._bytes = buffer.numpy()
+        """The same bytes as an array: a lent tensor is built on a slice of it, an object of its own
+        that lives exactly as long as some tensor shares the slice's memory (`lend`)."""
         self._ring = buffer.numel() - _DATA_START
-        self.released = 0
-        """Every byte before this position has been read: sent back on each frame."""
+        self._read_to = 0
+        """The end of the last region read or lent."""
+        self._lent: dict[int, None] = {}
+        """Positions of the regions lent and not yet returned, oldest first (insertion order)."""
+        self._lock = threading.Lock()
+        """Guards `_lent` and `_read_to`: a lent region returns on whichever thread freed its last tensor."""
+
+    @property
+    def released(self) -> int:
+        """Every byte before this position is free for the writer (sent back on each frame): the
+        oldest region still lent, else the end of the last one read."""
+        with self._lock:
+            return next(iter(self._lent), self._read_to)
+
+    def worth_telling(self, told: int) -> bool:
+        """Whether the writer, last told `told` (a `released` sent on a frame), would gain a quarter of
+        the ring from a frame now: lent regions return after the reply that could have carried them."""
+        return self.released - told >= self._ring // 4
 
     @classmethod
     def open(cls, path: str, nbytes: int, token: bytes) -> "IncomingLane | None":
@@ -161,7 +190,25 @@ class IncomingLane:
         start = _DATA_START + position % self._ring
         nbytes = tensor.numel() * tensor.element_size()
         _flat_bytes(tensor).copy_(self.buffer[start:start + nbytes])
-        self.released = position + _aligned(nbytes)
+        with self._lock:
+            self._read_to = position + _aligned(nbytes)
+
+    def lend(self, position: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor at `position` as a view of the ring, no copy: its region is held until it and
+        every tensor sharing its memory are freed (module docstring)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        start = _DATA_START + position % self._ring
+        region = self._bytes[start:start + nbytes]
+        with self._lock:
+            self._lent[position] = None
+            self._read_to = position + _aligned(nbytes)
+        # torch.from_numpy keeps `region` alive for as long as the tensor's memory is shared
+        weakref.finalize(region, self._return, position)
+        return torch.from_numpy(region).view(dtype).reshape(shape)
+
+    def _return(self, position: int) -> None:
+        with self._lock:
+            del self._lent[position]
 
 
 def _unlink(path: str) -> None:

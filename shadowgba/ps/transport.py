@@ -455,7 +455,7 @@ class Transport:
             return
         channel = Channel(group, 0, trainer, on_request=self._on_request, on_lost=functools.partial(
             self._trainer_lost, info), timeout_s=self.timeout_s, peer_timeout_s=info.timeout_s,
-            loop_threads=loop_threads, lane_bytes=self._lane_bytes)
+            loop_threads=loop_threads, lane_bytes=self._lane_bytes, lend=True)
         with self._lock:
             current = self._sessions.get(info.trainer)
             if self._ended.is_set() or (current is not None and current.ticket > info.ticket) \
