@@ -386,7 +386,7 @@ def _serve(job: Job) -> CheckpointWriter | None:
     if job.config.algo == "easgd_ps":
         dense_service, service = CENTER_SERVICE, ElasticCenter()
     else:
-        dense_service, service = DENSE_SERVICE, DenseShard(transport.roster)
+        dense_service, service = DENSE_SERVICE, DenseShard(transport.roster, transport.shared_copy)
     job.served[dense_service] = service
     if job.tables is not None:
         embedding = optional.ps_embedding("PS-hosted tables")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from shadowgba.ps import channel as links
 from shadowgba.ps import lane
+from shadowgba.ps.board import Board, BoardView, StaleBoard
 from shadowgba.ps.channel import REPLY, REQUEST, Channel, ChannelLost, Frame, encode
 from shadowgba.ps.sessions import GLOO_LOOP_THREAD, threads_named
 from tests.multiprocess import run_ranks, run_ranks_outcomes
@@ -163,17 +164,45 @@ def test_a_lent_tensor_holds_its_lane_region_until_it_and_every_view_of_it_are_f
     assert not reader.worth_telling(reader.released) and reader.worth_telling(0)
 
 
+def test_a_board_copy_is_held_while_any_view_of_it_lives_and_only_its_host_maps_it() -> None:
+    board = Board.create(4096 + 64)
+    assert board is not None
+    view = BoardView.open(*board.offer)  # this process: the same host
+    pid, fd, size, token = board.offer
+    assert BoardView.open(pid, fd, size, bytes(16)) is None  # another token: not this board
+    assert BoardView.open(pid, 10**6, size, token) is None  # no such descriptor (another host's)
+    params = torch.linspace(-1, 1, 500)
+    copies = [board.copy(params, torch.bfloat16), board.copy(params, torch.float32)]  # 1000 + 2000 B
+    assert [board.position_of(copy) for copy in copies] == [0, 1024]
+    assert board.copy(params, torch.float32) is None  # no room while both are held
+    assert board.position_of(params) is None and board.position_of(copies[1][10:20]) is not None
+    out = torch.empty(500)
+    view.read(board.position_of(copies[1]), out)
+    assert torch.equal(out, params) and torch.equal(copies[0], params.to(torch.bfloat16))
+    kept = copies[0][:4]  # a view holds its copy's region
+    del copies
+    assert board.copy(params, torch.float32) is None  # the first region is still held by `kept`
+    del kept
+    fresh = board.copy(params, torch.float32)
+    assert board.position_of(fresh) == 4096  # would cross the end: the next turn, over the first two
+    view.read(4096, out)
+    assert torch.equal(out, params)
+    with pytest.raises(StaleBoard, match="overwritten before it was read"):  # a late reader of the first copy
+        view.read(0, torch.empty(500, dtype=torch.bfloat16))
+    board.close()
+
+
 def channel_end(rank: int, timeout_s: float, handler: Any = None, on_lost: Any = None, lanes: bool = True,
-                lane_bytes: int | None = None) -> Channel:
+                lane_bytes: int | None = None, board: Board | None = None) -> Channel:
     """This rank's end of a channel over the harness's store (server rank 0 answers with `handler`,
-    lending the tensors of its lane as the transport's server end does)."""
+    lending the tensors of its lane as the transport's server end does, and naming those on `board`)."""
     store = dist.PrefixStore("channel-test", dist.distributed_c10d._get_default_store())
     before = threads_named(GLOO_LOOP_THREAD)  # the harness's default group's
     group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
     peer = "trainer 1 (rank 1)" if rank == 0 else "ps0"
     return Channel(group, rank, peer, on_request=handler, on_lost=on_lost, timeout_s=timeout_s,
                    peer_timeout_s=timeout_s, lanes=lanes, loop_threads=sorted(threads_named(GLOO_LOOP_THREAD) - before),
-                   lane_bytes=lane_bytes, lend=rank == 0)
+                   lane_bytes=lane_bytes, lend=rank == 0, board=board)
 
 
 def pulse(end: Channel) -> threading.Event:
@@ -205,22 +234,30 @@ def concurrent_calls(rank: int, world_size: int, lanes: bool) -> dict[str, Any]:
     `lanes`, through rings of SMALL_LANE_BYTES that wrap and fill many times (a tensor that finds no
     room goes over gloo, in the same message as others in the ring); the server end echoes each
     request's tensors as it got them, lent views of its lane held for up to 0.1 s while later
-    requests fill the ring. Rank 0 returns how many of its requests' rows tensors were lent."""
+    requests fill the ring, except every other request's rows, which it answers with a copy on its
+    board (as small as a lane: regions are reused all the time). Rank 0 returns how many of its
+    requests' rows tensors were lent, and how many replies went through the board."""
     links.FRAME_BYTES, links.INLINE_TENSOR_BYTES, lane.LANE_BYTES = SMALL_FRAME_BYTES, 64, SMALL_LANE_BYTES
-    lent = []
+    lent, boarded = [], []
+    board = Board.create() if rank == 0 else None
 
     def answer_and_count(channel: Channel, request_id: int, body: Any) -> None:
-        rows = body[1].get("rows") if isinstance(body[1], dict) else None
+        delay_s, payload = body
+        rows = payload.get("rows") if isinstance(payload, dict) else None
         ring = channel.lane_buffers().get("in")
         if rows is not None and ring is not None and \
                 ring.data_ptr() <= rows.data_ptr() < ring.data_ptr() + ring.numel():
             lent.append(request_id)
+        copy = board.copy(rows, rows.dtype) if rows is not None and lanes and payload["index"] % 2 else None
+        if copy is not None:
+            boarded.append(request_id)
+            body = (delay_s, {**payload, "rows": copy})
         answer_in_threads(channel, request_id, body)
 
-    end = channel_end(rank, 30.0, answer_and_count if rank == 0 else None, lanes=lanes)
+    end = channel_end(rank, 30.0, answer_and_count if rank == 0 else None, lanes=lanes, board=board)
     if rank == 0:
         end.wait_closed(60.0)  # the trainer end closes when done
-        return {"lent": len(lent)}
+        return {"lent": len(lent), "boarded": len(boarded)}
     results: dict[int, Any] = {}
 
     def caller(first: int) -> None:
@@ -247,8 +284,9 @@ def concurrent_calls(rank: int, world_size: int, lanes: bool) -> dict[str, Any]:
 def test_many_concurrent_calls_in_flight_get_their_own_replies(lanes: bool) -> None:
     server, trainer = run_ranks(concurrent_calls, 2, lanes, timeout_s=90)
     assert trainer["lanes"] == (lanes, lanes)  # both directions mapped (one host), or none offered
-    # lent views of the lane, kept while the ring wrapped, still hold what was sent (checked below)
-    assert (server["lent"] >= 10) if lanes else (server["lent"] == 0), server
+    # lent views of the lane, kept while the ring wrapped, and board copies whose regions were reused
+    # still hold what was sent (checked below)
+    assert (server["lent"] >= 10 and server["boarded"] >= 10) if lanes else (server["lent"] == server["boarded"] == 0), server
     # the channel's gloo loop yields to every other thread once it only reads frames; others keep theirs
     assert trainer["loop_threads"] and set(trainer["loop_threads"]) < set(trainer["nice"]), trainer["nice"]
     for thread, nice in trainer["nice"].items():

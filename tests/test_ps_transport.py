@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -39,8 +40,10 @@ class Echo:
     """A toy service: returns what it was given, doubles tensors, refuses on request, and answers
     `later(key)` only when some trainer calls `answer(key, value)` (a Future, as a long poll is)."""
 
-    def __init__(self, server_index: int) -> None:
+    def __init__(self, server_index: int,
+                 copy: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None) -> None:
         self.server_index = server_index
+        self._copy = copy
         self._lock = threading.Lock()
         self._later: dict[str, concurrent.futures.Future] = {}
 
@@ -61,6 +64,10 @@ class Echo:
 
     def describe(self, sender: int, values: torch.Tensor) -> dict:
         return {"server": self.server_index, "sender": sender, "doubled": values * 2}
+
+    def shared(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` doubled, copied as a service sends a tensor to every trainer (`shared_copy`)."""
+        return self._copy(values * 2, values.dtype)
 
     def refuse(self, reason: str) -> None:
         raise ValueError(f"push refused: {reason}")
@@ -95,7 +102,7 @@ def exercise_transport(rank: int, world_size: int) -> dict:
             assert (roles.server_index, roles.trainer_index, roles.name) == (0, None, "ps0")
             assert roles.trainer_group is None
             time.sleep(SERVE_DELAY_S)
-            ps.serve("echo", Echo(roles.server_index))
+            ps.serve("echo", Echo(roles.server_index, ps.shared_copy))
             transport.SERVE_WAIT_S = 0.5  # how long the trainers' call for an unknown service waits
         else:
             assert (roles.server_index, roles.trainer_index, roles.name) == (None, rank, f"trainer{rank}")
@@ -130,6 +137,15 @@ def exercise_transport(rank: int, world_size: int) -> dict:
             assert total.item() == 2.0
             loops = ps._channel(0)._loop_threads  # its session group's gloo loop, lowered (one host)
             result["loop_nice"] = [os.getpriority(os.PRIO_PROCESS, thread) for thread in loops]
+            # a shared copy is named on the server's board, not copied into this trainer's lane;
+            # the same bytes as a plain reply go through the lane
+            lane_in, values = ps._channel(0)._lane_in, torch.arange(100_000.0)
+            read_before = lane_in.released
+            shared = ps.call(0, "echo", "shared", values)
+            on_board = lane_in.released
+            plain = ps.call(0, "echo", "describe", rank, values)["doubled"]
+            result["lane_bytes"] = (on_board - read_before, lane_in.released - on_board)
+            result["shared_equal"] = torch.equal(shared, values * 2) and torch.equal(plain, values * 2)
     finally:  # a failing trainer still releases the server from stop()
         result["opened"] = {(table, address) for table, address, _ in listening_sockets() - before}
         ps.stop()
@@ -334,6 +350,7 @@ def test_roles_calls_and_remote_errors_on_three_spawned_ranks(spawned: dict[str,
         assert result["opened"] <= loopback and (result["opened"] or result["roles"].is_server), result["opened"]
         if not result["roles"].is_server:
             assert result["loop_nice"] == [channel.LOOP_NICE], result["loop_nice"]
+            assert result["shared_equal"] and result["lane_bytes"][0] == 0 and result["lane_bytes"][1] >= 400_000, result
 
 
 def test_a_trainer_that_starts_the_transport_later_than_its_timeout_still_joins(spawned: dict[str, list]) -> None:

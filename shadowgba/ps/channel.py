@@ -24,6 +24,8 @@ costs two plain copies where TCP loopback costs kernel copies and system calls. 
 single gloo message each way. A header too long for the frame is sent apart too. A side built with
 `lend` (a server's: its services read a request's tensors once) takes the tensors of the peer's
 lane as views of it, one copy fewer, each held in the lane until dropped (`IncomingLane.lend`).
+A tensor that lies on this side's board (`shadowgba.ps.board`: a server's parameters, the same
+for every trainer) is not copied at all once the peer has mapped the board: the frame names its place.
 
 Invariants:
 - Ordering: gloo matches sends and receives of one tag in posting order. Each side posts the parts
@@ -35,6 +37,10 @@ Invariants:
   waited): a request or reply by its sender, right after posting; a frame-only message that must
   not block (heartbeat, lane and close frames) once the peer's frames say they received it, when
   the wait returns at once. So a stopped peer blocks no pulse, and nothing is held for ever.
+- A board tensor a frame names is kept by the channel until the peer's frames count that frame as
+  decoded (a frame's count is sent back only after its tensors were copied out), so its region is
+  never reused while the peer may read it; a channel that died drops them, and a peer that decodes
+  such a frame late finds out (`board.StaleBoard`) and fails its channel.
 - Several requests can be in flight: each carries an id, and a reply completes the future of its
   id, whatever the order the peer answers in (one reply message may answer several; the owner
   decides where a request runs: see `shadowgba.ps.transport`).
@@ -68,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.errors import PeerLost
+from shadowgba.ps.board import Board, BoardView
 from shadowgba.ps.lane import IncomingLane, OutgoingLane
 
 FRAME_BYTES = 256 << 10
@@ -108,13 +115,14 @@ _FRAMES_POSTED = 2
 """Frame receives a side keeps posted: one more than the frame being read, so that a peer that
 sends two messages at once (a push and a watch) finds a receive for each."""
 _HEADER_TAG, _STAGED_TAG, _FIRST_APART_TAG = 1, 2, 3
-INLINE, STAGED, APART, SHARED = range(4)
+INLINE, STAGED, APART, SHARED, BOARD = range(5)
 """Where a tensor of a message travels: in the frame, into the staged buffer, in a send of its own,
-or through the same-host lane (`shadowgba.ps.lane`)."""
+through the same-host lane (`shadowgba.ps.lane`), or not at all: it lies on the sender's board
+(`shadowgba.ps.board`), which the peer maps."""
 
 HEARTBEAT, REQUEST, REPLY, CLOSE, LANE_OFFER, LANE_ANSWER = range(6)
-"""Frame kinds. A side offers its outgoing lane once, at the start; the peer answers whether it
-mapped it."""
+"""Frame kinds. A side offers its outgoing lane and its board (if it has them) once, at the start;
+the peer answers whether it mapped each."""
 
 
 class ChannelLost(PeerLost):
@@ -163,6 +171,8 @@ class Encoded:
     frame: torch.Tensor
     header: torch.Tensor | None
     sends: list[tuple[torch.Tensor, int]]
+    held: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """Tensors named on the sender's board: to be kept until the peer has decoded the message."""
 
 
 def _aligned(nbytes: int) -> int:
@@ -173,11 +183,13 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def encode(kind: int, body: Any, lane: OutgoingLane | None = None, released: int = 0, heard: int = 0) -> Encoded:
+def encode(kind: int, body: Any, lane: OutgoingLane | None = None, released: int = 0, heard: int = 0,
+           board: Board | None = None) -> Encoded:
     """The parts of a message of `kind` carrying `body` (any picklable object holding CPU tensors);
-    tensors too large for the frame go into `lane` where it has room (written here: call under the
-    send lock, in posting order). `released`, `heard`: how far this side has read the peer's lane, and
-how many of its frames it has received."""
+    tensors too large for the frame and lying on `board` (the peer maps it) are named by their
+    place there, others go into `lane` where it has room (written here: call under the send lock,
+    in posting order). `released`, `heard`: how far this side has read the peer's lane, and how many
+    of its frames it has decoded."""
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     pickler.dump(body)
@@ -187,11 +199,16 @@ how many of its frames it has received."""
     # where each tensor goes: the frame's room is known once the header is, and the header holds
     # the places, so small tensors are placed against the room left by a header with every place
     places, positions, staged, room = [], [-1] * len(tensors), -1, header_room - len(body_bytes) - 80 * (len(tensors) + 1)
+    held = []
     for index, tensor in enumerate(tensors):
         nbytes = _nbytes(tensor)
         if nbytes <= INLINE_TENSOR_BYTES and _aligned(nbytes) <= room:
             places.append(INLINE)
             room -= _aligned(nbytes)
+        elif board is not None and (position := board.position_of(tensor)) is not None:
+            places.append(BOARD)
+            positions[index] = position
+            held.append(tensor)
         elif lane is not None and nbytes and (position := lane.reserve(nbytes)) is not None:
             places.append(SHARED)
             positions[index] = position
@@ -224,7 +241,7 @@ how many of its frames it has received."""
     sends = [(tensor, _STAGED_TAG if place == STAGED else _FIRST_APART_TAG + index)
              for index, (tensor, place) in enumerate(zip(tensors, places)) if place in (STAGED, APART) and _nbytes(tensor)]
     header_tensor = None if header_in_frame else torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    return Encoded(torch.frombuffer(frame, dtype=torch.uint8), header_tensor, sends)
+    return Encoded(torch.frombuffer(frame, dtype=torch.uint8), header_tensor, sends, held)
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -272,10 +289,10 @@ class Frame:
 
     def decode(self, header: bytes, staged: torch.Tensor | None,
                receive: Callable[[list[tuple[torch.Tensor, int]]], None], lane: IncomingLane | None = None,
-               lend: bool = False) -> Any:
+               lend: bool = False, board: BoardView | None = None) -> Any:
         """The message's body: inline tensors copied out of the frame, the staged one out of `staged`
-        (its receive buffer), shared ones out of `lane` (`lend`: views of it, no copy), the others
-        received by `receive([(tensor, tag), ...])`."""
+        (its receive buffer), shared ones out of `lane` (`lend`: views of it, no copy), those on the
+        peer's board out of `board`, the others received by `receive([(tensor, tag), ...])`."""
         stream = io.BytesIO(header)
         specs: list[tuple[torch.dtype, tuple[int, ...], int, int]] = pickle.load(stream)
         tensors, apart = [], []
@@ -290,6 +307,10 @@ class Frame:
             nbytes = _nbytes(tensor)
             if place == SHARED:
                 lane.read(position, tensor)
+            elif place == BOARD:
+                if board is None:
+                    raise RuntimeError("the peer named a tensor on a board this side never mapped")
+                board.read(position, tensor)
             elif place == STAGED and nbytes:
                 tensor.reshape(-1).view(torch.uint8).copy_(staged[:nbytes])
             elif place == INLINE:
@@ -312,7 +333,8 @@ class Channel:
                  on_request: Callable[["Channel", int, Any], None] | None = None,
                  on_lost: Callable[["Channel", ChannelLost], None] | None = None,
                  timeout_s: float = 60.0, peer_timeout_s: float = 60.0, lanes: bool = True,
-                 loop_threads: Sequence[int] = (), lane_bytes: int | None = None, lend: bool = False) -> None:
+                 loop_threads: Sequence[int] = (), lane_bytes: int | None = None, lend: bool = False,
+                 board: Board | None = None) -> None:
         self.group, self.rank, self.peer = group, rank, peer
         """`peer`: how the other side is named in errors (e.g. `ps0` or `trainer 1 (rank 1)`)."""
         self._loop_threads = tuple(loop_threads)
@@ -338,7 +360,7 @@ class Channel:
         self._frames_sent = 0
         """Frames posted to the peer; guarded by `_send_lock`."""
         self._frames_heard = 0
-        """Frames received from the peer (sent back on every frame)."""
+        """Frames received from the peer, a message's once decoded (sent back on every frame)."""
         self._peer_heard = 0
         """How many of this side's frames the peer has said it received."""
         self.failure: ChannelLost | None = None
@@ -357,11 +379,22 @@ class Channel:
         them (a server's services); one it keeps holds ring room, never a wrong value."""
         self._released_told = 0
         """The last `released` of the peer's lane sent on a frame; guarded by `_send_lock`."""
+        self._board = board if lanes else None
+        """This side's board (`shadowgba.ps.board`, a server's), offered at once: the tensors of
+        this side's messages that lie on it are named, not sent, once the peer has mapped it."""
+        self._board_accepted = False
+        self._held: collections.deque[tuple[int, torch.Tensor]] = collections.deque()
+        """(frame number, tensor) of the board tensors this side named, kept (so their region is not
+        reused) until the peer's frames say it decoded that frame."""
+        self._board_in: BoardView | None = None
+        """The peer's board, once mapped."""
         self._receiver = threading.Thread(target=self._receive_loop, name=f"shadowgba-channel-{peer}", daemon=True)
         self._receiver.start()
-        if self._lane_out is not None:
+        if self._lane_out is not None or self._board is not None:
+            offers = (None if self._lane_out is None else self._lane_out.offer,
+                      None if self._board is None else self._board.offer)
             try:
-                self._transmit(LANE_OFFER, self._lane_out.offer, wait=False)
+                self._transmit(LANE_OFFER, offers, wait=False)
             except RuntimeError as error:
                 self._fail(error)
 
@@ -371,9 +404,10 @@ class Channel:
         return self._lane_out is not None and self._lane_out.accepted, self._lane_in is not None
 
     def lane_buffers(self) -> dict[str, torch.Tensor]:
-        """The shared memory this channel maps ("out": its own lane, "in": the peer's), for memory accounts."""
-        lanes = {"out": self._lane_out, "in": self._lane_in}
-        return {name: lane.buffer for name, lane in lanes.items() if lane is not None}
+        """The shared memory this channel maps ("out": its own lane, "in": the peer's, "board": the
+        peer's board), for memory accounts."""
+        mapped = {"out": self._lane_out, "in": self._lane_in, "board": self._board_in}
+        return {name: part.buffer for name, part in mapped.items() if part is not None}
 
     @property
     def alive(self) -> bool:
@@ -479,10 +513,12 @@ class Channel:
             lane_in = self._lane_in
             released = 0 if lane_in is None else lane_in.released
             try:
-                encoded = encode(kind, body, self._lane_out, released, self._frames_heard)
+                encoded = encode(kind, body, self._lane_out, released, self._frames_heard,
+                                 self._board if self._board_accepted else None)
             except Exception as error:
                 raise _Unencodable() from error
             self._released_told = released
+            self._held.extend((self._frames_sent, tensor) for tensor in encoded.held)
             works = [self.group.send([encoded.frame], peer, 0)]
             if encoded.header is not None:
                 works.append(self.group.send([encoded.header], peer, _HEADER_TAG))
@@ -509,8 +545,11 @@ class Channel:
                 work.wait()
                 self.last_heard = time.monotonic()
                 current = Frame.read(views[id(frame)])
-                self._frames_heard += 1
+                if current.kind not in (REQUEST, REPLY):
+                    self._frames_heard += 1
                 self._peer_heard = max(self._peer_heard, current.heard)
+                while self._held and self._held[0][0] < self._peer_heard:  # decoded: their regions may be reused
+                    self._held.popleft()
                 if self._lane_out is not None:
                     self._lane_out.release(current.released)
                 header = None
@@ -529,7 +568,8 @@ class Channel:
                 if current.staged >= 0:  # this message's first large tensor is in the staged buffer
                     staged_work.wait()
                 body = current.decode(current.header_bytes(header), staged, self._receive_apart, self._lane_in,
-                                      self._lend)
+                                      self._lend, self._board_in)
+                self._frames_heard += 1  # counted once decoded: the peer then frees what it named on its board
                 if current.staged >= 0:  # copied out: the buffer takes the next one
                     staged_work = self.group.recv([staged], peer, _STAGED_TAG)
                 self.last_heard = time.monotonic()
@@ -543,6 +583,7 @@ class Channel:
         finally:
             if self._lane_out is not None:  # an offer the peer never mapped leaves no file behind
                 self._lane_out.close()
+            self._held.clear()  # the peer reads no more
             self._closed.set()
         with self._state_lock:  # the peer closed: answer once, unless this side closed first
             answered, self._closing = self._closing, True
@@ -558,14 +599,18 @@ class Channel:
             pass
 
     def _settle_lanes(self, kind: int, body: Any) -> None:
-        """The peer offered its lane (map it, answer whether that worked) or answered this side's offer."""
+        """The peer offered its lane and board (map them, answer whether that worked) or answered
+        this side's offer."""
         if kind == LANE_OFFER:
-            self._lane_in = IncomingLane.open(*body)
-            self._transmit(LANE_ANSWER, self._lane_in is not None, wait=False)
-        elif self._lane_out is not None:
-            if body:
+            lane, board = body
+            self._lane_in = None if lane is None else IncomingLane.open(*lane)
+            self._board_in = None if board is None else BoardView.open(*board)
+            self._transmit(LANE_ANSWER, (self._lane_in is not None, self._board_in is not None), wait=False)
+        else:
+            lane_mapped, self._board_accepted = body
+            if self._lane_out is not None and lane_mapped:
                 self._lane_out.accepted = True
-            else:  # another host: tensors stay on gloo
+            elif self._lane_out is not None:  # another host: tensors stay on gloo
                 self._lane_out.close()
                 self._lane_out = None
         if self.lanes == (True, True):  # each side settles once: the loop only reads frames now

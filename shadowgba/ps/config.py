@@ -68,8 +68,9 @@ class PSConfig:
     shared memory, a larger one over TCP loopback, much slower (docs/benchmarks.md). Raise it when
     a push to one shard exceeds 16 MB: at least twice the largest, e.g. 4 x its size (float32 dense
     parameters / servers x 4 bytes). Costs that much shared memory per direction per trainer-server
-    pair on one host; a /dev/shm too small for it refuses the lane, and that channel's tensors go
-    over TCP."""
+    pair on one host, and once more per server for its board (the parameters it sends every
+    trainer, written once); a /dev/shm too small for it refuses the lane, and that channel's
+    tensors go over TCP."""
     trainer_timeout_s: float = 300.0
     """How long a server at the end of the job waits for a trainer that has neither finished nor
     answered a ping before it gives up on it, naming it (`PeerLost`). Must be at least

@@ -17,7 +17,8 @@ Invariants:
   after a step clones them into the published copy, and every later reply until the next step
   carries that same tensor. A published copy is never written again (the next step publishes a
   new one), so replies still on their way keep the values of their k. With N trainers watching,
-  a step costs one clone instead of N.
+  a step costs one clone instead of N; made by the transport's `shared_copy`, on its board
+  (`shadowgba.ps.board`), so that the channels to same-host trainers name it instead of copying it.
 - A reply carries the shard's parameters only when the caller lacks them: a pull always; a watch
   once k has passed the caller's token; a push only if the trainer asked for them
   (`PushRequest.reply_params`: False when its watcher brings every new k) and k has passed its
@@ -187,10 +188,14 @@ class _Watch:
 class DenseShard:
     """A thread-safe GBA server for the flat slice [start, end) of the dense parameters."""
 
-    def __init__(self, roster: Roster | None = None) -> None:
+    def __init__(self, roster: Roster | None = None,
+                 copy: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None) -> None:
         """Empty until a trainer `configure`s it: a server rank does not know the model. `roster`:
-        the server's membership, whose departures shard 0 turns into voids (None: nobody departs)."""
+        the server's membership, whose departures shard 0 turns into voids (None: nobody departs).
+        `copy(param, dtype)` makes the published copy of each step's parameters (the transport's
+        `shared_copy`: written once for every same-host trainer; None: a plain copy)."""
         self._roster = roster
+        self._copy = copy or (lambda tensor, dtype: tensor.to(dtype, copy=True))
         self.start = self.end = self.num_trainers = self.index = 0
         self._lock = threading.Lock()
         self._watches: list[_Watch] = []
@@ -628,7 +633,7 @@ class DenseShard:
         if exact and self._params_dtype != param.dtype:
             return param.clone()
         if self._published is None or self._published[0] != k:
-            self._published = (k, param.to(self._params_dtype, copy=True))
+            self._published = (k, self._copy(param, self._params_dtype))
         return self._published[1]
 
     def _push_reply(self, request: PushRequest, weight: float, decision: Decision | None = None) -> ShardReply:
@@ -667,7 +672,7 @@ class DenseShard:
 
 def serve_dense_shard(transport: Transport) -> None:
     """On a server rank: host an (unconfigured) dense shard; trainers configure it."""
-    transport.serve(DENSE_SERVICE, DenseShard(transport.roster))
+    transport.serve(DENSE_SERVICE, DenseShard(transport.roster, transport.shared_copy))
 
 
 class DenseShardClient:

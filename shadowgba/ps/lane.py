@@ -43,7 +43,6 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import threading
 import weakref
 
 import torch
@@ -52,14 +51,66 @@ LANE_BYTES = 32 << 20
 """Size of one lane (one direction of one channel): the most bytes in flight in shared memory."""
 LANE_DIR = "/dev/shm"
 """Where lanes are created (tmpfs: memory, not disk)."""
-_TOKEN_BYTES = 16
-_DATA_START = 64
+TOKEN_BYTES = 16
+DATA_START = 64
 """The ring's bytes start after the token that proves the reader mapped the writer's file."""
 _ALIGN = 64
 
 
-def _aligned(nbytes: int) -> int:
+def aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def ring_position(written: int, released: int, ring: int, nbytes: int) -> int | None:
+    """Where the next tensor of `nbytes` goes in a ring of `ring` bytes written up to `written`
+    and free before `released` (positions as in the module docstring), or None: larger than half
+    the ring, or no room before the oldest byte still in use. A tensor that would cross the ring's
+    end starts at the next turn."""
+    if nbytes > ring // 2:
+        return None
+    position = written
+    if position % ring + nbytes > ring:
+        position = (position // ring + 1) * ring
+    return None if position + aligned(nbytes) - released > ring else position
+
+
+class Loans:
+    """Regions of a mapped ring handed out as tensors without a copy, each held until the last
+    tensor sharing its memory is freed (however long its holder keeps it, or a view of it).
+
+    No lock: a region returns on whichever thread freed its last tensor, possibly inside a garbage
+    collection that interrupted another method here, so each method is one dictionary operation
+    or one assignment (atomic under the GIL), and the order of `lend`'s two steps keeps
+    `free_before` conservative whatever interleaves."""
+
+    def __init__(self, buffer: torch.Tensor, ring: int) -> None:
+        self._bytes = buffer.numpy()
+        """The mapping as an array: each loan is built on a slice of it, an object of its own that
+        lives exactly as long as some tensor shares the slice's memory (torch.from_numpy keeps it)."""
+        self._ring = ring
+        self._out: dict[int, None] = {}
+        """Positions of the regions lent and not yet returned."""
+        self._end = 0
+        """The end of the last region read or lent."""
+
+    @property
+    def free_before(self) -> int:
+        """Every byte before this position is free: the oldest region still lent, else the end of the last."""
+        return min(self._out, default=self._end)  # one C call over a few positions: no thread switch inside
+
+    def passed(self, end: int) -> None:
+        """A region up to `end` was read (copied out) and is free at once."""
+        self._end = end
+
+    def lend(self, position: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor at `position` as a view of the ring, held until it and its views are freed."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        start = DATA_START + position % self._ring
+        region = self._bytes[start:start + nbytes]
+        self._out[position] = None  # held before the end moves past it
+        self._end = position + aligned(nbytes)
+        weakref.finalize(region, self._out.pop, position, None)
+        return torch.from_numpy(region).view(dtype).reshape(shape)
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -72,7 +123,7 @@ class OutgoingLane:
     def __init__(self, path: str, buffer: torch.Tensor, token: bytes) -> None:
         self.path, self.buffer, self._token = path, buffer, token
         """`buffer`: the mapped file, header and ring (what the lane holds in memory)."""
-        self._ring = buffer.numel() - _DATA_START
+        self._ring = buffer.numel() - DATA_START
         self.accepted = False
         """Set once the peer has mapped the lane; until then (and if it refuses) nothing is written."""
         self._written = 0
@@ -83,7 +134,7 @@ class OutgoingLane:
         """A new lane of `nbytes` (default `LANE_BYTES`), or None where shared memory is unavailable
         (no /dev/shm, or no room)."""
         nbytes = LANE_BYTES if nbytes is None else nbytes
-        token = secrets.token_bytes(_TOKEN_BYTES)
+        token = secrets.token_bytes(TOKEN_BYTES)
         path = os.path.join(LANE_DIR, f"shadowgba-lane-{os.getpid()}-{token.hex()[:12]}")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -109,20 +160,14 @@ class OutgoingLane:
     def reserve(self, nbytes: int) -> int | None:
         """The position for a tensor of `nbytes`, or None (not accepted, too large, or no room now).
         Called under the channel's send lock, in the order the frames are posted."""
-        if not self.accepted or nbytes > self._ring // 2:
-            return None
-        position = self._written
-        if position % self._ring + nbytes > self._ring:  # would cross the end: start at the next turn
-            position = (position // self._ring + 1) * self._ring
-        end = position + _aligned(nbytes)
-        if end - self._released > self._ring:
-            return None
-        self._written = end
+        position = ring_position(self._written, self._released, self._ring, nbytes) if self.accepted else None
+        if position is not None:
+            self._written = position + aligned(nbytes)
         return position
 
     def write(self, position: int, tensor: torch.Tensor) -> None:
         """Copy `tensor` (contiguous) to `position` (from `reserve`)."""
-        start = _DATA_START + position % self._ring
+        start = DATA_START + position % self._ring
         nbytes = tensor.numel() * tensor.element_size()
         self.buffer[start:start + nbytes].copy_(_flat_bytes(tensor))
 
@@ -143,23 +188,14 @@ class IncomingLane:
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
         """The peer's mapped file, header and ring (what the lane holds in memory)."""
-        self._bytes = buffer.numpy()
-        """The same bytes as an array: a lent tensor is built on a slice of it, an object of its own
-        that lives exactly as long as some tensor shares the slice's memory (`lend`)."""
-        self._ring = buffer.numel() - _DATA_START
-        self._read_to = 0
-        """The end of the last region read or lent."""
-        self._lent: dict[int, None] = {}
-        """Positions of the regions lent and not yet returned, oldest first (insertion order)."""
-        self._lock = threading.Lock()
-        """Guards `_lent` and `_read_to`: a lent region returns on whichever thread freed its last tensor."""
+        self._ring = buffer.numel() - DATA_START
+        self._loans = Loans(buffer, self._ring)
 
     @property
     def released(self) -> int:
         """Every byte before this position is free for the writer (sent back on each frame): the
         oldest region still lent, else the end of the last one read."""
-        with self._lock:
-            return next(iter(self._lent), self._read_to)
+        return self._loans.free_before
 
     def worth_telling(self, told: int) -> bool:
         """Whether the writer, last told `told` (a `released` sent on a frame), would gain a quarter of
@@ -169,46 +205,42 @@ class IncomingLane:
     @classmethod
     def open(cls, path: str, nbytes: int, token: bytes) -> "IncomingLane | None":
         """Map the peer's lane, or None if it is not on this host (no such file, or another token)."""
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError:
-            return None
-        try:
-            if os.fstat(fd).st_size != nbytes or os.pread(fd, len(token), 0) != token:
-                return None
-        finally:
-            os.close(fd)
-        try:
-            buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        except RuntimeError:
+        buffer = map_checked(path, nbytes, token)
+        if buffer is None:
             return None
         _unlink(path)  # mapped: the memory lives as long as the two mappings
         return cls(buffer)
 
     def read(self, position: int, tensor: torch.Tensor) -> None:
         """Copy the tensor at `position` into `tensor` (its shape and dtype from the frame's header)."""
-        start = _DATA_START + position % self._ring
+        start = DATA_START + position % self._ring
         nbytes = tensor.numel() * tensor.element_size()
         _flat_bytes(tensor).copy_(self.buffer[start:start + nbytes])
-        with self._lock:
-            self._read_to = position + _aligned(nbytes)
+        self._loans.passed(position + aligned(nbytes))
 
     def lend(self, position: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor at `position` as a view of the ring, no copy: its region is held until it and
         every tensor sharing its memory are freed (module docstring)."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        start = _DATA_START + position % self._ring
-        region = self._bytes[start:start + nbytes]
-        with self._lock:
-            self._lent[position] = None
-            self._read_to = position + _aligned(nbytes)
-        # torch.from_numpy keeps `region` alive for as long as the tensor's memory is shared
-        weakref.finalize(region, self._return, position)
-        return torch.from_numpy(region).view(dtype).reshape(shape)
+        return self._loans.lend(position, dtype, shape)
 
-    def _return(self, position: int) -> None:
-        with self._lock:
-            del self._lent[position]
+
+def map_checked(path: str, nbytes: int, token: bytes) -> torch.Tensor | None:
+    """The file at `path` mapped shared, if it holds `nbytes` and starts with `token` (the writer's
+    proof that this is its file: the same path on another host names another file, or none); None
+    if not, or if it cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != nbytes or os.pread(fd, len(token), 0) != token:
+            return None
+    finally:
+        os.close(fd)
+    try:
+        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    except RuntimeError:
+        return None
 
 
 def _unlink(path: str) -> None:

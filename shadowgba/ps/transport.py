@@ -116,6 +116,7 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.errors import PeerLost, ServerRestarted, SetupError
+from shadowgba.ps.board import Board
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost, first_line
 from shadowgba.ps.config import PSConfig
 from shadowgba.ps.membership import Roster, lost_trainer, restart_count
@@ -355,6 +356,9 @@ class Transport:
         no channel until the session's group is built)."""
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._acceptor: Acceptor | None = None
+        self._board: Board | None = None
+        """Server: where `shared_copy` writes the tensors its services send to every trainer
+        (`shadowgba.ps.board`, as large as a lane); None where shared memory is unavailable."""
         # trainer side
         self._calls = _Calls(incarnation * CALLS_PER_INCARNATION)
         self._barriers: dict[str, int] = {}
@@ -407,6 +411,7 @@ class Transport:
         transport = cls(roles, store, namespace, generation, timeout_s, rpc_timeout_s, owns_default_group,
                         sync_group, on_trainer_lost, incarnation, server_restart_s, lane_bytes)
         if roles.is_server:
+            transport._board = Board.create(lane_bytes)
             transport._pool = concurrent.futures.ThreadPoolExecutor(SERVER_THREADS, f"shadowgba-{roles.name}")
             transport._acceptor = Acceptor(store, generation, roles.server_index, incarnation, transport._accept,
                                            transport._refusal)
@@ -445,6 +450,13 @@ class Transport:
             self._services[name] = service
             self._services_changed.notify_all()
 
+    def shared_copy(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A copy of `tensor` in `dtype` for a service to send to many trainers (server ranks): on
+        the board where it has room, so that each same-host trainer's channel names it instead of
+        copying it (one copy per server, not per trainer), else a plain one."""
+        copy = None if self._board is None else self._board.copy(tensor, dtype)
+        return tensor.to(dtype, copy=True) if copy is None else copy
+
     def _accept(self, info: SessionInfo) -> None:
         """Server, on the acceptor's thread for this session: build the server end of its channel."""
         trainer = f"trainer {info.trainer} (rank {info.rank})"
@@ -455,7 +467,7 @@ class Transport:
             return
         channel = Channel(group, 0, trainer, on_request=self._on_request, on_lost=functools.partial(
             self._trainer_lost, info), timeout_s=self.timeout_s, peer_timeout_s=info.timeout_s,
-            loop_threads=loop_threads, lane_bytes=self._lane_bytes, lend=True)
+            loop_threads=loop_threads, lane_bytes=self._lane_bytes, lend=True, board=self._board)
         with self._lock:
             current = self._sessions.get(info.trainer)
             if self._ended.is_set() or (current is not None and current.ticket > info.ticket) \
@@ -899,6 +911,8 @@ class Transport:
             channel.close(wait_s=PING_INTERVAL_S if graceful else 0.0)
         if self._pool is not None:
             self._pool.shutdown(wait=graceful, cancel_futures=not graceful)
+        if self._board is not None:  # its memory lives on while copies of it are held
+            self._board.close()
         with self._services_changed:
             self._services.clear()
         self._replies.clear()
