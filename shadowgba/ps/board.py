@@ -43,7 +43,7 @@ import torch
 
 from shadowgba.errors import PeerLost
 from shadowgba.ps import lane
-from shadowgba.ps.lane import DATA_START, TOKEN_BYTES, Loans, aligned, map_checked, ring_position
+from shadowgba.ps.lane import DATA_START, TOKEN_BYTES, Loans, aligned, copy_out, map_checked, ring_position
 
 _RESERVED_AT = TOKEN_BYTES
 """Where the header holds how far the ring is reserved (an int64, after the token)."""
@@ -148,9 +148,7 @@ class BoardView:
     def read(self, position: int, tensor: torch.Tensor) -> None:
         """Copy the tensor at `position` into `tensor` (its shape and dtype from the frame);
         `StaleBoard` if its region was reused meanwhile (module docstring)."""
-        start = DATA_START + position % self._ring
-        nbytes = tensor.numel() * tensor.element_size()
-        tensor.reshape(-1).view(torch.uint8).copy_(self.buffer[start:start + nbytes])
+        copy_out(self.buffer, self._ring, position, tensor)
         reserved = int(self._reserved[0])
         if reserved > position + self._ring:
             raise StaleBoard(f"a board tensor was overwritten before it was read (reserved up to {reserved}, "

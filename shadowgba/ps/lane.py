@@ -117,6 +117,15 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def copy_out(buffer: torch.Tensor, ring: int, position: int, tensor: torch.Tensor) -> int:
+    """Copy the bytes at `position` of the ring mapped as `buffer` into `tensor` (contiguous, its
+    shape and dtype from the frame); returns how many."""
+    start = DATA_START + position % ring
+    nbytes = tensor.numel() * tensor.element_size()
+    _flat_bytes(tensor).copy_(buffer[start:start + nbytes])
+    return nbytes
+
+
 class OutgoingLane:
     """The writing side of a lane (see the module docstring)."""
 
@@ -213,9 +222,7 @@ class IncomingLane:
 
     def read(self, position: int, tensor: torch.Tensor) -> None:
         """Copy the tensor at `position` into `tensor` (its shape and dtype from the frame's header)."""
-        start = DATA_START + position % self._ring
-        nbytes = tensor.numel() * tensor.element_size()
-        _flat_bytes(tensor).copy_(self.buffer[start:start + nbytes])
+        nbytes = copy_out(self.buffer, self._ring, position, tensor)
         self._loans.passed(position + aligned(nbytes))
 
     def lend(self, position: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
