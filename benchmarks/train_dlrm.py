@@ -56,6 +56,7 @@ from dlrm.loop import (
 from dlrm.model import DENSE_OPTIMIZERS, build_model
 from shadowgba.config import ConfigError, load_config, to_dict
 from shadowgba.integrations.torchrec import fused_table_shards
+from shadowgba.network import use_interface_to_master
 from ctrkit.evaluation import all_gather_rows, log_loss, roc_auc
 import shadowgba
 from ctrkit.ctr_data import CTRData
@@ -188,6 +189,7 @@ def _init_process_group(backend: str) -> None:
     them the dead workers' gloo addresses, and gloo's full-mesh connect of the new attempt reads
     those ("Connection refused"; torch 2.13, reproduced with a two-line script): the new attempt's
     keys get a prefix of their own."""
+    use_interface_to_master()
     attempt = restart_count()
     if not attempt:
         dist.init_process_group(backend)

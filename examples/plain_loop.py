@@ -27,7 +27,7 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     config = shadowgba.load_config(shadowgba.SyncConfig, args.config, overrides, section="sync")
 
-    dist.init_process_group("gloo")
+    shadowgba.init_process_group("gloo")  # torch's, with gloo on the interface that reaches MASTER_ADDR
     job = shadowgba.join(config)  # a server rank serves here until the trainers are done
     if job.is_server:
         return

@@ -42,7 +42,7 @@ def main() -> None:
     config = shadowgba.load_config(shadowgba.SyncConfig, args.config, overrides, section="sync")  # shadowgba
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    shadowgba.init_process_group("nccl" if device.type == "cuda" else "gloo")  # shadowgba: across hosts too
     job = shadowgba.join(config)  # shadowgba: sharding and replica groups, with the job's timeout
 
     tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=16, num_embeddings=10_000, feature_names=[name])

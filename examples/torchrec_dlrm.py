@@ -40,7 +40,7 @@ def train(config: shadowgba.SyncConfig, steps: int, batch_size: int, num_embeddi
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend=backend)
+    shadowgba.init_process_group(backend)  # shadowgba: torch's, with gloo on the NIC that reaches MASTER_ADDR
     job = shadowgba.join(config)  # shadowgba: a server rank serves here until the trainers are done
     if job.is_server:  # shadowgba
         return

@@ -9,6 +9,7 @@ from shadowgba.config import SyncConfig, load_config
 from shadowgba.errors import CheckpointError, ConfigError, PeerLost, SetupError, ShadowGBAError, SyncError
 from shadowgba.factory import Job, dense_sync, join, ps_table_options
 from shadowgba.interface import DenseSync
+from shadowgba.network import init_process_group
 
 __all__ = [
     "CheckpointError",
@@ -21,6 +22,7 @@ __all__ = [
     "SyncConfig",
     "SyncError",
     "dense_sync",
+    "init_process_group",
     "join",
     "load_config",
     "ps_table_options",

@@ -50,6 +50,7 @@ from shadowgba.errors import ConfigError, PeerLost, SetupError, SyncError
 from shadowgba.gba.runtime import GBASync
 from shadowgba.interface import DenseSync
 from shadowgba.layout import ReplicaLayout
+from shadowgba.network import init_process_group
 from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.ps.dense_server import DENSE_SERVICE, DenseShard
 from shadowgba.ps.membership import Heartbeat, NoticeBoard
@@ -242,7 +243,7 @@ def join(
         raise SetupError("PS-hosted tables need table_options (see ps_table_options) and sync.ps.num_servers >= 1")
     if not config.ps.num_servers:
         if not dist.is_initialized():
-            dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+            init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
         roles = Roles.assign(dist.get_rank(), dist.get_world_size(), num_servers=0)
         # not the default group: its timeout is the user's (torch's 30 min), and a peer stopped for
         # good would hold TorchRec's all-to-all that long; this one gives up after sync.timeout_s

@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.errors import PeerLost
+from shadowgba.network import host_identity
 from shadowgba.ps.board import Board, BoardView
 from shadowgba.ps.lane import IncomingLane, OutgoingLane
 
@@ -121,8 +122,8 @@ through the same-host lane (`shadowgba.ps.lane`), or not at all: it lies on the 
 (`shadowgba.ps.board`), which the peer maps."""
 
 HEARTBEAT, REQUEST, REPLY, CLOSE, LANE_OFFER, LANE_ANSWER = range(6)
-"""Frame kinds. A side offers its outgoing lane and its board (if it has them) once, at the start;
-the peer answers whether it mapped each."""
+"""Frame kinds. A side offers its outgoing lane and its board (if it has them) once, at the start,
+with its `host_identity`; the peer maps them only on the same host, and answers whether it mapped each."""
 
 
 class ChannelLost(PeerLost):
@@ -391,7 +392,7 @@ class Channel:
         self._receiver = threading.Thread(target=self._receive_loop, name=f"shadowgba-channel-{peer}", daemon=True)
         self._receiver.start()
         if self._lane_out is not None or self._board is not None:
-            offers = (None if self._lane_out is None else self._lane_out.offer,
+            offers = (host_identity(), None if self._lane_out is None else self._lane_out.offer,
                       None if self._board is None else self._board.offer)
             try:
                 self._transmit(LANE_OFFER, offers, wait=False)
@@ -602,9 +603,10 @@ class Channel:
         """The peer offered its lane and board (map them, answer whether that worked) or answered
         this side's offer."""
         if kind == LANE_OFFER:
-            lane, board = body
-            self._lane_in = None if lane is None else IncomingLane.open(*lane)
-            self._board_in = None if board is None else BoardView.open(*board)
+            host, lane, board = body
+            same_host = host == host_identity()  # another network namespace sees the same files, yet is another host
+            self._lane_in = None if lane is None or not same_host else IncomingLane.open(*lane)
+            self._board_in = None if board is None or not same_host else BoardView.open(*board)
             self._transmit(LANE_ANSWER, (self._lane_in is not None, self._board_in is not None), wait=False)
         else:
             lane_mapped, self._board_accepted = body

@@ -30,10 +30,8 @@ Rendezvous and listening:
   transport (its sessions', and the default group's when `start()` creates it) lives under
   `attempt_{TORCHELASTIC_RESTART_COUNT}/` (`attempt_store()`): a restarted attempt never reads a
   dead attempt's addresses.
-- gloo listens on ephemeral ports of the interface named by GLOO_SOCKET_IFNAME, else whatever the
-  host name resolves to (on many hosts a public address). `start()` sets it, for the rest of the
-  process and unless the user has, to the interface of the local address that routes to
-  MASTER_ADDR: loopback on one machine, the interface facing the master across machines.
+- gloo listens on ephemeral ports of the interface that reaches MASTER_ADDR (`start()` sets
+  GLOO_SOCKET_IFNAME unless the user has: `shadowgba.network`).
 
 Invariants (why a call cannot deadlock, and why no survivor hangs):
 - A call is one request and one reply. A service method must not issue collectives, and runs on
@@ -100,13 +98,10 @@ import collections
 import concurrent.futures
 import dataclasses
 import datetime
-import fcntl
 import functools
 import itertools
 import logging
 import os
-import socket
-import struct
 import threading
 import time
 import traceback
@@ -116,6 +111,7 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.errors import PeerLost, ServerRestarted, SetupError
+from shadowgba.network import use_interface_to_master
 from shadowgba.ps.board import Board
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost, first_line
 from shadowgba.ps.config import PSConfig
@@ -163,8 +159,6 @@ ELASTIC_NAMESPACE = "elastic"
 """The key prefix of an elastic job in its servers' store (one job per set of servers)."""
 CONTROL = "shadowgba.transport"
 """The reserved service name of the transport's own requests (barriers, abort notices)."""
-
-_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,11 +386,7 @@ class Transport:
         `server_restart_s` for a new process of it (`sync.ps.server_restart_s`; elastic layout).
         Each same-host channel's lanes hold `lane_bytes` (`sync.ps.lane_mb`; None: `LANE_BYTES`).
         """
-        master_addr = os.environ.get("MASTER_ADDR")
-        if not master_addr or not os.environ.get("MASTER_PORT"):
-            raise RuntimeError("the PS transport needs MASTER_ADDR and MASTER_PORT (as set by torchrun)")
-        if "GLOO_SOCKET_IFNAME" not in os.environ:
-            os.environ["GLOO_SOCKET_IFNAME"] = listen_interface(master_addr)
+        use_interface_to_master()
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         timeout_s = timeout.total_seconds() if timeout is not None else dist.default_pg_timeout.total_seconds()
         if num_trainers:
@@ -1091,34 +1081,5 @@ def attempt_store(rank: int, world_size: int, timeout_s: float | None = None) ->
     timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, **timeout))
     return dist.PrefixStore(attempt_namespace(), store)
-
-
-def listen_interface(master_addr: str) -> str:
-    """Name of the network interface whose IPv4 address this host uses to reach `master_addr`."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((master_addr, 9))  # a UDP connect sends nothing; it only picks the route
-        except OSError as error:
-            raise RuntimeError(
-                f"no IPv4 route to MASTER_ADDR {master_addr} ({error}); set "
-                "GLOO_SOCKET_IFNAME to the interface the PS transport should listen on"
-            ) from None
-        local_address = probe.getsockname()[0]
-    for _, interface in socket.if_nameindex():
-        if _ipv4_address(interface) == local_address:
-            return interface
-    raise RuntimeError(
-        f"no network interface holds {local_address}, the address that reaches MASTER_ADDR {master_addr}; "
-        "set GLOO_SOCKET_IFNAME to the interface the PS transport should listen on"
-    )
-
-
-def _ipv4_address(interface: str) -> str | None:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
-        try:
-            reply = fcntl.ioctl(query.fileno(), _SIOCGIFADDR, struct.pack("256s", interface.encode()[:15]))
-        except OSError:  # the interface has no IPv4 address
-            return None
-    return socket.inet_ntoa(reply[20:24])  # struct ifreq: 16-byte name, then sockaddr_in
 
 
