@@ -312,3 +312,15 @@ def _enter(fd: int) -> None:
     """In a child between fork and exec: move into the network namespace open at `fd`."""
     if _LIBC.setns(fd, _CLONE_NEWNET) != 0:
         raise OSError(ctypes.get_errno(), "setns into a simulated host failed")
+
+
+def enter(namespace: str) -> None:
+    """Move the calling process onto the host whose namespace is `namespace` (`Cluster.host_ns[i]`).
+    Call it first thing in a freshly started child (a `multiprocessing` one), before it creates a
+    thread or a socket, so that all of them live on that host; `Cluster.close()` kills it with the
+    rest of the cluster."""
+    fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        _enter(fd)
+    finally:
+        os.close(fd)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import itertools
 import logging
 import sys
@@ -53,7 +54,7 @@ from shadowgba.layout import ReplicaLayout
 from shadowgba.network import init_process_group
 from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.ps.dense_server import DENSE_SERVICE, DenseShard
-from shadowgba.ps.membership import Heartbeat, NoticeBoard
+from shadowgba.ps.membership import NOTICE_TIMEOUT_S, Heartbeat, NoticeBoard
 from shadowgba.ps.transport import NO_TRAINER_GROUP, Roles, Transport, failure_message
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
@@ -151,7 +152,7 @@ class Job:
             self._centre = CenterClient(self.require_transport())
         return self._centre
 
-    @property
+    @functools.cached_property
     def notices(self) -> NoticeBoard:
         """This job's notice board (`shadowgba.ps.membership`): who left, and why. In the elastic
         layout, in the servers' store (there is no default group)."""
@@ -185,10 +186,14 @@ class Job:
             error.add_note(f"shadowgba: before this rank failed, {reason}")
         silent = [] if posted else notices.silent_peers(peers)
         causes = [f"trainer {self.roles.trainer_ranks.index(rank)} (rank {rank}) stopped its heartbeat: it probably "
-                  "died or is stuck" for rank in silent]
+                  "died, is stuck, or is cut off from the network" for rank in silent]
+        if not notices.reachable:
+            causes.append(f"this rank (rank {self.roles.rank}) could not reach the job's store within "
+                          f"{NOTICE_TIMEOUT_S:.0f} s: it is cut off from the other hosts (a network partition), "
+                          "or the store's host is down")
         for cause in causes:
             error.add_note(f"shadowgba: before this rank failed, {cause} (the likely cause)")
-        if not posted and not silent and isinstance(error, SyncError) and not _names_a_peer(error):
+        if not posted and not causes and isinstance(error, SyncError) and not _names_a_peer(error):
             error.add_note("shadowgba: no peer posted a failure and every peer's heartbeat is alive: rank unknown")
         reason = "; before it, ".join([repr(error), *causes])
         self.failure = failure_message(self.roles, reason)

@@ -133,3 +133,88 @@ def test_a_wrong_gloo_socket_ifname_is_named_on_every_rank_before_any_group(tmp_
         assert "GLOO_SOCKET_IFNAME=eth7: this host has no interface 'eth7' with an IPv4 address" in output, output[-2000:]
         assert "its interfaces: lo, eth0" in output
     assert elapsed < 60
+
+
+# ------------------------------------------------------------------------------------ network faults
+class FaultJob:
+    """`tests/cluster_job.py` as one torchrun agent per host: each rank trains for `seconds` and
+    reports (wall time, steps, rounds) as it goes, and its end (error included) in `out`."""
+
+    def __init__(self, cluster: Cluster, nprocs: Sequence[int], config: str, out: Path, seconds: float,
+                 extra: Sequence[str] = ()) -> None:
+        self.out = out
+        self.ranks = sum(nprocs)
+        script = [str(ROOT / "tests/cluster_job.py"), "--config", str(ROOT / "examples/configs" / config),
+                  "--seconds", str(seconds), "--out", str(out), *extra]
+        self.agents = cluster.torchrun(script, nprocs, env=environment(), capture=True)
+
+    def progress(self, rank: int) -> list[dict]:
+        path = self.out / f"rank{rank}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def wait_for_rounds(self, ranks: Sequence[int], rounds: int, timeout_s: float = 90) -> None:
+        """Until each of `ranks` has reported `rounds` sync rounds (training and syncing across the links)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(self.progress(rank) and self.progress(rank)[-1]["rounds"] >= rounds for rank in ranks):
+            assert time.monotonic() < deadline, f"no {rounds} rounds within {timeout_s} s: {self.finish(1)}"
+            time.sleep(0.2)
+
+    def finish(self, timeout_s: float) -> list[tuple[int | None, str]]:
+        return finish(self.agents, timeout_s)
+
+    def record(self, rank: int) -> dict:
+        return json.loads((self.out / f"rank{rank}.json").read_text())
+
+    def between(self, rank: int, start: float, end: float) -> tuple[int, int]:
+        """(steps, rounds) rank `rank` made between the wall times `start` and `end`, from its reports."""
+        inside = [report for report in self.progress(rank) if start <= report["t"] <= end]
+        assert len(inside) >= 2, f"rank {rank} reported nothing between {start} and {end}"
+        return inside[-1]["steps"] - inside[0]["steps"], inside[-1]["rounds"] - inside[0]["rounds"]
+
+
+def test_a_link_down_for_less_than_the_timeout_costs_nothing(tmp_path: Path) -> None:
+    """Host 1's link down for 5 s (sync.timeout_s 30): both ranks train on through it, the rounds
+    stop while it is down and resume once it is back, nothing is named, replicas end identical."""
+    with Cluster(2, rate="1gbit") as cluster:
+        job = FaultJob(cluster, [1, 1], "ma.yaml", tmp_path, seconds=20, extra=["--sync.timeout_s", "30"])
+        job.wait_for_rounds([0, 1], 5)
+        cluster.link_down(1)
+        down = time.time()
+        time.sleep(5)
+        cluster.link_up(1)
+        up = time.time()
+        outcomes = job.finish(120)
+    assert_finished(outcomes)
+    records = [job.record(rank) for rank in range(2)]
+    assert all(record["error"] is None for record in records)
+    assert records[0]["checksum"] == records[1]["checksum"]  # the final sync: identical replicas
+    for rank in range(2):
+        steps_down, rounds_down = job.between(rank, down + 0.5, up - 0.5)
+        steps_after, rounds_after = job.between(rank, up, up + 1e9)
+        assert steps_down > 100, f"rank {rank} stopped training while the link was down"
+        assert rounds_down <= 1, f"the fault did not fire: rank {rank} made {rounds_down} rounds while cut off"
+        assert rounds_after >= 5, f"rank {rank}'s rounds did not resume: {rounds_after}"
+    assert not any(word in output for _, output in outcomes for word in ("PeerLost", "heartbeat", "cut off"))
+
+
+def test_a_link_down_past_the_timeout_ends_every_rank_naming_the_unreachable_one(tmp_path: Path) -> None:
+    """Host 1 cut off for good (sync.timeout_s 6): rank 0 ends naming rank 1, rank 1 ends saying it
+    is cut off, both within the timeout plus the notice board's (`NOTICE_TIMEOUT_S`) and a margin."""
+    from shadowgba.ps.membership import NOTICE_TIMEOUT_S
+
+    timeout_s = 6.0
+    with Cluster(2, rate="1gbit") as cluster:
+        job = FaultJob(cluster, [1, 1], "ma.yaml", tmp_path, seconds=60, extra=["--sync.timeout_s", str(timeout_s)])
+        job.wait_for_rounds([0, 1], 5)
+        cluster.link_down(1)
+        down = time.time()
+        outcomes = job.finish(90)
+    records = [job.record(rank) for rank in range(2)]
+    for rank, (code, output) in enumerate(outcomes):
+        assert code == 1, f"host {rank}: exit {code}\n{output[-3000:]}"
+        assert records[rank]["ended_at"] - down < timeout_s + NOTICE_TIMEOUT_S + 5, records[rank]["ended_at"] - down
+    assert "trainer 1 (rank 1) stopped its heartbeat" in records[0]["error"]["traceback"], records[0]["error"]
+    assert "this rank (rank 1) could not reach the job's store" in records[1]["error"]["traceback"], records[1]["error"]
+    assert "rank 0" not in records[1]["error"]["traceback"].split("shadowgba:", 1)[-1]  # the healthy host is not blamed
+    _, rounds_after = job.between(0, down + 1, down + timeout_s - 1)
+    assert rounds_after == 0, "the fault did not fire"

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import itertools
 import os
 import threading
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -42,6 +43,9 @@ HEARTBEAT_LEFT = "left"
 """The heartbeat of a rank that left the job normally (`Heartbeat.stop`)."""
 HEARTBEAT_SILENT_S = 3 * BEAT_INTERVAL_S
 """How long `silent_peers` waits for a heartbeat to advance before it names that rank: a few beats."""
+NOTICE_TIMEOUT_S = 5.0
+"""The longest one read or write of the notice board waits for the store. On a healthy network an
+access takes milliseconds; past this, the store is taken as unreachable from this rank."""
 
 
 def restart_count() -> int:
@@ -51,20 +55,35 @@ def restart_count() -> int:
 
 class NoticeBoard:
     """The notice board of the job named `job` (the same on every rank) in `store` (default: the
-    default group's). Reads and writes never raise: the store's host may be gone."""
+    default group's). Reads and writes never raise, and none waits longer than `NOTICE_TIMEOUT_S`:
+    the store's host may be gone, or this rank cut off from it (a network partition), and a rank
+    must still end within a bounded time. `reachable` says whether the last access got through."""
 
     def __init__(self, job: str, store: dist.Store | None = None) -> None:
         self.job = job
-        self._store = store
+        self._given = store
+        self._store: dist.Store | None = None
+        self._lock = threading.Lock()
+        self._stuck: threading.Thread | None = None
+        """An access that did not return within `NOTICE_TIMEOUT_S` and may still be blocked."""
+        self.reachable = True
+        """Whether the last read or write reached the store (False: it failed or timed out)."""
 
     def post_abort(self, rank: int, reason: str) -> None:
         """Put `reason` on the board as rank `rank`'s: why it left."""
         self._set(self._key(rank), reason)
 
     def aborted_peers(self, ranks: Sequence[int]) -> dict[int, str]:
-        """The ranks among `ranks` that posted an abort, with their reasons."""
-        reasons = {rank: self._read(self._key(rank)) for rank in ranks}
-        return {rank: reason for rank, reason in reasons.items() if reason is not None}
+        """The ranks among `ranks` that posted an abort, with their reasons (those read before the
+        store stopped answering, if it did)."""
+        reasons = {}
+        for rank in ranks:
+            reason = self._read(self._key(rank))
+            if not self.reachable:
+                break
+            if reason is not None:
+                reasons[rank] = reason
+        return reasons
 
     def heartbeat(self, rank: int) -> "Heartbeat":
         """A started `Heartbeat` of rank `rank` on this board."""
@@ -73,34 +92,64 @@ class NoticeBoard:
     def silent_peers(self, ranks: Sequence[int], within_s: float = HEARTBEAT_SILENT_S) -> list[int]:
         """The ranks among `ranks` whose heartbeat did not advance for `within_s`, left ones excepted:
         dead or stuck. Returns as soon as every other one has beaten, so with live peers it waits
-        about `BEAT_INTERVAL_S`. Empty when the board cannot be read."""
+        about `BEAT_INTERVAL_S`. Empty when the board cannot be read (then `reachable` is False)."""
         keys = {rank: self._key(rank, "beat") for rank in ranks}
-        first = {rank: self._read(key) for rank, key in keys.items()}
+        first = {rank: self._read(key) for rank, key in keys.items() if self.reachable}
         waiting = {rank for rank, beat in first.items() if beat != HEARTBEAT_LEFT}
         deadline = time.monotonic() + within_s
-        while waiting and time.monotonic() < deadline:
+        while waiting and self.reachable and time.monotonic() < deadline:
             time.sleep(BEAT_INTERVAL_S / 4)
             waiting = {rank for rank in waiting if self._read(keys[rank]) in (first[rank], None)}
-        return sorted(waiting)
+        return sorted(waiting) if self.reachable else []
 
     def _key(self, rank: int, kind: str = "aborted") -> str:
         return f"shadowgba/attempt_{restart_count()}/{self.job}/{kind}/{rank}"
 
     def _store_now(self) -> dist.Store:
-        return self._store if self._store is not None else dist.distributed_c10d._get_default_store()
+        """The board's own connection to the store, made at first use: a clone of the given (or
+        default) store whose operations time out after `NOTICE_TIMEOUT_S`, so that neither the job's
+        store timeout (minutes) nor another user of the store's connection holds the board."""
+        if self._store is None:
+            given = self._given if self._given is not None else dist.distributed_c10d._get_default_store()
+            try:
+                store = given.clone()
+                store.set_timeout(datetime.timedelta(seconds=NOTICE_TIMEOUT_S))
+            except (AttributeError, NotImplementedError, RuntimeError):  # a store without clone (HashStore)
+                store = given
+            self._store = store
+        return self._store
 
     def _set(self, key: str, value: str) -> None:
-        try:
-            self._store_now().set(key, value)
-        except Exception:  # noqa: BLE001 (the store's host is gone: the peers learn only that the rank left)
-            pass
+        self._access(lambda store: store.set(key, value))
 
     def _read(self, key: str) -> str | None:
-        try:
-            store = self._store_now()
-            return store.get(key).decode() if store.check([key]) else None
-        except Exception:  # noqa: BLE001 (the store's host is gone: nothing can be read)
-            return None
+        return self._access(lambda store: store.get(key).decode() if store.check([key]) else None)
+
+    def _access(self, operation: Callable[[dist.Store], Any]) -> Any:
+        """`operation(store)`'s result, or None when it failed or took longer than `NOTICE_TIMEOUT_S`
+        (then `reachable` is False). A store client cut off from its server can block in a system
+        call for minutes whatever its timeout says, so the operation runs on a thread of its own,
+        left behind if it does not return; while one is left behind, every access fails at once."""
+        with self._lock:
+            if self._stuck is not None and self._stuck.is_alive():
+                self.reachable = False
+                return None
+        outcome: list[tuple[Any]] = []
+
+        def run() -> None:
+            try:
+                outcome.append((operation(self._store_now()),))
+            except Exception:  # noqa: BLE001 (the store's host is gone or cut off)
+                pass
+
+        thread = threading.Thread(target=run, name="shadowgba-notice", daemon=True)
+        thread.start()
+        thread.join(NOTICE_TIMEOUT_S)
+        with self._lock:
+            if thread.is_alive():
+                self._stuck = thread
+            self.reachable = bool(outcome)
+        return outcome[0][0] if outcome else None
 
 
 class Heartbeat:
@@ -119,9 +168,10 @@ class Heartbeat:
         return self
 
     def stop(self) -> None:
-        """Stop beating and mark this rank as left: from then on its silence names no failure."""
+        """Stop beating and mark this rank as left: from then on its silence names no failure. Waits
+        at most about `NOTICE_TIMEOUT_S` for a beat in flight."""
         self._ended.set()
-        self._thread.join()
+        self._thread.join(NOTICE_TIMEOUT_S + BEAT_INTERVAL_S)
         self._board._set(self._key, HEARTBEAT_LEFT)
 
     def _beat(self) -> None:
