@@ -20,6 +20,12 @@ user who creates the default group calls `init_process_group` here instead of to
 `GLOO_SOCKET_IFNAME` by hand. A user's
 own setting is kept, and one that names no interface of this host is refused, naming the host's.
 
+Store accesses under a partition: a torch store client whose server's host is cut off (not gone:
+no connection reset arrives) blocks in a system call for minutes, whatever its timeout says. The
+few accesses a failure path needs (who else failed, is a session newer) go through `bounded`,
+which gives up after a time and leaves the blocked thread behind, so a rank cut off from the
+store still ends, and says so.
+
 Same host: two processes share a host for the parameter-server's shared-memory path only if they
 share the kernel (its boot id) and the network namespace (`host_identity`). Different network
 namespaces are different hosts to gloo (their loopbacks are apart), and the same-host path must
@@ -34,7 +40,8 @@ import functools
 import os
 import socket
 import struct
-from typing import Any
+import threading
+from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
@@ -44,6 +51,39 @@ SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 """The variable gloo reads, at each group's creation, for the interface it listens on."""
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+T = TypeVar("T")
+
+
+class StoreUnreachable(RuntimeError):
+    """A store access failed or did not return in time (`bounded`); `thread` is the one left behind
+    still blocked in it (None when it failed)."""
+
+    def __init__(self, message: str, thread: threading.Thread | None) -> None:
+        super().__init__(message)
+        self.thread = thread
+
+
+def bounded(operation: Callable[[], T], timeout_s: float) -> T:
+    """`operation()`'s result, run on a daemon thread of its own; `StoreUnreachable` when it raised
+    or had not returned after `timeout_s` (then its thread is left behind, blocked)."""
+    outcome: list[tuple[T]] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append((operation(),))
+        except Exception as error:  # noqa: BLE001 (reported to the caller)
+            failure.append(error)
+
+    thread = threading.Thread(target=run, name="shadowgba-store-access", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if outcome:
+        return outcome[0][0]
+    if failure:
+        raise StoreUnreachable(f"the store failed: {failure[0]!r}", None) from failure[0]
+    raise StoreUnreachable(f"the store did not answer within {timeout_s:g} s", thread)
 
 
 def listen_interface(master_addr: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -56,8 +57,8 @@ def finish(agents: Sequence[subprocess.Popen], timeout_s: float) -> list[tuple[i
         try:
             output, _ = agent.communicate(timeout=timeout_s)
             return agent.returncode, output
-        except subprocess.TimeoutExpired:
-            agent.kill()
+        except subprocess.TimeoutExpired:  # the agent and its ranks (a session of their own)
+            os.killpg(agent.pid, signal.SIGKILL)
             return None, agent.communicate()[0]
 
     with ThreadPoolExecutor(len(agents)) as pool:
@@ -159,8 +160,20 @@ class FaultJob:
             assert time.monotonic() < deadline, f"no {rounds} rounds within {timeout_s} s: {self.finish(1)}"
             time.sleep(0.2)
 
-    def finish(self, timeout_s: float) -> list[tuple[int | None, str]]:
-        return finish(self.agents, timeout_s)
+    def finish(self, timeout_s: float, agent_grace_s: float = 15.0) -> list[tuple[int | None, str]]:
+        """Each agent's (exit code, output), once every rank has written its end and the agents have
+        had `agent_grace_s` more to exit (or `timeout_s` passed): torchrun's agent on a cut-off
+        host waits for the others in its exit barrier for minutes (`exit_barrier_timeout`), after
+        its ranks have ended. An agent still running then is killed, and its code reads None."""
+        deadline = time.monotonic() + timeout_s
+        ended_by = None
+        while time.monotonic() < deadline and any(agent.poll() is None for agent in self.agents):
+            if ended_by is None and all((self.out / f"rank{rank}.json").exists() for rank in range(self.ranks)):
+                ended_by = time.monotonic() + agent_grace_s
+            if ended_by is not None and time.monotonic() > ended_by:
+                break
+            time.sleep(0.2)
+        return finish(self.agents, 0.1)
 
     def record(self, rank: int) -> dict:
         return json.loads((self.out / f"rank{rank}.json").read_text())
@@ -218,3 +231,24 @@ def test_a_link_down_past_the_timeout_ends_every_rank_naming_the_unreachable_one
     assert "rank 0" not in records[1]["error"]["traceback"].split("shadowgba:", 1)[-1]  # the healthy host is not blamed
     _, rounds_after = job.between(0, down + 1, down + timeout_s - 1)
     assert rounds_after == 0, "the fault did not fire"
+
+
+def test_a_servers_host_cut_off_ends_every_trainer_naming_the_server(tmp_path: Path) -> None:
+    """GBA, two trainers on host 0 and the server on host 1, whose link goes down for good: each
+    trainer ends naming ps0 within the timeout and a margin (no server restart is configured)."""
+    timeout_s = 6.0
+    with Cluster(2, rate="1gbit") as cluster:
+        job = FaultJob(cluster, [2, 1], "gba.yaml", tmp_path, seconds=60,
+                       extra=["--sync.timeout_s", str(timeout_s), "--sync.ps.rpc_timeout_s", str(timeout_s)])
+        job.wait_for_rounds([0, 1], 5)
+        cluster.link_down(1)
+        down = time.time()
+        outcomes = job.finish(90)
+    assert outcomes[0][0] == 1, outcomes[0][1][-3000:]
+    server = job.record(2)  # it ends too: its trainers depart after the timeout, and it stops
+    assert server["server"] and server["ended_at"] - down < 2 * timeout_s + 10, server
+    for rank in range(2):
+        record = job.record(rank)
+        assert record["error"] is not None and "ps0" in record["error"]["message"], record["error"]
+        assert record["ended_at"] - down < 2 * timeout_s + 10, record["ended_at"] - down
+        assert job.between(rank, down + 1, down + timeout_s - 1)[1] == 0, "the fault did not fire"

@@ -37,6 +37,8 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
+from shadowgba.network import StoreUnreachable, bounded
+
 BEAT_INTERVAL_S = 1.0
 """How often a `Heartbeat` beats, and about how often `silent_peers` reads the beats."""
 HEARTBEAT_LEFT = "left"
@@ -127,29 +129,21 @@ class NoticeBoard:
 
     def _access(self, operation: Callable[[dist.Store], Any]) -> Any:
         """`operation(store)`'s result, or None when it failed or took longer than `NOTICE_TIMEOUT_S`
-        (then `reachable` is False). A store client cut off from its server can block in a system
-        call for minutes whatever its timeout says, so the operation runs on a thread of its own,
-        left behind if it does not return; while one is left behind, every access fails at once."""
+        (then `reachable` is False). While an earlier access is still blocked (`network.bounded`
+        left it behind), every access fails at once."""
         with self._lock:
             if self._stuck is not None and self._stuck.is_alive():
                 self.reachable = False
                 return None
-        outcome: list[tuple[Any]] = []
-
-        def run() -> None:
-            try:
-                outcome.append((operation(self._store_now()),))
-            except Exception:  # noqa: BLE001 (the store's host is gone or cut off)
-                pass
-
-        thread = threading.Thread(target=run, name="shadowgba-notice", daemon=True)
-        thread.start()
-        thread.join(NOTICE_TIMEOUT_S)
-        with self._lock:
-            if thread.is_alive():
-                self._stuck = thread
-            self.reachable = bool(outcome)
-        return outcome[0][0] if outcome else None
+        try:
+            value = bounded(lambda: operation(self._store_now()), NOTICE_TIMEOUT_S)
+        except StoreUnreachable as unreachable:
+            with self._lock:
+                self._stuck = unreachable.thread or self._stuck
+                self.reachable = False
+            return None
+        self.reachable = True
+        return value
 
 
 class Heartbeat:

@@ -43,6 +43,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from shadowgba.network import StoreUnreachable, bounded
+
 
 SESSION_SETUP_S = 30.0
 """The longest one end waits for the other while their session's group is built."""
@@ -52,6 +54,8 @@ POLL_S = 0.01
 """How often a key awaited in the store is looked for. Polled with `check`: a TCPStore client whose
 `wait` timed out is out of step with its server (the late answer is read as the next reply), and
 the client is shared."""
+STOP_WAIT_S = 5.0
+"""The longest `Acceptor.stop` waits for its thread, and `latest_ticket` for the store."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,11 +201,14 @@ def await_key(store: dist.Store, key: str, within_s: float, ended: threading.Eve
             return False
 
 
-def latest_ticket(store: dist.Store, generation: int, server: int, incarnation: int, trainer: int) -> int | None:
-    """Server: the newest session ticket trainer `trainer` took here (None if the store cannot say)."""
+def latest_ticket(store: dist.Store, generation: int, server: int, incarnation: int, trainer: int,
+                  within_s: float) -> int | None:
+    """Server: the newest session ticket trainer `trainer` took here (None if the store cannot say
+    within `within_s`: its host is gone, or this one cut off from it)."""
+    key = server_key(generation, server, incarnation, f"trainer{trainer}/latest")
     try:
-        return int(store.get(server_key(generation, server, incarnation, f"trainer{trainer}/latest")))
-    except Exception:  # noqa: BLE001 (the store's host is gone)
+        return int(bounded(lambda: store.get(key), within_s))
+    except StoreUnreachable:
         return None
 
 
@@ -221,9 +228,11 @@ class Acceptor:
         self._thread.start()
 
     def stop(self) -> None:
-        """End the acceptor (within `POLL_S`); sessions already handed over are not touched."""
+        """End the acceptor (within `POLL_S`, or `STOP_WAIT_S` if a store access holds it: a store
+        cut off from this host can block one for minutes; the thread is left behind then);
+        sessions already handed over are not touched."""
         self._ended.set()
-        self._thread.join()
+        self._thread.join(STOP_WAIT_S)
 
     def _accept(self) -> None:
         ticket = 1

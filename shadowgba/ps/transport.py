@@ -116,7 +116,7 @@ from shadowgba.ps.board import Board
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost, first_line
 from shadowgba.ps.config import PSConfig
 from shadowgba.ps.membership import Roster, lost_trainer, restart_count
-from shadowgba.ps.sessions import (Acceptor, SessionInfo, SessionRefused, await_key, current_incarnation,
+from shadowgba.ps.sessions import (STOP_WAIT_S, Acceptor, SessionInfo, SessionRefused, await_key, current_incarnation,
                                    latest_ticket, request_session, server_incarnation, session_group,
                                    trainer_incarnation)
 
@@ -585,7 +585,7 @@ class Transport:
         deadline = time.monotonic() + (0.0 if error.timed_out else RECONNECT_GRACE_S)
         while True:
             latest = latest_ticket(self._store, self._generation, self.roles.server_index, self.incarnation,
-                                   info.trainer)
+                                   info.trainer, STOP_WAIT_S)
             if latest is not None and latest > info.ticket:
                 return
             if time.monotonic() >= deadline or self._ended.wait(PING_INTERVAL_S / 4):
