@@ -1,7 +1,8 @@
 """One `torchrun` job of `benchmarks/train_dlrm.py`, as the benchmarks launch it.
 
 The single place that knows the launch command: a standalone torchrun of the example with the
-progress bar off and the results written to a JSON file, which is read back. A failed job stops
+progress bar off and the results written to a JSON file, which is read back (`harness_script`: the
+same script and arguments, for a launcher of its own, such as one agent per simulated host). A failed job stops
 the benchmark with the job's output tail (a benchmark with a missing run would compare nothing).
 """
 
@@ -51,6 +52,11 @@ default, since they compare AUCs to 0.002 and the held-out set's own sampling no
 well below that."""
 
 
+def harness_script(arguments: Sequence[str], output: Path) -> list[str]:
+    """The harness and its arguments, as torchrun runs it on every rank: progress off, results to `output`."""
+    return [str(TRAIN_SCRIPT), *arguments, "--train.progress", "false", "--output", str(output)]
+
+
 def run_example(
     label: str, nproc: int, arguments: Sequence[str], output: Path, attempts: int = 1
 ) -> dict[str, Any]:
@@ -58,10 +64,8 @@ def run_example(
     after `attempts` failed jobs. A retry is announced with the failed job's output tail: a long
     matrix should survive a rare crash (e.g. a rank aborting in gloo's teardown after it wrote its
     results) without hiding it."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(TRAIN_SCRIPT), *arguments, "--train.progress", "false", "--output", str(output),
-    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               *harness_script(arguments, output)]
     for attempt in range(1, attempts + 1):
         output.unlink(missing_ok=True)
         job = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)

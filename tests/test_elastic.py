@@ -101,17 +101,18 @@ class Model(nn.Module):
 
 
 def run_process(rank: int, port: int, fault: str, checkpoint_dir: str | None, finish: Any,
-                send: Callable[[tuple], None]) -> None:
-    """One process of the job (`rank`: its SHADOWGBA_RANK): a trainer reports ("start", trainer,
-    incarnation, how far its dense weights moved from the seeded ones when its sync started), then
-    every step as (trainer, incarnation, step, progress, time) until `finish` is set (progress: the
-    global step; under S-EASGD its exchanges with the centre), then ("final", trainer, incarnation,
-    its metrics, row pushes lost to a server's restart), and what ended it if it raised ("error",
-    trainer, incarnation, message); a server reports its index, pid, its dense shard's stats (S-EASGD:
-    its centre slice's), its departures and its tables' stats when the job is over
-    (`checkpoint_dir`: the `server` faults' server checkpoints)."""
+                send: Callable[[tuple], None], master_addr: str = "127.0.0.1") -> None:
+    """One process of the job (`rank`: its SHADOWGBA_RANK; server 0's store at `master_addr`:`port`):
+    a trainer reports ("start", trainer, incarnation, how far its dense weights moved from the
+    seeded ones when its sync started), then every step as (trainer, incarnation, step, progress,
+    time) until `finish` is set (progress: the global step; under S-EASGD its exchanges with the
+    centre), then ("final", trainer, incarnation, its metrics, row pushes lost to a server's
+    restart), and what ended it if it raised ("error", trainer, incarnation, message); a server
+    reports its index, pid, its dense shard's stats (S-EASGD: its centre slice's), its departures
+    and its tables' stats when the job is over (`checkpoint_dir`: the `server` faults' server
+    checkpoints)."""
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{ELASTIC_RANK: str(rank)})
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port), **{ELASTIC_RANK: str(rank)})
     sync_config = config(fault, checkpoint_dir)
     options = shadowgba.ps_table_options(sync_config, TRAINERS, BATCH, lr=0.05)
     job = shadowgba.join(sync_config, tables=[TABLE], table_options=options)
@@ -177,19 +178,53 @@ class Outage:
     continued_exit: int | None
     """The exit code of trainer 1's first process."""
 
+    def describe(self) -> str:
+        """Every process's events, for a failure's message: each trainer process's start, steps
+        (how many, the first and the last), error and end, and each server's report."""
+        zero = min([s[4] for s in self.steps] or [0.0])
+        lines = [f"lost at {None if self.killed_at is None else round(self.killed_at - zero, 2)} s, restarted at "
+                 f"{None if self.restarted_at is None else round(self.restarted_at - zero, 2)} s (times from the "
+                 f"first step); trainer 1's first process exited {self.continued_exit}"]
+        for process in sorted({s[:2] for s in self.steps} | {e[1:3] for e in self.starts + self.errors
+                                                                 + self.trainer_finals}):
+            ours = [s for s in self.steps if s[:2] == process]
+            lines.append(f"trainer {process[0]} incarnation {process[1]}: "
+                         f"{[e[3:] for e in self.starts if e[1:3] == process]} started, {len(ours)} steps"
+                         + (f" (first {ours[0][2:4]} at {ours[0][4] - zero:.2f} s, last {ours[-1][2:4]} at "
+                            f"{ours[-1][4] - zero:.2f} s)" if ours else "")
+                         + f", errors {[e[3] for e in self.errors if e[1:3] == process]}"
+                         + f", final {[e[3:] for e in self.trainer_finals if e[1:3] == process]}")
+        for index, server in enumerate(self.servers):
+            lines.append(f"server {index} (pid {server.pid}, exit {server.exitcode}): {self.finals.get(index)}")
+        return "\n".join(lines)
 
-def lose_trainer_1(fault: str) -> Outage:
+
+Launch = Callable[[Events, int, int, tuple], Any]
+"""How `lose_trainer_1` starts a process: `launch(events, rank, start, args)` starts
+`run_process(rank, *args, send)` as a child of `events` and returns it (`start`: 1 for a rank's
+first process, 2 for trainer 1's restart)."""
+
+
+def launch_here(events: Events, rank: int, start: int, args: tuple) -> Any:
+    """`Launch` on this machine, the store on loopback."""
+    return events.start(run_process, (rank, *args))
+
+
+def lose_trainer_1(fault: str, launch: Launch = launch_here,
+                   cut_off: tuple[Callable[[], None], Callable[[], None]] | None = None) -> Outage:
     """Run the job, lose trainer 1's process once it reported KILL_AT_STEP steps (`stop`: SIGSTOP,
     continued after twice `sync.timeout_s`; otherwise SIGKILL, restarted after RECONNECT_GRACE_S),
-    start it again, and let every trainer finish once the new process reported REJOINED_STEPS steps."""
+    start it again, and let every trainer finish once the new process reported REJOINED_STEPS steps.
+    `launch` starts each process (`Launch`); `cut_off` = (cut, reconnect) loses trainer 1's process
+    by `cut()` (e.g. its host's link down) instead of a signal, and `reconnect()` instead of SIGCONT."""
     context = _context()
     events, finish, port = Events(context), context.Event(), free_port()
     errors: list[tuple] = []
     starts: list[tuple] = []
     trainer_finals: list[tuple] = []
 
-    def start(rank: int) -> Any:
-        return events.start(run_process, (rank, port, fault, None, finish))
+    def start(rank: int, count: int = 1) -> Any:
+        return launch(events, rank, count, (port, fault, None, finish))
 
     servers = [start(TRAINERS + index) for index in range(SERVERS[fault])]
     trainers = {index: start(index) for index in range(TRAINERS)}
@@ -209,23 +244,29 @@ def lose_trainer_1(fault: str) -> Outage:
                 {"error": errors, "start": starts, "final": trainer_finals}.get(event[0], steps).append(event)
             ours = [s for s in steps if s[0] == 1]
             if killed_at is None and ours and ours[-1][2] >= KILL_AT_STEP:
-                os.kill(trainers[1].pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+                if cut_off is not None:
+                    cut_off[0]()
+                else:
+                    os.kill(trainers[1].pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
                 killed_at = time.time()
             elif killed_at is not None and restarted_at is None and time.time() > killed_at + outage_s:
-                if fault == "stop":
+                if cut_off is not None:
+                    cut_off[1]()
+                elif fault == "stop":
                     os.kill(trainers[1].pid, signal.SIGCONT)
                 trainers[1].join(15)  # a continued process must end by itself, naming why
                 continued_exit = trainers[1].exitcode
-                trainers[1] = start(1)
+                trainers[1] = start(1, 2)
                 restarted_at = time.time()
             elif restarted_at is not None and sum(1 for s in ours if s[1] == 2) >= REJOINED_STEPS:
                 finish.set()
     finally:
         finish.set()
         join_or_kill([*servers, *trainers.values()], time.monotonic() + JOIN_S)
-    assert len(finals) == len(servers), f"a server never reported the end of the job; last steps: {steps[-5:]}, {errors}"
-    return Outage(steps, starts, errors, finals, trainer_finals, servers, trainers, killed_at, restarted_at,
-                  continued_exit)
+    outage = Outage(steps, starts, errors, finals, trainer_finals, servers, trainers, killed_at, restarted_at,
+                    continued_exit)
+    assert len(finals) == len(servers), f"a server never reported the end of the job:\n{outage.describe()}"
+    return outage
 
 
 def assert_the_fault_fired_and_the_others_carried_on(outage: Outage, fault: str) -> None:
@@ -264,6 +305,13 @@ def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(faul
     continued process finds itself departed and exits naming why (no hang)."""
     outage = lose_trainer_1(fault)
     assert_the_fault_fired_and_the_others_carried_on(outage, fault)
+    assert_every_push_landed_and_the_restart_trained_on(outage, fault)
+
+
+def assert_every_push_landed_and_the_restart_trained_on(outage: Outage, fault: str) -> None:
+    """GBA: every dense shard ended at the same global step with nothing pending, the restarted
+    trainer 1 started from where the first one had got to, and every push of the survivors and the
+    restarted process reached the servers (of the lost one, all but those in flight)."""
     steps, finals, killed_at = outage.steps, outage.finals, outage.killed_at
     first = [s for s in steps if s[:2] == (1, 1)]
     before = [s for s in first if s[4] <= killed_at]

@@ -252,3 +252,41 @@ def test_a_servers_host_cut_off_ends_every_trainer_naming_the_server(tmp_path: P
         assert record["error"] is not None and "ps0" in record["error"]["message"], record["error"]
         assert record["ended_at"] - down < 2 * timeout_s + 10, record["ended_at"] - down
         assert job.between(rank, down + 1, down + timeout_s - 1)[1] == 0, "the fault did not fire"
+
+
+def test_2d_a_host_cut_off_past_the_timeout_ends_every_rank_naming_the_unreachable_ones(tmp_path: Path) -> None:
+    """2 hosts x 2 ranks, one replica group a host; host 1 cut off for good while training (the
+    harness's progress line on host 0 says it is): every rank ends within the timeout plus the
+    notice board's bound and a margin, host 0's ranks naming ranks 2 and 3 (host 1's), and host 1's
+    saying they are cut off. (Today's `fail` behaviour: the whole job ends.)"""
+    from shadowgba.ps.membership import NOTICE_TIMEOUT_S
+
+    timeout_s = 10.0
+    with Cluster(2, rate="1gbit") as cluster:
+        script = [str(ROOT / "benchmarks/train_dlrm.py"), "--config", str(ROOT / "examples/configs/ma_2d.yaml"),
+                  "--output", str(tmp_path / "out.json"), *SMALL_RUN, "--train.steps", "100000",
+                  "--train.progress", "true", "--sync.timeout_s", str(timeout_s)]
+        agents = cluster.torchrun(script, 2, env=environment(), log_dir=tmp_path, torchrun_args=["--tee", "3"])
+        deadline = time.monotonic() + 120
+        while "step " not in (tmp_path / "host0.log").read_text():  # trainer 0 has trained for 5 s
+            assert time.monotonic() < deadline and all(agent.poll() is None for agent in agents), \
+                (tmp_path / "host0.log").read_text()[-3000:]
+            time.sleep(0.2)
+        cluster.link_down(1)
+        down = time.monotonic()
+        codes = [agents[0].wait(timeout=timeout_s + NOTICE_TIMEOUT_S + 60)]  # host 1's agent waits in torchrun's exit barrier
+        ended = time.monotonic() - down
+        while (tmp_path / "host1.log").read_text().count("could not reach the job's store") < 2 \
+                and time.monotonic() < down + timeout_s + NOTICE_TIMEOUT_S + 60:
+            time.sleep(0.2)
+        logs = [(tmp_path / f"host{host}.log").read_text() for host in range(2)]
+    assert codes == [1], logs[0][-3000:]
+    assert ended < timeout_s + NOTICE_TIMEOUT_S + 30, ended
+    for host, log in enumerate(logs):
+        for local in (0, 1):  # torchrun's --tee prefixes each rank's lines with [default<local rank>]
+            said = "\n".join(line for line in log.splitlines() if line.startswith(f"[default{local}]"))
+            if host == 0:  # host 0's ranks name host 1's (ranks 2, 3), and never each other
+                assert any(f"(rank {peer}) stopped its heartbeat" in said for peer in (2, 3)), said[-4000:]
+                assert not any(f"(rank {peer}) stopped its heartbeat" in said for peer in (0, 1)), said[-4000:]
+            else:
+                assert f"this rank (rank {2 + local}) could not reach the job's store" in said, said[-4000:]
