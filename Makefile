@@ -10,7 +10,7 @@ NPROC ?= 2
 CONFIG ?= examples/configs/bmuf.yaml
 PRESET ?=
 
-.PHONY: setup run test test-hosts test-newer bench bench-quick bench-quality bench-scaling bench-gba bench-2d bench-ps bench-elastic soak clean
+.PHONY: setup run test test-hosts test-newer bench bench-quick bench-quality bench-scaling bench-gba bench-2d bench-ps bench-elastic bench-hosts soak clean
 
 setup: $(STAMP)
 
@@ -94,6 +94,11 @@ bench-ps: $(STAMP)
 # restarted 20 s later, against the same job uninterrupted (benchmarks/bench_elastic.py; runs/bench_elastic.json)
 bench-elastic: $(STAMP)
 	$(PY) benchmarks/bench_elastic.py
+
+# Across hosts (needs root): the flat variants on 2 simulated hosts, links at 1 and 10 Gbit/s, without and
+# with a 3x straggler (benchmarks/bench_hosts.py; runs/bench_hosts.json)
+bench-hosts: $(STAMP)
+	$(PY) benchmarks/bench_hosts.py
 
 # Soak (not in `make test`): random configurations as torchrun jobs with faults, restarts and resumes,
 # for SOAK_MINUTES; the report goes to runs/soak.json (benchmarks/soak.py).

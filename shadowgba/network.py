@@ -17,8 +17,8 @@ created, so the default group, the library's own groups (trainers, replica and s
 the 2D layout, the shadow thread's, the checkpoints') and the parameter-server channels all follow.
 `shadowgba.join` (when it creates the default group) and the PS transport call it themselves; a
 user who creates the default group calls `init_process_group` here instead of torch's, or sets
-`GLOO_SOCKET_IFNAME` by hand. A user's
-own setting is kept, and one that names no interface of this host is refused, naming the host's.
+`GLOO_SOCKET_IFNAME` by hand. A user's own setting is kept, and one that names no interface of
+this host is refused, naming the host's.
 
 Store accesses under a partition: a torch store client whose server's host is cut off (not gone:
 no connection reset arrives) blocks in a system call for minutes, whatever its timeout says. The
