@@ -14,6 +14,10 @@ killed, and a test can report every rank's message and end time, hung ranks incl
 stopped for good (SIGSTOP, never continued) cannot end by itself: with `stopped_for_good`, once
 every other rank has sent its result, the harness kills a stopped one at once (no wait for the
 deadline) and reports it as stopped.
+
+The job's store lives in the harness's process, as under torchrun (whose agent hosts it and tells
+the ranks so with TORCHELASTIC_USE_AGENT_STORE), not in rank 0's: a rank that ends early takes no
+store away from ranks still reporting a failure.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def free_port() -> int:
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
     try:
         torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
         encoded = io.BytesIO()
@@ -119,6 +123,7 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, time
     context = _context()
     results = context.Queue()
     port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the "agent's" store
     processes = [
         context.Process(target=_entry, args=(fn, rank, world_size, port, args, results), daemon=True)
         for rank in range(world_size)
@@ -150,6 +155,7 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, time
             if process.is_alive():
                 process.kill()
                 process.join()
+        del store
     outcomes = []
     for rank, process in enumerate(processes):
         exitcode = process.exitcode
