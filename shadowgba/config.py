@@ -91,13 +91,14 @@ class SyncConfig:
     """A round, all-reduce or push that would bring NaN / Inf into other replicas or the servers is
     refused either way, and so are embedding gradients bound for a peer's table shards and row
     pushes to PS-hosted tables (`shadowgba.nonfinite`). skip: leave that rank's contribution and
-    step out, warn and count it in the metrics (one bad batch does not stop a days-long job); fail:
-    raise `SyncError` naming the rank where it began."""
+    step out, warn and count it in the metrics (one bad batch does not stop a days-long job), and
+    heal a replica whose weights went non-finite with the healthy replicas' consensus at its next
+    round; fail: raise `SyncError` naming the rank where it began."""
     max_skipped_steps: int = 100
     """Under on_nonfinite skip: after this many of a trainer's steps in a row were skipped for NaN /
     Inf (in its loss's gradients, dense or embedding; `shadowgba.nonfinite`), it raises `SyncError`
-    naming itself and the job ends. A trainer whose every step is skipped trains nothing; one bad
-    batch now and then stays far below this."""
+    naming itself and the job ends. A trainer whose every step is skipped trains nothing (no healthy
+    replica heals it, or no round comes); one bad batch now and then stays far below this."""
     log_interval_s: float = 30.0
     """Seconds between reports of the runtime's metrics (`shadowgba.reporting`): an INFO line on the
     `shadowgba` logger and, with a TensorBoard writer, its scalars; 0 disables them (TensorBoard then

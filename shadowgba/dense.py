@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sync_algos.base import FlaggedAllReduce
+from sync_algos.base import FlaggedAllReduce, Reduced
 
 
 def trainable_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
@@ -70,20 +70,21 @@ class DenseParams:
                 view.copy_(param.grad)
 
     def average_(self, group: dist.ProcessGroup | None, flat: torch.Tensor | None = None,
-                 allreduce: FlaggedAllReduce | None = None) -> tuple[int, ...]:
+                 allreduce: FlaggedAllReduce | None = None, heal: bool = False) -> Reduced:
         """w <- mean of the finite w over the ranks of `group` (blocking collective).
 
         The rounds' rule (`sync_algos.base`): a rank whose w holds NaN / Inf contributes nothing
-        and keeps its own w; the others average without it. Returns those ranks (group ranks, the
-        same on every rank), for the caller to warn about or fail on. `flat` (a flat buffer) and
-        `allreduce` (one over `group`): a runtime's own, reused rather than allocated anew."""
+        and, with `heal` (`Reduced.heals`), takes the others' mean too, else keeps its own w; the
+        others average without it. Returns the collective's `Reduced` (`nonfinite_ranks`: group
+        ranks, the same on every rank), for the caller to warn about or fail on. `flat` (a flat
+        buffer) and `allreduce` (one over `group`): a runtime's own, reused rather than allocated anew."""
         flat = self.empty() if flat is None else flat
         self.copy_to(flat)
         allreduce = FlaggedAllReduce(group, flat) if allreduce is None else allreduce
         reduced = allreduce.sum(flat, stop=False)
-        if reduced.own_counted:
+        if reduced.own_counted or (heal and reduced.heals):
             self.copy_from(reduced.mean_())
-        return reduced.nonfinite_ranks
+        return reduced
 
     def add_(self, flat_delta: torch.Tensor) -> None:
         """w <- w + delta."""

@@ -64,6 +64,9 @@ class SyncMetrics:
         self.nonfinite_rounds_skipped = 0
         """Rounds (and final averages) that left some rank's NaN / Inf contribution out
         (`sync.on_nonfinite: skip`); counted on every rank, the bad one included."""
+        self.nonfinite_replicas_healed = 0
+        """Times this rank's NaN / Inf weights (dense, or a table fragment) were replaced by the
+        healthy replicas' consensus (`sync.on_nonfinite: skip`); counted on the healed rank."""
         self._last_applied_step = 0
 
     def record_round(self, seconds: float, bytes_moved: int) -> None:
@@ -94,6 +97,11 @@ class SyncMetrics:
         """A round or final average left a rank's NaN / Inf contribution out."""
         with self._lock:
             self.nonfinite_rounds_skipped += 1
+
+    def record_heal(self) -> None:
+        """This rank's non-finite weights (or a fragment of them) took the healthy replicas' consensus."""
+        with self._lock:
+            self.nonfinite_replicas_healed += 1
 
     def record_step(self, sync_seconds: float) -> None:
         """A training step ended; `sync_seconds` of it were spent in shadowgba code."""
@@ -129,6 +137,7 @@ class SyncMetrics:
                 "sync_gap_steps_max": self.sync_gap_max_steps,
                 "training_sync_s": self.training_sync_s,
                 "nonfinite_rounds_skipped": self.nonfinite_rounds_skipped,
+                "nonfinite_replicas_healed": self.nonfinite_replicas_healed,
                 "nonfinite_steps_skipped": self._guard.skipped_steps if self._guard is not None else 0,
                 "memory_bytes": memory_bytes,
                 "elapsed_s": elapsed,
@@ -145,6 +154,7 @@ class SyncMetrics:
             f"held={s['memory_bytes'] / 2**20:.1f} MiB"
             + (f" nonfinite_skipped={s['nonfinite_rounds_skipped']}" if s["nonfinite_rounds_skipped"] else "")
             + (f" own_steps_skipped={s['nonfinite_steps_skipped']}" if s["nonfinite_steps_skipped"] else "")
+            + (f" healed={s['nonfinite_replicas_healed']}" if s["nonfinite_replicas_healed"] else "")
             + (f" table_rounds={s['table_rounds']} table_cycles={s['table_cycles']} "
                f"fragment_age={s['fragment_age_steps_mean']:.1f} steps (max {s['fragment_age_steps_max']})"
                if "table_rounds" in s else "")

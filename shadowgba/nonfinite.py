@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -142,3 +142,26 @@ def gradients(optimizer: object) -> list[torch.Tensor]:
     optimizer, or TorchRec's keyed / combined one; tables whose optimizer runs in backward have none)."""
     return [param.grad for group in getattr(optimizer, "param_groups", ()) for param in group["params"]
             if isinstance(param, torch.Tensor) and param.grad is not None]
+
+
+def reset_nonfinite_state(optimizer: object, params: Iterable[torch.Tensor]) -> int:
+    """Zero the NaN / Inf entries of `optimizer`'s state for `params` (momentum, Adam's moments ...),
+    leaving finite entries as they are; returns how many state tensors had any. What a healed
+    replica (its weights replaced by the healthy replicas' consensus) does to its own optimizer: a
+    step skipped for NaN / Inf never reaches the state, but a step whose finite gradients overflowed
+    it does, and that state would turn the healed weights non-finite again at the next step. Works
+    on any optimizer whose `state` maps parameters to dicts of tensors, in place (TorchRec's
+    keyed and combined optimizers return the same tensors)."""
+    wanted = {id(param) for param in params}
+    state = getattr(optimizer, "state", None)
+    if not isinstance(state, Mapping):
+        return 0
+    reset = 0
+    for param, values in state.items():
+        if id(param) not in wanted or not isinstance(values, Mapping):
+            continue
+        for value in values.values():
+            if isinstance(value, torch.Tensor) and not is_finite(value):
+                value.masked_fill_(~torch.isfinite(value), 0.0)
+                reset += 1
+    return reset

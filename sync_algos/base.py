@@ -27,8 +27,12 @@ flag). The non-finite rule lives here, once: each rank checks its own contributi
 sent, a bad one is sent as zeros, and the average / centre / block update uses only the counted
 ranks (`n_good` in place of `n`; no counted rank: the round changes nothing). A rank whose own
 contribution was left out takes nothing from the round (`RoundResult.kept_local`): no value from
-it reaches a peer and no peer's reaches it. Every rank sees the same statuses in the same round, so
-what to do about them (skip or fail, leave after an abort) is decided alike everywhere.
+it reaches a peer. A rank left out because its own weights are non-finite has nothing to keep,
+though: when some rank counted, the round gives it the consensus the others reached (MA's and
+BMUF's target, EASGD's centre) to take in place of its weights (`RoundResult.healed`): one round
+heals a diverged replica, and whether it takes the cure is the runtime's policy. Every rank sees the
+same statuses in the same round, so what to do about them (skip or fail, leave after an abort) is
+decided alike everywhere.
 
 Last in the trailer, one *steps* element per rank: the training steps that rank took since its
 previous round (`FlaggedAllReduce.steps`, set by the runtime). It is not part of any algorithm's
@@ -86,7 +90,11 @@ class RoundResult:
     """Ranks that aborted in this round (contributed nothing, raised their stop flag)."""
     kept_local: bool = False
     """True when this rank takes nothing from the round (its own contribution was left out, or no
-    rank's counted): the delta is zero and there is nothing to write back."""
+    rank's counted): the delta is zero and there is nothing to write back, unless `healed`."""
+    healed: bool = False
+    """True when this rank's own weights held NaN / Inf and other ranks' counted (`kept_local` is
+    then True too): the snapshot's buffer holds the round's consensus itself, not a delta, which a
+    runtime that heals puts in place of the weights (`s + (t - s)` would stay NaN)."""
     last: bool = False
     """True when every rank raised its stop flag in this round (for an algorithm without
     collectives, this trainer): the rounds end after it, on every rank alike."""
@@ -113,6 +121,14 @@ class Reduced:
     aborted_ranks: tuple[int, ...]
     fastest_steps: int = 0
     """The most training steps any rank took since its previous round."""
+    own_nonfinite: bool = False
+    """Whether this rank's payload held NaN / Inf (and was left out)."""
+
+    @property
+    def heals(self) -> bool:
+        """Whether this rank's non-finite payload can be replaced by the round's consensus: its own
+        was left out for NaN / Inf, and at least one rank's counted."""
+        return self.own_nonfinite and self.counted > 0
 
     def mean_(self) -> torch.Tensor | None:
         """`total / n_good`, divided in place in `total` (no dense-sized temporary per round), or
@@ -191,6 +207,7 @@ class FlaggedAllReduce:
             nonfinite_ranks=tuple(r for r, value in enumerate(statuses) if value & NONFINITE),
             aborted_ranks=tuple(r for r, value in enumerate(statuses) if value & ABORTED),
             fastest_steps=max(steps),
+            own_nonfinite=bool(statuses[self.rank] & NONFINITE),
         )
 
 
@@ -265,18 +282,25 @@ class SyncAlgorithm(abc.ABC):
         average, reduced = self.average(snapshot, stop)
         return self.result(snapshot, reduced, average)
 
-    def result(self, snapshot: torch.Tensor, reduced: Reduced, target: torch.Tensor | None = None) -> RoundResult:
+    def result(self, snapshot: torch.Tensor, reduced: Reduced, target: torch.Tensor | None = None,
+               consensus: torch.Tensor | None = None) -> RoundResult:
         """This rank's `RoundResult`, with `snapshot` made the delta: `target - snapshot` when
         `target` is given, else `snapshot` already holds it (EASGD computes it before its collective).
         A rank whose own contribution was left out (no rank counted, or not this one) takes nothing
-        from the round: its delta is zero."""
+        from the round: its delta is zero; if it was left out for NaN / Inf while others counted,
+        `snapshot` holds the round's `consensus` instead (default `target`; `RoundResult.healed`)."""
         kept_local = not reduced.own_counted
-        if kept_local:
+        consensus = target if consensus is None else consensus
+        healed = kept_local and reduced.heals and consensus is not None
+        if healed:
+            snapshot.copy_(consensus)
+        elif kept_local:
             snapshot.zero_()
         elif target is not None:
             torch.sub(target, snapshot, out=snapshot)
         return RoundResult(reduced.stop, self.allreduce.bytes_per_call, reduced.nonfinite_ranks,
-                           reduced.aborted_ranks, kept_local, reduced.last, reduced.fastest_steps)
+                           reduced.aborted_ranks, kept_local=kept_local, healed=healed, last=reduced.last,
+                           fastest_steps=reduced.fastest_steps)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every dense-sized tensor the algorithm holds, by name: its all-reduce buffer and its state.

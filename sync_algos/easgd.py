@@ -4,8 +4,8 @@ Per round on trainer i: `d_i = alpha * (s_i - c)`, the replica moves `w_i <- w_i
 centre moves by the sum of all pulls, `c <- c + allreduce(d)`. The sum of the replicas plus the
 centre is therefore conserved by a round. The centre starts at the replicas' average in the first
 round (`SyncAlgorithm.sync`) and stays identical on every rank because it only ever changes by the
-same all-reduced amount. A pull holding NaN / Inf is left out of the sum and its rank keeps its
-own weights (`sync_algos.base`), so the centre only ever takes finite pulls. The variant whose centre is not replicated but exchanged with by each
+same all-reduced amount. A pull holding NaN / Inf is left out of the sum, so the centre only ever takes finite pulls, and
+its rank is offered the centre in place of its weights (`sync_algos.base`). The variant whose centre is not replicated but exchanged with by each
 trainer alone (ShadowSync's S-EASGD, the centre on the parameter servers) is `easgd_ps`; both
 compute the pull with `elastic_pull`.
 """
@@ -70,7 +70,7 @@ class ElasticAveraging(SyncAlgorithm):
         reduced = self.allreduce.sum(pull, stop)
         with self.state_guard:
             self.center += reduced.total  # the finite pulls only (a NaN / Inf pull was sent as zeros)
-        return self.result(snapshot, reduced)
+        return self.result(snapshot, reduced, consensus=self.center)
 
     def start_at(self, consensus: torch.Tensor) -> None:
         self.center.copy_(consensus)

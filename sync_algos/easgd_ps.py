@@ -4,9 +4,10 @@ Same maths as `easgd` (`d = alpha * (s - c)`, `t = s - d`, `c <- c + d`, `elasti
 centre is not replicated: it sits behind the `Centre` interface (in shadowgba, on the parameter
 servers), and each trainer exchanges with it on its own. A round has no collective, so a slow
 trainer slows nobody and the stop flag needs no agreement (each trainer simply leaves its own loop).
-A snapshot holding NaN / Inf is not sent to the centre: the round keeps the trainer's own weights
-and reports the trainer in `nonfinite_ranks` (only to itself: there is no collective to tell the
-others, and no other trainer's weights were at risk). The algorithm is built with its centre as a resource: `build_algorithm("easgd_ps", ..., centre=...)`.
+A snapshot holding NaN / Inf is not sent to the centre: the round reports the trainer in
+`nonfinite_ranks` (only to itself: there is no collective to tell the others, and no other
+trainer's weights were at risk) and offers it the centre, read without moving it, in place of its
+weights (`RoundResult.healed`, as in the collective algorithms). The algorithm is built with its centre as a resource: `build_algorithm("easgd_ps", ..., centre=...)`.
 
 A trainer starts where the centre is (`Centre.init` returns it): at the start of a job that is the
 initial weights every trainer holds; a trainer that joins a job already running (a restarted
@@ -47,6 +48,10 @@ class Centre(abc.ABC):
     def exchange(self, snapshot: torch.Tensor, alpha: float) -> torch.Tensor:
         """One elastic exchange with snapshot `s`: move the centre by `d = alpha * (s - c)` and return `d`."""
 
+    @abc.abstractmethod
+    def read(self) -> torch.Tensor:
+        """The centre as it is, unmoved: what a trainer whose own weights diverged starts again from."""
+
 
 @register
 class ElasticAveragingPS(SyncAlgorithm):
@@ -73,9 +78,10 @@ class ElasticAveragingPS(SyncAlgorithm):
 
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
         if not is_finite(snapshot):  # never sent: the shared centre would pass it to every trainer
-            snapshot.zero_()
-            return RoundResult(stop, 0, nonfinite_ranks=(self.rank,), kept_local=True, last=stop,
-                               fastest_steps=self.allreduce.steps)
+            centre = self.centre.read()
+            snapshot.copy_(centre)
+            return RoundResult(stop, centre.numel() * centre.element_size(), nonfinite_ranks=(self.rank,),
+                               kept_local=True, last=stop, fastest_steps=self.allreduce.steps, healed=True)
         pull = self.centre.exchange(snapshot, self.alpha)
         torch.neg(pull, out=snapshot)  # the delta t - s = -d
         return RoundResult(stop, 2 * pull.numel() * pull.element_size(), last=stop, fastest_steps=self.allreduce.steps)

@@ -34,10 +34,11 @@ INITIAL = torch.linspace(-1.0, 1.0, SIZE, dtype=torch.float64)
 
 def target_of(round_fn: Callable[..., RoundResult], snapshot: torch.Tensor, stop: bool = False) -> tuple[RoundResult, torch.Tensor]:
     """Run a round (`algorithm.round` or `.sync`) on a copy of `snapshot`, which the round turns into
-    the delta `t - s`; return its result and the target `s + (t - s)`."""
+    the delta `t - s` (or, healed, the consensus `t` itself); return its result and the target
+    `s + (t - s)` (or `t`)."""
     delta = snapshot.clone()
     result = round_fn(delta, stop=stop)
-    return result, snapshot + delta
+    return result, delta if result.healed else snapshot + delta
 
 
 def run_rounds(rank: int, world_size: int, name: str, options: dict, rounds: int) -> dict:
@@ -301,6 +302,9 @@ class ScriptedCentre(Centre):
         self.exchanges.append((snapshot.clone(), alpha))
         return self.pulls[len(self.exchanges) - 1]
 
+    def read(self) -> torch.Tensor:
+        return self.running.clone() if self.running is not None else self.initial.clone()
+
 
 def easgd_ps_rounds(rank: int, world_size: int, stops: list[bool]) -> dict:
     """S-EASGD against a scripted centre: the algorithm only talks to its `Centre`."""
@@ -442,7 +446,8 @@ def test_is_finite_finds_every_nan_and_infinity_and_passes_finite_values_whose_s
 def test_a_nonfinite_contribution_is_left_out_and_an_aborting_rank_stops_its_peers(three_ranks: dict) -> None:
     """3 ranks: rank 1's snapshot holds NaN / Inf in rounds 0 and 2, every rank's in round 1, and rank 2
     aborts in round 3. Good ranks follow each formula over the good ranks only (n_good for n); the bad
-    rank keeps its own snapshot; a round with no good rank changes nothing; the abort round stops
+    rank is offered the good ranks' consensus (healed: the average, BMUF's block start, EASGD's
+    centre); a round with no good rank changes nothing and heals nobody; the abort round stops
     everyone and names rank 2, its peers averaging without it. Nothing non-finite reaches any state."""
     names = ["ma", "easgd", "bmuf"]
     results = three_ranks["nonfinite-and-abort"]
@@ -452,8 +457,8 @@ def test_a_nonfinite_contribution_is_left_out_and_an_aborting_rank_stops_its_pee
             for rank in range(3):
                 result = runs[rank][r]["result"]
                 assert result.nonfinite_ranks == tuple(sorted(bad)) and not result.stop and result.aborted_ranks == ()
-                assert result.kept_local == (rank in bad)
-                if rank in bad:  # its own weights, untouched (NaN where they were NaN)
+                assert result.kept_local == (rank in bad) and result.healed == (rank in bad and len(bad) < 3)
+                if rank in bad and not result.healed:  # its own weights, untouched (NaN where they were NaN)
                     torch.testing.assert_close(runs[rank][r]["target"], poisoned(rank, r), equal_nan=True)
                 for value in runs[rank][r]["state"].values():
                     assert torch.isfinite(value).all(), (name, r, rank)
@@ -463,7 +468,7 @@ def test_a_nonfinite_contribution_is_left_out_and_an_aborting_rank_stops_its_pee
                     torch.testing.assert_close(value, states[0][key])
         good = [0, 2]
         first_average = snapshots(3, 0)[good].mean(0)
-        for rank in good:  # round 0: the consensus start over ranks 0 and 2
+        for rank in range(3):  # round 0: the consensus start over ranks 0 and 2, which heals rank 1
             torch.testing.assert_close(runs[rank][0]["target"], first_average)
         for key, value in runs[0][1]["state"].items():  # round 1: nobody good, nothing changed
             torch.testing.assert_close(value, runs[0][0]["state"][key])
@@ -480,6 +485,8 @@ def test_a_nonfinite_contribution_is_left_out_and_an_aborting_rank_stops_its_pee
             expected = {rank: first_average + block + (2 / 3) * block for rank in good}
         for rank in good:
             torch.testing.assert_close(runs[rank][2]["target"], expected[rank])
+        consensus = runs[0][2]["state"]["center"] if name == "easgd" else expected[0]  # ma, bmuf: every target alike
+        torch.testing.assert_close(runs[1][2]["target"], consensus)  # rank 1 healed
         for rank in (0, 1):  # round 3: rank 2 aborted; ranks 0 and 1 stop, and average without it
             result = runs[rank][3]["result"]
             assert result.stop and result.aborted_ranks == (2,) and result.nonfinite_ranks == () and not result.kept_local
@@ -487,13 +494,14 @@ def test_a_nonfinite_contribution_is_left_out_and_an_aborting_rank_stops_its_pee
             torch.testing.assert_close(runs[0][3]["target"], snapshots(3, 3)[:2].mean(0))
 
 
-def test_easgd_ps_never_sends_a_nonfinite_snapshot_to_its_centre(two_ranks: dict) -> None:
-    """Each trainer's own centre: a trainer reports only itself (there is no collective to tell the others)."""
+def test_easgd_ps_never_sends_a_nonfinite_snapshot_to_its_centre_and_is_healed_by_it(two_ranks: dict) -> None:
+    """Each trainer's own centre: a trainer reports only itself (there is no collective to tell the
+    others), and is offered the centre, read without an exchange."""
     for rank, result in enumerate(two_ranks["easgd_ps-poisoned"]):
         assert result["exchanges"] == 1  # only the finite snapshot reached the centre
         bad, target = result["bad"]
-        assert bad.kept_local and bad.nonfinite_ranks == (rank,) and bad.bytes_moved == 0
-        torch.testing.assert_close(target, poisoned(rank, 0), equal_nan=True)
+        assert bad.kept_local and bad.healed and bad.nonfinite_ranks == (rank,)
+        torch.testing.assert_close(target, INITIAL)  # the centre, still where the trainer started it
 
 
 def easgd_ps_poisoned_round(rank: int, world_size: int) -> dict:

@@ -10,15 +10,19 @@ ranks, `tiny_dmp`'s model, wired as a user does: `join` + `dense_sync`) runs, in
   pushes are dropped, it installs the shards' parameters and trains on; the job finishes.
 - gba in GBA mode over PS-hosted tables (2 trainers + 1 server), skip: the same, and its row pushes
   are dropped and counted by the server instead of ending the job.
+- easgd_ps (2 trainers + 1 server holding the centre, a round every step) under skip: the bad
+  trainer's snapshot never reaches the centre, and it takes the centre, read unmoved, in its place.
 - ma (3 trainers, a round every step) under fail: the bad trainer's own error names it and what
   was caught; every other trainer's names it, and only it.
 - ma under skip with `max_skipped_steps` 3, trained by TorchRec's `TrainPipelineSparseDist` (it calls
-  the sharded tables' `compute_and_output_dist` itself, where the hook sits): the bad trainer (whose
-  weights no round repairs) skips three steps, then ends the job naming itself; the others name it.
+  the sharded tables' `compute_and_output_dist` itself, where the hook sits): the bad trainer skips
+  its step, takes the others' average at the round after it (healed), and trains on to the end.
+- the same with every trainer's weights NaN: no healthy replica exists, so no round heals anyone and
+  `max_skipped_steps` is the backstop: each trainer skips three steps, then ends naming itself.
 
-Every job: the fault fired on trainer 1 alone, and every other trainer's dense weights and table
-shards (or the server's tables) end finite. The ma jobs come last: a trainer that ends by an error
-may leave a peer in TorchRec's all-to-all until its process exits.
+Every job but the last: the fault fired on trainer 1 alone, and every other trainer's dense weights
+and table shards (or the server's tables) end finite. The ma jobs come last: a trainer that ends by
+an error may leave a peer in TorchRec's all-to-all until its process exits.
 """
 
 from __future__ import annotations
@@ -104,7 +108,9 @@ def nan_job(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     else:
         model, optimizer = tiny_dmp.build(dmp_kwargs=job.dmp_kwargs())
         dense = [param for _, param in dense_named_parameters(model)]
-    faults = FaultInjector(job.trainer_index, params=dense).nan_at(1, NAN_STEP)
+    faults = FaultInjector(job.trainer_index, params=dense)
+    for trainer in case.get("nan", [1]):
+        faults.nan_at(trainer, NAN_STEP)
     record: dict[str, Any] = {"role": f"trainer {job.trainer_index}", "error": None, "steps": 0}
     sync = shadowgba.dense_sync(model, optimizer, job, local_batch_size=tiny_dmp.BATCH)
     pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("cpu")) if case.get("pipeline") else None
@@ -152,11 +158,15 @@ def sync_section(algo: str, servers: int, **options: Any) -> dict[str, Any]:
 JOBS = {
     "gba-torchrec": {"tables": "torchrec", "steps": GBA_STEPS, "sync": sync_section("gba", 1)},
     "gba-ps": {"tables": "ps", "steps": GBA_STEPS, "sync": sync_section("gba", 1)},
+    "easgd_ps-skip": {"tables": "torchrec", "steps": MA_STEPS, "sync": sync_section(
+        "easgd_ps", 1, mode="foreground", foreground_every=1, first_round_after=0, max_skipped_steps=3)},
     "ma-fail": {"tables": "torchrec", "steps": MA_STEPS, "sync": sync_section(
         "ma", 0, mode="foreground", foreground_every=1, first_round_after=0, on_nonfinite="fail")},
     "ma-skip": {"tables": "torchrec", "steps": MA_STEPS, "sync": sync_section(
         "ma", 0, mode="foreground", foreground_every=1, first_round_after=0, max_skipped_steps=3),
         "pipeline": True},
+    "ma-skip-all": {"tables": "torchrec", "steps": MA_STEPS, "nan": [0, 1, 2], "sync": sync_section(
+        "ma", 0, mode="foreground", foreground_every=1, first_round_after=0, max_skipped_steps=3)},
 }
 
 
@@ -218,15 +228,54 @@ def test_under_fail_the_bad_trainer_ends_the_job_and_every_error_names_it_alone(
         assert_names_rank_1_alone(records[rank]["error"])
 
 
-def test_under_skip_a_trainer_whose_every_step_is_skipped_ends_the_job_naming_itself(
+def test_under_skip_the_bad_replica_takes_the_others_average_and_trains_on(
         jobs: dict[str, list[dict[str, Any]]]) -> None:
     records = jobs["ma-skip"]
     assert_only_trainer_1_went_bad(records)
     bad = records[1]
-    assert "3 of its steps in a row skipped" in bad["error"]["text"], records
-    assert bad["error"]["text"].startswith("trainer 1 (rank 1): "), records
-    assert bad["metrics"]["nonfinite_steps_skipped"] == 3 and bad["steps"] == NAN_STEP + 2, records
-    for rank in (0, 2):
-        record = records[rank]
-        assert_names_rank_1_alone(record["error"])
-        assert record["metrics"]["nonfinite_rounds_skipped"] >= 2, records  # the rounds left rank 1 out
+    assert bad["metrics"]["nonfinite_steps_skipped"] == 1 and bad["metrics"]["nonfinite_replicas_healed"] == 1, records
+    for record in records:
+        assert record["error"] is None and record["steps"] == MA_STEPS and record["dense_finite"], records
+        assert record["metrics"]["nonfinite_rounds_skipped"] == 1, records  # one round left rank 1 out, and healed it
+    assert bad["streak"] == 0 and records[0]["metrics"]["nonfinite_replicas_healed"] == 0, records
+
+
+def test_under_skip_an_easgd_ps_trainer_gone_bad_takes_the_centre_and_trains_on(
+        jobs: dict[str, list[dict[str, Any]]]) -> None:
+    records = jobs["easgd_ps-skip"]
+    assert_only_trainer_1_went_bad(records)
+    first, bad = trainers(records)
+    assert bad["metrics"]["nonfinite_steps_skipped"] == 1 and bad["metrics"]["nonfinite_replicas_healed"] == 1, records
+    for record in (first, bad):
+        assert record["error"] is None and record["steps"] == MA_STEPS and record["dense_finite"], records
+    assert first["metrics"]["nonfinite_rounds_skipped"] == 0, records  # no collective: trainer 0 saw nothing
+
+
+def test_under_skip_with_no_healthy_replica_every_trainer_ends_naming_itself(
+        jobs: dict[str, list[dict[str, Any]]]) -> None:
+    records = jobs["ma-skip-all"]
+    for index, record in enumerate(records):
+        assert record["fired"] == [("nan", index, NAN_STEP)], records
+        assert "3 of its steps in a row skipped" in record["error"]["text"], records
+        assert record["error"]["text"].startswith(f"trainer {index} (rank {index}): "), records
+        assert record["metrics"]["nonfinite_steps_skipped"] == 3 and record["steps"] == NAN_STEP + 2, records
+        assert record["metrics"]["nonfinite_replicas_healed"] == 0, records
+
+
+def test_a_healed_replicas_optimizer_state_loses_its_nonfinite_entries_and_keeps_the_rest() -> None:
+    from shadowgba.nonfinite import reset_nonfinite_state
+    weights, other = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.Adam([weights, other])
+    for param in (weights, other):
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    moments = optimizer.state[weights]
+    moments["exp_avg"][1] = math.inf
+    moments["exp_avg_sq"][2] = math.nan
+    optimizer.state[other]["exp_avg"][0] = math.nan  # not one of the healed parameters: left alone
+    kept = moments["exp_avg"][0].item()
+    assert reset_nonfinite_state(optimizer, [weights]) == 2
+    assert torch.isfinite(moments["exp_avg"]).all() and torch.isfinite(moments["exp_avg_sq"]).all()
+    assert moments["exp_avg"][1] == 0 and moments["exp_avg_sq"][2] == 0 and moments["exp_avg"][0] == kept
+    assert torch.isnan(optimizer.state[other]["exp_avg"][0])
+    assert reset_nonfinite_state(object(), [weights]) == 0  # no state to reset

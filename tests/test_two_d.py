@@ -194,15 +194,28 @@ def test_a_resumed_2d_job_equals_the_uninterrupted_one(four_ranks: dict) -> None
         assert run["dense_replica_max_abs_diff"] == 0.0 and run["table_replica_max_abs_diff"] == 0.0
 
 
-def test_nan_in_one_replica_never_reaches_the_other_group(four_ranks: dict) -> None:
-    """Rank 1 (group 0) turns NaN after step 10: its group's rank 0 reads its NaN rows through the
-    all-to-all, but the rounds leave both out, so group 1 (ranks 2, 3) ends finite and counts them."""
+def test_a_nan_replica_is_healed_by_its_partners_and_every_rank_finishes(four_ranks: dict) -> None:
+    """Rank 1 (group 0) turns NaN, dense weights and table rows, after step 10 (a round every 3 steps).
+    Until the next round its steps are skipped, and so are its group partner's, which read its NaN
+    rows through the all-to-all; nothing NaN leaves either. That round heals it: its dense weights
+    take the others' average, its NaN fragment the rows and optimizer state of its replica partner
+    (rank 3). Then every rank trains on to the end, and the replicas end identical and finite."""
     results = four_ranks["nan"]
     assert results[1]["fired"] == 10 and all(result["fired"] is None for index, result in enumerate(results) if index != 1)
-    for rank in (2, 3):
-        assert all(torch.isfinite(tensor).all() for tensor in results[rank]["dense"] + results[rank]["tables"])
+    assert all(result["error"] is None for result in results), [result["error"] for result in results]
+    for result in results:
+        assert all(torch.isfinite(tensor).all() for tensor in result["dense"] + result["tables"])
+        assert result["metrics"]["steps"] == STEPS
+    healed = [result["metrics"]["nonfinite_replicas_healed"] for result in results]
+    assert healed[1] == 2 and healed[0] == healed[2] == healed[3] == 0, healed  # its dense weights, one fragment
+    assert results[1]["metrics"]["nonfinite_steps_skipped"] == 2  # steps 11 and 12, until the round at 12
+    for rank in (2, 3):  # the other group saw rank 1 left out of the round that healed it
         assert results[rank]["metrics"]["nonfinite_rounds_skipped"] > 0
-    assert not all(torch.isfinite(tensor).all() for tensor in results[1]["tables"])
+        assert results[rank]["metrics"]["nonfinite_steps_skipped"] == 0
+    for rank in range(1, 4):
+        assert _max_diff(results[0]["dense"], results[rank]["dense"]) == 0.0
+    for first, partner in ((0, 2), (1, 3)):
+        assert _max_diff(results[first]["tables"], results[partner]["tables"]) == 0.0
 
 
 STALL_TIMEOUT_S = 6.0

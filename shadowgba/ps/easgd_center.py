@@ -199,13 +199,15 @@ class CenterClient(Centre):
     def exchange(self, snapshot: torch.Tensor, alpha: float) -> torch.Tensor:
         return torch.cat(self._call_each_slice("pull", snapshot, alpha))
 
+    def read(self) -> torch.Tensor:
+        return torch.cat(self._call_each("center", [()] * self.num_servers))
+
     def state_dict(self) -> dict[str, Any]:
         """On trainer 0 the whole centre, gathered from every server's slice, and the server count; {} elsewhere."""
         self._require_layout()
         if not self._saving_trainer():
             return {}
-        slices = self._call_each("center", [()] * self.num_servers)
-        return {"num_servers": self.num_servers, "centre": torch.cat(slices)}
+        return {"num_servers": self.num_servers, "centre": self.read()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()` output onto the servers (trainer 0; the others have nothing to do).

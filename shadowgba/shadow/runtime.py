@@ -56,7 +56,7 @@ from shadowgba.shadow.control import ControlFile, LiveSettings
 from shadowgba.shadow.pacing import RoundPacer
 from shadowgba.shadow.tables import TableFragments
 from shadowgba.metrics import SyncMetrics
-from shadowgba.nonfinite import NonFiniteGuard, gradients
+from shadowgba.nonfinite import NonFiniteGuard, gradients, reset_nonfinite_state
 from shadowgba.step_hook import StepHook
 from shadowgba.dense import DenseParams, trainable_named_parameters
 from shadowgba.shadow.writeback import DirectWriteBack, HandoffWriteBack, WriteBack, wait_for_device
@@ -117,6 +117,9 @@ class ShadowSync(DenseSync):
         self._stop_requested = threading.Event()
         self._aborting = threading.Event()  # abort(): the next round is this rank's aborted one
         self._nonfinite_seen: tuple[int, ...] = ()  # the last round's bad ranks, to warn once per change
+        self._heals = config.on_nonfinite == "skip"
+        """Whether this rank's NaN / Inf weights take the healthy replicas' consensus when a round
+        offers it (`RoundResult.healed`); under fail the job ends instead."""
         self._first_round_due = threading.Event()  # set after `first_round_after` steps or at close
         self._rounds_finished = False
         self._round_lock = threading.Lock()  # algorithm state: rounds vs load_state_dict()
@@ -218,8 +221,10 @@ class ShadowSync(DenseSync):
             group, self._group, self._running = self._group, None, False
         try:
             if self._error is None and final_sync and group is not None:
-                nonfinite = self.dense.average_(group, self._snapshot, self._algorithm.allreduce)
-                self._check_flags(self._global_ranks(nonfinite, group), (), "the final average")
+                reduced = self.dense.average_(group, self._snapshot, self._algorithm.allreduce, heal=self._heals)
+                if reduced.heals and self._heals:
+                    self._heal_optimizer()
+                self._check_flags(self._global_ranks(reduced.nonfinite_ranks, group), (), "the final average")
                 if self.tables is not None and self._error is None:
                     self._table_rounds(len(self.tables.fragments), None)
         finally:
@@ -430,11 +435,27 @@ class ShadowSync(DenseSync):
         if self._table_writeback is not None:
             self._table_writeback.on_step_boundary()
 
-    def _record_applied(self) -> None:
+    def _record_applied(self, replaced: bool) -> None:
+        """A round's result reached the dense weights (at a step boundary, or in the round with
+        direct write-back); `replaced`: they were healed, so is the optimizer state."""
         self.metrics.record_applied(self._step)
+        if replaced:
+            self._heal_optimizer()
 
-    def _record_table_applied(self) -> None:
+    def _heal_optimizer(self) -> None:
+        """The dense weights were healed: so is their optimizer state (`reset_nonfinite_state`)."""
+        reset = sum(reset_nonfinite_state(optimizer, self.dense.params) for optimizer in self._step_hook.optimizers)
+        self._record_heal("dense weights", f"; {reset} optimizer state tensors reset" if reset else "")
+
+    def _record_table_applied(self, replaced: bool) -> None:
         self.tables.mark_applied(self._step)
+        if replaced:
+            self._record_heal(f"table fragment {self.tables.cursor} (rows and their optimizer state)", "")
+
+    def _record_heal(self, what: str, extra: str) -> None:
+        self.metrics.record_heal()
+        logger.warning("shadowgba: %s: its %s held NaN / Inf and took the healthy replicas' consensus at step %d%s "
+                       "(sync.on_nonfinite: skip)", self.guard.name, what, self._step, extra)
 
     def _fragment_ages(self) -> dict[str, float]:
         """The tables' counters for `metrics`: cycles done, the age of the fragments now in steps,
@@ -463,11 +484,12 @@ class ShadowSync(DenseSync):
                 return True
             reduced = self.tables.average(buffer, delta=writeback is not None)
             self.metrics.record_table_round(time.perf_counter() - started, self.tables.allreduce.bytes_per_call)
-            if reduced.own_counted and writeback is None:
+            replace = not reduced.own_counted and reduced.heals and self._heals
+            if (reduced.own_counted or replace) and writeback is None:
                 self.tables.copy_from(buffer)
-                self._record_table_applied()
-            elif reduced.own_counted:
-                writeback.apply(buffer)
+                self._record_table_applied(replace)
+            elif reduced.own_counted or replace:
+                writeback.apply(buffer, replace)
             group = self.tables.group
             nonfinite = tuple(dist.get_global_rank(group, rank) for rank in reduced.nonfinite_ranks)
             if self._check_flags(nonfinite, (), "a table round"):
@@ -495,8 +517,8 @@ class ShadowSync(DenseSync):
             result = self._algorithm.sync(self._snapshot, stop)  # leaves the delta t - s in the snapshot's buffer
         self._pacer.round_ended(result.fastest_steps)
         self.metrics.record_round(time.perf_counter() - started, result.bytes_moved)
-        if not result.kept_local:  # a rank left out of the round keeps its own weights
-            self._writeback.apply(self._snapshot)
+        if not result.kept_local or (result.healed and self._heals):  # else a rank left out keeps its own weights
+            self._writeback.apply(self._snapshot, replace=result.healed)
         failed = self._check_flags(
             self._global_ranks(result.nonfinite_ranks), self._global_ranks(result.aborted_ranks), "a round"
         )

@@ -210,14 +210,15 @@ class TableFragments:
         """Collective on the replica group: `snapshot` (a `copy_to` result) becomes the delta
         `avg - s` of the finite partners' fragments, or zero when this rank's was left out; with
         `delta=False`, the average itself (the final sync assigns it: `s + (avg - s)` is `avg` only
-        up to rounding, which would leave the replicas apart by an ulp)."""
+        up to rounding, which would leave the replicas apart by an ulp). A fragment left out for NaN
+        / Inf while a partner's counted (`Reduced.heals`) gets the average itself too: its rows and
+        their optimizer state become the partners', whatever `delta` says."""
         reduced = self.allreduce.sum(snapshot, stop=False)
         mean = reduced.mean_()
-        if reduced.own_counted and mean is not None:
-            if delta:
-                torch.sub(mean, snapshot, out=snapshot)
-            else:
-                snapshot.copy_(mean)
+        if reduced.own_counted and mean is not None and delta:
+            torch.sub(mean, snapshot, out=snapshot)
+        elif (reduced.own_counted or reduced.heals) and mean is not None:
+            snapshot.copy_(mean)
         else:
             snapshot.zero_()
         return reduced

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -33,10 +33,20 @@ def wait_for_device(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-class WriteBack(abc.ABC):
-    """Moves snapshots out of and deltas into the live parameters."""
+def write(params: DenseParams | Any, flat: torch.Tensor, replace: bool) -> None:
+    """`params <- flat` when `replace`, else `params += flat`."""
+    if replace:
+        params.copy_from(flat)
+    else:
+        params.add_(flat)
 
-    def __init__(self, params: DenseParams, on_applied: Callable[[], None]) -> None:
+
+class WriteBack(abc.ABC):
+    """Moves snapshots out of and deltas into the live parameters (`params`: anything with
+    `copy_to`, `add_` and `copy_from` of a flat buffer: `DenseParams`, `TableFragments`).
+    `on_applied(replaced)` runs where a delta (False) or a replacement (True) reached them."""
+
+    def __init__(self, params: DenseParams | Any, on_applied: Callable[[bool], None]) -> None:
         self.params = params
         self._on_applied = on_applied
 
@@ -46,8 +56,10 @@ class WriteBack(abc.ABC):
         False when `cancel()` ended the wait first (`out` is then not a snapshot)."""
 
     @abc.abstractmethod
-    def apply(self, delta: torch.Tensor) -> None:
-        """Bring `delta = t - s` into the live parameters (now, or at the next step boundary).
+    def apply(self, delta: torch.Tensor, replace: bool = False) -> None:
+        """Bring `delta = t - s` into the live parameters (now, or at the next step boundary); with
+        `replace`, `delta` is `t` itself and replaces them (a healed replica: its own held NaN / Inf,
+        and so does any progress made since its snapshot).
 
         `delta` stays the caller's buffer, unchanged until the next `snapshot()` returns (which
         applies it first): the runtime reuses one buffer for snapshot and delta."""
@@ -66,9 +78,9 @@ class DirectWriteBack(WriteBack):
         self.params.copy_to(out)
         return True
 
-    def apply(self, delta: torch.Tensor) -> None:
-        self.params.add_(delta)
-        self._on_applied()
+    def apply(self, delta: torch.Tensor, replace: bool = False) -> None:
+        write(self.params, delta, replace)
+        self._on_applied(replace)
 
 
 class HandoffWriteBack(WriteBack):
@@ -78,6 +90,7 @@ class HandoffWriteBack(WriteBack):
         super().__init__(params, on_applied)
         self._lock = threading.Lock()
         self._pending_delta: torch.Tensor | None = None
+        self._pending_replaces = False
         self._snapshot_request: torch.Tensor | None = None
         self._snapshot_served = threading.Event()
         self._cancelled = False
@@ -97,19 +110,19 @@ class HandoffWriteBack(WriteBack):
             self._cancelled = True
             self._snapshot_served.set()
 
-    def apply(self, delta: torch.Tensor) -> None:
+    def apply(self, delta: torch.Tensor, replace: bool = False) -> None:
         wait_for_device(self.params.device)
         with self._lock:
             if self._pending_delta is not None:
                 raise RuntimeError("a delta is still pending: snapshot() must come between two apply() calls")
-            self._pending_delta = delta
+            self._pending_delta, self._pending_replaces = delta, replace
 
     def on_step_boundary(self) -> None:
         with self._lock:
             if self._pending_delta is not None:
-                self.params.add_(self._pending_delta)
+                write(self.params, self._pending_delta, self._pending_replaces)
                 self._pending_delta = None
-                self._on_applied()
+                self._on_applied(self._pending_replaces)
             if self._snapshot_request is not None:
                 self.params.copy_to(self._snapshot_request)
                 wait_for_device(self.params.device)
