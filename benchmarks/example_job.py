@@ -9,10 +9,11 @@ the benchmark with the job's output tail (a benchmark with a missing run would c
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from shadowgba.config import SyncConfig
 
@@ -58,17 +59,18 @@ def harness_script(arguments: Sequence[str], output: Path) -> list[str]:
 
 
 def run_example(
-    label: str, nproc: int, arguments: Sequence[str], output: Path, attempts: int = 1
+    label: str, nproc: int, arguments: Sequence[str], output: Path, attempts: int = 1,
+    environment: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run the example on `nproc` ranks with `arguments`; returns its results, or exits naming `label`
-    after `attempts` failed jobs. A retry is announced with the failed job's output tail: a long
+    """Run the example on `nproc` ranks with `arguments` (and `environment` over this process's);
+    returns its results, or exits naming `label` after `attempts` failed jobs. A retry is announced with the failed job's output tail: a long
     matrix should survive a rare crash (e.g. a rank aborting in gloo's teardown after it wrote its
     results) without hiding it."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                *harness_script(arguments, output)]
     for attempt in range(1, attempts + 1):
         output.unlink(missing_ok=True)
-        job = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        job = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(environment or {})})
         if job.returncode == 0:
             return json.loads(output.read_text())
         print(f"{label} failed (exit {job.returncode}, attempt {attempt} of {attempts}):\n"

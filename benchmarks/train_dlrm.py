@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -73,15 +74,16 @@ def run(
     meter = ResourceMeter()
     data = open_dataset(config.data)
     job = join(config, data, backend)  # a server rank serves in here until every trainer is done
-    results, window = None, []
+    results, window, members = None, [], ()
     if not job.is_server:
         try:
-            results, window = run_trainer(config, data, job, device, checkpoints or CheckpointOptions(), meter)
+            results, window, members = run_trainer(config, data, job, device, checkpoints or CheckpointOptions(),
+                                                   meter)
             results["wall_s"] = time.perf_counter() - wall_start
         finally:
             job.close()
-    by_rank = gather_resources(meter, job.is_server, window)
-    if results is None:
+    by_rank = gather_resources(meter, job, window, members)
+    if results is None or by_rank is None:
         return None
     return {**results, "resources": resource_summary(by_rank, results["samples_in_window"], results["dense_mib"])}
 
@@ -89,9 +91,11 @@ def run(
 def run_trainer(
     config: ExperimentConfig, data: CTRData, job: shadowgba.Job, device: torch.device, options: CheckpointOptions,
     meter: ResourceMeter,
-) -> tuple[dict[str, Any], list[Interval]]:
-    """Build, train (from the latest checkpoint with --resume), close the sync, evaluate; the results
-    and the timed window as wall-clock intervals."""
+) -> tuple[dict[str, Any], list[Interval], tuple[int, ...]]:
+    """Build, train (from the latest checkpoint with --resume), close the sync, evaluate; the results,
+    the timed window as wall-clock intervals and the ranks of the trainers still in the job. What
+    follows the training loop runs on those (`Job.survivors`): a trainer that departed a job with
+    servers (`sync.ps.on_trainer_lost: continue`) costs only its own work, not the result."""
     roles = job.roles
     torch.manual_seed(config.train.seed)
     model = build_model(config, data, job, device)
@@ -129,7 +133,8 @@ def run_trainer(
         training_mode = {"mode": gba.mode, "mode_switches": gba.metrics.summary()["mode_switches"]} if gba else {}
     if model.ps_embeddings is not None:
         model.ps_embeddings.flush()
-    dist.barrier(group=roles.trainer_group)  # every trainer's row gradients have landed
+    survivors = job.survivors()  # they meet: every surviving trainer's row gradients have landed
+    roles = dataclasses.replace(roles, trainer_group=survivors.group, trainer_ranks=survivors.ranks)
     window = common_window(stats, config.data.batch_size, roles, device)
     wall_window = clock.intervals(*timed_window(stats, roles, device))
     spread = replica_spread(model.dense_params, roles.trainer_group)
@@ -143,6 +148,8 @@ def run_trainer(
     return {
         "world_size": dist.get_world_size(),
         "trainers": num_trainers,
+        "departed_trainers": list(survivors.departed),
+        "writer": roles.rank == survivors.ranks[0],  # the first survivor writes the results
         "servers": roles.num_servers,
         "steps": stats.steps,  # trainer 0's, since the job's start (before a resume included)
         "steps_this_run": stats.steps - start_step,
@@ -150,7 +157,7 @@ def run_trainer(
         "restart_count": restart_count(),
         "checkpoint": checkpoints.summary() if checkpoints is not None else None,
         **window,
-        "samples_per_s_per_trainer": window["samples_per_s_total"] / num_trainers,
+        "samples_per_s_per_trainer": window["samples_per_s_total"] / len(survivors.ranks),
         **quality,
         "curve": curve.points,
         "eval_s_during_training": curve.eval_s,  # trainer 0's; left out of window_s and the curve's elapsed_s
@@ -166,13 +173,16 @@ def run_trainer(
         "sync": sync.metrics.summary() if sync else {},
         "sync_rounds_by_trainer": all_gather_rows(  # "sync" is trainer 0's; each trainer's own rounds
             torch.tensor([sync.metrics.rounds if sync else 0], device=device), roles.trainer_group).tolist(),
+        **{f"{key}_by_trainer": all_gather_rows(  # each trainer's own: NaN / Inf it skipped, and its heals
+            torch.tensor([sync.metrics.summary().get(key, 0) if sync else 0], device=device), roles.trainer_group
+        ).tolist() for key in ("nonfinite_steps_skipped", "nonfinite_replicas_healed")},
         "gba": {
             **training_mode, "global_step": stats.global_steps[1], "global_steps_per_s": global_steps_per_s(stats),
             "dense_shards": gba.server_stats(),
             "embedding_shards": model.ps_embeddings.server_stats() if model.ps_embeddings else [],
         } if gba else {},
         "config": to_dict(config),
-    }, wall_window
+    }, wall_window, survivors.ranks
 
 
 def _device() -> tuple[torch.device, str]:
@@ -250,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="model preset (examples/configs/presets/): its model and data sections go over "
                              "--config's, under the command line's --dotted.key overrides")
     parser.add_argument("--output", type=Path, default=Path("runs/train_dlrm.json"),
-                        help="where rank 0 writes every number and the config as JSON (default: %(default)s)")
+                        help="where the first trainer still in the job (rank 0 unless it departed) writes every "
+                             "number and the config as JSON (default: %(default)s)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (step_00000NNN folders)")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
                         help="steps between checkpoints (default: none)")
@@ -279,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     _init_process_group(backend)
     try:
         results = run(config, device, backend, checkpoints)
-        if dist.get_rank() == 0:
+        if results is not None and results["writer"]:
             results["preset"] = args.preset
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps(results, indent=2) + "\n")

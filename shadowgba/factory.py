@@ -75,6 +75,18 @@ LOCKSTEP_EVERY = 20
 trainers agree on leaving GBA, unless `sync.gba.lockstep_every` says otherwise."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Survivors:
+    """The trainers still in a job (`Job.survivors`)."""
+
+    group: dist.ProcessGroup
+    """A process group of exactly them (the job's `trainer_group` when none departed)."""
+    ranks: tuple[int, ...]
+    """Their global ranks, in trainer order: `ranks[0]` is the first survivor (the one to write results)."""
+    departed: tuple[int, ...]
+    """The trainer indices that departed."""
+
+
 @dataclasses.dataclass
 class Job:
     """This rank's place in the job: trainer or server, and the group its trainer collectives use."""
@@ -163,6 +175,36 @@ class Job:
         if self.transport is None:
             raise SetupError("this needs a job with servers (sync.ps.num_servers >= 1)")
         return self.transport
+
+    def survivors(self, name: str = "survivors") -> "Survivors":
+        """Collective over the trainers still in the job, never over departed ones: the group for what
+        runs after training (a barrier, gathers, an evaluation), which the job's `trainer_group`
+        cannot carry once a trainer departed (`sync.ps.on_trainer_lost: continue`; a collective
+        with a stopped process waits for its timeout, then fails naming nobody). Every surviving
+        trainer calls it with the same `name`; they meet at the servers' barrier, which waits for
+        no departed trainer, and agree on who met there. A job without servers loses no trainer
+        (a lost one ends the job): its survivors are every trainer, on `trainer_group`. Not in the
+        elastic layout (no group over the trainers). `PeerLost` if this trainer itself departed."""
+        if self.roles.elastic:
+            raise SetupError(f"Job.survivors(): {NO_TRAINER_GROUP}")
+        if self.is_server:
+            raise SetupError("Job.survivors() is for trainers")
+        ranks = self.roles.trainer_ranks
+        if self.transport is None:
+            return Survivors(self.trainer_group, ranks, ())
+        met = self.transport.barrier(f"shadowgba.survivors.{name}")
+        if self.roles.trainer_index not in met:
+            raise PeerLost(f"{self.roles.name} departed the job before Job.survivors('{name}'): the trainers "
+                           f"{list(met)} met without it")
+        departed = tuple(index for index in range(len(ranks)) if index not in met)
+        if not departed:
+            return Survivors(self.trainer_group, ranks, ())
+        members = tuple(ranks[index] for index in met)
+        group = dist.new_group(list(members), timeout=datetime.timedelta(seconds=self.config.timeout_s),
+                               use_local_synchronization=True)  # the departed take no part in making it
+        logger.warning("shadowgba: %s: trainers %s departed the job; the survivors' group is ranks %s",
+                       self.roles.name, list(departed), list(members))
+        return Survivors(group, members, departed)
 
     def close(self) -> None:
         """Leave the job (collective over every rank); with servers, releases them once all trainers have."""

@@ -11,8 +11,9 @@
 - Resources, every rank's: `ResourceMeter` samples this process's CPU seconds (user + sys) all along,
   since a server rank cannot know when the trainers' timed window opens or closes; `StepWallClock`
   maps the trainers' window (their loop clock, pauses left out) to wall-clock intervals; once the
-  job is over `gather_resources` hands those intervals to every rank (default group) and collects
-  each rank's CPU seconds in them and its peak resident memory, which `resource_summary` turns into
+  job is over `gather_resources` hands those intervals to every rank and collects each rank's CPU
+  seconds in them and its peak resident memory through the job's store (no collective: a trainer
+  that departed the job takes no part), which `resource_summary` turns into
   CPU seconds per sample and memory per trainer and server. Linux: `ru_maxrss` is in KiB there and
   the current resident set is read from `/proc/self/statm`.
 """
@@ -20,6 +21,8 @@
 from __future__ import annotations
 
 import bisect
+import datetime
+import json
 import resource
 import threading
 import time
@@ -187,20 +190,35 @@ def timed_window(stats: TrainStats, roles: transport.Roles, device: torch.device
     return bounds[0].item(), -bounds[1].item()
 
 
-def gather_resources(meter: ResourceMeter, is_server: bool, window: Sequence[Interval]) -> list[dict[str, Any]]:
-    """Every rank, after the job is closed (collective on the default group): rank 0 (trainer 0) hands
-    its `window` to every rank; every rank's CPU seconds in it and peak resident memory, on every rank."""
+RESOURCES_WAIT_S = 60.0
+"""How long `gather_resources` waits for a rank's post: the servers post theirs once every trainer
+has closed the job, which takes them seconds."""
+
+
+def gather_resources(meter: ResourceMeter, job: shadowgba.Job, window: Sequence[Interval],
+                     members: Sequence[int]) -> list[dict[str, Any]] | None:
+    """Every rank, after the job is closed, with no collective: the first of `members` (the global
+    ranks of the trainers still in the job, the same on each; servers pass none) posts `window` in
+    the job's store, every rank posts its CPU seconds in it and its peak resident memory, and each
+    member reads the posts of every member and server (None on servers). A trainer that departed
+    posts nothing and is not waited for; a post missing after `RESOURCES_WAIT_S` is a `RuntimeError`."""
     meter.stop()
-    shared = [list(window)]
-    dist.broadcast_object_list(shared, src=0)
-    mine = {
-        "rank": dist.get_rank(), "role": "server" if is_server else "trainer",
-        "cpu_s_in_window": meter.cpu_s(shared[0]), "peak_rss_mib": peak_rss_mib(),
+    store = dist.PrefixStore(f"harness/{job.name}/resources", dist.distributed_c10d._get_default_store())
+    rank = dist.get_rank()
+    if members and rank == members[0]:
+        store.set("window", json.dumps(list(window)))
+    store.wait(["window"], datetime.timedelta(seconds=RESOURCES_WAIT_S))
+    intervals = [tuple(interval) for interval in json.loads(store.get("window"))]
+    store.set(str(rank), json.dumps({
+        "rank": rank, "role": "server" if job.is_server else "trainer",
+        "cpu_s_in_window": meter.cpu_s(intervals), "peak_rss_mib": peak_rss_mib(),
         "rss_before_sync_mib": meter.rss_before_sync_mib,
-    }
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return gathered
+    }))
+    if job.is_server:
+        return None
+    ranks = sorted([*members, *job.roles.server_ranks])
+    store.wait([str(one) for one in ranks], datetime.timedelta(seconds=RESOURCES_WAIT_S))
+    return [json.loads(store.get(str(one))) for one in ranks]
 
 
 def resource_summary(by_rank: list[dict[str, Any]], samples: int, dense_mib: float) -> dict[str, Any]:

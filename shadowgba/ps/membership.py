@@ -210,6 +210,9 @@ class Roster:
     """Per trainer index, the newest incarnation seen (a session opened, or a departure)."""
     departed: set[int] = dataclasses.field(default_factory=set)
     """The trainer indices whose newest incarnation departed and none has joined since."""
+    released: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """Per barrier key, the members that had arrived when it was first found complete: what every
+    trainer released there reads as who met (`met`), whatever departs or joins afterwards."""
     changed: threading.Condition = dataclasses.field(default_factory=threading.Condition)
 
     def join(self, trainer: int, incarnation: int) -> str | None:
@@ -276,8 +279,16 @@ class Roster:
         """(the members not yet arrived at `key`, the failure or None): a departed trainer is
         waited for by no barrier."""
         with self.changed:
-            return [i for i in range(self.num_trainers) if i not in self.arrived[key] and i not in self.departed], \
-                self.failure
+            missing = [i for i in range(self.num_trainers) if i not in self.arrived[key] and i not in self.departed]
+            if not missing and key not in self.released:
+                self.released[key] = tuple(sorted(self.arrived[key] - self.departed))
+            return missing, self.failure
+
+    def met(self, key: str) -> tuple[int, ...] | None:
+        """The members that met at barrier `key` (None before it was complete): the same answer for
+        every trainer it released."""
+        with self.changed:
+            return self.released.get(key)
 
     def fail(self, message: str) -> None:
         """Record a failure (a trainer's abort notice, or a verdict); only the first one counts."""
