@@ -128,6 +128,13 @@ class SyncConfig:
     flat layout, tables sharded over every trainer. Needs ma, easgd or bmuf and no servers."""
     tables: TableSyncConfig = dataclasses.field(default_factory=TableSyncConfig)
     """2D jobs: how the table replicas are averaged (fragment size, optimizer state)."""
+    on_group_lost: Literal["continue", "fail"] = "fail"
+    """2D jobs: what a lost rank (killed, stopped past `timeout_s`, or its loop raised) does to the
+    others. fail: every rank ends naming it. continue: its replica group drops out (its ranks end,
+    naming it) and the other groups train on without a restart, their rounds rebuilt over the
+    survivors (`shadowgba.shadow.survival`); nothing they hold is rolled back. Pays off where a lost
+    group's processes end without taking the others down: a launcher per group, or the tests'
+    processes; under one torchrun job for all groups, its agent restarts every group anyway."""
 
     def __post_init__(self) -> None:
         allowed = sync_algos.algorithm_names()
@@ -166,6 +173,11 @@ class SyncConfig:
                 f"trainers alone, not with sync.algo '{self.algo}' or parameter servers (ps.num_servers "
                 f"{self.ps.num_servers}); set sharding_group_size: 0 for those"
             )
+        if self.on_group_lost not in ("continue", "fail"):
+            raise ConfigError(f"on_group_lost must be 'continue' or 'fail', got {self.on_group_lost!r}")
+        if self.on_group_lost == "continue" and not self.sharding_group_size:
+            raise ConfigError("on_group_lost: continue needs the 2D layout (sharding_group_size >= 1): in the flat "
+                              "layout TorchRec's all-to-all spans every trainer, so none trains on without a lost one")
         if self.ps.checkpoint_dir and self.algo not in PS_ALGOS:
             raise ConfigError(f"ps.checkpoint_dir: the servers' own checkpoints hold GBA's dense shards or the S-EASGD "
                               f"centre, and the PS-hosted tables; sync.algo '{self.algo}' has none of them")

@@ -60,6 +60,7 @@ from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCente
 from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
 from shadowgba.reporting import MetricsReporter
 from shadowgba.shadow.runtime import ShadowSync
+from shadowgba.shadow.survival import SurvivingGroups
 from shadowgba.shadow.tables import TableFragments
 
 if TYPE_CHECKING:  # PS-hosted tables need TorchRec: imported where used (`shadowgba.optional`)
@@ -114,6 +115,9 @@ class Job:
     names a trainer that was killed or is stuck (it posts no notice)."""
     layout: ReplicaLayout | None = None
     """In a 2D job (`sync.sharding_group_size` > 0): this rank's sharding and replica groups."""
+    survival: SurvivingGroups | None = None
+    """In a 2D job under `sync.on_group_lost: continue`, once `dense_sync` made it: which replica
+    groups are still in the job (`Job.survivors` reads it)."""
     served: dict[str, object] = dataclasses.field(default_factory=dict)
     """On servers: the services this rank served, by name (their `stats()` outlive the job)."""
     _centre: CenterClient | None = dataclasses.field(default=None, init=False, repr=False)
@@ -181,18 +185,23 @@ class Job:
         runs after training (a barrier, gathers, an evaluation), which the job's `trainer_group`
         cannot carry once a trainer departed (`sync.ps.on_trainer_lost: continue`; a collective
         with a stopped process waits for its timeout, then fails naming nobody). Every surviving
-        trainer calls it with the same `name`; they meet at the servers' barrier, which waits for
-        no departed trainer, and agree on who met there. A job without servers loses no trainer
-        (a lost one ends the job): its survivors are every trainer, on `trainer_group`. Not in the
-        elastic layout (no group over the trainers). `PeerLost` if this trainer itself departed."""
+        trainer calls it with the same `name`. With servers they meet at the servers' barrier, which
+        waits for no departed trainer, and agree on who met there; in a 2D job under
+        `sync.on_group_lost: continue` the survivors are the ranks of the replica groups still in
+        it, as the rounds agreed (`survival`). Any other job loses no trainer (a lost one ends the
+        job): its survivors are every trainer, on `trainer_group`. Not in the elastic layout (no
+        group over the trainers). `PeerLost` if this trainer itself departed."""
         if self.roles.elastic:
             raise SetupError(f"Job.survivors(): {NO_TRAINER_GROUP}")
         if self.is_server:
             raise SetupError("Job.survivors() is for trainers")
         ranks = self.roles.trainer_ranks
-        if self.transport is None:
-            return Survivors(self.trainer_group, ranks, ())
-        met = self.transport.barrier(f"shadowgba.survivors.{name}")
+        if self.transport is not None:
+            met = self.transport.barrier(f"shadowgba.survivors.{name}")
+        elif self.survival is not None:
+            met = tuple(ranks.index(rank) for rank in self.survival.survivors())
+        else:
+            met = tuple(range(len(ranks)))
         if self.roles.trainer_index not in met:
             raise PeerLost(f"{self.roles.name} departed the job before Job.survivors('{name}'): the trainers "
                            f"{list(met)} met without it")
@@ -413,8 +422,11 @@ def dense_sync(
                                  "**job.dmp_kwargs(): its tables are what the replica groups keep in sync")
             shards = torchrec_integration.fused_table_shards(model, config.tables.optimizer_state)
             tables = TableFragments(shards, job.layout.replica_group, config.tables)
+            if config.on_group_lost == "continue":
+                job.survival = SurvivingGroups(job.roles.trainer_ranks, job.roles.rank, config.sharding_group_size,
+                                               job.notices, config.timeout_s)
         sync = ShadowSync(model, optimizer, config, process_group=group, params=named, algorithm_kwargs=resources,
-                          guard=guard, tables=tables)
+                          guard=guard, tables=tables, survival=job.survival)
     if local_batch_size is not None:
         check_first_batch(model, local_batch_size)
     owns_writer = summary_writer is None and config.tensorboard_dir is not None

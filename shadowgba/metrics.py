@@ -64,6 +64,8 @@ class SyncMetrics:
         self.nonfinite_rounds_skipped = 0
         """Rounds (and final averages) that left some rank's NaN / Inf contribution out
         (`sync.on_nonfinite: skip`); counted on every rank, the bad one included."""
+        self.replica_groups_lost = 0
+        """2D jobs under `sync.on_group_lost: continue`: replica groups this rank trained on without."""
         self.nonfinite_replicas_healed = 0
         """Times this rank's NaN / Inf weights (dense, or a table fragment) were replaced by the
         healthy replicas' consensus (`sync.on_nonfinite: skip`); counted on the healed rank."""
@@ -97,6 +99,11 @@ class SyncMetrics:
         """A round or final average left a rank's NaN / Inf contribution out."""
         with self._lock:
             self.nonfinite_rounds_skipped += 1
+
+    def record_groups_lost(self, count: int) -> None:
+        """The rounds now go on without `count` more replica groups."""
+        with self._lock:
+            self.replica_groups_lost += count
 
     def record_heal(self) -> None:
         """This rank's non-finite weights (or a fragment of them) took the healthy replicas' consensus."""
@@ -138,6 +145,7 @@ class SyncMetrics:
                 "training_sync_s": self.training_sync_s,
                 "nonfinite_rounds_skipped": self.nonfinite_rounds_skipped,
                 "nonfinite_replicas_healed": self.nonfinite_replicas_healed,
+                "replica_groups_lost": self.replica_groups_lost,
                 "nonfinite_steps_skipped": self._guard.skipped_steps if self._guard is not None else 0,
                 "memory_bytes": memory_bytes,
                 "elapsed_s": elapsed,

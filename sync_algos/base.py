@@ -240,6 +240,21 @@ class SyncAlgorithm(abc.ABC):
         self.rank = self.allreduce.rank
         self.started = False  # until the first round (or a restored state) has placed the state
 
+    def regroup(self, group: dist.ProcessGroup) -> None:
+        """Go on over `group`, the ranks that survived the loss of others: a new flagged all-reduce
+        over it, and the next round a consensus start at their average (`sync`), since the round that
+        failed may have left the state unequal and constants derived from the rank count change
+        (`fit_to_group`)."""
+        self.group = group
+        self.allreduce = FlaggedAllReduce(group, self.allreduce.payload)
+        self.world_size = self.allreduce.ranks
+        self.rank = self.allreduce.rank
+        self.started = False
+        self.fit_to_group()
+
+    def fit_to_group(self) -> None:
+        """Derive what depends on the group's rank count (at the start and after `regroup`)."""
+
     def sync(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
         """The round the runtime runs: `round`, except that the job's first round is a consensus start.
         Either way `snapshot` holds the round's delta `t - s` on return (zero when `kept_local`).

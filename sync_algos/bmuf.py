@@ -64,11 +64,7 @@ class BlockMomentum(SyncAlgorithm):
 
     def __init__(self, config: BMUFConfig, group: dist.ProcessGroup | None, initial: torch.Tensor) -> None:
         super().__init__(config, group, initial)
-        self.eta = (
-            config.block_momentum
-            if config.block_momentum is not None
-            else 1.0 - 1.0 / self.world_size
-        )
+        self.fit_to_group()
         self.zeta = config.block_lr
         self.global_model = initial.clone()
         self.momentum = torch.zeros_like(initial)
@@ -90,6 +86,10 @@ class BlockMomentum(SyncAlgorithm):
             self.momentum.mul_(self.eta).add_(block_update, alpha=self.zeta)
             self.global_model += self.momentum
         return self.result(snapshot, reduced, self._block_start(out=block_update))
+
+    def fit_to_group(self) -> None:
+        momentum = self.config.block_momentum
+        self.eta = momentum if momentum is not None else 1.0 - 1.0 / self.world_size
 
     def start_at(self, consensus: torch.Tensor) -> None:
         self.global_model.copy_(consensus)

@@ -59,8 +59,11 @@ class ElasticAveraging(SyncAlgorithm):
 
     def __init__(self, config: EASGDConfig, group: dist.ProcessGroup | None, initial: torch.Tensor) -> None:
         super().__init__(config, group, initial)
-        self.alpha = config.alpha if config.alpha is not None else config.beta / self.world_size
+        self.fit_to_group()
         self.center = initial.clone()
+
+    def fit_to_group(self) -> None:
+        self.alpha = self.config.alpha if self.config.alpha is not None else self.config.beta / self.world_size
 
     def round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
         # The pull is computed where it is all-reduced, and the delta t - s = -d is taken from it

@@ -243,3 +243,29 @@ def test_a_failure_in_one_group_ends_every_rank_naming_it(kind: str, failing: in
             continue
         assert outcome.returned, (rank, outcome)
         assert outcome.value["error"] is not None and f"rank {failing}" in outcome.value["error"], (rank, outcome.value)
+
+
+@pytest.mark.parametrize(("kind", "failing"), [("fail", 2), ("stop", 1)])
+def test_under_continue_a_lost_group_drops_out_and_the_other_trains_on(kind: str, failing: int) -> None:
+    """`sync.on_group_lost: continue`: rank 2's loop raises (its abort reaches the others as the round's
+    flag), or rank 1 stops for good (the others' rounds time out; its heartbeat has stopped). The
+    failing rank's group ends, its partner naming it; the other group trains every step, drops the
+    lost group from its rounds and ends with its two dense replicas identical and finite."""
+    options = {"algo": "bmuf", "on_group_lost": "continue", "timeout_s": STALL_TIMEOUT_S}
+    outcomes = run_ranks_outcomes(_pipeline_job, 4, options, (kind, failing, 8), timeout_s=120,
+                                  stopped_for_good=kind == "stop")
+    lost_group = failing // 2
+    partner, survivors = (1 - failing % 2) + 2 * lost_group, [rank for rank in range(4) if rank // 2 != lost_group]
+    if kind == "stop":
+        assert outcomes[failing].stopped
+    else:
+        assert outcomes[failing].returned and outcomes[failing].value["fired"] == 8
+        assert "injected failure on rank 2" in outcomes[failing].value["error"]
+    assert outcomes[partner].returned and f"rank {failing}" in outcomes[partner].value["error"], outcomes[partner]
+    for rank in survivors:
+        assert outcomes[rank].returned and outcomes[rank].value["error"] is None, (rank, outcomes[rank])
+        metrics = outcomes[rank].value["metrics"]
+        assert metrics["steps"] == STEPS and metrics["replica_groups_lost"] == 1, metrics
+        assert all(torch.isfinite(tensor).all() for tensor in outcomes[rank].value["dense"])
+    first, second = (outcomes[rank].value for rank in survivors)
+    assert _max_diff(first["dense"], second["dense"]) == 0.0  # the final average ran over the survivors

@@ -104,6 +104,18 @@ class NoticeBoard:
             waiting = {rank for rank in waiting if self._read(keys[rank]) in (first[rank], None)}
         return sorted(waiting) if self.reachable else []
 
+    def decide(self, kind: str, number: int, proposal: str) -> str | None:
+        """The job's decision number `number` of `kind`: `proposal` if this rank's is the first one
+        made, else the first one (a compare-and-set in the store, so every rank reads the same);
+        None when the store cannot be reached."""
+        key = self._key(number, kind)
+        value = self._access(lambda store: store.compare_set(key, "", proposal))
+        return None if value is None else value.decode()
+
+    def decision(self, kind: str, number: int) -> str | None:
+        """Decision number `number` of `kind` if one was made (`decide`), else None."""
+        return self._read(self._key(number, kind))
+
     def _key(self, rank: int, kind: str = "aborted") -> str:
         return f"shadowgba/attempt_{restart_count()}/{self.job}/{kind}/{rank}"
 

@@ -59,12 +59,21 @@ from shadowgba.metrics import SyncMetrics
 from shadowgba.nonfinite import NonFiniteGuard, gradients, reset_nonfinite_state
 from shadowgba.step_hook import StepHook
 from shadowgba.dense import DenseParams, trainable_named_parameters
+from shadowgba.shadow.survival import SurvivingGroups
 from shadowgba.shadow.writeback import DirectWriteBack, HandoffWriteBack, WriteBack, wait_for_device
 
 logger = logging.getLogger("shadowgba")
 
 ABORT_ROUND_S = 5.0
 """Longest `abort()` waits for its last round (the one that tells the peers), whatever `timeout_s`."""
+
+
+class _PeersAborted(SyncError):
+    """A round's flags named aborted peers (`ranks`, global), where the rounds may survive them."""
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
 
 
 class ShadowSync(DenseSync):
@@ -85,6 +94,9 @@ class ShadowSync(DenseSync):
     weights stay as they were, and the guard skips and counts it or ends the job (`sync.on_nonfinite`).
     `tables` (2D jobs): this rank's table shards, averaged on their replica group one fragment after
     each dense round (`shadowgba.shadow.tables`), through the same step-boundary handoff.
+    `survival` (2D jobs under `sync.on_group_lost: continue`): a round that fails because a peer
+    was lost leaves that peer's replica group out and goes on over the survivors
+    (`shadowgba.shadow.survival`) instead of ending the rounds.
     """
 
     def __init__(
@@ -97,9 +109,11 @@ class ShadowSync(DenseSync):
         algorithm_kwargs: dict[str, Any] | None = None,
         guard: NonFiniteGuard | None = None,
         tables: TableFragments | None = None,
+        survival: SurvivingGroups | None = None,
     ) -> None:
         self.config = config
         self.tables = tables
+        self._survival = survival
         optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
         self._step_hook = StepHook(optimizers, self._after_step, before_step=self._before_step)
         self.dense = DenseParams(list(params if params is not None else trainable_named_parameters(model)))
@@ -529,15 +543,38 @@ class ShadowSync(DenseSync):
             failed = self._error is not None
         return result.last or failed
 
+    def _round_surviving(self) -> bool:
+        """`_run_round`; with `survival`, a round that failed (a collective's error, or peers' aborted
+        flags: `_PeersAborted`) is followed by the job's decision on which replica groups are lost and
+        the rounds rebuilt over the survivors (False: they go on), unless this rank's group is lost or
+        no lost peer is found: then the error is raised, as without `survival`."""
+        try:
+            return self._run_round()
+        except Exception as error:
+            if self._survival is None or self._aborting.is_set():
+                raise
+            lost = self._survival.agree(error, error.ranks if isinstance(error, _PeersAborted) else ())
+            dense, replica = self._survival.groups()
+            with self._round_lock:
+                self._group = dense
+                self._algorithm.regroup(dense)
+            if self.tables is not None:
+                self.tables.regroup(replica)
+            self.metrics.record_groups_lost(len(lost))
+            logger.warning("shadowgba: %s; the rounds go on over ranks %s, from their average",
+                           self._survival.describe(), ", ".join(map(str, self._survival.survivors())))
+            return False
+
     def _check_flags(self, nonfinite: Sequence[int], aborted: Sequence[int], where: str) -> bool:
         """Act on a collective's flags, as every rank does alike: a peer that aborted, or NaN / Inf
         under `on_nonfinite: fail`, becomes `_error` (returns True: leave the rounds); NaN / Inf
         under `skip` is counted and warned about."""
         if aborted:
-            self._error = SyncError(
-                f"rank {', '.join(map(str, aborted))} aborted: its training loop raised (see that rank's log); "
-                f"{where} left it out and this rank's rounds ended with it"
-            )
+            message = (f"rank {', '.join(map(str, aborted))} aborted: its training loop raised (see that rank's log); "
+                       f"{where} left it out")
+            if self._survival is not None:
+                raise _PeersAborted(message, aborted)
+            self._error = SyncError(f"{message} and this rank's rounds ended with it")
             return True
         if nonfinite and self.config.on_nonfinite == "fail":
             self._error = SyncError(
@@ -568,7 +605,7 @@ class ShadowSync(DenseSync):
             if self._rounds_finished:
                 return
             try:
-                self._rounds_finished = self._run_round()
+                self._rounds_finished = self._round_surviving()
             except Exception as error:
                 self._error = error
                 self._rounds_finished = True
@@ -579,7 +616,7 @@ class ShadowSync(DenseSync):
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if self.config.first_round_after:
                     self._first_round_due.wait()
-                while not self._run_round():
+                while not self._round_surviving():
                     self._stop_requested.wait(self._pacer.pause_s())
                 wait_for_device(self.dense.device)
         except BaseException as error:  # surfaced in the training thread at its next step

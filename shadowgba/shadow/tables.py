@@ -177,6 +177,11 @@ class TableFragments:
             offset += piece.numel()
         return parts
 
+    def regroup(self, group: dist.ProcessGroup) -> None:
+        """Average over `group` from now on: the replica group's survivors (`shadowgba.shadow.survival`)."""
+        self.group = group
+        self.allreduce = FlaggedAllReduce(group, self.buffer)
+
     def broadcast_(self) -> None:
         """Collective on the replica group: every partner's rows and optimizer state become the
         group's first rank's, a fragment at a time (the buffer's memory, not a table's). The
