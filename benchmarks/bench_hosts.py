@@ -1,7 +1,7 @@
 """Across hosts: the flat variants on 2 simulated hosts whose links have a finite rate.
 
     python benchmarks/bench_hosts.py [--rates 1gbit,10gbit] [--stragglers even,compute,link] [--reps 5] \
-        [--duration-s 30] [--preset production] [--variants none,ddp,pma,ma-shadow,bmuf-shadow] \
+        [--duration-s 30] [--preset production] [--variants none,ddp,pma,ma-shadow,bmuf-shadow,...] \
         [--quality-steps 0] [--quality-seeds 0] [--dotted.key value ...]
 
 Every run is one `benchmarks/train_dlrm.py` job across a fresh `ctrkit.cluster.Cluster` of 2 hosts,
@@ -10,7 +10,8 @@ Both links run at the cell's rate (`--rates`, tc tbf in both directions), so eve
 ranks crosses a shaped link: TorchRec's embedding all-to-all in every step (the tables are sharded
 table-wise over the two hosts), DDP's gradient all-reduce, PMA's and the shadow rounds' averages.
 Variants (`VARIANTS`): `none` (no dense sync), `ddp`, `pma` (torch's PeriodicModelAverager every
-`--every` steps) and ma / bmuf in the shadow thread (their configs' pacing unless overridden).
+`--every` steps), ma / bmuf in the shadow thread (their configs' pacing unless overridden), and ma
+with compressed rounds (`ma-shadow-bf16`, `ma-shadow-int8`: `sync.compress`).
 Straggler settings (`--stragglers`): `even`; `compute`, trainer 1 `--factor` times slower
 (`ctrkit.straggler`, real compute); `link`, host 1's link at 1% of the cell's rate (a network
 straggler).
@@ -50,6 +51,8 @@ VARIANTS: dict[str, list[str]] = {
     "pma": ["--config", str(CONFIGS / "pma.yaml")],
     "ma-shadow": ["--config", str(CONFIGS / "ma.yaml"), "--sync.mode", "shadow"],
     "bmuf-shadow": ["--config", str(CONFIGS / "bmuf.yaml"), "--sync.mode", "shadow"],
+    **{f"ma-shadow-{kind}": ["--config", str(CONFIGS / "ma.yaml"), "--sync.mode", "shadow", "--sync.compress", kind]
+       for kind in ("bf16", "int8")},
 }
 """The harness arguments of each variant."""
 BASELINES = ("none", "ddp", "pma")

@@ -128,6 +128,13 @@ class SyncConfig:
     flat layout, tables sharded over every trainer. Needs ma, easgd or bmuf and no servers."""
     tables: TableSyncConfig = dataclasses.field(default_factory=TableSyncConfig)
     """2D jobs: how the table replicas are averaged (fragment size, optimizer state)."""
+    compress: Literal["none", "bf16", "int8"] = "none"
+    """ma, easgd, bmuf: the dense rounds' payload in fewer bytes, for links where bandwidth is what
+    a round waits for (`sync_algos.compressed`): bf16 (2 bytes a value) or int8 with a scale per
+    256 values (about 1). The replicas send their difference from the last round's consensus, with
+    error feedback, and sums are taken in fp32; the first round, the first after a restore and the
+    final average run in full precision. Costs two more dense-sized buffers (the reference and the
+    residual). Table fragments (2D) go uncompressed."""
     on_group_lost: Literal["continue", "fail"] = "fail"
     """2D jobs: what a lost rank (killed, stopped past `timeout_s`, or its loop raised) does to the
     others. fail: every rank ends naming it. continue: its replica group drops out (its ranks end,
@@ -173,6 +180,11 @@ class SyncConfig:
                 f"trainers alone, not with sync.algo '{self.algo}' or parameter servers (ps.num_servers "
                 f"{self.ps.num_servers}); set sharding_group_size: 0 for those"
             )
+        if self.compress not in ("none", "bf16", "int8"):
+            raise ConfigError(f"compress must be 'none', 'bf16' or 'int8', got {self.compress!r}")
+        if self.compress != "none" and self.algo in PS_ALGOS:
+            raise ConfigError(f"compress: sync.algo '{self.algo}' has no collective round to compress (its trainers "
+                              "talk to the parameter servers); use it with ma, easgd or bmuf")
         if self.on_group_lost not in ("continue", "fail"):
             raise ConfigError(f"on_group_lost must be 'continue' or 'fail', got {self.on_group_lost!r}")
         if self.on_group_lost == "continue" and not self.sharding_group_size:

@@ -81,7 +81,7 @@ class DenseParams:
         flat = self.empty() if flat is None else flat
         self.copy_to(flat)
         allreduce = FlaggedAllReduce(group, flat) if allreduce is None else allreduce
-        reduced = allreduce.sum(flat, stop=False)
+        reduced = allreduce.sum(flat, stop=False, exact=True)  # the replicas meet in full precision
         if reduced.own_counted or (heal and reduced.heals):
             self.copy_from(reduced.mean_())
         return reduced

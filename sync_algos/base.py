@@ -51,6 +51,8 @@ from typing import Any, ClassVar, ContextManager, Mapping
 import torch
 import torch.distributed as dist
 
+from sync_algos.compressed import CompressedSum
+
 
 NONFINITE = 1
 """Status bit: this rank's contribution held NaN / Inf and was sent as zeros."""
@@ -146,10 +148,12 @@ class FlaggedAllReduce:
     directly and pass that: it is then summed where it is, without a copy.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, like: torch.Tensor) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, like: torch.Tensor, compress: str = "none") -> None:
         """`group` None: the default group, or, where torch.distributed is not initialised, this
         process alone (a one-rank sum, with no collective): S-EASGD's trainers in a job without a
-        trainer group."""
+        trainer group. `compress` (bf16, int8): the payload goes as a `CompressedSum` (error
+        feedback, fp32 sums) after an exact all-reduce of the trailer alone, unless a call asks for
+        an exact sum."""
         self._group = group
         self._local = group is None and not dist.is_initialized()
         self.rank = 0 if self._local else dist.get_rank(group)
@@ -161,6 +165,10 @@ class FlaggedAllReduce:
         self.steps = 0
         """This rank's training steps since its previous round, sent in the next call's trailer
         (set by the runtime before each round; pacing only, see the module docstring)."""
+        self.compressed = None if compress == "none" or self._local else CompressedSum(
+            compress, group, self._size, self._ranks, like.device, like.dtype)
+        self.bytes_per_call = self._buffer.numel() * self._buffer.element_size()
+        """Bytes of the last call's payload and trailer as sent (before any call: an exact one's)."""
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -172,14 +180,11 @@ class FlaggedAllReduce:
         """How many ranks the sum runs over."""
         return self._ranks
 
-    @property
-    def bytes_per_call(self) -> int:
-        return self._buffer.numel() * self._buffer.element_size()
-
-    def sum(self, payload: torch.Tensor | None, stop: bool, aborted: bool = False) -> Reduced:
+    def sum(self, payload: torch.Tensor | None, stop: bool, aborted: bool = False, exact: bool = False) -> Reduced:
         """All-reduce (sum) `payload` over the group, unless it holds NaN / Inf: then zeros go in its
         place and this rank is flagged. `payload=None` (with `aborted`) contributes nothing;
-        `payload` may be `self.payload`, filled in place by the caller."""
+        `payload` may be `self.payload`, filled in place by the caller. `exact`: in full precision
+        even where `compressed` (every rank must ask alike)."""
         if payload is None and not aborted:
             raise ValueError("only an aborting rank may contribute no payload")
         body, trailer = self.payload, self._buffer[self._size :]
@@ -194,8 +199,15 @@ class FlaggedAllReduce:
         trailer[0] = 1.0 if stop or aborted else 0.0
         trailer[1 + self.rank] = float(status)
         trailer[1 + self._ranks + self.rank] = float(self.steps)
-        if not self._local:
+        if self._local:
+            pass
+        elif self.compressed is None or exact:
             dist.all_reduce(self._buffer, op=dist.ReduceOp.SUM, group=self._group)
+            self.bytes_per_call = self._buffer.numel() * self._buffer.element_size()
+        else:  # the flags first, exactly; the payload in fewer bytes
+            dist.all_reduce(trailer, op=dist.ReduceOp.SUM, group=self._group)
+            self.compressed.sum_(body, contributes=status == 0)
+            self.bytes_per_call = self.compressed.bytes_per_call + trailer.numel() * trailer.element_size()
         any_stop, *flags = (int(value) for value in trailer.tolist())
         statuses, steps = flags[: self._ranks], flags[self._ranks :]
         return Reduced(
@@ -231,14 +243,24 @@ class SyncAlgorithm(abc.ABC):
     round is halfway through changing and waits at most for those few vector operations, never
     for a round that waits in its collective (a peer may be waiting for this rank's checkpoint)."""
 
-    def __init__(self, config: Any, group: dist.ProcessGroup | None, initial: torch.Tensor) -> None:
-        """`initial` is the flat dense parameters, already identical on every rank."""
+    def __init__(self, config: Any, group: dist.ProcessGroup | None, initial: torch.Tensor,
+                 compress: str = "none") -> None:
+        """`initial` is the flat dense parameters, already identical on every rank. `compress`
+        (bf16, int8; `sync_algos.compressed`): the rounds' sums go in fewer bytes, and what the
+        replicas average is their difference from `reference`, a vector every rank holds alike."""
         self.config = config
         self.group = group
-        self.allreduce = FlaggedAllReduce(group, initial)
+        self.compress = compress
+        self.allreduce = FlaggedAllReduce(group, initial, compress)
         self.world_size = self.allreduce.ranks
         self.rank = self.allreduce.rank
         self.started = False  # until the first round (or a restored state) has placed the state
+        self.reference = None if compress == "none" else initial.clone()
+        """Compressed rounds: the last round's consensus, the same on every rank, from which the
+        replicas send their difference (a small one, whose rounding costs a fraction of itself)."""
+        self.reference_agreed = False
+        """Whether `reference` is the last round's consensus on every rank; until then (the first
+        round, after a restore or a regroup) an average runs exact, in full precision."""
 
     def regroup(self, group: dist.ProcessGroup) -> None:
         """Go on over `group`, the ranks that survived the loss of others: a new flagged all-reduce
@@ -246,10 +268,11 @@ class SyncAlgorithm(abc.ABC):
         failed may have left the state unequal and constants derived from the rank count change
         (`fit_to_group`)."""
         self.group = group
-        self.allreduce = FlaggedAllReduce(group, self.allreduce.payload)
+        self.allreduce = FlaggedAllReduce(group, self.allreduce.payload, self.compress)
         self.world_size = self.allreduce.ranks
         self.rank = self.allreduce.rank
         self.started = False
+        self.reference_agreed = False
         self.fit_to_group()
 
     def fit_to_group(self) -> None:
@@ -288,9 +311,15 @@ class SyncAlgorithm(abc.ABC):
 
     def average(self, snapshot: torch.Tensor, stop: bool) -> tuple[torch.Tensor | None, Reduced]:
         """The average of the finite snapshots, `allreduce(s) / n_good` (None if none was finite),
-        with the round's flags: the building block of MA and BMUF."""
-        reduced = self.allreduce.sum(snapshot, stop)
-        return reduced.mean_(), reduced
+        with the round's flags: the building block of MA and BMUF. Compressed: `reference +
+        allreduce(s - reference) / n_good`, once the reference is agreed."""
+        if self.reference is None or not self.reference_agreed:
+            reduced = self.allreduce.sum(snapshot, stop, exact=True)
+            return reduced.mean_(), reduced
+        difference = torch.sub(snapshot, self.reference, out=self.allreduce.payload)
+        reduced = self.allreduce.sum(difference, stop)
+        mean = reduced.mean_()
+        return (None if mean is None else mean.add_(self.reference)), reduced
 
     def averaging_round(self, snapshot: torch.Tensor, stop: bool) -> RoundResult:
         """A round whose target is the replicas' average: MA's every round, every algorithm's first."""
@@ -306,6 +335,9 @@ class SyncAlgorithm(abc.ABC):
         `snapshot` holds the round's `consensus` instead (default `target`; `RoundResult.healed`)."""
         kept_local = not reduced.own_counted
         consensus = target if consensus is None else consensus
+        if self.reference is not None and consensus is not None and reduced.counted:
+            self.reference.copy_(consensus)  # the same on every rank: the next round's reference
+            self.reference_agreed = True
         healed = kept_local and reduced.heals and consensus is not None
         if healed:
             snapshot.copy_(consensus)
@@ -321,7 +353,12 @@ class SyncAlgorithm(abc.ABC):
         """Every dense-sized tensor the algorithm holds, by name: its all-reduce buffer and its state.
         A round allocates none beyond these and the snapshot: its intermediate values live in the
         all-reduce buffer's payload, its result in the snapshot's buffer."""
-        return {"allreduce": self.allreduce.buffer, **{name: getattr(self, name) for name in self.state_names}}
+        held = {"allreduce": self.allreduce.buffer, **{name: getattr(self, name) for name in self.state_names}}
+        if self.reference is not None:
+            held["reference"] = self.reference
+        if self.allreduce.compressed is not None:
+            held["residual"] = self.allreduce.compressed.residual
+        return held
 
     def abort_round(self) -> None:
         """This rank's last round when it aborts: no payload, the stop flag with the aborted marker.
@@ -362,3 +399,4 @@ class SyncAlgorithm(abc.ABC):
             for name in self.state_names:
                 getattr(self, name).copy_(state[name])
         self.started = True
+        self.reference_agreed = False  # the replicas come back apart: the next average is exact

@@ -62,8 +62,9 @@ class BlockMomentum(SyncAlgorithm):
     Config = BMUFConfig
     state_names = ("global_model", "momentum")
 
-    def __init__(self, config: BMUFConfig, group: dist.ProcessGroup | None, initial: torch.Tensor) -> None:
-        super().__init__(config, group, initial)
+    def __init__(self, config: BMUFConfig, group: dist.ProcessGroup | None, initial: torch.Tensor,
+                 compress: str = "none") -> None:
+        super().__init__(config, group, initial, compress)
         self.fit_to_group()
         self.zeta = config.block_lr
         self.global_model = initial.clone()

@@ -57,8 +57,9 @@ class ElasticAveraging(SyncAlgorithm):
     Config = EASGDConfig
     state_names = ("center",)
 
-    def __init__(self, config: EASGDConfig, group: dist.ProcessGroup | None, initial: torch.Tensor) -> None:
-        super().__init__(config, group, initial)
+    def __init__(self, config: EASGDConfig, group: dist.ProcessGroup | None, initial: torch.Tensor,
+                 compress: str = "none") -> None:
+        super().__init__(config, group, initial, compress)
         self.fit_to_group()
         self.center = initial.clone()
 

@@ -129,6 +129,8 @@ UNEQUAL_STOP_CASES = {
     "easgd-handoff": {"algo": "easgd"},
     "bmuf-hogwild": {"algo": "bmuf", "writeback": "hogwild"},
     "bmuf-foreground": {"algo": "bmuf", "mode": "foreground", "foreground_every": 7},
+    "ma-bf16": {"algo": "ma", "compress": "bf16"},  # compressed rounds, the stop round and final average exact
+    "easgd-int8-foreground": {"algo": "easgd", "mode": "foreground", "foreground_every": 7, "compress": "int8"},
 }
 
 

@@ -178,8 +178,9 @@ class ShadowSync(DenseSync):
         self.dense.copy_to(initial)
         if self._group is not None:
             dist.broadcast(initial, src=self._group_rank0(), group=self._group)
+        compress = {"compress": self.config.compress} if self.config.compress != "none" else {}
         self._algorithm = sync_algos.build_algorithm(
-            self.config.algo, self.config.algorithm_config(), self._group, initial, **self._algorithm_kwargs
+            self.config.algo, self.config.algorithm_config(), self._group, initial, **self._algorithm_kwargs, **compress
         )
         self.dense.copy_from(initial)  # after the build: an algorithm may start this rank elsewhere (S-EASGD)
         if self.tables is not None:  # table replicas start together too
