@@ -141,7 +141,7 @@ def run_trainer(
     table_spread = None
     if job.layout is not None:  # each rank's table shards against their replicas in the other groups
         shards = [tensor for shard in fused_table_shards(model.module) for tensor in shard.tensors]
-        table_spread = replica_spread(shards, job.layout.replica_group)
+        table_spread = replica_spread(shards, survivors.replica_group)
     quality = evaluate(model.module, data, roles, device)
     curve.finish(quality, stats.step_end_s[-1])
     ceiling = data.teacher_heldout() if isinstance(data, SyntheticCTR) else None  # only synthetic data has one

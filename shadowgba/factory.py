@@ -86,6 +86,9 @@ class Survivors:
     """Their global ranks, in trainer order: `ranks[0]` is the first survivor (the one to write results)."""
     departed: tuple[int, ...]
     """The trainer indices that departed."""
+    replica_group: dist.ProcessGroup | None = None
+    """In a 2D job, this rank's replica group over the surviving groups (the layout's own when none
+    was lost): where its table shards meet their replicas."""
 
 
 @dataclasses.dataclass
@@ -206,14 +209,18 @@ class Job:
             raise PeerLost(f"{self.roles.name} departed the job before Job.survivors('{name}'): the trainers "
                            f"{list(met)} met without it")
         departed = tuple(index for index in range(len(ranks)) if index not in met)
+        replicas = self.layout.replica_group if self.layout is not None else None
         if not departed:
-            return Survivors(self.trainer_group, ranks, ())
+            return Survivors(self.trainer_group, ranks, (), replicas)
         members = tuple(ranks[index] for index in met)
-        group = dist.new_group(list(members), timeout=datetime.timedelta(seconds=self.config.timeout_s),
-                               use_local_synchronization=True)  # the departed take no part in making it
+        if self.survival is not None:  # the 2D survivors: their group, and this rank's replica group among them
+            group, replicas = self.survival.groups()
+        else:  # the departed take no part in making it
+            group = dist.new_group(list(members), timeout=datetime.timedelta(seconds=self.config.timeout_s),
+                                   use_local_synchronization=True)
         logger.warning("shadowgba: %s: trainers %s departed the job; the survivors' group is ranks %s",
                        self.roles.name, list(departed), list(members))
-        return Survivors(group, members, departed)
+        return Survivors(group, members, departed, replicas)
 
     def close(self) -> None:
         """Leave the job (collective over every rank); with servers, releases them once all trainers have."""
