@@ -234,17 +234,20 @@ def test_a_link_down_past_the_timeout_ends_every_rank_naming_the_unreachable_one
 
 
 def test_a_servers_host_cut_off_ends_every_trainer_naming_the_server(tmp_path: Path) -> None:
-    """GBA, two trainers on host 0 and the server on host 1, whose link goes down for good: each
-    trainer ends naming ps0 within the timeout and a margin (no server restart is configured)."""
+    """GBA, a trainer on each of hosts 0 and 1 and the server on host 2, whose link goes down for
+    good: each trainer ends naming ps0 within the timeout and a margin (no server restart is
+    configured). One rank a host: torchrun's agent stops a host's other ranks once one of them
+    exits with an error, which would cut a second trainer's own end short."""
     timeout_s = 6.0
-    with Cluster(2, rate="1gbit") as cluster:
-        job = FaultJob(cluster, [2, 1], "gba.yaml", tmp_path, seconds=60,
+    with Cluster(3, rate="1gbit") as cluster:
+        job = FaultJob(cluster, [1, 1, 1], "gba.yaml", tmp_path, seconds=60,
                        extra=["--sync.timeout_s", str(timeout_s), "--sync.ps.rpc_timeout_s", str(timeout_s)])
         job.wait_for_rounds([0, 1], 5)
-        cluster.link_down(1)
+        cluster.link_down(2)
         down = time.time()
         outcomes = job.finish(90)
-    assert outcomes[0][0] == 1, outcomes[0][1][-3000:]
+    for host in (0, 1):
+        assert outcomes[host][0] == 1, outcomes[host][1][-3000:]
     server = job.record(2)  # it ends too: its trainers depart after the timeout, and it stops
     assert server["server"] and server["ended_at"] - down < 2 * timeout_s + 10, server
     for rank in range(2):
