@@ -200,7 +200,7 @@ class Job:
             raise SetupError("Job.survivors() is for trainers")
         ranks = self.roles.trainer_ranks
         if self.transport is not None:
-            met = self.transport.barrier(f"shadowgba.survivors.{name}")
+            met = self.transport.meet(f"shadowgba.survivors.{name}")
         elif self.survival is not None:
             met = tuple(ranks.index(rank) for rank in self.survival.survivors())
         else:

@@ -27,6 +27,8 @@ beside the values (4 / BLOCK bytes per value).
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.distributed as dist
 
@@ -88,22 +90,20 @@ class CompressedSum:
             self._send.zero_()
             if self._scales:
                 self._scales[0].fill_(0.0)
-        self._exchange(self._send, self._received, 0, lambda out, inp: dist.all_to_all_single(out, inp, group=self.group))
+        self._exchange(self._send, self._received, lambda out, inp: dist.all_to_all_single(out, inp, group=self.group))
         owned = self._dequantize(self._received, 1, out=self._work).view(self.ranks, self.chunk).sum(0)
         self._quantize(owned, self._send[: self.chunk], 0)
-        self._exchange(self._send[: self.chunk], self._gathered, 0, lambda out, inp: _all_gather(out, inp, self.group),
+        self._exchange(self._send[: self.chunk], self._gathered, lambda out, inp: _all_gather(out, inp, self.group),
                        gather=True)
         payload.copy_(self._dequantize(self._gathered, 2, out=self._work)[:n])
 
-    def _exchange(self, send: torch.Tensor, receive: torch.Tensor, scales_from: int, collective,  # noqa: ANN001
-                  gather: bool = False) -> None:
-        """One phase: `collective(receive, send)`, and int8's scales beside the values (all-to-all's
-        into scales 1, all-gather's into scales 2)."""
+    def _exchange(self, send: torch.Tensor, receive: torch.Tensor,
+                  collective: Callable[[torch.Tensor, torch.Tensor], Any], gather: bool = False) -> None:
+        """One phase: `collective(receive, send)`, and int8's scales beside the values (from scales 0,
+        where `_quantize` put them; the all-to-all's into scales 1, the all-gather's into scales 2)."""
         collective(receive, send)
         if self._scales:
-            target = self._scales[2 if gather else 1]
-            source = self._scales[scales_from][: send.numel() // BLOCK]
-            collective(target, source)
+            collective(self._scales[2 if gather else 1], self._scales[0][: send.numel() // BLOCK])
 
     def _quantize(self, values: torch.Tensor, out: torch.Tensor, scales: int) -> None:
         if self.kind == "bf16":

@@ -220,8 +220,10 @@ def test_a_trainer_host_cut_off_past_the_timeout_departs_and_its_restart_rejoins
         assert len(during) >= 10 and during[-1] > during[0], (index, during)
     # test_elastic's `stop` assertions: the servers declared it departed after sync.timeout_s (and
     # nobody else), the process ended by itself (exit 1) saying it is no longer in the job, the
-    # restart rejoined and trained, every other process ended with exit code 0
-    assert_the_fault_fired_and_the_others_carried_on(outage, fault)
+    # restart rejoined and trained, every other process ended with exit code 0. Cutting a link takes
+    # a moment (netlink, then every link's counters read) in which trainer 1, about 30 ms a step,
+    # steps on until its lookups wait: the cut lands up to 3 steps after KILL_AT_STEP (2 seen once)
+    assert_the_fault_fired_and_the_others_carried_on(outage, fault, late_steps=3)
     assert_every_push_landed_and_the_restart_trained_on(outage, fault)
     for _, index, _, _, departures, _ in outage.finals.values():
         [(_, _, left_at, why)] = departures

@@ -743,25 +743,33 @@ class Transport:
         return replacement
 
     # ------------------------------------------------------------------------------------ meeting
-    def barrier(self, name: str, timeout_s: float | None = None) -> tuple[int, ...]:
-        """Wait until every trainer has called `barrier(name)` (as often as this one), with no
-        collective; returns the trainers (indices) that met there: every member, departed ones not
-        waited for, the same on every trainer it released (server 0's `Roster.met`).
+    def barrier(self, name: str, timeout_s: float | None = None) -> None:
+        """Wait until every trainer has called `barrier(name)` (as often as this one), with no collective.
 
         Raises `PeerLost` with its reason as soon as a trainer has aborted, naming the trainers still
         missing once `timeout_s` has passed (None: the transport's `timeout_s`; a peer that late is
         stuck, or too slow to be told from stuck), and naming server 0 if it is gone. Trainers only;
         server 0 keeps the count."""
-        if self.roles.is_server:
-            raise RuntimeError(f"barrier() is for trainers; {self.roles.name} is a server")
-        use = self._barriers[name] = self._barriers.get(name, 0) + 1
-        key = f"{name}#{use}"
-        self._await_release(key, self.timeout_s if timeout_s is None else timeout_s, servers=1)
+        self._barrier(name, timeout_s)
+
+    def meet(self, name: str, timeout_s: float | None = None) -> tuple[int, ...]:
+        """`barrier(name)`, then the trainers (indices) that met there: every member, departed ones
+        not waited for, the same on every trainer it released (server 0's `Roster.met`)."""
+        key = self._barrier(name, timeout_s)
         met = self._control_call(0, "met", key)
         if met is None:  # a new process of server 0 forgot the count between the release and this question
             raise PeerLost(f"{self.roles.name}: server 0 restarted after barrier '{key}' released it, "
                            "and no longer knows who met there")
         return met
+
+    def _barrier(self, name: str, timeout_s: float | None) -> str:
+        """`barrier(name)`; returns the key of this use of it at server 0."""
+        if self.roles.is_server:
+            raise RuntimeError(f"barrier() is for trainers; {self.roles.name} is a server")
+        use = self._barriers[name] = self._barriers.get(name, 0) + 1
+        key = f"{name}#{use}"
+        self._await_release(key, self.timeout_s if timeout_s is None else timeout_s, servers=1)
+        return key
 
     def _await_release(self, key: str, timeout_s: float | None, servers: int | None = None) -> None:
         """Trainer: announce this trainer under `key` to the first `servers` servers (default: all), then
