@@ -133,8 +133,8 @@ class SyncConfig:
     a round waits for (`sync_algos.compressed`): bf16 (2 bytes a value) or int8 with a scale per
     256 values (about 1). The replicas send their difference from the last round's consensus, with
     error feedback, and sums are taken in fp32; the first round, the first after a restore and the
-    final average run in full precision. Costs two more dense-sized buffers (the reference and the
-    residual). Table fragments (2D) go uncompressed."""
+    final average run in full precision. Costs two more dense-sized buffers (the reference, ma and
+    bmuf only, and the residual). Table fragments (2D) go uncompressed."""
     on_group_lost: Literal["continue", "fail"] = "fail"
     """2D jobs: what a lost rank (killed, stopped past `timeout_s`, or its loop raised) does to the
     others. fail: every rank ends naming it. continue: its replica group drops out (its ranks end,

@@ -234,6 +234,9 @@ class SyncAlgorithm(abc.ABC):
     kind: ClassVar[str] = "model"
     uses_collectives: ClassVar[bool] = True
     """False for algorithms that only talk to a parameter server: no lockstep, no shadow group."""
+    averages_snapshots: ClassVar[bool] = True
+    """Whether its rounds average the snapshots (`average`), which compressed rounds send as their
+    difference from `reference`; False where only the consensus start does (EASGD sums pulls)."""
     Config: ClassVar[type]
     state_names: ClassVar[tuple[str, ...]] = ()
     state_guard: ContextManager[Any] = contextlib.nullcontext()
@@ -255,9 +258,10 @@ class SyncAlgorithm(abc.ABC):
         self.world_size = self.allreduce.ranks
         self.rank = self.allreduce.rank
         self.started = False  # until the first round (or a restored state) has placed the state
-        self.reference = None if compress == "none" else initial.clone()
-        """Compressed rounds: the last round's consensus, the same on every rank, from which the
-        replicas send their difference (a small one, whose rounding costs a fraction of itself)."""
+        self.reference = initial.clone() if compress != "none" and self.averages_snapshots else None
+        """Compressed rounds of an algorithm that `averages_snapshots`: the last round's consensus, the
+        same on every rank, from which the replicas send their difference (a small one, whose
+        rounding costs a fraction of itself). None otherwise: every average runs exact."""
         self.reference_agreed = False
         """Whether `reference` is the last round's consensus on every rank; until then (the first
         round, after a restore or a regroup) an average runs exact, in full precision."""

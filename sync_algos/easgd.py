@@ -56,6 +56,7 @@ class ElasticAveraging(SyncAlgorithm):
     name = "easgd"
     Config = EASGDConfig
     state_names = ("center",)
+    averages_snapshots = False  # its pulls are differences already; the consensus start runs exact
 
     def __init__(self, config: EASGDConfig, group: dist.ProcessGroup | None, initial: torch.Tensor,
                  compress: str = "none") -> None:
