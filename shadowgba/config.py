@@ -64,6 +64,14 @@ class SyncConfig:
     rounds), so the round rate follows the steps whatever a step costs, as TorchRec's sync every N
     batches does; `interval_ms` stays the floor. 0: time alone. Can be changed while the job runs.
     Ignored by gba."""
+    max_round_share: float = 0.1
+    """Shadow mode pacing by cost: the most of the wall time the rounds may take. After rounds that
+    took d seconds (the median of the last few), the next starts no sooner than d / max_round_share
+    after the last one started. A round's duration is what it costs the steps, in link time (a
+    step's embedding all-to-all crosses the same link) and in CPU (its copies and reduction), so
+    rounds space out where they are dear (a slow link, busy cores) and run as often as the other
+    limits allow where they are cheap. 1: no such limit. Can be changed while the job runs.
+    Ignored by gba."""
     foreground_every: int = 10
     """Foreground mode: training steps between two synchronous rounds. Ignored by gba."""
     first_round_after: int = 50
@@ -151,6 +159,8 @@ class SyncConfig:
             raise ConfigError(f"interval_ms must be >= 0, got {self.interval_ms}")
         if self.interval_steps < 0:
             raise ConfigError(f"interval_steps must be >= 0, got {self.interval_steps}")
+        if not 0 < self.max_round_share <= 1:
+            raise ConfigError(f"max_round_share must be in (0, 1], got {self.max_round_share}")
         if self.first_round_after < 0:
             raise ConfigError(f"first_round_after must be >= 0, got {self.first_round_after}")
         if self.foreground_every < 1:

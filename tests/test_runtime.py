@@ -50,7 +50,7 @@ def train_constant_steps(rank: int, world_size: int, steps: list[int], options: 
     """Rank r takes steps[r] steps of +(r+1); returns its weights before and after the final sync."""
     model = vector_model(rank)
     optimizer = ConstantStep(list(model.parameters()), increment=float(rank + 1))
-    config = SyncConfig(**{"interval_ms": 1.0, "log_interval_s": 0.0, **options})
+    config = SyncConfig(**{"interval_ms": 1.0, "max_round_share": 1.0, "log_interval_s": 0.0, **options})
     sync = ShadowSync(model, optimizer, config)
     with sync:
         initial = flat(model).clone()
@@ -207,7 +207,7 @@ def test_a_dead_peer_surfaces_as_an_error_with_its_cause() -> None:
 def paced_rounds(rank: int, world_size: int) -> dict:
     model = vector_model(rank)
     optimizer = ConstantStep(list(model.parameters()), increment=1.0)
-    with ShadowSync(model, optimizer, SyncConfig(algo="ma", interval_ms=50.0)) as sync:
+    with ShadowSync(model, optimizer, SyncConfig(algo="ma", interval_ms=50.0, max_round_share=1.0)) as sync:
         started = time.monotonic()
         while time.monotonic() - started < 1.0:
             optimizer.step()
@@ -231,7 +231,7 @@ def step_paced_rounds(rank: int, world_size: int) -> dict:
     """Rank 0 steps every 2 ms, rank 1 five times slower; rounds every 10 steps of the fastest rank."""
     model = vector_model(rank)
     optimizer = ConstantStep(list(model.parameters()), increment=1.0)
-    config = SyncConfig(algo="ma", interval_ms=0.0, interval_steps=10, first_round_after=0)
+    config = SyncConfig(algo="ma", interval_ms=0.0, interval_steps=10, max_round_share=1.0, first_round_after=0)
     steps = 0
     with ShadowSync(model, optimizer, config) as sync:
         started = time.monotonic()
@@ -284,6 +284,31 @@ def test_the_pacer_waits_for_the_later_of_interval_ms_and_the_fastest_ranks_step
     assert pacer.pause_s() == 0.0
 
 
+def test_the_pacer_keeps_the_rounds_within_their_share_of_the_wall_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(pacing.time, "monotonic", clock)
+    pacer = pacing.RoundPacer(interval_ms=50.0, interval_steps=0, max_round_share=0.25)
+    assert pacer.pause_s() == pytest.approx(0.05)  # no round yet: interval_ms alone
+    for duration in (0.1, 0.1, 3.0):  # a slow link's rounds, one of them stalled
+        pacer.round_started(step=0)
+        clock.now += duration
+        pacer.round_ended(fastest_steps=0)
+    # the median round (0.1 s) may take a quarter of the time: 0.4 s start to start, 3 s of it gone
+    assert pacer.pause_s() == 0.0
+    pacer.round_started(step=0)
+    clock.now += 0.1
+    pacer.round_ended(fastest_steps=0)
+    assert pacer.pause_s() == pytest.approx(0.3)
+    pacer.max_round_share = 1.0  # a live change: no share limit, interval_ms alone
+    assert pacer.pause_s() == 0.0
+    for _ in range(pacing.RoundPacer.RECENT_ROUNDS):  # rounds of a fast link: the floor is what paces them
+        pacer.round_started(step=0)
+        clock.now += 0.001
+        pacer.round_ended(fastest_steps=0)
+    pacer.max_round_share = 0.25
+    assert pacer.pause_s() == pytest.approx(0.049)
+
+
 def control_file_changes_pacing(rank: int, world_size: int, control: str) -> dict:
     from pathlib import Path
 
@@ -297,17 +322,17 @@ def control_file_changes_pacing(rank: int, world_size: int, control: str) -> dic
             time.sleep(0.002)
         return sync.metrics.rounds - rounds
 
-    config = SyncConfig(algo="ma", interval_ms=1.0, control_file=control)
+    config = SyncConfig(algo="ma", interval_ms=1.0, max_round_share=1.0, control_file=control)
     with ShadowSync(model, optimizer, config) as sync:
         fast = train_for(1.0)
-        Path(control).write_text("interval_ms: 400\ninterval_steps: 3\n")
+        Path(control).write_text("interval_ms: 400\ninterval_steps: 3\nmax_round_share: 0.5\n")
         train_for(1.5)  # picked up within a poll interval (1 s)
         slow = train_for(1.2)
         Path(control).write_text("interval_ms: -5\n")  # invalid: logged and ignored
         train_for(1.2)
         still_slow = train_for(1.2)
     return {"fast": fast, "slow": slow, "still_slow": still_slow, "interval_ms": sync.interval_ms,
-            "interval_steps": sync.interval_steps}
+            "interval_steps": sync.interval_steps, "max_round_share": sync.max_round_share}
 
 
 def test_control_file_changes_pacing_while_running_and_bad_edits_are_ignored(one_rank: dict) -> None:
@@ -315,7 +340,7 @@ def test_control_file_changes_pacing_while_running_and_bad_edits_are_ignored(one
     assert result["fast"] > 50, result
     assert result["slow"] <= 1.2 / 0.4 + 2, result
     assert result["still_slow"] <= 1.2 / 0.4 + 2 and result["interval_ms"] == 400.0, result
-    assert result["interval_steps"] == 3
+    assert result["interval_steps"] == 3 and result["max_round_share"] == 0.5
 
 
 def checkpoint_often(rank: int, world_size: int) -> dict:
@@ -326,7 +351,7 @@ def checkpoint_often(rank: int, world_size: int) -> dict:
     model = vector_model(rank)
     optimizer = ConstantStep(list(model.parameters()), increment=1.0)
     reads = 0
-    with ShadowSync(model, optimizer, SyncConfig(algo="easgd", interval_ms=0.0, first_round_after=0)) as sync:
+    with ShadowSync(model, optimizer, SyncConfig(algo="easgd", interval_ms=0.0, max_round_share=1.0, first_round_after=0)) as sync:
         for step in range(1, 301):
             optimizer.step()
             if step % 3 == 0:

@@ -3,6 +3,7 @@
     # control.yaml, named by sync.control_file
     interval_ms: 200        # shadow mode pacing: the least time between two rounds
     interval_steps: 2       # and not before the fastest rank has taken this many steps
+    max_round_share: 0.1    # and the rounds take at most this share of the wall time
     foreground_every: 50    # foreground mode period
 
 Each rank polls the file (at most once a second) and applies a change at its next round. Ranks may
@@ -32,6 +33,8 @@ class LiveSettings:
     """New shadow-mode pacing, >= 0."""
     interval_steps: int | None = None
     """New shadow-mode pacing in the fastest rank's steps, >= 0."""
+    max_round_share: float | None = None
+    """New most share of the wall time the rounds may take, in (0, 1]."""
     foreground_every: int | None = None
     """New foreground-mode period in training steps, >= 1."""
 
@@ -40,6 +43,8 @@ class LiveSettings:
             raise ConfigError(f"interval_ms must be >= 0, got {self.interval_ms}")
         if self.interval_steps is not None and self.interval_steps < 0:
             raise ConfigError(f"interval_steps must be >= 0, got {self.interval_steps}")
+        if self.max_round_share is not None and not 0 < self.max_round_share <= 1:
+            raise ConfigError(f"max_round_share must be in (0, 1], got {self.max_round_share}")
         if self.foreground_every is not None and self.foreground_every < 1:
             raise ConfigError(f"foreground_every must be >= 1, got {self.foreground_every}")
 

@@ -1,8 +1,10 @@
 """When the shadow thread starts its next round.
 
-Two limits, the later one wins: `sync.interval_ms` after the last round started (a floor: on few
-CPU cores an unpaced loop steals the trainers' CPU), and, with `sync.interval_steps: N`, once the
-fastest rank has taken about N training steps since then. The second makes the round rate follow
+Three limits, the latest one wins: `sync.interval_ms` after the last round started (a floor: on few
+CPU cores an unpaced loop steals the trainers' CPU); with `sync.interval_steps: N`, once the
+fastest rank has taken about N training steps since then; and `sync.max_round_share`: the rounds
+take at most that share of the wall time, so a round that took d seconds is followed by a pause
+that makes the start-to-start time at least d / share. The second makes the round rate follow
 the steps, as TorchRec's "sync every N batches" does, whatever a step costs: a fixed time is many
 steps of a fast model (replicas drift apart between rounds) and a fraction of a step of a slow one
 (rounds that average nearly nothing new, for their CPU and bytes).
@@ -12,10 +14,19 @@ Each round's collective carries every rank's step count since its previous round
 collective of its own: its step time is the time between the last two round starts over the most
 steps any rank took in between. A fast group is never slowed: nothing here waits for a step, and a
 slow rank starts its rounds on the fast rank's pace, not its own.
+
+The share bounds what the rounds take of what they compete with the training steps for: the link,
+which a step's embedding all-to-all crosses too, and the CPU cores, where a round's copies and the
+collective's reduction and network work run. A round's duration measures both (it is long where
+the link is slow or the cores are busy), so the rounds space out by themselves where they cost the
+steps most, and come as often as the floor lets them on a fast link. The duration used is the
+median of the last few rounds': one round stalled by a passing hiccup does not pause the next many.
 """
 
 from __future__ import annotations
 
+import collections
+import statistics
 import time
 
 
@@ -23,11 +34,17 @@ class RoundPacer:
     """Paces one shadow thread's rounds; read and written by that thread only (live settings are
     plain attribute writes, taken at the next pause)."""
 
-    def __init__(self, interval_ms: float, interval_steps: int) -> None:
+    RECENT_ROUNDS = 5
+    """Rounds whose median duration the share limit uses."""
+
+    def __init__(self, interval_ms: float, interval_steps: int, max_round_share: float = 1.0) -> None:
         self.interval_s = interval_ms / 1e3
         """The least time between two round starts."""
         self.interval_steps = interval_steps
         """Steps of the fastest rank between two round starts; 0: time alone."""
+        self.max_round_share = max_round_share
+        """The most of the wall time rounds may take, in (0, 1]; 1: no limit beyond the others."""
+        self._durations: collections.deque[float] = collections.deque(maxlen=self.RECENT_ROUNDS)
         self.fastest_step_s: float | None = None
         """The fastest rank's step time as of the last round; None until two rounds have run in
         which some rank stepped."""
@@ -44,7 +61,9 @@ class RoundPacer:
 
     def round_ended(self, fastest_steps: int) -> None:
         """The round just run carried `fastest_steps`, the most steps any rank took since its
-        previous round: update the fastest rank's step time."""
+        previous round: update the fastest rank's step time and the rounds' recent duration."""
+        if self._started is not None:
+            self._durations.append(time.monotonic() - self._started)
         if fastest_steps > 0 and self._previous_start is not None and self._started is not None:
             self.fastest_step_s = (self._started - self._previous_start) / fastest_steps
 
@@ -53,6 +72,8 @@ class RoundPacer:
         interval = self.interval_s
         if self.interval_steps and self.fastest_step_s is not None:
             interval = max(interval, self.interval_steps * self.fastest_step_s)
+        if self.max_round_share < 1.0 and self._durations:
+            interval = max(interval, statistics.median(self._durations) / self.max_round_share)
         if self._started is None:
             return interval
         return max(0.0, interval - (time.monotonic() - self._started))

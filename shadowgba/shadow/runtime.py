@@ -123,7 +123,7 @@ class ShadowSync(DenseSync):
         self.metrics = SyncMetrics(self._held_tensors, self.guard, self._fragment_ages if tables is not None else None)
         self._parent_group = process_group
         self._algorithm_kwargs = algorithm_kwargs or {}
-        self._pacer = RoundPacer(config.interval_ms, config.interval_steps)
+        self._pacer = RoundPacer(config.interval_ms, config.interval_steps, config.max_round_share)
         self._foreground_every = config.foreground_every
         self._control = ControlFile(config.control_file) if config.control_file else None
         self._step_counter = itertools.count(1)
@@ -317,6 +317,11 @@ class ShadowSync(DenseSync):
         """Current shadow-mode pacing in the fastest rank's steps (0: time alone)."""
         return self._pacer.interval_steps
 
+    @property
+    def max_round_share(self) -> float:
+        """Current shadow-mode pacing by cost (the most of the wall time rounds may take)."""
+        return self._pacer.max_round_share
+
     def set_interval_ms(self, interval_ms: float) -> None:
         """Change the pacing while the job runs (local to this rank; takes effect at the next round)."""
         self.apply_live(LiveSettings(interval_ms=interval_ms))
@@ -327,6 +332,8 @@ class ShadowSync(DenseSync):
             self._pacer.interval_s = settings.interval_ms / 1e3
         if settings.interval_steps is not None:
             self._pacer.interval_steps = settings.interval_steps
+        if settings.max_round_share is not None:
+            self._pacer.max_round_share = settings.max_round_share
         if settings.foreground_every is not None:
             self._foreground_every = settings.foreground_every
 
