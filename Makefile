@@ -10,7 +10,7 @@ NPROC ?= 2
 CONFIG ?= examples/configs/bmuf.yaml
 PRESET ?=
 
-.PHONY: setup run test test-hosts test-newer bench bench-quick bench-quality bench-scaling bench-gba bench-2d bench-ps bench-elastic bench-hosts soak clean
+.PHONY: setup run test test-hosts test-newer bench bench-quick bench-quality bench-scaling bench-gba bench-2d bench-ps bench-elastic bench-hosts bench-host-faults soak clean
 
 setup: $(STAMP)
 
@@ -99,6 +99,11 @@ bench-elastic: $(STAMP)
 # with a 3x straggler (benchmarks/bench_hosts.py; runs/bench_hosts.json)
 bench-hosts: $(STAMP)
 	$(PY) benchmarks/bench_hosts.py
+
+# Across hosts (needs root): the network-fault tests of test-hosts, 3 runs each, as one table of verdicts
+# and measured figures (benchmarks/bench_host_faults.py; runs/bench_host_faults.json)
+bench-host-faults: $(STAMP)
+	$(PY) benchmarks/bench_host_faults.py
 
 # Soak (not in `make test`): random configurations as torchrun jobs with faults, restarts and resumes,
 # for SOAK_MINUTES; the report goes to runs/soak.json (benchmarks/soak.py).

@@ -4,7 +4,7 @@
         [--duration-s 40] [--presets small] [--variants ma-shadow,bmuf-shadow,torchrec_2d,ddp,...] \
         [--every 10] [--interval-steps 2] [--interval-ms 20] [--step-ms MS] [--quality simulated:straggler] \
         [--quality-steps 3000] [--quality-stop samples|steps] \
-        [--quality-seeds 0,1,2] [--quality-step-ms 30] [--dotted.key value ...]
+        [--quality-seeds 0,1,2] [--quality-step-ms 30] [--hosts-rate 1gbit] [--dotted.key value ...]
 
 Every run is a `torchrun` job of `benchmarks/train_dlrm.py` on 4 trainers (`--nproc`), TorchRec tables
 (FBGEMM's fused kernels), in the 2D layout of 2 replica groups x 2 ranks (`--group-size`:
@@ -23,6 +23,10 @@ trainer 0) `--factor` times (`ctrkit.straggler`), `even` slows nobody. Compute (
 `simulated` pads every trainer's compute to `--step-ms` (default `SIMULATED_STEP_MS` of the preset),
 the slowed one's to `factor` times that, so 4 ranks on 2 cores do not fight over CPU; `real` slows
 the trainer by `factor` times its measured compute, with every rank on the same cores.
+
+Across hosts (`--hosts-rate 1gbit`): every job runs on 2 simulated hosts (`ctrkit.cluster`), half the
+ranks each, so that each replica group's all-to-all stays on its host and the rounds between the
+groups cross a link shaped to that rate; the table adds the bytes every host sent per sample.
 
 Throughput: identical runs differ too much on these machines to compare invocations
 (docs/benchmarks.md, "The development machines"), so one invocation runs every cell interleaved over
@@ -87,7 +91,8 @@ from bench_summary import (
 )
 from dlrm.config import ExperimentConfig
 from example_job import (
-    CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, WARMUP_STEPS, parse_presets, preset_arguments, run_example,
+    CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, WARMUP_STEPS, parse_presets, preset_arguments, run_across_hosts,
+    run_example,
 )
 from shadowgba.config import load_config
 
@@ -228,12 +233,14 @@ def throughput_metrics(result: dict[str, Any], slow_trainer: int, group_size: in
                                           "fragment_refresh_age_steps_max")},
         "extra_mib": result["resources"]["trainer_extra_rss_mib_max"],
         "stopped_together": result["samples_computed_total"] == result["trainers"] * result["steps"] * batch,
+        "wire_kb_per_sample": (result["wire_bytes_sent"] / 1e3 / result["samples_computed_total"]
+                               if "wire_bytes_sent" in result else None),
     }
 
 
 THROUGHPUT_FIGURES = ("samples_per_s", "window_s", "group_step_ratio", "overrun_fast_group", "sync_rounds_per_s",
                       "table_rounds", "table_cycles", "fragment_refresh_age_steps_mean",
-                      "fragment_refresh_age_steps_max", "extra_mib")
+                      "fragment_refresh_age_steps_max", "extra_mib", "wire_kb_per_sample")
 """The `throughput_metrics` summarized as median and min-max over repetitions."""
 
 
@@ -298,6 +305,7 @@ THROUGHPUT_COLUMNS: list[Column] = [
                  f"{optional(median(row['fragment_refresh_age_steps_max']), '.0f')}"),
     *RESOURCE_COLUMNS,
     ("extra MiB per trainer", lambda row: spread_cell(row["extra_mib"], ",.0f")),
+    ("wire KB/sample", lambda row: spread_cell(row["wire_kb_per_sample"], ".1f")),
     (f"extra MiB over {NO_SYNC}", lambda row: spread_cell(row["extra_mib_over_none_2d"], ",.0f")),
     ("reps", lambda row: str(row["reps"])),
 ]
@@ -400,6 +408,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "takes --quality-steps")
     parser.add_argument("--quality-seeds", default="0,1,2", help="comma-separated seeds, one quality repetition each")
     parser.add_argument("--quality-step-ms", type=float, default=30.0, help="simulated compute per step, quality runs")
+    parser.add_argument("--hosts-rate", default="",
+                        help="run every job across 2 simulated hosts (a replica group a host) whose links run at this "
+                             "rate, e.g. 1gbit (needs root); empty: one host's loopback")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_2d.json", help="JSON results")
     args, extra = parser.parse_known_args(argv)
     computes = parse_list(args.compute, COMPUTE, "--compute")
@@ -410,6 +421,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "simulated" in computes and args.step_ms is None and set(presets) - set(SIMULATED_STEP_MS):
         parser.error(f"--step-ms: simulated compute has a default only for {list(SIMULATED_STEP_MS)}")
     cells = [(preset, compute, straggler) for preset in presets for compute in computes for straggler in stragglers]
+
+    def run(label: str, arguments: list[str], output: Path) -> dict[str, Any]:
+        if not args.hosts_rate:
+            return run_example(label, args.nproc, arguments, output)
+        return run_across_hosts(label, arguments, output, nproc_per_host=args.nproc // 2, rate=args.hosts_rate)
+
     throughput, quality = [], []
     with tempfile.TemporaryDirectory() as scratch:
         output = Path(scratch) / "result.json"
@@ -417,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for preset, compute, straggler in cells:
                 for variant in variants:
                     label = f"rep {rep} {preset} {compute} {straggler} {variant}"
-                    result = run_example(label, args.nproc, [
+                    result = run(label, [
                         *VARIANTS[variant].arguments(args.group_size, args.every), *pacing_arguments(args),
                         *preset_arguments(preset),
                         "--train.duration_s", str(args.duration_s), "--train.warmup_steps", str(args.warmup_steps),
@@ -432,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for compute, straggler in quality_cells:
                 for variant in variants:
                     label = f"quality seed {seed} {compute} {straggler} {variant}"
-                    result = run_example(label, args.nproc, [
+                    result = run(label, [
                         *VARIANTS[variant].arguments(args.group_size, args.every), *pacing_arguments(args),
                         *quality_length(args, extra), "--train.warmup_steps", str(args.warmup_steps),
                         "--train.seed", str(seed), "--data.synthetic.seed", str(seed), *SYNTHETIC_HELDOUT,

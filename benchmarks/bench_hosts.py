@@ -34,16 +34,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from bench_2d import parse_list
 from bench_summary import Column, Run, difference_spread, markdown_table, ratio_spread, select, spread, spread_cell
-from ctrkit.cluster import Cluster, rate_bits, unavailable_reason
-from example_job import CONFIGS, ROOT, SYNTHETIC_HELDOUT, WARMUP_STEPS, harness_script, preset_arguments
+from ctrkit.cluster import rate_bits, unavailable_reason
+from example_job import CONFIGS, ROOT, SYNTHETIC_HELDOUT, WARMUP_STEPS, preset_arguments, run_across_hosts
 
 VARIANTS: dict[str, list[str]] = {
     "none": ["--config", str(CONFIGS / "none.yaml")],
@@ -61,33 +59,13 @@ STRAGGLERS = ("even", "compute", "link")
 """`--stragglers` names (module docstring)."""
 LINK_STRAGGLER_SHARE = 100
 """Under the `link` straggler, host 1's link runs at the cell's rate divided by this."""
-JOB_TIMEOUT_S = 900.0
-"""The longest one job may take (start-up of the production preset's tables included) before it is killed."""
 
 
 def run_on_hosts(label: str, rate: str, straggler: str, arguments: Sequence[str], output: Path) -> dict[str, Any]:
-    """One harness job across 2 hosts at `rate`; its results with the bytes both hosts sent. Exits
-    naming `label` with the agents' output tails if the job fails or hangs."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    output.unlink(missing_ok=True)
-    with Cluster(2, rate=rate) as cluster:
-        if straggler == "link":
-            cluster.set_rate(1, rate_bits(rate) // LINK_STRAGGLER_SHARE)
-        agents = cluster.torchrun(harness_script(arguments, output), 1, env=env, capture=True)
-        outcomes = []
-        for agent in agents:
-            try:
-                outcomes.append((agent.communicate(timeout=JOB_TIMEOUT_S)[0], agent.returncode))
-            except subprocess.TimeoutExpired:
-                cluster.close()
-                outcomes.append((agent.communicate()[0], None))
-        sent = sum(cluster.wire_bytes(host)[1] for host in range(2)) if all(code == 0 for _, code in outcomes) else 0
-    if not all(code == 0 for _, code in outcomes):
-        tails = "\n".join(f"--- host {host}: exit {code} ---\n{text[-3000:]}" for host, (text, code) in enumerate(outcomes))
-        raise SystemExit(f"{label} failed:\n{tails}")
-    result = json.loads(output.read_text())
-    result["wire_bytes_sent"] = sent
-    return result
+    """One harness job across 2 hosts at `rate`, one rank each (host 1's link at 1% of it under the
+    `link` straggler); its results with the bytes both hosts sent."""
+    slow = {1: rate_bits(rate) // LINK_STRAGGLER_SHARE} if straggler == "link" else {}
+    return run_across_hosts(label, arguments, output, nproc_per_host=1, rate=rate, slow_links=slow)
 
 
 def metrics(result: dict[str, Any]) -> dict[str, Any]:

@@ -449,6 +449,7 @@ def scaling_points(raw: dict[str, Any], calibration: tm.Calibration) -> list[dic
         point("bench_scaling", run["variant"], run, run["rep"],
               tm.Job(preset_of(run, calibration), run["trainers"], tm.Hosts(calibration.cores, run["trainers"]),
                      interval_s=run["config"]["sync"]["interval_ms"] / 1e3,
+                     round_share=run["config"]["sync"].get("max_round_share", 1.0),
                      torchrec_tables=run["config"]["model"]["embeddings"] != "ps"),
               PREDICTED_AS.get(run["variant"], "shadow"), run["samples_per_s_total"])
         for run in raw["runs"]

@@ -1,9 +1,9 @@
 """One `torchrun` job of `benchmarks/train_dlrm.py`, as the benchmarks launch it.
 
 The single place that knows the launch command: a standalone torchrun of the example with the
-progress bar off and the results written to a JSON file, which is read back (`harness_script`: the
-same script and arguments, for a launcher of its own, such as one agent per simulated host). A failed job stops
-the benchmark with the job's output tail (a benchmark with a missing run would compare nothing).
+progress bar off and the results written to a JSON file, which is read back (`run_example`), or
+the same across simulated hosts, one torchrun agent per host (`run_across_hosts`). A failed job
+stops the benchmark with the job's output tail (a benchmark with a missing run would compare nothing).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ctrkit.cluster import Cluster
 from shadowgba.config import SyncConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,3 +77,37 @@ def run_example(
         print(f"{label} failed (exit {job.returncode}, attempt {attempt} of {attempts}):\n"
               f"{(job.stdout + job.stderr)[-4000:]}", flush=True)
     raise SystemExit(f"{label} failed {attempts} time(s); its output is above")
+
+
+HOSTS_JOB_TIMEOUT_S = 900.0
+"""The longest one job across hosts may take (start-up of the production preset's tables included)
+before it is killed."""
+
+
+def run_across_hosts(label: str, arguments: Sequence[str], output: Path, nproc_per_host: int, rate: str,
+                     slow_links: Mapping[int, int] | None = None, hosts: int = 2) -> dict[str, Any]:
+    """The example across `hosts` simulated hosts (`ctrkit.cluster`), `nproc_per_host` consecutive
+    ranks each, every link at `rate` (`slow_links`: host -> bits/s instead); its results with
+    `wire_bytes_sent`, what every host sent on its link. Exits naming `label` with the agents'
+    output tails if the job fails or hangs."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    output.unlink(missing_ok=True)
+    with Cluster(hosts, rate=rate) as cluster:
+        for host, bits in (slow_links or {}).items():
+            cluster.set_rate(host, bits)
+        agents = cluster.torchrun(harness_script(arguments, output), nproc_per_host, env=env, capture=True)
+        outcomes = []
+        for agent in agents:
+            try:
+                outcomes.append((agent.communicate(timeout=HOSTS_JOB_TIMEOUT_S)[0], agent.returncode))
+            except subprocess.TimeoutExpired:
+                cluster.close()
+                outcomes.append((agent.communicate()[0], None))
+        ok = all(code == 0 for _, code in outcomes)
+        sent = sum(cluster.wire_bytes(host)[1] for host in range(hosts)) if ok else 0
+    if not ok:
+        tails = "\n".join(f"--- host {host}: exit {code} ---\n{text[-3000:]}" for host, (text, code) in enumerate(outcomes))
+        raise SystemExit(f"{label} failed:\n{tails}")
+    result = json.loads(output.read_text())
+    result["wire_bytes_sent"] = sent
+    return result

@@ -23,7 +23,8 @@ trainer i and a per-step jitter J (lognormal, mean 1):
   dense gradient: samples/s = N B / (t E[max_i m_i J_i] + lookups + A(dense bytes, N)).
 - Shadow MA / EASGD / BMUF: no trainer waits for another; trainer i runs at B / (t m_i (1 + s)),
   s being the share of its compute the shadow thread steals. A round costs R_s = A(dense bytes, N)
-  plus copies of the dense vector; rounds/s = min(1 / interval, 1 / R_s), and the thread's CPU per
+  plus copies of the dense vector; rounds/s = min(1 / interval, share / R_s) (`sync.max_round_share`,
+  at most 1), and the thread's CPU per
   second, u_s = rounds/s x copy seconds, stretches compute only where the host has no spare core
   (`shadow_steal`).
 - GBA over S dense shards: trainer i runs at B / (t m_i + lookups), never waiting; every trainer step
@@ -44,6 +45,8 @@ import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
+
+from shadowgba.config import SyncConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CALIBRATION = ROOT / "runs" / "throughput_calibration.json"
@@ -246,6 +249,8 @@ class Job:
     `sharded_compute_s` measured at this many trainers (bench_scaling's jobs)."""
     interval_s: float = 0.2
     """Shadow thread's target time between rounds (`sync.interval_ms`)."""
+    round_share: float = SyncConfig().max_round_share
+    """The most of the wall time the shadow thread's rounds may take (`sync.max_round_share`)."""
 
     def lookup_s(self, calibration: Calibration) -> float:
         """A trainer's per-step wait for its embedding rows (zero with local tables)."""
@@ -303,7 +308,7 @@ def predict_shadow(job: Job, calibration: Calibration) -> Prediction:
     it costs only `shadow_steal` per busy core."""
     copy_s = SHADOW_COPIES * job.preset.dense_bytes / calibration.copy_bytes_per_s
     round_s = job.allreduce_s(calibration) + copy_s
-    rounds_per_s = min(1.0 / job.interval_s, 1.0 / round_s)
+    rounds_per_s = min(1.0 / job.interval_s, job.round_share / round_s)
     busy = rounds_per_s * copy_s
     shared = job.hosts.stretch(busy) / job.hosts.stretch()
     slowdown = shared if shared > 1.0 else 1.0 + calibration.shadow_steal * busy

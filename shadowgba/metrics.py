@@ -79,11 +79,12 @@ class SyncMetrics:
             self.round_time_max_s = max(self.round_time_max_s, seconds)
             self.bytes_moved += bytes_moved
 
-    def record_table_round(self, seconds: float, bytes_moved: int) -> None:
-        """One table fragment was averaged on the replica group."""
+    def record_table_round(self, seconds: float, bytes_moved: int, fragment: bool = True) -> None:
+        """One table fragment was averaged on the replica group (`fragment`), or the partners'
+        touched-row masks of a cycle were summed (its bytes count, not as a round)."""
         with self._lock:
-            self.table_rounds += 1
-            self.table_round_time_total_s += seconds
+            self.table_rounds += int(fragment)
+            self.table_round_time_total_s += seconds if fragment else 0.0
             self.table_bytes_moved += bytes_moved
 
     def record_applied(self, step: int) -> None:

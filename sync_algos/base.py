@@ -38,7 +38,12 @@ Last in the trailer, one *steps* element per rank: the training steps that rank 
 previous round (`FlaggedAllReduce.steps`, set by the runtime). It is not part of any algorithm's
 maths; it tells every rank how fast the fastest one steps, so that a runtime can pace its rounds
 in steps of the fastest rank (`sync.interval_steps`) without a collective of its own. A count, not
-a total since the start, so that a bfloat16 trailer keeps it to within a few percent.
+a total since the start, so that a bfloat16 trailer keeps it to within a few percent. After them,
+one *cost* element per rank: how long its previous round took it, in milliseconds
+(`FlaggedAllReduce.previous_ms`). Each rank's time includes its wait for the ranks that came to the
+collective after it; the least of them is the round's own cost, as the last rank to come, which
+waited for nobody, paid it (`Reduced.round_cost_ms`): what pacing by cost (`sync.max_round_share`)
+needs, without counting as cost the time a rank spent waiting for its peers' pacing.
 """
 
 from __future__ import annotations
@@ -103,6 +108,9 @@ class RoundResult:
     fastest_steps: int = 0
     """The most training steps a rank took since its previous round (for an algorithm without
     collectives, this trainer's): what a runtime paces its rounds by."""
+    previous_cost_ms: float = 0.0
+    """What the previous round cost, without any rank's wait for the others (`Reduced.round_cost_ms`;
+    for an algorithm without collectives, this trainer's own time); 0 before any."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +131,8 @@ class Reduced:
     aborted_ranks: tuple[int, ...]
     fastest_steps: int = 0
     """The most training steps any rank took since its previous round."""
+    round_cost_ms: float = 0.0
+    """The least of the ranks' times for their previous round (module docstring); 0 before any."""
     own_nonfinite: bool = False
     """Whether this rank's payload held NaN / Inf (and was left out)."""
 
@@ -159,12 +169,15 @@ class FlaggedAllReduce:
         self.rank = 0 if self._local else dist.get_rank(group)
         self._size = like.numel()
         self._ranks = 1 if self._local else dist.get_world_size(group)
-        self._buffer = torch.empty(self._size + 1 + 2 * self._ranks, dtype=like.dtype, device=like.device)
+        self._buffer = torch.empty(self._size + 1 + 3 * self._ranks, dtype=like.dtype, device=like.device)
         self.payload = self._buffer[: self._size]
         """The payload part of the buffer: where `sum` sums, and `Reduced.total` is."""
         self.steps = 0
         """This rank's training steps since its previous round, sent in the next call's trailer
         (set by the runtime before each round; pacing only, see the module docstring)."""
+        self.previous_ms = 0.0
+        """This rank's time for its previous round, in ms, sent in the next call's trailer (set by
+        the runtime before each round; pacing only)."""
         self.compressed = None if compress == "none" or self._local else CompressedSum(
             compress, group, self._size, self._ranks, like.device, like.dtype)
         self.bytes_per_call = self._buffer.numel() * self._buffer.element_size()
@@ -199,6 +212,7 @@ class FlaggedAllReduce:
         trailer[0] = 1.0 if stop or aborted else 0.0
         trailer[1 + self.rank] = float(status)
         trailer[1 + self._ranks + self.rank] = float(self.steps)
+        trailer[1 + 2 * self._ranks + self.rank] = float(self.previous_ms)
         if self._local:
             pass
         elif self.compressed is None or exact:
@@ -209,7 +223,7 @@ class FlaggedAllReduce:
             self.compressed.sum_(body, contributes=status == 0)
             self.bytes_per_call = self.compressed.bytes_per_call + trailer.numel() * trailer.element_size()
         any_stop, *flags = (int(value) for value in trailer.tolist())
-        statuses, steps = flags[: self._ranks], flags[self._ranks :]
+        statuses, steps, costs = flags[: self._ranks], flags[self._ranks : 2 * self._ranks], flags[2 * self._ranks :]
         return Reduced(
             total=body,
             stop=any_stop > 0,
@@ -219,6 +233,7 @@ class FlaggedAllReduce:
             nonfinite_ranks=tuple(r for r, value in enumerate(statuses) if value & NONFINITE),
             aborted_ranks=tuple(r for r, value in enumerate(statuses) if value & ABORTED),
             fastest_steps=max(steps),
+            round_cost_ms=float(min(costs)),
             own_nonfinite=bool(statuses[self.rank] & NONFINITE),
         )
 
@@ -351,7 +366,7 @@ class SyncAlgorithm(abc.ABC):
             torch.sub(target, snapshot, out=snapshot)
         return RoundResult(reduced.stop, self.allreduce.bytes_per_call, reduced.nonfinite_ranks,
                            reduced.aborted_ranks, kept_local=kept_local, healed=healed, last=reduced.last,
-                           fastest_steps=reduced.fastest_steps)
+                           fastest_steps=reduced.fastest_steps, previous_cost_ms=reduced.round_cost_ms)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every dense-sized tensor the algorithm holds, by name: its all-reduce buffer and its state.

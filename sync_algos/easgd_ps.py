@@ -81,7 +81,9 @@ class ElasticAveragingPS(SyncAlgorithm):
             centre = self.centre.read()
             snapshot.copy_(centre)
             return RoundResult(stop, centre.numel() * centre.element_size(), nonfinite_ranks=(self.rank,),
-                               kept_local=True, last=stop, fastest_steps=self.allreduce.steps, healed=True)
+                               kept_local=True, last=stop, fastest_steps=self.allreduce.steps, healed=True,
+                               previous_cost_ms=self.allreduce.previous_ms)
         pull = self.centre.exchange(snapshot, self.alpha)
         torch.neg(pull, out=snapshot)  # the delta t - s = -d
-        return RoundResult(stop, 2 * pull.numel() * pull.element_size(), last=stop, fastest_steps=self.allreduce.steps)
+        return RoundResult(stop, 2 * pull.numel() * pull.element_size(), last=stop, fastest_steps=self.allreduce.steps,
+                           previous_cost_ms=self.allreduce.previous_ms)

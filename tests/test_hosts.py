@@ -21,6 +21,7 @@ import pytest
 from ctrkit import cluster as cluster_module
 from ctrkit.cluster import Cluster
 from shadowgba.ps.channel import INLINE_TENSOR_BYTES
+from tests import fault_table
 
 pytestmark = [
     pytest.mark.hosts,
@@ -185,6 +186,11 @@ class FaultJob:
         return inside[-1]["steps"] - inside[0]["steps"], inside[-1]["rounds"] - inside[0]["rounds"]
 
 
+def error_line(record: dict) -> str | None:
+    """The first line of the error a cluster_job rank ended with (None: it ended without one)."""
+    return None if record["error"] is None else record["error"]["message"].splitlines()[0][:160]
+
+
 def test_a_link_down_for_less_than_the_timeout_costs_nothing(tmp_path: Path) -> None:
     """Host 1's link down for 5 s (sync.timeout_s 30): both ranks train on through it, the rounds
     stop while it is down and resume once it is back, nothing is named, replicas end identical."""
@@ -197,17 +203,22 @@ def test_a_link_down_for_less_than_the_timeout_costs_nothing(tmp_path: Path) -> 
         cluster.link_up(1)
         up = time.time()
         outcomes = job.finish(120)
-    assert_finished(outcomes)
     records = [job.record(rank) for rank in range(2)]
+    during = [job.between(rank, down + 0.5, up - 0.5) for rank in range(2)]
+    after = [job.between(rank, up, up + 1e9) for rank in range(2)]
+    named = [word for _, output in outcomes for word in ("PeerLost", "heartbeat", "cut off") if word in output]
+    fault_table.record("a host's link down for 5 s (sync.timeout_s 30)", "flat ma, 2 hosts x 1",
+                       exit_codes=[code for code, _ in outcomes], steps_while_down=[steps for steps, _ in during],
+                       rounds_while_down=[rounds for _, rounds in during], rounds_after=[rounds for _, rounds in after],
+                       named=named, identical_replicas=records[0]["checksum"] == records[1]["checksum"])
+    assert_finished(outcomes)
     assert all(record["error"] is None for record in records)
     assert records[0]["checksum"] == records[1]["checksum"]  # the final sync: identical replicas
-    for rank in range(2):
-        steps_down, rounds_down = job.between(rank, down + 0.5, up - 0.5)
-        steps_after, rounds_after = job.between(rank, up, up + 1e9)
+    for rank, ((steps_down, rounds_down), (_, rounds_after)) in enumerate(zip(during, after)):
         assert steps_down > 100, f"rank {rank} stopped training while the link was down"
         assert rounds_down <= 1, f"the fault did not fire: rank {rank} made {rounds_down} rounds while cut off"
         assert rounds_after >= 5, f"rank {rank}'s rounds did not resume: {rounds_after}"
-    assert not any(word in output for _, output in outcomes for word in ("PeerLost", "heartbeat", "cut off"))
+    assert not named
 
 
 def test_a_link_down_past_the_timeout_ends_every_rank_naming_the_unreachable_one(tmp_path: Path) -> None:
@@ -223,6 +234,10 @@ def test_a_link_down_past_the_timeout_ends_every_rank_naming_the_unreachable_one
         down = time.time()
         outcomes = job.finish(90)
     records = [job.record(rank) for rank in range(2)]
+    fault_table.record(f"a host's link down for good (sync.timeout_s {timeout_s:g})", "flat ma, 2 hosts x 1",
+                       exit_codes=[code for code, _ in outcomes],
+                       ended_after_s=[record["ended_at"] - down for record in records],
+                       said=[error_line(record) for record in records])
     for rank, (code, output) in enumerate(outcomes):
         assert code == 1, f"host {rank}: exit {code}\n{output[-3000:]}"
         assert records[rank]["ended_at"] - down < timeout_s + NOTICE_TIMEOUT_S + 5, records[rank]["ended_at"] - down
@@ -246,6 +261,11 @@ def test_a_servers_host_cut_off_ends_every_trainer_naming_the_server(tmp_path: P
         cluster.link_down(2)
         down = time.time()
         outcomes = job.finish(90)
+    records = [job.record(rank) for rank in range(3)]
+    fault_table.record(f"a server's host cut off for good (sync.timeout_s {timeout_s:g}, no server restart)",
+                       "gba, 2 trainers + 1 server, 3 hosts", exit_codes=[code for code, _ in outcomes],
+                       ended_after_s=[record["ended_at"] - down for record in records],
+                       said=[error_line(record) for record in records[:2]])
     for host in (0, 1):
         assert outcomes[host][0] == 1, outcomes[host][1][-3000:]
     server = job.record(2)  # it ends too: its trainers depart after the timeout, and it stops
@@ -273,12 +293,19 @@ def test_a_link_throttled_to_1_percent_is_a_network_straggler_the_other_host_tra
         time.sleep(12)
         cluster.set_rate(1, "1gbit")
         outcomes = job.finish(120)
-    assert_finished(outcomes)
     records = [job.record(rank) for rank in range(2)]
+    before = [job.between(rank, fast, slow) for rank in range(2)]
+    during = [job.between(rank, slow + 2, slow + 12) for rank in range(2)]
+    fault_table.record("a host's link throttled to 1% (10 Mbit/s) for 12 s", "flat ma, 2 hosts x 1, 1M dense",
+                       exit_codes=[code for code, _ in outcomes],
+                       steps_per_s_before=[steps / (slow - fast) for steps, _ in before],
+                       steps_per_s_throttled=[steps / 10 for steps, _ in during],
+                       rounds_per_s_before=[rounds / (slow - fast) for _, rounds in before],
+                       rounds_per_s_throttled=[rounds / 10 for _, rounds in during],
+                       identical_replicas=records[0]["checksum"] == records[1]["checksum"])
+    assert_finished(outcomes)
     assert records[0]["checksum"] == records[1]["checksum"]  # the final sync: identical replicas
-    for rank in range(2):
-        steps_before, rounds_before = job.between(rank, fast, slow)
-        steps_during, rounds_during = job.between(rank, slow + 2, slow + 12)
+    for rank, ((steps_before, rounds_before), (steps_during, rounds_during)) in enumerate(zip(before, during)):
         rate_before, rate_during = steps_before / (slow - fast), steps_during / 10
         assert rounds_during >= 1, f"rank {rank}: no round while throttled"
         assert rounds_during / 10 < rounds_before / (slow - fast) / 3, \
@@ -321,6 +348,14 @@ def test_2d_a_host_cut_off_past_the_timeout_ends_every_rank_naming_the_unreachab
         while "could not reach the job's store" not in (tmp_path / "host1.log").read_text() and time.monotonic() < down + bound_s:
             time.sleep(0.2)
         logs = [(tmp_path / f"host{host}.log").read_text() for host in range(2)]
+    results = json.loads(out.read_text()) if out.exists() else None
+    fault_table.record(f"a host's link down for good (sync.timeout_s {timeout_s:g}, on_group_lost {on_group_lost})",
+                       "2D ma_2d, 2 hosts x 2 (a replica group a host)",
+                       host0_exit_code=codes[0] if on_group_lost == "fail" else None,
+                       ended_after_s=ended if on_group_lost == "fail" else None,
+                       result_after_s=ended if results is not None else None,
+                       host0_steps=None if results is None else results["steps_by_trainer"],
+                       replica_groups_lost=None if results is None else results["sync"]["replica_groups_lost"])
     for host, log in enumerate(logs):
         for local in (0, 1):  # torchrun's --tee prefixes each rank's lines with [default<local rank>]
             said = "\n".join(line for line in log.splitlines() if line.startswith(f"[default{local}]"))
@@ -339,8 +374,7 @@ def test_2d_a_host_cut_off_past_the_timeout_ends_every_rank_naming_the_unreachab
         assert codes == [1], logs[0][-3000:]
         assert ended < timeout_s + NOTICE_TIMEOUT_S + 30, ended
         return
-    assert out.exists(), logs[0][-4000:]
-    results = json.loads(out.read_text())
+    assert results is not None, logs[0][-4000:]
     assert results["departed_trainers"] == [2, 3] and results["steps_by_trainer"] == [steps, steps], results
     assert results["sync"]["replica_groups_lost"] == 1, results["sync"]
     assert results["dense_replica_max_abs_diff"] == 0.0 and results["table_replica_max_abs_diff"] == 0.0

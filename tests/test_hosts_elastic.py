@@ -29,6 +29,7 @@ from ctrkit import cluster as cluster_module
 from ctrkit.cluster import Cluster
 from ctrkit.events import Events
 from shadowgba.ps.channel import PING_INTERVAL_S
+from tests import fault_table
 from tests.test_elastic import (SERVERS, TIMEOUT_S, TRAINERS, Outage,
                                 assert_every_push_landed_and_the_restart_trained_on,
                                 assert_the_fault_fired_and_the_others_carried_on, config, lose_trainer_1, run_process)
@@ -160,6 +161,20 @@ def steps_of(outage: Outage, trainers: set[int], after: float = 0.0, process: tu
     return sum(1 for s in outage.steps if s[0] in trainers and s[4] > after and (process is None or s[:2] == process))
 
 
+def record(outage: Outage, fault: str, fault_at: float | None, **measured: Any) -> None:
+    """The fault table's row of an elastic job that lost trainer 1 (`fault_table`): when each server
+    declared it departed and when its new process started and first stepped, from the fault."""
+    zero = fault_at or 0.0
+    restarted_steps = [s[4] for s in outage.steps if s[:2] == (1, 2)]
+    fault_table.record(fault, "elastic gba, 3 trainers + servers, 3 hosts",
+                       departed_after_s=[final[4][0][2] - zero for final in outage.finals.values() if final[4]],
+                       restarted_after_s=None if outage.restarted_at is None else outage.restarted_at - zero,
+                       restart_first_step_after_s=restarted_steps[0] - zero if restarted_steps else None,
+                       others_steps_until_restart=steps_of(outage, {0, 2}, after=zero)
+                       - steps_of(outage, {0, 2}, after=outage.restarted_at or zero),
+                       errors=[error[3][:160] for error in outage.errors], **measured)
+
+
 def test_a_trainer_killed_on_one_host_rejoins_from_another() -> None:
     """Trainer 1 (host 2, alone) is SIGKILLed at its KILL_AT_STEP-th step; once the servers have
     declared it departed (its connection closed, no new session within RECONNECT_GRACE_S), it is
@@ -172,6 +187,7 @@ def test_a_trainer_killed_on_one_host_rejoins_from_another() -> None:
         took, end = time.monotonic() - started, wire(cluster)
     show(outage, launch, end)
     print(f"the job took {took:.1f} s")
+    record(outage, "a trainer killed (SIGKILL), restarted on another host", outage.killed_at)
     # every process came up on its host; trainer 1's restart on another host than its first process's
     assert launch.settle() == expected_placement("kill", 1), launch.placed
     # the fault fired and the job went on (test_elastic's own assertions of its `kill` fault)
@@ -206,6 +222,8 @@ def test_a_trainer_host_cut_off_past_the_timeout_departs_and_its_restart_rejoins
         took, end = time.monotonic() - started, wire(cluster)
     show(outage, launch, end, cut)
     print(f"the job took {took:.1f} s")
+    record(outage, f"a trainer's host cut off for {cut.up_at - cut.down_at:.0f} s (sync.timeout_s {timeout_s:g})",
+           cut.down_at, reconnected_after_s=cut.up_at - cut.down_at)
     assert launch.settle() == expected_placement(fault, 2), launch.placed
     killed_at = outage.killed_at
     # the fault fired: host 2 received nothing while cut off; it was cut for twice the timeout

@@ -128,7 +128,7 @@ def test_shadow_accounts_for_every_tensor_it_holds(case: str, shadow_runs: dict)
     for result in shadow_runs[case]:
         numel, memory = result["numel"], result["after"]["memory"]
         assert set(memory) == EXPECTED[algo]
-        flagged = numel + 1 + 2 * 2  # payload, stop flag, one status and one step count per rank
+        flagged = numel + 1 + 3 * 2  # payload, stop flag, one status, step count and round time per rank
         assert memory == {name: 4 * (flagged if name == "allreduce" else numel) for name in EXPECTED[algo]}
         assert sum(memory.values()) == result["after"]["held_bytes"]
         assert result["after"]["held_ptrs"] == result["before"]["held_ptrs"]  # the same buffers, rounds later

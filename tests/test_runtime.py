@@ -254,6 +254,23 @@ def test_step_pacing_follows_the_fastest_rank(two_ranks: dict) -> None:
     assert 2 * slow["steps"] / 10 < fast["rounds"] <= fast["steps"] / 10 + 4, (fast, slow)
 
 
+def round_costs_carried(rank: int, world_size: int) -> list[float]:
+    """Two flagged sums, each rank's previous round time set as a waiting rank's would be: the one
+    that came first waited for the other (rank 0 the first time, rank 1 the second)."""
+    from sync_algos.base import FlaggedAllReduce
+
+    allreduce = FlaggedAllReduce(None, torch.zeros(3))
+    costs = []
+    for waited in (0, 1):
+        allreduce.previous_ms = 900.0 if rank == waited else 40.0 + rank
+        costs.append(allreduce.sum(torch.ones(3), stop=False).round_cost_ms)
+    return costs
+
+
+def test_a_round_carries_its_previous_cost_without_the_ranks_waits(two_ranks: dict) -> None:
+    assert two_ranks["round-costs"] == [[41.0, 40.0], [41.0, 40.0]]
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -285,26 +302,28 @@ def test_the_pacer_waits_for_the_later_of_interval_ms_and_the_fastest_ranks_step
 
 
 def test_the_pacer_keeps_the_rounds_within_their_share_of_the_wall_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The costs are what the rounds carry (each round: the least of the ranks' times for the round
+    before it), not this rank's own time, which includes its wait for the others."""
     clock = FakeClock()
     monkeypatch.setattr(pacing.time, "monotonic", clock)
     pacer = pacing.RoundPacer(interval_ms=50.0, interval_steps=0, max_round_share=0.25)
     assert pacer.pause_s() == pytest.approx(0.05)  # no round yet: interval_ms alone
-    for duration in (0.1, 0.1, 3.0):  # a slow link's rounds, one of them stalled
+
+    def round_(own_s: float, previous_cost_s: float) -> None:
         pacer.round_started(step=0)
-        clock.now += duration
-        pacer.round_ended(fastest_steps=0)
-    # the median round (0.1 s) may take a quarter of the time: 0.4 s start to start, 3 s of it gone
-    assert pacer.pause_s() == 0.0
-    pacer.round_started(step=0)
-    clock.now += 0.1
-    pacer.round_ended(fastest_steps=0)
+        clock.now += own_s
+        pacer.round_ended(fastest_steps=0, previous_cost_s=previous_cost_s)
+
+    round_(2.0, 0.0)  # this rank waited 2 s for a peer: that is no cost of the round
+    assert pacer.own_last_s == 2.0 and pacer.pause_s() == 0.0  # interval_ms alone: 2 s of it gone
+    for cost in (0.1, 0.1, 3.0):  # a slow link's rounds, one of them stalled
+        round_(0.1, cost)
+    # the median cost (0.1 s) may take a quarter of the time: 0.4 s start to start, 0.1 s of it gone
     assert pacer.pause_s() == pytest.approx(0.3)
     pacer.max_round_share = 1.0  # a live change: no share limit, interval_ms alone
     assert pacer.pause_s() == 0.0
     for _ in range(pacing.RoundPacer.RECENT_ROUNDS):  # rounds of a fast link: the floor is what paces them
-        pacer.round_started(step=0)
-        clock.now += 0.001
-        pacer.round_ended(fastest_steps=0)
+        round_(0.001, 0.001)
     pacer.max_round_share = 0.25
     assert pacer.pause_s() == pytest.approx(0.049)
 
@@ -414,6 +433,7 @@ def two_ranks() -> dict[str, list]:
         "step-pacing": (step_paced_rounds, ()),
         "checkpoint-often": (checkpoint_often, ()),
         "bmuf-close-after-round": (close_right_after_a_round, ()),
+        "round-costs": (round_costs_carried, ()),
     }, timeout_s=150)
 
 

@@ -57,11 +57,13 @@ def test_shadow_and_gba_trainers_run_at_their_own_pace() -> None:
     assert shadow.samples_per_s > tm.predict_sync(job, CALIBRATION).samples_per_s
 
 
-def test_shadow_rounds_are_bounded_by_the_allreduce() -> None:
-    job = tm.Job(PRESET, 1024, ONE_HOST_EACH, interval_s=1e-6)
+def test_shadow_rounds_are_bounded_by_the_allreduce_and_their_share_of_the_time() -> None:
+    job = tm.Job(PRESET, 1024, ONE_HOST_EACH, interval_s=1e-6, round_share=1.0)
     detail = tm.predict_shadow(job, CALIBRATION).detail
     assert detail["round_s"] > CALIBRATION.allreduce.time_s(PRESET.dense_bytes, 1024)
     assert detail["rounds_per_s"] == pytest.approx(1 / detail["round_s"])
+    shared = tm.predict_shadow(tm.Job(PRESET, 1024, ONE_HOST_EACH, interval_s=1e-6, round_share=0.1), CALIBRATION)
+    assert shared.detail["rounds_per_s"] == pytest.approx(0.1 / detail["round_s"])
 
 
 def test_gba_is_capped_by_the_shards_ingest_and_more_shards_lift_the_cap() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from shadowgba.shadow.tables import TableShard, TableSyncConfig, plan_fragments
+from shadowgba.shadow.tables import Picked, TableFragments, TableShard, TableSyncConfig, plan_fragments
 from tests.multiprocess import run_ranks_outcomes, run_shared
 
 pytestmark = pytest.mark.timeout(240)
@@ -182,6 +182,49 @@ def test_fragments_cover_every_row_exactly_once_per_cycle() -> None:
             single_row = len(fragment.rows) == 1 and fragment.rows[0].stop - fragment.rows[0].start == 1
             assert fragment.numel(shards) <= budget or single_row, (budget, fragment)
     assert len(plan_fragments(shards, 1000)) == 1  # small tables share one fragment: one round per cycle
+
+
+def picked_rows(tables: TableFragments) -> list[tuple[int, int]]:
+    """(shard, row) of every row the queued touched-rows cycle holds, in order."""
+    return [(part.shard, int(row)) for fragment in tables.queue for part in fragment.rows
+            if isinstance(part, Picked) for row in part.index]
+
+
+def test_a_touched_rows_cycle_takes_exactly_the_rows_touched_since_their_last_average() -> None:
+    """One rank (its sum is its own mask): a shard with a per-row optimizer state (the marker) and
+    one without (its first weight column is), both fragments of 2 rows."""
+    weights, state, other = torch.zeros(10, 4), torch.zeros(10), torch.zeros(7, 3)
+    shards = [TableShard("a", (weights, state)), TableShard("b", (other,))]
+    tables = TableFragments(shards, None, TableSyncConfig(fragment_mb=10 * 4 / 2**20))  # 10 values: 2 rows of "a"
+    tables.plan_touched_cycle()
+    assert tables.queue == []  # nothing touched since the start
+    for tensor, row, value in ((weights, 3, 1.0), (state, 3, 1.0), (weights, 8, 2.0), (state, 8, 0.5), (other, 5, 1.0)):
+        tensor[row] += value  # steps' updates of three rows
+    tables.plan_touched_cycle()
+    assert picked_rows(tables) == [(0, 3), (0, 8), (1, 5)]
+    assert [fragment.closes_cycle for fragment in tables.queue] == [False, True]
+    flat = torch.zeros_like(tables.buffer)
+    tables.copy_to(flat)  # rows 3 and 8 of "a": their weights, then their state
+    assert flat[:10].tolist() == [1, 1, 1, 1, 2, 2, 2, 2, 1, 0.5]
+    state[8] += 1.0  # row 8 trained on while its round was in flight
+    tables.add_(torch.full_like(flat, 0.25))  # the delta avg - s of both rows
+    assert weights[3].tolist() == [1.25] * 4 and state.tolist()[3] == 1.25 and state.tolist()[8] == 1.75
+    tables.mark_applied(step=5)
+    assert tables.cycles == 0  # the cycle's second fragment is still to come
+    tables.copy_to(flat)  # row 5 of "b"
+    assert flat[:3].tolist() == [1, 1, 1] and not flat[3:].any()
+    tables.add_(torch.full_like(flat, -0.5))
+    tables.mark_applied(step=6)
+    assert tables.cycles == 1 and tables.ages(step=6) == (0, 0.0)
+    tables.plan_touched_cycle()  # only row 8 moved since its average (in flight)
+    assert picked_rows(tables) == [(0, 8)]
+    tables.copy_to(flat)
+    tables.add_(torch.zeros_like(flat))
+    tables.plan_touched_cycle()
+    assert tables.queue == []  # an average that moved nothing leaves the rows untouched
+    tables.start_full_cycle()  # the final sync goes through every row, in the fixed fragments
+    tables.copy_to(flat)
+    assert tables.current is tables.fragments[0]
 
 
 def test_a_resumed_2d_job_equals_the_uninterrupted_one(four_ranks: dict) -> None:

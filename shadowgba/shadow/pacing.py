@@ -19,8 +19,12 @@ The share bounds what the rounds take of what they compete with the training ste
 which a step's embedding all-to-all crosses too, and the CPU cores, where a round's copies and the
 collective's reduction and network work run. A round's duration measures both (it is long where
 the link is slow or the cores are busy), so the rounds space out by themselves where they cost the
-steps most, and come as often as the floor lets them on a fast link. The duration used is the
-median of the last few rounds': one round stalled by a passing hiccup does not pause the next many.
+steps most, and come as often as the floor lets them on a fast link. The duration is the round's
+cost without waiting: each rank's own time includes its wait for the ranks that came to the
+collective later (their pacing, not the round's cost), so the rounds carry every rank's time for
+its previous round and the least of them is used (`sync_algos.base`: the last rank to come waited
+for nobody). Of those, the median of the last few rounds': one round stalled by a passing hiccup
+does not pause the next many.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class RoundPacer:
         self.max_round_share = max_round_share
         """The most of the wall time rounds may take, in (0, 1]; 1: no limit beyond the others."""
         self._durations: collections.deque[float] = collections.deque(maxlen=self.RECENT_ROUNDS)
+        self.own_last_s = 0.0
+        """This rank's time for its last round, waiting included: what it sends with the next one."""
         self.fastest_step_s: float | None = None
         """The fastest rank's step time as of the last round; None until two rounds have run in
         which some rank stepped."""
@@ -59,11 +65,14 @@ class RoundPacer:
         steps, self._step_at_round = step - self._step_at_round, step
         return steps
 
-    def round_ended(self, fastest_steps: int) -> None:
+    def round_ended(self, fastest_steps: int, previous_cost_s: float = 0.0) -> None:
         """The round just run carried `fastest_steps`, the most steps any rank took since its
-        previous round: update the fastest rank's step time and the rounds' recent duration."""
+        previous round, and `previous_cost_s`, what that previous round cost (0: unknown): update
+        the fastest rank's step time and the rounds' recent cost."""
         if self._started is not None:
-            self._durations.append(time.monotonic() - self._started)
+            self.own_last_s = time.monotonic() - self._started
+        if previous_cost_s > 0:
+            self._durations.append(previous_cost_s)
         if fastest_steps > 0 and self._previous_start is not None and self._started is not None:
             self.fastest_step_s = (self._started - self._previous_start) / fastest_steps
 

@@ -486,7 +486,7 @@ class ShadowSync(DenseSync):
         oldest, mean = tables.ages(self._step)
         return {"table_cycles": tables.cycles, "fragment_age_steps_max": oldest, "fragment_age_steps_mean": mean,
                 "fragment_refresh_age_steps_max": tables.refresh_age_max,
-                "fragment_refresh_age_steps_mean": tables.refresh_age_total / max(tables.applied, 1)}
+                "fragment_refresh_age_steps_mean": tables.refresh_age_total / max(tables.refreshed, 1)}
 
     def _table_rounds(self, count: int, writeback: WriteBack | None) -> bool:
         """`count` table rounds on the replica group, each one fragment: snapshot it at a step
@@ -497,6 +497,18 @@ class ShadowSync(DenseSync):
         dense round tells every rank. NaN / Inf rows are left out on every partner alike and acted
         on as in a dense round (`_check_flags`)."""
         buffer = self.tables.buffer
+        if writeback is None:
+            self.tables.start_full_cycle()
+        elif self.config.mode == "shadow" and self.tables.touched is not None and not self.tables.queue:
+            if self._aborting.is_set():
+                self.tables.allreduce.sum(None, stop=False, aborted=True)
+                return True
+            started = time.perf_counter()
+            if self.tables.plan_touched_cycle() is not None:
+                return False  # a partner is aborting: the next dense round tells every rank
+            self.metrics.record_table_round(time.perf_counter() - started, self.tables.mask_bytes, fragment=False)
+            if not self.tables.queue:
+                return False  # no partner touched a row since the last cycle
         for _ in range(count):
             started = time.perf_counter()
             if writeback is None:
@@ -534,10 +546,11 @@ class ShadowSync(DenseSync):
             with self._round_lock:
                 self._algorithm.abort_round()
             return True
+        self._algorithm.allreduce.previous_ms = 1e3 * self._pacer.own_last_s
         self._algorithm.allreduce.steps = self._pacer.round_started(self._step)
         with self._round_lock:
             result = self._algorithm.sync(self._snapshot, stop)  # leaves the delta t - s in the snapshot's buffer
-        self._pacer.round_ended(result.fastest_steps)
+        self._pacer.round_ended(result.fastest_steps, result.previous_cost_ms / 1e3)
         self.metrics.record_round(time.perf_counter() - started, result.bytes_moved)
         if not result.kept_local or (result.healed and self._heals):  # else a rank left out keeps its own weights
             self._writeback.apply(self._snapshot, replace=result.healed)

@@ -26,6 +26,18 @@ apart as each group trains on its own data; this module brings them back togethe
 - Non-finite rows: the flagged all-reduce (`sync_algos.base`) leaves a fragment holding NaN / Inf
   out of the average on every partner alike and the rank that sent it keeps its own rows, so NaN in
   one replica never reaches another.
+- Touched rows only (`touched_rows`, shadow mode): a row that no partner has touched since its last
+  average is already equal on every partner (up to the last add's rounding), so a cycle of the
+  shadow rounds averages only the rows some partner touched since. At a cycle's start the partners
+  sum their touched-row masks (`TouchedRows`: a row is touched when its marker value, a per-row
+  optimizer state or else its first weight, differs from what the last average left there), in the
+  fragment buffer, so the masks cost 4 bytes a row, about 1/row_numel of a full cycle. The rows
+  some partner touched are then packed into fragments in the same order on every partner, and the
+  rounds take them one at a time. Zipf-skewed ids touch few rows between two cycles, so a cycle
+  moves those rows and the masks, not every table: the cycle's length follows the rows the steps
+  touch. A row touched while its round is in flight keeps that progress (the handoff rule) and
+  differs from its marker's average, so the next cycle takes it again. The final sync, a
+  foreground round and the start's broadcast go through every row.
 """
 
 from __future__ import annotations
@@ -51,6 +63,10 @@ class TableSyncConfig:
     optimizer_state: bool = True
     """Average the fused optimizer's per-row state with the weights (as `DMPCollection.sync()`
     does by default); false averages the weights alone."""
+    touched_rows: bool = True
+    """Shadow rounds average only the rows some partner touched since their last average (module
+    docstring): a cycle's length follows the rows the steps touch, not the tables' size. False: every
+    cycle goes through every row, as TorchRec's `DMPCollection.sync()` does."""
 
     def __post_init__(self) -> None:
         if self.fragment_mb <= 0:
@@ -84,14 +100,32 @@ class Rows:
 
 
 @dataclasses.dataclass(frozen=True)
+class Picked:
+    """Rows `index` (ascending) of shard `shard`: touched rows, averaged without the others."""
+
+    shard: int
+    index: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return self.index.numel()
+
+
+@dataclasses.dataclass(frozen=True)
 class Fragment:
     """What one round averages: row ranges of one or more shards (small tables share a fragment,
-    a large one is cut into several)."""
+    a large one is cut into several), or picked rows of them (a touched-rows cycle)."""
 
-    rows: tuple[Rows, ...]
+    rows: tuple[Rows | Picked, ...]
+    closes_cycle: bool = False
+    """The last fragment of a touched-rows cycle: once its delta is in, the cycle is done."""
 
     def numel(self, shards: Sequence[TableShard]) -> int:
-        return sum((rows.stop - rows.start) * shards[rows.shard].row_numel for rows in self.rows)
+        return sum(count(rows) * shards[rows.shard].row_numel for rows in self.rows)
+
+
+def count(rows: Rows | Picked) -> int:
+    return rows.count if isinstance(rows, Picked) else rows.stop - rows.start
 
 
 def plan_fragments(shards: Sequence[TableShard], fragment_numel: int) -> list[Fragment]:
@@ -118,6 +152,83 @@ def plan_fragments(shards: Sequence[TableShard], fragment_numel: int) -> list[Fr
     return fragments
 
 
+def pack_picked(shards: Sequence[TableShard], picked: Sequence[torch.Tensor], fragment_numel: int) -> list[Fragment]:
+    """Fragments of the rows `picked[i]` (ascending row indices) of each shard `i`, in order, each
+    filled up to `fragment_numel` values: what a touched-rows cycle averages."""
+    fragments: list[Fragment] = []
+    current: list[Rows | Picked] = []
+    used = 0
+    for index, (shard, rows) in enumerate(zip(shards, picked)):
+        width, start = max(shard.row_numel, 1), 0
+        while start < rows.numel():
+            room = (fragment_numel - used) // width
+            if room <= 0 and current:
+                fragments.append(Fragment(tuple(current)))
+                current, used = [], 0
+                continue
+            stop = min(rows.numel(), start + max(room, 1))
+            current.append(Picked(index, rows[start:stop]))
+            used += (stop - start) * width
+            start = stop
+    if current:
+        fragments.append(Fragment(tuple(current)))
+    if fragments:
+        fragments[-1] = Fragment(fragments[-1].rows, closes_cycle=True)
+    return fragments
+
+
+def marker_of(tensor: torch.Tensor, column: int | None) -> torch.Tensor:
+    return tensor if column is None else tensor[:, column]
+
+
+class TouchedRows:
+    """Which rows of this rank's shards were touched since their last average: each shard's
+    *marker* (its first per-row optimizer state, a value per row that the optimizer changes whenever
+    it updates the row, else the weights' first column) against `seen`, what the last average left
+    there. One float per row, beside the tables."""
+
+    def __init__(self, shards: Sequence[TableShard]) -> None:
+        self.where = [next(((index, None) for index, t in enumerate(shard.tensors) if index and t.dim() == 1), (0, 0))
+                      for shard in shards]
+        """Per shard: (which of its tensors holds the marker, its column; None: the tensor is the marker)."""
+        self.markers = [marker_of(shard.tensors[index], column)
+                        for shard, (index, column) in zip(shards, self.where)]
+        self.offsets = [0]
+        for marker in self.markers:
+            self.offsets.append(self.offsets[-1] + marker.numel())
+        self.seen_flat = torch.cat(self.markers)
+        """What the last average left in every marker, all shards' rows in order."""
+        self.seen = [self.seen_flat[lo:hi] for lo, hi in zip(self.offsets, self.offsets[1:])]
+
+    @property
+    def rows(self) -> int:
+        return self.offsets[-1]
+
+    def mask(self, out: torch.Tensor, start: int) -> int:
+        """Fill `out` with 1.0 for each touched row of rows `start ...` (all shards' rows in order),
+        as many as fit; the rest 0. Returns how many rows it covered."""
+        out.zero_()
+        stop = min(self.rows, start + out.numel())
+        for marker, seen, offset in zip(self.markers, self.seen, self.offsets):
+            lo, hi = max(start, offset), min(stop, offset + marker.numel())
+            if lo < hi:
+                torch.ne(marker[lo - offset:hi - offset], seen[lo - offset:hi - offset], out=out[lo - start:hi - start])
+        return stop - start
+
+    def picked(self, summed: torch.Tensor, start: int, picked: list[list[torch.Tensor]]) -> None:
+        """Add the rows `summed` (the partners' masks summed, from row `start`) marks touched to
+        `picked[shard]`."""
+        for index, (marker, offset) in enumerate(zip(self.markers, self.offsets)):
+            lo, hi = max(start, offset), min(start + summed.numel(), offset + marker.numel())
+            if lo < hi:
+                picked[index].append(torch.nonzero(summed[lo - start:hi - start]).flatten() + (lo - offset))
+
+    def refresh(self) -> None:
+        """Every marker is where an average left it (the start's broadcast, the final sync)."""
+        for marker, seen in zip(self.markers, self.seen):
+            seen.copy_(marker)
+
+
 class TableFragments:
     """This rank's table shards as a rotating fragment: `copy_to` / `add_` at step boundaries (the
     interface `shadowgba.shadow.writeback` moves), `average` on the replica group in between."""
@@ -127,55 +238,134 @@ class TableFragments:
             raise ValueError("no table shards to keep in sync")
         self.shards = list(shards)
         self.device = self.shards[0].tensors[0].device
-        self.fragments = plan_fragments(self.shards, max(1, int(config.fragment_mb * 2**20) // 4))
+        self.fragment_numel = max(1, int(config.fragment_mb * 2**20) // 4)
+        self.fragments = plan_fragments(self.shards, self.fragment_numel)
+        """The full cycle: every row, in fixed fragments."""
+        self.touched = TouchedRows(self.shards) if config.touched_rows else None
+        """Shadow rounds' touched-rows cycles (None: full cycles)."""
+        self.queue: list[Fragment] = []
+        """The rest of the touched-rows cycle under way: the next `copy_to` takes its first."""
+        self._current: Fragment | None = None
+        self._marker_snapshot: dict[int, torch.Tensor] = {}
+        """Per shard of the current touched fragment: its picked rows' markers at `copy_to`."""
         self.buffer = torch.zeros(max(fragment.numel(self.shards) for fragment in self.fragments),
                                   dtype=torch.float32, device=self.device)
         """The fragment's snapshot, then its delta: one fragment's values, the tail zero."""
         self.allreduce = FlaggedAllReduce(group, self.buffer)
         self.group = group
         self.cursor = -1
-        """Index of the fragment the last `copy_to` took (the one `add_` writes to)."""
+        """Index of the last fixed fragment a `copy_to` took."""
         self.applied = 0
-        """Fragment deltas added since the start (`cycles`)."""
+        """Fragment deltas added since the start."""
+        self.cycles = 0
+        """Whole cycles averaged (every row, or every touched row, once)."""
         self.applied_at = [0] * len(self.fragments)
         """Per fragment, the training step at which its last delta was added (0: never)."""
         self.refresh_age_max = 0
         self.refresh_age_total = 0
-        """Over the run: the steps each fragment had gone unaveraged when its delta was added."""
+        self.refreshed = 0
+        """Over the run: the steps each fragment had gone unaveraged when it was refreshed, and how
+        many refreshes."""
 
     @property
     def current(self) -> Fragment:
-        return self.fragments[self.cursor]
-
-    def _pieces(self, fragment: Fragment) -> list[torch.Tensor]:
-        return [tensor[rows.start:rows.stop] for rows in fragment.rows for tensor in self.shards[rows.shard].tensors]
+        """The fragment the last `copy_to` took (the one `add_` and `copy_from` write to)."""
+        assert self._current is not None, "copy_to() comes first"
+        return self._current
 
     def copy_to(self, flat: torch.Tensor) -> None:
-        """Move on to the next fragment and copy its rows into `flat` (the tail zeroed)."""
-        self.cursor = (self.cursor + 1) % len(self.fragments)
+        """Move on to the next fragment (of the touched-rows cycle under way, else of the full
+        cycle) and copy its rows into `flat` (the tail zeroed)."""
+        if self.queue:
+            self._current = self.queue.pop(0)
+        else:
+            self.cursor = (self.cursor + 1) % len(self.fragments)
+            self._current = self.fragments[self.cursor]
         used = 0
-        for piece, part in self._parts(flat):
-            part.copy_(piece)
+        for tensor, rows, part in self._parts(flat):
+            if isinstance(rows, Picked):
+                torch.index_select(tensor, 0, rows.index, out=part)
+            else:
+                part.copy_(tensor[rows.start:rows.stop])
             used += part.numel()
         flat[used:].zero_()
+        if self.touched is not None:
+            self._marker_snapshot = {rows.shard: self.touched.markers[rows.shard][rows.index].clone()
+                                     for rows in self.current.rows if isinstance(rows, Picked)}
 
     def add_(self, flat_delta: torch.Tensor) -> None:
         """Rows of the current fragment += their part of `flat_delta`."""
-        for piece, part in self._parts(flat_delta):
-            piece.add_(part)
+        for tensor, rows, part in self._parts(flat_delta):
+            if isinstance(rows, Picked):
+                tensor.index_add_(0, rows.index, part)
+                self._saw(rows, tensor, part, self._marker_snapshot[rows.shard])
+            else:
+                tensor[rows.start:rows.stop].add_(part)
 
     def copy_from(self, flat: torch.Tensor) -> None:
-        """Rows of the current fragment <- their part of `flat` (the final sync: exact, not a delta)."""
-        for piece, part in self._parts(flat):
-            piece.copy_(part)
+        """Rows of the current fragment <- their part of `flat` (the final sync, a heal: exact,
+        not a delta)."""
+        for tensor, rows, part in self._parts(flat):
+            if isinstance(rows, Picked):
+                tensor.index_copy_(0, rows.index, part)
+                self._saw(rows, tensor, part, None)
+            else:
+                tensor[rows.start:rows.stop].copy_(part)
 
-    def _parts(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The current fragment's row pieces, each with its part of `flat`."""
+    def _saw(self, rows: Picked, tensor: torch.Tensor, part: torch.Tensor, before: torch.Tensor | None) -> None:
+        """The picked `rows` of `tensor` just took `part` (added to their `before` markers, or
+        assigned: None): if `tensor` holds their marker, `seen` becomes what that left there, as
+        the add computed it, so a row nobody touched since reads as untouched."""
+        assert self.touched is not None
+        index, column = self.touched.where[rows.shard]
+        if tensor is not self.shards[rows.shard].tensors[index]:
+            return
+        value = marker_of(part, column)
+        self.touched.seen[rows.shard][rows.index] = value if before is None else before + value
+
+    def _parts(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, Rows | Picked, torch.Tensor]]:
+        """The current fragment's (tensor, rows) pieces, each with its part of `flat` (row-major)."""
         parts, offset = [], 0
-        for piece in self._pieces(self.current):
-            parts.append((piece, flat[offset:offset + piece.numel()].view_as(piece)))
-            offset += piece.numel()
+        for rows in self.current.rows:
+            for tensor in self.shards[rows.shard].tensors:
+                shape = (count(rows), *tensor.shape[1:])
+                numel = shape[0] * (tensor[0].numel() if tensor.dim() > 1 else 1)
+                parts.append((tensor, rows, flat[offset:offset + numel].view(shape)))
+                offset += numel
         return parts
+
+    def plan_touched_cycle(self) -> Reduced | None:
+        """Collective on the replica group (the shadow thread, between rounds): sum every partner's
+        touched-row masks, a fragment buffer's worth of rows at a time, and queue the rows any of
+        them touched as the next cycle's fragments (the same on every partner: the sum is). Reads
+        the markers while training goes on: a row written meanwhile may read as touched or not yet,
+        and in the second case the next cycle takes it. Returns the reduction that flagged an
+        aborted partner (the planning stops there, the queue stays empty), else None."""
+        assert self.touched is not None
+        picked: list[list[torch.Tensor]] = [[] for _ in self.shards]
+        payload, start = self.allreduce.payload, 0
+        while start < self.touched.rows:
+            covered = self.touched.mask(payload, start)
+            reduced = self.allreduce.sum(payload, stop=False, exact=True)
+            if reduced.aborted_ranks:
+                return reduced
+            self.touched.picked(reduced.total[:covered], start, picked)
+            start += covered
+        rows = [torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.device) for parts in picked]
+        self.queue = pack_picked(self.shards, rows, self.fragment_numel)
+        return None
+
+    @property
+    def mask_bytes(self) -> int:
+        """Bytes this rank sends to sum a cycle's touched-row masks (`plan_touched_cycle`)."""
+        assert self.touched is not None
+        windows = -(-self.touched.rows // self.allreduce.payload.numel())
+        return windows * self.allreduce.bytes_per_call
+
+    def start_full_cycle(self) -> None:
+        """Drop what is left of a touched-rows cycle: the next `copy_to`s go through every row (the
+        final sync)."""
+        self.queue = []
 
     def regroup(self, group: dist.ProcessGroup) -> None:
         """Average over `group` from now on: the replica group's survivors (`shadowgba.shadow.survival`)."""
@@ -188,28 +378,35 @@ class TableFragments:
         runtime's start: replicas that begin apart would be averaged into rows none of them trained
         with. Leaves the rotation where it was."""
         src = dist.get_process_group_ranks(self.group)[0]
+        self.start_full_cycle()
         for _ in self.fragments:
             self.copy_to(self.buffer)
             dist.broadcast(self.buffer, src=src, group=self.group)
             self.copy_from(self.buffer)
+        if self.touched is not None:
+            self.touched.refresh()
 
     def mark_applied(self, step: int) -> None:
-        """The current fragment's delta reached the rows at training step `step`."""
-        age = step - self.applied_at[self.cursor]
-        self.refresh_age_max = max(self.refresh_age_max, age)
-        self.refresh_age_total += age
+        """The current fragment's delta reached the rows at training step `step`. A fixed fragment
+        is then refreshed; with the last fragment of a touched-rows cycle, every fragment is (the
+        rows nobody touched were equal already)."""
         self.applied += 1
-        self.applied_at[self.cursor] = step
+        touched_cycle = any(isinstance(rows, Picked) for rows in self.current.rows)
+        if touched_cycle and not self.current.closes_cycle:
+            return
+        for index in range(len(self.fragments)) if touched_cycle else (self.cursor,):
+            age = step - self.applied_at[index]
+            self.refresh_age_max = max(self.refresh_age_max, age)
+            self.refresh_age_total += age
+            self.applied_at[index] = step
+            self.refreshed += 1
+        if touched_cycle or self.cursor == len(self.fragments) - 1:
+            self.cycles += 1
 
     def ages(self, step: int) -> tuple[int, float]:
         """Steps since each fragment's last delta at training step `step`: the oldest and the mean."""
         ages = [step - applied for applied in self.applied_at]
         return max(ages), sum(ages) / len(ages)
-
-    @property
-    def cycles(self) -> int:
-        """Whole cycles of fragments averaged (every row once per cycle)."""
-        return self.applied // len(self.fragments)
 
     def average(self, snapshot: torch.Tensor, delta: bool = True) -> Reduced:
         """Collective on the replica group: `snapshot` (a `copy_to` result) becomes the delta
@@ -231,7 +428,7 @@ class TableFragments:
     def state_dict(self) -> dict[str, Any]:
         """Where the rotation stands (the fragment count names the cycle it belongs to)."""
         return {"fragments": len(self.fragments), "cursor": self.cursor, "applied": self.applied,
-                "applied_at": list(self.applied_at)}
+                "cycles": self.cycles, "applied_at": list(self.applied_at)}
 
     def check_state(self, state: Any) -> None:
         """`ValueError` unless `state` is a `state_dict()` of this cycle (it changes nothing)."""
@@ -244,6 +441,7 @@ class TableFragments:
         """Restore `state_dict()` output; `ValueError` (changing nothing) for another cycle."""
         self.check_state(state)
         self.cursor, self.applied, self.applied_at = int(state["cursor"]), int(state["applied"]), list(state["applied_at"])
+        self.cycles = int(state.get("cycles", self.applied // len(self.fragments)))
 
     @property
     def numel(self) -> int:
@@ -252,4 +450,5 @@ class TableFragments:
 
     def held(self) -> dict[str, torch.Tensor]:
         """The buffers this object holds of its own (`SyncMetrics.memory`)."""
-        return {"table_fragment": self.buffer, "table_allreduce": self.allreduce.buffer}
+        held = {"table_fragment": self.buffer, "table_allreduce": self.allreduce.buffer}
+        return held | ({"table_touched_markers": self.touched.seen_flat} if self.touched is not None else {})
