@@ -75,10 +75,17 @@ def run_once(scratch: Path, rep: int) -> list[dict[str, Any]]:
             for test in EXPECTED]
 
 
+def rounded(value: Any) -> Any:
+    """`value` with every float in it to 0.1."""
+    if isinstance(value, float):
+        return round(value, 1)
+    return [rounded(item) for item in value] if isinstance(value, list) else value
+
+
 def figures(measured: dict[str, Any] | None) -> str:
     if not measured:
         return "-"
-    return "; ".join(f"{name.replace('_', ' ')} {value}" for name, value in measured.items() if value is not None)
+    return "; ".join(f"{name.replace('_', ' ')} {rounded(value)}" for name, value in measured.items() if value is not None)
 
 
 def markdown(runs: list[dict[str, Any]]) -> str:

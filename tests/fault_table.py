@@ -20,11 +20,10 @@ FAULT_TABLE_ENV = "SHADOWGBA_FAULT_TABLE"
 
 def record(fault: str, layout: str, **measured: Any) -> None:
     """The running test's measurements: `fault` and `layout` the table's row, `measured` its figures
-    (JSON-able; floats rounded to 0.1). The test is named as pytest's report names it."""
+    (JSON-able). The test is named as pytest's report names it."""
     path = os.environ.get(FAULT_TABLE_ENV)
     if not path:
         return
     test = os.environ["PYTEST_CURRENT_TEST"].split("::")[-1].rsplit(" ", 1)[0]  # "test_x[param] (call)"
-    figures = {name: round(value, 1) if isinstance(value, float) else value for name, value in measured.items()}
     with open(path, "a") as table:
-        table.write(json.dumps({"test": test, "fault": fault, "layout": layout, "measured": figures}) + "\n")
+        table.write(json.dumps({"test": test, "fault": fault, "layout": layout, "measured": measured}) + "\n")

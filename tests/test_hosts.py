@@ -187,8 +187,13 @@ class FaultJob:
 
 
 def error_line(record: dict) -> str | None:
-    """The first line of the error a cluster_job rank ended with (None: it ended without one)."""
-    return None if record["error"] is None else record["error"]["message"].splitlines()[0][:160]
+    """What the error a cluster_job rank ended with says of the cause (the library's own sentence,
+    after any raw backend text; None: it ended without one)."""
+    if record["error"] is None:
+        return None
+    traceback = record["error"]["traceback"].strip()
+    said = traceback.rsplit("shadowgba: ", 1)[1].splitlines()[0] if "shadowgba: " in traceback else traceback.splitlines()[-1]
+    return said[:200]
 
 
 def test_a_link_down_for_less_than_the_timeout_costs_nothing(tmp_path: Path) -> None:
