@@ -190,10 +190,12 @@ def picked_rows(tables: TableFragments) -> list[tuple[int, int]]:
             if isinstance(part, Picked) for row in part.index]
 
 
-def test_a_touched_rows_cycle_takes_exactly_the_rows_touched_since_their_last_average() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_touched_rows_cycle_takes_exactly_the_rows_touched_since_their_last_average(dtype: torch.dtype) -> None:
     """One rank (its sum is its own mask): a shard with a per-row optimizer state (the marker) and
-    one without (its first weight column is), both fragments of 2 rows."""
-    weights, state, other = torch.zeros(10, 4), torch.zeros(10), torch.zeros(7, 3)
+    one without (its first weight column is), both fragments of 2 rows; float16 tables too (the
+    fragment buffer is float32)."""
+    weights, state, other = torch.zeros(10, 4, dtype=dtype), torch.zeros(10, dtype=dtype), torch.zeros(7, 3, dtype=dtype)
     shards = [TableShard("a", (weights, state)), TableShard("b", (other,))]
     tables = TableFragments(shards, None, TableSyncConfig(fragment_mb=10 * 4 / 2**20))  # 10 values: 2 rows of "a"
     tables.plan_touched_cycle()

@@ -283,8 +283,10 @@ class TableFragments:
             self._current = self.fragments[self.cursor]
         used = 0
         for tensor, rows, part in self._parts(flat):
-            if isinstance(rows, Picked):
+            if isinstance(rows, Picked) and tensor.dtype == part.dtype:
                 torch.index_select(tensor, 0, rows.index, out=part)
+            elif isinstance(rows, Picked):  # a half-precision table: its rows converted on the way
+                part.copy_(tensor.index_select(0, rows.index))
             else:
                 part.copy_(tensor[rows.start:rows.stop])
             used += part.numel()
@@ -297,7 +299,7 @@ class TableFragments:
         """Rows of the current fragment += their part of `flat_delta`."""
         for tensor, rows, part in self._parts(flat_delta):
             if isinstance(rows, Picked):
-                tensor.index_add_(0, rows.index, part)
+                tensor.index_add_(0, rows.index, part.to(tensor.dtype))
                 self._saw(rows, tensor, part, self._marker_snapshot[rows.shard])
             else:
                 tensor[rows.start:rows.stop].add_(part)
@@ -307,7 +309,7 @@ class TableFragments:
         not a delta)."""
         for tensor, rows, part in self._parts(flat):
             if isinstance(rows, Picked):
-                tensor.index_copy_(0, rows.index, part)
+                tensor.index_copy_(0, rows.index, part.to(tensor.dtype))
                 self._saw(rows, tensor, part, None)
             else:
                 tensor[rows.start:rows.stop].copy_(part)
@@ -320,7 +322,7 @@ class TableFragments:
         index, column = self.touched.where[rows.shard]
         if tensor is not self.shards[rows.shard].tensors[index]:
             return
-        value = marker_of(part, column)
+        value = marker_of(part, column).to(before.dtype if before is not None else tensor.dtype)
         self.touched.seen[rows.shard][rows.index] = value if before is None else before + value
 
     def _parts(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, Rows | Picked, torch.Tensor]]:
