@@ -10,7 +10,7 @@ NPROC ?= 2
 CONFIG ?= examples/configs/bmuf.yaml
 PRESET ?=
 
-.PHONY: setup run test test-hosts test-newer bench bench-quick bench-quality bench-scaling bench-gba bench-2d bench-ps bench-elastic bench-hosts bench-host-faults soak clean
+.PHONY: setup run test test-hosts test-newer bench bench-quick bench-quality bench-scaling bench-gba bench-2d bench-ps bench-elastic bench-rejoin bench-hosts bench-host-faults soak clean
 
 setup: $(STAMP)
 
@@ -94,6 +94,12 @@ bench-ps: $(STAMP)
 # restarted 20 s later, against the same job uninterrupted (benchmarks/bench_elastic.py; runs/bench_elastic.json)
 bench-elastic: $(STAMP)
 	$(PY) benchmarks/bench_elastic.py
+
+# The 2D layout as a torchrun job per replica group (2 x 2 ranks): a rank of group 1 killed at 30% and its
+# group restarted 20 s later, and one stopped for good, against the same job uninterrupted, 3 seeds
+# (benchmarks/bench_rejoin.py; runs/bench_rejoin.json)
+bench-rejoin: $(STAMP)
+	$(PY) benchmarks/bench_rejoin.py
 
 # Across hosts (needs root): the flat variants on 2 simulated hosts, links at 1 and 10 Gbit/s, without and
 # with a 3x straggler (benchmarks/bench_hosts.py; runs/bench_hosts.json)

@@ -2,20 +2,24 @@
 
 The single place that knows the launch command: a standalone torchrun of the example with the
 progress bar off and the results written to a JSON file, which is read back (`run_example`), or
-the same across simulated hosts, one torchrun agent per host (`run_across_hosts`). A failed job
-stops the benchmark with the job's output tail (a benchmark with a missing run would compare nothing).
+the same across simulated hosts, one torchrun agent per host (`run_across_hosts`), or one replica
+group of a 2D job launched as a torchrun job per group, beside its replica store
+(`replica_store`, `start_replica_group`). A failed job stops the benchmark with the job's output
+tail (a benchmark with a missing run would compare nothing).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from ctrkit.cluster import Cluster
+from dlrm.host import free_port
 from shadowgba.config import SyncConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,3 +115,34 @@ def run_across_hosts(label: str, arguments: Sequence[str], output: Path, nproc_p
     result = json.loads(output.read_text())
     result["wire_bytes_sent"] = sent
     return result
+
+
+@contextlib.contextmanager
+def replica_store() -> Iterator[str]:
+    """A replica store (`python -m shadowgba.replica_store`) on a free local port while the block
+    runs: its `host:port`, for `sync.replica_jobs.store`."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "shadowgba.replica_store", "--host", "127.0.0.1", "--port",
+                                str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def start_replica_group(group: int, groups: int, store: str, nproc: int, arguments: Sequence[str], output: Path,
+                        environment: Mapping[str, str] | None = None, max_restarts: int = 0) -> subprocess.Popen:
+    """Start replica group `group` of `groups` as a torchrun job of its own (`nproc` ranks, its agent
+    restarting it up to `max_restarts` times), meeting the others at the replica store `store`;
+    the running agent, its output captured (stdout and stderr together)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+               f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+               "--monitor-interval=0.5", *harness_script([
+                   *arguments, "--sync.replica_jobs.store", store, "--sync.replica_jobs.num_groups", str(groups),
+                   "--sync.replica_jobs.group", str(group)], output)]
+    # the harness imports its package (benchmarks/dlrm) by its own folder, which no inherited
+    # PYTHONSAFEPATH may take off the path
+    env = {**{key: value for key, value in os.environ.items() if key != "PYTHONSAFEPATH"}, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]), **(environment or {})}
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

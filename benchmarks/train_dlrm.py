@@ -149,7 +149,9 @@ def run_trainer(
         "world_size": dist.get_world_size(),
         "trainers": num_trainers,
         "departed_trainers": list(survivors.departed),
-        "writer": roles.rank == survivors.ranks[0],  # the first survivor writes the results
+        # the first survivor writes the results; with a torchrun job per replica group, so does each
+        # group's first rank (each job has an --output of its own)
+        "writer": roles.rank == survivors.ranks[0] or (job.replica_store is not None and job.layout.position == 0),
         "servers": roles.num_servers,
         "steps": stats.steps,  # trainer 0's, since the job's start (before a resume included)
         "steps_this_run": stats.steps - start_step,
@@ -181,6 +183,7 @@ def run_trainer(
             "dense_shards": gba.server_stats(),
             "embedding_shards": model.ps_embeddings.server_stats() if model.ps_embeddings else [],
         } if gba else {},
+        **({"step_end_at": stats.step_end_at} if config.train.record_step_times else {}),
         "config": to_dict(config),
     }, wall_window, survivors.ranks
 

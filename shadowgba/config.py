@@ -26,6 +26,7 @@ import sync_algos
 from shadowgba.errors import ConfigError
 from shadowgba.gba.config import GBAConfig
 from shadowgba.ps.config import PSConfig
+from shadowgba.shadow.survival import ReplicaJobsConfig
 from shadowgba.shadow.tables import TableSyncConfig
 from sync_algos.bmuf import BMUFConfig
 from sync_algos.easgd import EASGDConfig
@@ -150,6 +151,10 @@ class SyncConfig:
     survivors (`shadowgba.shadow.survival`); nothing they hold is rolled back. Pays off where a lost
     group's processes end without taking the others down: a launcher per group, or the tests'
     processes; under one torchrun job for all groups, its agent restarts every group anyway."""
+    replica_jobs: ReplicaJobsConfig = dataclasses.field(default_factory=ReplicaJobsConfig)
+    """2D jobs launched as one torchrun job per replica group, meeting at a store that outlives
+    them: a lost group's agent restarts it alone, and it rejoins the others, taking a partner's
+    replica (`shadowgba.shadow.survival`). Needs `on_group_lost: continue`."""
 
     def __post_init__(self) -> None:
         allowed = sync_algos.algorithm_names()
@@ -200,6 +205,11 @@ class SyncConfig:
         if self.on_group_lost == "continue" and not self.sharding_group_size:
             raise ConfigError("on_group_lost: continue needs the 2D layout (sharding_group_size >= 1): in the flat "
                               "layout TorchRec's all-to-all spans every trainer, so none trains on without a lost one")
+        if self.replica_jobs.store is not None and (not self.sharding_group_size or self.on_group_lost != "continue"):
+            raise ConfigError("replica_jobs.store: a torchrun job per replica group needs the 2D layout "
+                              "(sharding_group_size >= 1) and on_group_lost: continue (a lost group drops out, then "
+                              f"rejoins); got sharding_group_size {self.sharding_group_size}, on_group_lost "
+                              f"{self.on_group_lost}")
         if self.ps.checkpoint_dir and self.algo not in PS_ALGOS:
             raise ConfigError(f"ps.checkpoint_dir: the servers' own checkpoints hold GBA's dense shards or the S-EASGD "
                               f"centre, and the PS-hosted tables; sync.algo '{self.algo}' has none of them")

@@ -60,7 +60,7 @@ from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCente
 from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
 from shadowgba.reporting import MetricsReporter
 from shadowgba.shadow.runtime import ShadowSync
-from shadowgba.shadow.survival import SurvivingGroups
+from shadowgba.shadow.survival import INCARNATION, SurvivingGroups
 from shadowgba.shadow.tables import TableFragments
 
 if TYPE_CHECKING:  # PS-hosted tables need TorchRec: imported where used (`shadowgba.optional`)
@@ -119,8 +119,17 @@ class Job:
     layout: ReplicaLayout | None = None
     """In a 2D job (`sync.sharding_group_size` > 0): this rank's sharding and replica groups."""
     survival: SurvivingGroups | None = None
-    """In a 2D job under `sync.on_group_lost: continue`, once `dense_sync` made it: which replica
-    groups are still in the job (`Job.survivors` reads it)."""
+    """In a 2D job under `sync.on_group_lost: continue`, once `dense_sync` made it (with a torchrun
+    job per replica group, `join`): which replica groups are in the job (`Job.survivors` reads it)."""
+    replica_store: dist.Store | None = None
+    """With a torchrun job per replica group (`sync.replica_jobs`): the store the jobs share, where
+    the notice board and the groups across the jobs live."""
+    incarnation: int = 1
+    """With a torchrun job per replica group: which process set of this rank's group this is (1:
+    the first; each restart counts one more, in the replica store)."""
+    rounds_group: dist.ProcessGroup | None = None
+    """With a torchrun job per replica group: the dense rounds' group across the jobs, made for the
+    runtime alone (the job's `trainer_group` is this group's own ranks)."""
     served: dict[str, object] = dataclasses.field(default_factory=dict)
     """On servers: the services this rank served, by name (their `stats()` outlive the job)."""
     _centre: CenterClient | None = dataclasses.field(default=None, init=False, repr=False)
@@ -174,7 +183,10 @@ class Job:
     @functools.cached_property
     def notices(self) -> NoticeBoard:
         """This job's notice board (`shadowgba.ps.membership`): who left, and why. In the elastic
-        layout, in the servers' store (there is no default group)."""
+        layout, in the servers' store (there is no default group); with a torchrun job per replica
+        group, in the replica store, one board for all of them."""
+        if self.replica_store is not None:
+            return NoticeBoard(self.name, self.replica_store, attempt=0)
         return NoticeBoard(self.name, self.transport.store if self.roles.elastic else None)
 
     def require_transport(self) -> Transport:
@@ -210,16 +222,17 @@ class Job:
                            f"{list(met)} met without it")
         departed = tuple(index for index in range(len(ranks)) if index not in met)
         replicas = self.layout.replica_group if self.layout is not None else None
-        if not departed:
+        if not departed and self.replica_store is None:
             return Survivors(self.trainer_group, ranks, (), replicas)
         members = tuple(ranks[index] for index in met)
-        if self.survival is not None:  # the 2D survivors: their group, and this rank's replica group among them
+        if self.survival is not None:  # the 2D members: their group, and this rank's replica group among them
             group, replicas = self.survival.groups()
         else:  # the departed take no part in making it
             group = dist.new_group(list(members), timeout=datetime.timedelta(seconds=self.config.timeout_s),
                                    use_local_synchronization=True)
-        logger.warning("shadowgba: %s: trainers %s departed the job; the survivors' group is ranks %s",
-                       self.roles.name, list(departed), list(members))
+        if departed:
+            logger.warning("shadowgba: %s: trainers %s departed the job; the survivors' group is ranks %s",
+                           self.roles.name, list(departed), list(members))
         return Survivors(group, members, departed, replicas)
 
     def close(self) -> None:
@@ -304,6 +317,8 @@ def join(
         config = load_config(SyncConfig, config, section="sync")
     if tables is not None and (table_options is None or not config.ps.num_servers):
         raise SetupError("PS-hosted tables need table_options (see ps_table_options) and sync.ps.num_servers >= 1")
+    if config.replica_jobs.store is not None:
+        return _join_replica_job(config, backend)
     if not config.ps.num_servers:
         if not dist.is_initialized():
             init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
@@ -340,6 +355,72 @@ def join(
         job.sharding_guard.install()
     job.heartbeat = job.notices.heartbeat(roles.rank)
     return job
+
+
+def _join_replica_job(config: SyncConfig, backend: str | None) -> Job:
+    """`join` for one replica group of a 2D job launched as a torchrun job per group
+    (`sync.replica_jobs`): this torchrun job's ranks are the group's sharding group (TorchRec's, on
+    its default group), job-wide rank `group * k + local rank`. The groups across the jobs come
+    later, once the model is built (`_meet_replica_groups`, from `dense_sync`)."""
+    jobs = config.replica_jobs
+    torchrec_integration = optional.torchrec_integration("sync.replica_jobs (the 2D layout)")
+    if not dist.is_initialized():
+        init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    local_rank, size = dist.get_rank(), dist.get_world_size()
+    if size != config.sharding_group_size:
+        raise SetupError(f"sync.replica_jobs: each torchrun job is one replica group of sync.sharding_group_size "
+                         f"({config.sharding_group_size}) ranks, but this one has {size}: launch every group with "
+                         f"{config.sharding_group_size} ranks in all")
+    rank = jobs.group * size + local_rank
+    roles = Roles.assign(rank, jobs.num_groups * size, num_servers=0)
+    local = dist.new_group(timeout=datetime.timedelta(seconds=config.timeout_s))  # TorchRec's: this group's ranks
+    job = Job(config, dataclasses.replace(roles, trainer_group=local), name=jobs.name,
+              replica_store=_replica_store(jobs.address, config.timeout_s))
+    job.layout = ReplicaLayout(size, jobs.num_groups, jobs.group, local_rank, local)
+    job.sharding_guard = torchrec_integration.ShardingGuard(local, 0, job.layout)
+    job.sharding_guard.install()
+    # which process set of this group this is: counted before its notices are cleared, so that the
+    # count proves its predecessor gone to the members that still look for evidence of the loss
+    counted = [job.notices.count(INCARNATION, jobs.group, add=1) if local_rank == 0 else None]
+    dist.broadcast_object_list(counted, src=0, group=local)
+    if counted[0] is None:
+        raise SetupError(f"sync.replica_jobs.store {jobs.store}: the replica store stopped answering")
+    job.incarnation = int(counted[0])
+    job.notices.clear(rank)  # a process of this rank that ran before left its notices there
+    job.heartbeat = job.notices.heartbeat(rank)
+    return job
+
+
+def _meet_replica_groups(job: Job) -> None:
+    """Collective across the torchrun jobs of a job under `sync.replica_jobs`, with the model built:
+    make the groups across them (dense rounds, this rank's replica group) in the replica store,
+    with every group at the job's start, or, for a group that runs again after it was lost (its
+    process set's number, counted in the store, is above 1), once the members let it in at a round
+    of theirs (`SurvivingGroups.wait_to_join`); the runtime then takes a member's replica."""
+    jobs, layout, incarnation = job.config.replica_jobs, job.layout, job.incarnation
+    assert layout is not None and job.replica_store is not None
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    job.survival = SurvivingGroups(job.roles.trainer_ranks, job.roles.rank, layout.group_size, job.notices,
+                                   job.config.timeout_s, job.replica_store, device)
+    if incarnation > 1:  # this group ran before: the members let it in after a round of theirs
+        logger.warning("shadowgba: replica group %d (process set %d) asks to rejoin the job", jobs.group, incarnation)
+        if layout.position == 0:
+            job.survival.request_join(incarnation)
+        job.survival.wait_to_join(incarnation, jobs.join_timeout_s)
+    job.rounds_group, replica = job.survival.groups()
+    job.layout = dataclasses.replace(layout, replica_group=replica)
+
+
+def _replica_store(address: tuple[str, int], timeout_s: float) -> dist.Store:
+    """A client of the replica store at `address`; `SetupError` naming how to start one when none answers."""
+    host, port = address
+    try:
+        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as error:
+        raise SetupError(f"sync.replica_jobs.store {host}:{port}: no replica store answered within {timeout_s:g} s "
+                         f"(sync.timeout_s); start one first, on a host every group reaches: python -m "
+                         f"shadowgba.replica_store --port {port}") from error
 
 
 def ps_table_options(
@@ -428,12 +509,15 @@ def dense_sync(
                 raise SetupError("sync.sharding_group_size > 0 needs a DistributedModelParallel built with "
                                  "**job.dmp_kwargs(): its tables are what the replica groups keep in sync")
             shards = torchrec_integration.fused_table_shards(model, config.tables.optimizer_state)
+            if job.replica_store is not None and job.rounds_group is None:
+                _meet_replica_groups(job)
             tables = TableFragments(shards, job.layout.replica_group, config.tables)
-            if config.on_group_lost == "continue":
+            if config.on_group_lost == "continue" and job.survival is None:
                 job.survival = SurvivingGroups(job.roles.trainer_ranks, job.roles.rank, config.sharding_group_size,
                                                job.notices, config.timeout_s)
-        sync = ShadowSync(model, optimizer, config, process_group=group, params=named, algorithm_kwargs=resources,
-                          guard=guard, tables=tables, survival=job.survival)
+        sync = ShadowSync(model, optimizer, config, process_group=job.rounds_group or group, params=named,
+                          algorithm_kwargs=resources, guard=guard, tables=tables, survival=job.survival,
+                          own_group=job.rounds_group is not None)
     if local_batch_size is not None:
         check_first_batch(model, local_batch_size)
     owns_writer = summary_writer is None and config.tensorboard_dir is not None

@@ -45,8 +45,9 @@ class ReplicaLayout:
     """This rank's position in its sharding group (l): the shards it holds."""
     sharding_group: dist.ProcessGroup = dataclasses.field(compare=False, repr=False)
     """The k ranks of group g: TorchRec's sharding environment."""
-    replica_group: dist.ProcessGroup = dataclasses.field(compare=False, repr=False)
-    """The R ranks at position l: where this rank's table shards are averaged."""
+    replica_group: dist.ProcessGroup | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The R ranks at position l: where this rank's table shards are averaged. With a torchrun job
+    per replica group, None until `dense_sync` meets the other groups (`shadowgba.factory`)."""
 
     @classmethod
     def build(cls, trainer_ranks: tuple[int, ...], rank: int, group_size: int, timeout_s: float) -> "ReplicaLayout":

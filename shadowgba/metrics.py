@@ -66,6 +66,9 @@ class SyncMetrics:
         (`sync.on_nonfinite: skip`); counted on every rank, the bad one included."""
         self.replica_groups_lost = 0
         """2D jobs under `sync.on_group_lost: continue`: replica groups this rank trained on without."""
+        self.replica_groups_joined = 0
+        """2D jobs with a torchrun job per replica group: replica groups let back in while this rank
+        trained (each took a member's replica)."""
         self.nonfinite_replicas_healed = 0
         """Times this rank's NaN / Inf weights (dense, or a table fragment) were replaced by the
         healthy replicas' consensus (`sync.on_nonfinite: skip`); counted on the healed rank."""
@@ -105,6 +108,11 @@ class SyncMetrics:
         """The rounds now go on without `count` more replica groups."""
         with self._lock:
             self.replica_groups_lost += count
+
+    def record_groups_joined(self, count: int) -> None:
+        """`count` replica groups rejoined the rounds and took a member's replica."""
+        with self._lock:
+            self.replica_groups_joined += count
 
     def record_heal(self) -> None:
         """This rank's non-finite weights (or a fragment of them) took the healthy replicas' consensus."""
@@ -147,6 +155,7 @@ class SyncMetrics:
                 "nonfinite_rounds_skipped": self.nonfinite_rounds_skipped,
                 "nonfinite_replicas_healed": self.nonfinite_replicas_healed,
                 "replica_groups_lost": self.replica_groups_lost,
+                "replica_groups_joined": self.replica_groups_joined,
                 "nonfinite_steps_skipped": self._guard.skipped_steps if self._guard is not None else 0,
                 "memory_bytes": memory_bytes,
                 "elapsed_s": elapsed,

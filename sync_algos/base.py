@@ -23,7 +23,10 @@ still training, instead of leaving them to train apart until the end.
 The same collective carries, after the stop flag, one *status* element per rank, written by that
 rank alone (so the sum is exact): whether its contribution was left out of the round because it
 held NaN / Inf (`NONFINITE`), or because the rank is aborting (`ABORTED`, always with its stop
-flag). The non-finite rule lives here, once: each rank checks its own contribution before it is
+flag). A third bit, `JOINING`, counts nothing out: the rank saw a replica group waiting to join
+the job (`FlaggedAllReduce.joining`, set by the runtime); once every rank saw one in the same round
+(`Reduced.joins_seen`), they all let it in after that round, alike (`shadowgba.shadow.survival`).
+The non-finite rule lives here, once: each rank checks its own contribution before it is
 sent, a bad one is sent as zeros, and the average / centre / block update uses only the counted
 ranks (`n_good` in place of `n`; no counted rank: the round changes nothing). A rank whose own
 contribution was left out takes nothing from the round (`RoundResult.kept_local`): no value from
@@ -63,6 +66,10 @@ NONFINITE = 1
 """Status bit: this rank's contribution held NaN / Inf and was sent as zeros."""
 ABORTED = 2
 """Status bit: this rank is aborting (its user's loop raised); it contributed nothing and stops."""
+JOINING = 4
+"""Status bit: this rank saw a replica group waiting to join; its contribution counts as usual."""
+LEFT_OUT = NONFINITE | ABORTED
+"""The status bits that leave a rank's contribution out of the round."""
 
 
 def is_finite(tensor: torch.Tensor) -> bool:
@@ -111,6 +118,8 @@ class RoundResult:
     previous_cost_ms: float = 0.0
     """What the previous round cost, without any rank's wait for the others (`Reduced.round_cost_ms`;
     for an algorithm without collectives, this trainer's own time); 0 before any."""
+    joins_seen: bool = False
+    """True when every rank saw a replica group waiting to join (`Reduced.joins_seen`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +144,8 @@ class Reduced:
     """The least of the ranks' times for their previous round (module docstring); 0 before any."""
     own_nonfinite: bool = False
     """Whether this rank's payload held NaN / Inf (and was left out)."""
+    joins_seen: bool = False
+    """Whether every rank saw a replica group waiting to join (`JOINING`)."""
 
     @property
     def heals(self) -> bool:
@@ -166,9 +177,12 @@ class FlaggedAllReduce:
         an exact sum."""
         self._group = group
         self._local = group is None and not dist.is_initialized()
-        self.rank = 0 if self._local else dist.get_rank(group)
+        own = None if self._local else (group if group is not None else dist.group.WORLD)
+        # the group's own rank and size: a group made from a store (`shadowgba.groups`) is one torch
+        # does not register, and `dist.get_rank(group)` would refuse it
+        self.rank = 0 if own is None else own.rank()
         self._size = like.numel()
-        self._ranks = 1 if self._local else dist.get_world_size(group)
+        self._ranks = 1 if own is None else own.size()
         self._buffer = torch.empty(self._size + 1 + 3 * self._ranks, dtype=like.dtype, device=like.device)
         self.payload = self._buffer[: self._size]
         """The payload part of the buffer: where `sum` sums, and `Reduced.total` is."""
@@ -178,6 +192,9 @@ class FlaggedAllReduce:
         self.previous_ms = 0.0
         """This rank's time for its previous round, in ms, sent in the next call's trailer (set by
         the runtime before each round; pacing only)."""
+        self.joining = False
+        """Whether this rank saw a replica group waiting to join, sent as `JOINING` in the next call
+        (set by the runtime before each round)."""
         self.compressed = None if compress == "none" or self._local else CompressedSum(
             compress, group, self._size, self._ranks, like.device, like.dtype)
         self.bytes_per_call = self._buffer.numel() * self._buffer.element_size()
@@ -201,7 +218,7 @@ class FlaggedAllReduce:
         if payload is None and not aborted:
             raise ValueError("only an aborting rank may contribute no payload")
         body, trailer = self.payload, self._buffer[self._size :]
-        status = ABORTED if aborted else 0
+        status = (ABORTED if aborted else 0) | (JOINING if self.joining else 0)
         if payload is not None and payload is not body:
             body.copy_(payload)
         if payload is None or not is_finite(body):
@@ -220,7 +237,7 @@ class FlaggedAllReduce:
             self.bytes_per_call = self._buffer.numel() * self._buffer.element_size()
         else:  # the flags first, exactly; the payload in fewer bytes
             dist.all_reduce(trailer, op=dist.ReduceOp.SUM, group=self._group)
-            self.compressed.sum_(body, contributes=status == 0)
+            self.compressed.sum_(body, contributes=not status & LEFT_OUT)
             self.bytes_per_call = self.compressed.bytes_per_call + trailer.numel() * trailer.element_size()
         any_stop, *flags = (int(value) for value in trailer.tolist())
         statuses, steps, costs = flags[: self._ranks], flags[self._ranks : 2 * self._ranks], flags[2 * self._ranks :]
@@ -228,13 +245,14 @@ class FlaggedAllReduce:
             total=body,
             stop=any_stop > 0,
             last=any_stop == len(statuses),
-            counted=sum(1 for value in statuses if value == 0),
-            own_counted=statuses[self.rank] == 0,
+            counted=sum(1 for value in statuses if not value & LEFT_OUT),
+            own_counted=not statuses[self.rank] & LEFT_OUT,
             nonfinite_ranks=tuple(r for r, value in enumerate(statuses) if value & NONFINITE),
             aborted_ranks=tuple(r for r, value in enumerate(statuses) if value & ABORTED),
             fastest_steps=max(steps),
             round_cost_ms=float(min(costs)),
             own_nonfinite=bool(statuses[self.rank] & NONFINITE),
+            joins_seen=all(value & JOINING for value in statuses),
         )
 
 
@@ -366,7 +384,8 @@ class SyncAlgorithm(abc.ABC):
             torch.sub(target, snapshot, out=snapshot)
         return RoundResult(reduced.stop, self.allreduce.bytes_per_call, reduced.nonfinite_ranks,
                            reduced.aborted_ranks, kept_local=kept_local, healed=healed, last=reduced.last,
-                           fastest_steps=reduced.fastest_steps, previous_cost_ms=reduced.round_cost_ms)
+                           fastest_steps=reduced.fastest_steps, previous_cost_ms=reduced.round_cost_ms,
+                           joins_seen=reduced.joins_seen)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every dense-sized tensor the algorithm holds, by name: its all-reduce buffer and its state.

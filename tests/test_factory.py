@@ -27,7 +27,6 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from shadowgba import PeerLost, SetupError, SyncConfig
 from shadowgba.config import from_dict
 from tests.multiprocess import run_ranks, run_shared
-from tests.test_torchrec_and_hogwild import train_loop
 
 pytestmark = pytest.mark.timeout(300)
 

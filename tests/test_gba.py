@@ -199,7 +199,9 @@ def test_equal_speed_trainers_compute_on_parameters_about_one_global_step_old(th
     histogram = {int(key.rstrip("+")): count for key, count in first["server"]["staleness_histogram"].items()}
     mean = sum(staleness * count for staleness, count in histogram.items()) / sum(histogram.values())
     assert first["server"]["global_step"] > 40
-    assert mean < 1.4, histogram
+    # about 1.1-1.3 on a quiet machine, up to 1.48 with the suite's other jobs on the 2 cores: the bound
+    # separates "about one" from the "about two" it guards against, not the machine's load
+    assert mean < 1.6, histogram
 
 
 def policy_run(ps: Transport) -> dict:

@@ -89,6 +89,9 @@ class TrainConfig:
     progress: bool = True
     """Show progress on trainer 0: a bar on a terminal, a plain line every few seconds in a log
     (`dlrm.progress`)."""
+    record_step_times: bool = False
+    """Put the writing trainer's step end times (wall clock) in the result, as `step_end_at`: for
+    benchmarks that place the steps beside events outside the job (`benchmarks/bench_rejoin.py`)."""
 
     def __post_init__(self) -> None:
         if min(self.duration_s, self.global_samples, self.job_samples) < 0:

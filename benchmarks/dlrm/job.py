@@ -197,14 +197,17 @@ has closed the job, which takes them seconds."""
 
 def gather_resources(meter: ResourceMeter, job: shadowgba.Job, window: Sequence[Interval],
                      members: Sequence[int]) -> list[dict[str, Any]] | None:
-    """Every rank, after the job is closed, with no collective: the first of `members` (the global
-    ranks of the trainers still in the job, the same on each; servers pass none) posts `window` in
+    """Every rank, after the job is closed, with no collective: the first of `members` (the job's
+    ranks of the trainers still in it, the same on each; servers pass none) posts `window` in
     the job's store, every rank posts its CPU seconds in it and its peak resident memory, and each
     member reads the posts of every member and server (None on servers). A trainer that departed
     posts nothing and is not waited for; a post missing after `RESOURCES_WAIT_S` is a `RuntimeError`."""
     meter.stop()
-    store = dist.PrefixStore(f"harness/{job.name}/resources", dist.distributed_c10d._get_default_store())
-    rank = dist.get_rank()
+    # a job run as a torchrun job per replica group meets in its replica store: each group's own
+    # store holds only its ranks
+    shared = job.replica_store if job.replica_store is not None else dist.distributed_c10d._get_default_store()
+    store = dist.PrefixStore(f"harness/{job.name}/resources", shared)
+    rank = job.roles.rank
     if members and rank == members[0]:
         store.set("window", json.dumps(list(window)))
     store.wait(["window"], datetime.timedelta(seconds=RESOURCES_WAIT_S))

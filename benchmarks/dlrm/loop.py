@@ -52,6 +52,9 @@ class TrainStats:
     """When the warm-up steps were done."""
     step_end_s: list[float]
     """When each step ended."""
+    step_end_at: list[float]
+    """When each step ended, wall clock (`time.time()`, pauses included): to place the steps
+    beside events outside the job (a replica group killed and restarted)."""
     global_steps: tuple[int, int] | None
     """GBA jobs: the global step k this trainer held at the end of its warm-up and at its last step."""
     straggler_sleep_s: float
@@ -153,7 +156,7 @@ def train(
     dist.barrier(group=roles.trainer_group)  # the common start
     origin = time.perf_counter()
     straggler = Straggler(straggler_config, roles.trainer_index, len(roles.trainer_ranks))
-    step, warmup_end, step_ends = start_step, 0.0, []
+    step, warmup_end, step_ends, step_ends_at = start_step, 0.0, [], []
     warmup_global_step = global_step() if global_step else 0
     while True:
         straggler.begin_step()
@@ -168,6 +171,7 @@ def train(
         step += 1
         now = time.perf_counter() - origin
         step_ends.append(now)
+        step_ends_at.append(time.time())
         if step == config.warmup_steps:
             warmup_end = now
             warmup_global_step = global_step() if global_step else 0
@@ -180,7 +184,8 @@ def train(
             break
     bar.close()
     global_steps = (warmup_global_step, global_step()) if global_step else None
-    return TrainStats(steps=step, warmup_end_s=warmup_end, step_end_s=step_ends, global_steps=global_steps,
+    return TrainStats(steps=step, warmup_end_s=warmup_end, step_end_s=step_ends, step_end_at=step_ends_at,
+                      global_steps=global_steps,
                       straggler_sleep_s=straggler.slept_s, straggler_overrun_fraction=straggler.overrun_fraction)
 
 
@@ -223,7 +228,7 @@ def evaluate(
     model.eval()
     group = roles.trainer_group if group is None else group
     logits, labels = [], []
-    share = (0, 1) if alone else (dist.get_rank(group), dist.get_world_size(group))
+    share = (0, 1) if alone else (group.rank(), group.size())
     for batch in data.heldout_batches(*share):
         _, (_, batch_logits, batch_labels) = model(batch.to(device))
         logits.append(batch_logits)

@@ -61,8 +61,11 @@ class NoticeBoard:
     the store's host may be gone, or this rank cut off from it (a network partition), and a rank
     must still end within a bounded time. `reachable` says whether the last access got through."""
 
-    def __init__(self, job: str, store: dist.Store | None = None) -> None:
+    def __init__(self, job: str, store: dist.Store | None = None, attempt: int | None = None) -> None:
+        """`attempt`: the keys' attempt (default this torchrun attempt's, `restart_count`); a board
+        shared by several torchrun jobs (`shadowgba.shadow.survival`) names one for all of them."""
         self.job = job
+        self.attempt = restart_count() if attempt is None else attempt
         self._given = store
         self._store: dist.Store | None = None
         self._lock = threading.Lock()
@@ -116,8 +119,27 @@ class NoticeBoard:
         """Decision number `number` of `kind` if one was made (`decide`), else None."""
         return self._read(self._key(number, kind))
 
+    def post(self, kind: str, number: int, value: str) -> None:
+        """Put `value` on the board as entry `number` of `kind` (replacing one there)."""
+        self._set(self._key(number, kind), value)
+
+    def read(self, kind: str, number: int) -> str | None:
+        """Entry `number` of `kind` (`post`), or None if there is none or the store is unreachable."""
+        return self._read(self._key(number, kind))
+
+    def count(self, kind: str, number: int = 0, add: int = 0) -> int | None:
+        """Counter `number` of `kind` after adding `add` to it (0: read it); None when the store is
+        unreachable."""
+        return self._access(lambda store: store.add(self._key(number, kind), add))
+
+    def clear(self, rank: int) -> None:
+        """Remove rank `rank`'s abort notice and heartbeat: a new process of that rank (a replica
+        group that rejoins) starts with none of its predecessor's."""
+        for key in (self._key(rank), self._key(rank, "beat")):
+            self._access(lambda store, key=key: store.delete_key(key))
+
     def _key(self, rank: int, kind: str = "aborted") -> str:
-        return f"shadowgba/attempt_{restart_count()}/{self.job}/{kind}/{rank}"
+        return f"shadowgba/attempt_{self.attempt}/{self.job}/{kind}/{rank}"
 
     def _store_now(self) -> dist.Store:
         """The board's own connection to the store, made at first use: a clone of the given (or

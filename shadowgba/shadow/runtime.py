@@ -37,7 +37,6 @@ Threads and invariants:
 from __future__ import annotations
 
 import contextlib
-import datetime
 import itertools
 import logging
 import threading
@@ -49,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 import sync_algos
+from shadowgba import groups as made_groups
 from shadowgba.config import SyncConfig
 from shadowgba.errors import CheckpointError, SyncError
 from shadowgba.interface import DenseSync
@@ -96,7 +96,10 @@ class ShadowSync(DenseSync):
     each dense round (`shadowgba.shadow.tables`), through the same step-boundary handoff.
     `survival` (2D jobs under `sync.on_group_lost: continue`): a round that fails because a peer
     was lost leaves that peer's replica group out and goes on over the survivors
-    (`shadowgba.shadow.survival`) instead of ending the rounds.
+    (`shadowgba.shadow.survival`) instead of ending the rounds; with a torchrun job per replica
+    group, a group that runs again is let in after a round, and healed from a member's replica.
+    `own_group`: `process_group` was made for this runtime alone (a job per replica group: no user
+    collective runs on it), so the rounds run on it as it is, and it is released at the end.
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class ShadowSync(DenseSync):
         guard: NonFiniteGuard | None = None,
         tables: TableFragments | None = None,
         survival: SurvivingGroups | None = None,
+        own_group: bool = False,
     ) -> None:
         self.config = config
         self.tables = tables
@@ -122,6 +126,7 @@ class ShadowSync(DenseSync):
             config.max_skipped_steps)
         self.metrics = SyncMetrics(self._held_tensors, self.guard, self._fragment_ages if tables is not None else None)
         self._parent_group = process_group
+        self._parent_is_own = own_group
         self._algorithm_kwargs = algorithm_kwargs or {}
         self._pacer = RoundPacer(config.interval_ms, config.interval_steps, config.max_round_share)
         self._foreground_every = config.foreground_every
@@ -163,12 +168,11 @@ class ShadowSync(DenseSync):
         collective = sync_algos.get_algorithm(self.config.algo).uses_collectives
         if (collective or self._parent_group is not None) and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("ShadowSync needs torch.distributed initialised (init_process_group) first")
-        if collective:
-            ranks = None if self._parent_group is None else dist.get_process_group_ranks(self._parent_group)
+        if collective and self._parent_is_own:
+            self._group, self._owns_group = self._parent_group, True
+        elif collective:
             backend = "nccl" if self.dense.device.type == "cuda" else "gloo"
-            self._group = dist.new_group(
-                ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=self.config.timeout_s)
-            )
+            self._group = made_groups.duplicate(self._parent_group, self.config.timeout_s, backend)
             self._owns_group = True
         else:  # rounds talk to a parameter server: a group only carries the broadcast and final average
             self._group = self._parent_group
@@ -176,15 +180,22 @@ class ShadowSync(DenseSync):
         self._running = True
         initial = self._snapshot  # free until the first round; what the algorithm keeps, it copies
         self.dense.copy_to(initial)
-        if self._group is not None:
-            dist.broadcast(initial, src=self._group_rank0(), group=self._group)
+        rejoining = self._survival is not None and self._survival.rejoining
+        if rejoining:  # a group that rejoins takes a member's replica (the members' side: `_heal`)
+            assert self.tables is not None
+            source = self._survival.heal_source()
+            dist.broadcast(initial, group_src=source, group=self.tables.group)
+        elif self._group is not None:  # at the job's start, every replica takes rank 0's
+            dist.broadcast(initial, group_src=0, group=self._group)
         compress = {"compress": self.config.compress} if self.config.compress != "none" else {}
         self._algorithm = sync_algos.build_algorithm(
             self.config.algo, self.config.algorithm_config(), self._group, initial, **self._algorithm_kwargs, **compress
         )
         self.dense.copy_from(initial)  # after the build: an algorithm may start this rank elsewhere (S-EASGD)
         if self.tables is not None:  # table replicas start together too
-            self.tables.broadcast_()
+            self.tables.broadcast_(source if rejoining else 0)
+        if rejoining:  # the members' next round is a consensus start: this one's first must meet it
+            self._first_round_due.set()
         self._algorithm.state_guard = self._state_lock
         # the fused optimizer writes table rows inside backward: only a step boundary may touch them
         handoff = self.config.mode == "shadow" and self.config.writeback == "handoff"
@@ -204,7 +215,7 @@ class ShadowSync(DenseSync):
         if self.tables is not None:
             logger.info("shadowgba tables: %d shards, %d values in a cycle of %d fragments, averaged over %d replicas",
                         len(self.tables.shards), self.tables.numel, len(self.tables.fragments),
-                        dist.get_world_size(self.tables.group))
+                        self.tables.allreduce.ranks)
 
     def close(self, final_sync: bool | None = None) -> None:
         """Stop rounds on every rank together, then (optionally) average the replicas once, blocking.
@@ -234,6 +245,8 @@ class ShadowSync(DenseSync):
             self._step_hook.remove()
             self.guard.enabled = False
             group, self._group, self._running = self._group, None, False
+        if self._survival is not None and self._error is None:
+            self._survival.mark_ended()
         try:
             if self._error is None and final_sync and group is not None:
                 reduced = self.dense.average_(group, self._snapshot, self._algorithm.allreduce, heal=self._heals)
@@ -304,7 +317,7 @@ class ShadowSync(DenseSync):
     def _release(self, group: dist.ProcessGroup | None) -> None:
         self._end_report()
         if self._owns_group:
-            dist.destroy_process_group(group)
+            made_groups.release(group)
 
     # ------------------------------------------------------------------------------ live controls
     @property
@@ -412,9 +425,6 @@ class ShadowSync(DenseSync):
         if self._algorithm is None:
             raise RuntimeError("ShadowSync has not been started")
         return self._algorithm
-
-    def _group_rank0(self) -> int:
-        return 0 if self._parent_group is None else dist.get_process_group_ranks(self._parent_group)[0]
 
     def _before_step(self, optimizer: Any) -> bool:
         """Whether the user's optimizer may step: its gradients, and whatever else the guard saw in
@@ -524,9 +534,7 @@ class ShadowSync(DenseSync):
                 self._record_table_applied(replace)
             elif reduced.own_counted or replace:
                 writeback.apply(buffer, replace)
-            group = self.tables.group
-            nonfinite = tuple(dist.get_global_rank(group, rank) for rank in reduced.nonfinite_ranks)
-            if self._check_flags(nonfinite, (), "a table round"):
+            if self._check_flags(self._global_ranks(reduced.nonfinite_ranks, self.tables.group), (), "a table round"):
                 return False
         return False
 
@@ -548,6 +556,7 @@ class ShadowSync(DenseSync):
             return True
         self._algorithm.allreduce.previous_ms = 1e3 * self._pacer.own_last_s
         self._algorithm.allreduce.steps = self._pacer.round_started(self._step)
+        self._algorithm.allreduce.joining = self._survival is not None and self._survival.joins_waiting()
         with self._round_lock:
             result = self._algorithm.sync(self._snapshot, stop)  # leaves the delta t - s in the snapshot's buffer
         self._pacer.round_ended(result.fastest_steps, result.previous_cost_ms / 1e3)
@@ -562,29 +571,100 @@ class ShadowSync(DenseSync):
             if self._table_rounds(len(self.tables.fragments) if whole_cycle else 1, self._table_writeback):
                 return False  # aborting: the next round is this rank's aborted dense round
             failed = self._error is not None
+        if result.joins_seen and not (result.last or failed):  # every rank alike: the flags are the same
+            self._admit()
         return result.last or failed
+
+    def _admit(self) -> None:
+        """After a round in which every rank saw a replica group waiting to join: take the job's
+        next decision (`SurvivingGroups.admit`) and meet in its epoch (`_enter_epoch`)."""
+        assert self._survival is not None
+        before = self._survival.members
+        self._survival.admit()
+        self._enter_epoch(before)
 
     def _round_surviving(self) -> bool:
         """`_run_round`; with `survival`, a round that failed (a collective's error, or peers' aborted
         flags: `_PeersAborted`) is followed by the job's decision on which replica groups are lost and
         the rounds rebuilt over the survivors (False: they go on), unless this rank's group is lost or
-        no lost peer is found: then the error is raised, as without `survival`."""
+        no lost peer is found: then the error is raised, as without `survival`. Meeting in the new
+        epoch can fail too (a decision read here may have let in a group that does not come, or
+        another rank was lost meanwhile): each failure takes the next decision, one per group at most."""
         try:
             return self._run_round()
         except Exception as error:
             if self._survival is None or self._aborting.is_set():
                 raise
-            lost = self._survival.agree(error, error.ranks if isinstance(error, _PeersAborted) else ())
-            dense, replica = self._survival.groups()
-            with self._round_lock:
-                self._group = dense
-                self._algorithm.regroup(dense)
-            if self.tables is not None:
-                self.tables.regroup(replica)
-            self.metrics.record_groups_lost(len(lost))
-            logger.warning("shadowgba: %s; the rounds go on over ranks %s, from their average",
-                           self._survival.describe(), ", ".join(map(str, self._survival.survivors())))
-            return False
+            failure: BaseException = error
+            flagged = error.ranks if isinstance(error, _PeersAborted) else ()
+        for _ in range(len(self._survival.trainer_ranks) // self._survival.group_size):
+            before = self._survival.members
+            self._survival.agree(failure, flagged)
+            try:
+                self._enter_epoch(before)
+                return False
+            except Exception as error:  # noqa: BLE001 - the next decision's evidence decides
+                failure, flagged = error, ()
+        raise SyncError(f"the rounds could not meet in a new epoch after {failure!r}") from failure
+
+    def _enter_epoch(self, before: tuple[int, ...]) -> None:
+        """After the job's next decision changed the member groups from `before`: meet in the new
+        epoch's groups (`SurvivingGroups.groups`) and restart the rounds there at the members'
+        average (`regroup`: the consensus start; a failed round may have left the algorithm's state
+        unequal, and EASGD's and BMUF's constants follow the rank count). Groups let in take a
+        replica first, on each position's replica group (`_heal`). The old groups are released."""
+        survival = self._survival
+        assert survival is not None
+        if survival.members == before:
+            return  # a decision that changed nobody (a join request counted, nobody waiting)
+        started = time.perf_counter()
+        dense, replica = survival.groups()
+        old_groups = [self._group]
+        if self.tables is not None:
+            old_groups.append(self.tables.group)
+            self.tables.regroup(replica)
+        if survival.joined:
+            self._heal(replica, survival.heal_source())
+        with self._round_lock:
+            self._group = dense
+            self._algorithm.regroup(dense)
+        for group in old_groups:
+            made_groups.release(group)
+        lost = [group for group in before if group not in survival.members]
+        self.metrics.record_groups_lost(len(lost))
+        self.metrics.record_groups_joined(len(survival.joined))
+        if lost:
+            logger.warning("shadowgba: %s; the rounds go on over ranks %s, from their average", survival.describe(),
+                           ", ".join(map(str, survival.survivors())))
+        if survival.joined:
+            logger.warning("shadowgba: replica group %s rejoined (epoch %d) and took the replica of group %s in %.1f s; "
+                           "the rounds go on over ranks %s, from their average", ", ".join(map(str, survival.joined)),
+                           survival.epoch, survival.members[survival.heal_source()], time.perf_counter() - started,
+                           ", ".join(map(str, survival.survivors())))
+
+    def _heal(self, replica: dist.ProcessGroup, source: int) -> None:
+        """A member's side of a joining group's heal, collective on this rank's new replica group
+        (the joining rank's side is `start()`): the replica group's rank `source` broadcasts its dense
+        weights, then its table shards with their optimizer state a fragment at a time, every
+        partner having checked that all hold the same cycle and started the rotation over. Members
+        snapshot at step boundaries, as a round does (a pending delta is applied first), and keep
+        their own. `SyncError` if this rank is aborting meanwhile (its partners' next round learns
+        why)."""
+        if not self._writeback.snapshot(self._snapshot):
+            raise SyncError("this rank is aborting: it leaves the heal of a joining replica group")
+        dist.broadcast(self._snapshot, group_src=source, group=replica)
+        wait_for_device(self.dense.device)  # the buffer is the next round's: the broadcast must be done
+        if self.tables is None or self._table_writeback is None:
+            return
+        self.tables.check_partners()
+        if not self._table_writeback.snapshot(self.tables.buffer):  # a pending delta lands, at its fragment
+            raise SyncError("this rank is aborting: it leaves the heal of a joining replica group")
+        self.tables.restart_rotation()
+        for _ in self.tables.fragments:
+            if not self._table_writeback.snapshot(self.tables.buffer):
+                raise SyncError("this rank is aborting: it leaves the heal of a joining replica group")
+            dist.broadcast(self.tables.buffer, group_src=source, group=replica)
+            wait_for_device(self.tables.device)
 
     def _check_flags(self, nonfinite: Sequence[int], aborted: Sequence[int], where: str) -> bool:
         """Act on a collective's flags, as every rank does alike: a peer that aborted, or NaN / Inf
@@ -617,7 +697,8 @@ class ShadowSync(DenseSync):
         group = self._group if group is None else group
         if self._parent_group is None or not ranks:
             return tuple(ranks)
-        return tuple(dist.get_global_rank(group, rank) for rank in ranks)
+        members = made_groups.members(group)
+        return tuple(members[rank] for rank in ranks)
 
     def _foreground_round(self) -> None:
         """A synchronous round in the calling training thread; one at a time across Hogwild threads.

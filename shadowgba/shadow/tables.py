@@ -48,6 +48,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from shadowgba.errors import SetupError
 from sync_algos.base import FlaggedAllReduce, Reduced
 
 
@@ -374,16 +375,37 @@ class TableFragments:
         self.group = group
         self.allreduce = FlaggedAllReduce(group, self.buffer)
 
-    def broadcast_(self) -> None:
-        """Collective on the replica group: every partner's rows and optimizer state become the
-        group's first rank's, a fragment at a time (the buffer's memory, not a table's). The
+    def restart_rotation(self) -> None:
+        """Start the cycle over from its first fragment, with no touched-rows cycle under way: where
+        partners that did not share a history (a replica group that rejoined) agree to stand."""
+        self.queue = []
+        self.cursor = -1
+
+    def check_partners(self) -> None:
+        """Collective on the replica group: `SetupError` unless every partner holds the same cycle
+        (fragment count and sizes), as the same plan in every group gives; partners that differ
+        would exchange rows of different tables."""
+        shape = torch.tensor([len(self.fragments), self.numel, self.buffer.numel()], dtype=torch.float64,
+                             device=self.device)
+        both = torch.cat([shape, -shape])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        if not torch.equal(both[:3], -both[3:]):
+            raise SetupError(
+                f"the table shards of this rank's replica group differ (fragments, values, buffer from "
+                f"{(-both[3:]).long().tolist()} to {both[:3].long().tolist()}, this rank {shape.long().tolist()}): "
+                "every replica group must shard the same tables with the same plan")
+
+    def broadcast_(self, source: int = 0) -> None:
+        """Collective on the replica group: every partner's rows and optimizer state become those
+        of the group's rank `source`, a fragment at a time (the buffer's memory, not a table's). The
         runtime's start: replicas that begin apart would be averaged into rows none of them trained
-        with. Leaves the rotation where it was."""
-        src = dist.get_process_group_ranks(self.group)[0]
-        self.start_full_cycle()
+        with; a replica group that rejoins takes a member's. Starts the rotation over
+        (`restart_rotation`), as the members that send do."""
+        self.check_partners()
+        self.restart_rotation()
         for _ in self.fragments:
             self.copy_to(self.buffer)
-            dist.broadcast(self.buffer, src=src, group=self.group)
+            dist.broadcast(self.buffer, group_src=source, group=self.group)
             self.copy_from(self.buffer)
         if self.touched is not None:
             self.touched.refresh()
