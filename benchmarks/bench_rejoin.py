@@ -1,6 +1,6 @@
 """Groups survive: a 2D job run as one torchrun job per replica group, one group lost mid-run.
 
-    python benchmarks/bench_rejoin.py [--seeds 1,2,3] [--steps 1500] [--fault-at 0.3] [--restart-after-s 20] \
+    python benchmarks/bench_rejoin.py [--seeds 1,2,3] [--steps 6000] [--fault-at 0.3] [--restart-after-s 20] \
         [--config examples/configs/ma_2d.yaml] [--dotted.key value ...]
 
 Every job is the harness (`benchmarks/train_dlrm.py`), 2 replica groups of 2 ranks, each group a
@@ -154,7 +154,8 @@ COLUMNS: list[Column] = [
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds, one job of each fault per seed")
-    parser.add_argument("--steps", type=int, default=1500, help="training steps of each group")
+    parser.add_argument("--steps", type=int, default=6000,
+                        help="training steps of each group: enough that group 0 still trains when group 1 rejoins")
     parser.add_argument("--fault-at", type=float, default=0.3, help="share of the steps after which rank 3 fails")
     parser.add_argument("--restart-after-s", type=float, default=20.0, help="how long after the kill group 1 restarts")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {list(FAULTS)}")
