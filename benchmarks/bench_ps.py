@@ -142,12 +142,12 @@ class PS:
         self.api.stop(trainer_timeout_s=600)
 
     def serve_dense_shard(self) -> None:
-        from shadowgba.ps.dense_server import serve_dense_shard
+        from shadowgba.gba.server import serve_dense_shard
 
         serve_dense_shard(*([self.api] if self._object else []))
 
     def dense_client(self, numel: int) -> Any:
-        from shadowgba.ps.dense_server import DenseShardClient
+        from shadowgba.gba.shards import DenseShardClient
 
         return DenseShardClient(numel, self.api if self._object else self.roles.num_servers)
 

@@ -121,7 +121,8 @@ def run_trainer(
         return paused
 
     with sync or contextlib.nullcontext():
-        start_step = checkpoints.resume() if checkpoints is not None else 0  # after start(): its broadcast
+        joined = isinstance(sync, shadowgba.DenseSync) and sync.joined_running_job  # holds the running job's replica
+        start_step = checkpoints.resume(position_only=joined) if checkpoints is not None else 0  # after start()
         batches = data.train_batches(roles.trainer_index, num_trainers,
                                      checkpoints.data_position if checkpoints is not None else 0)
         stats = train(model, optimizer, batches, config.train, stop, config.straggler,
@@ -248,8 +249,11 @@ def _summary(results: dict[str, Any], output: Path) -> str:
         "(training, batches and sync together)"
     )
     if sync and "memory_bytes" in sync:
-        lines.append(f"  sync memory  {sync['memory_bytes'] / 2**20:.2f} MiB held by the sync runtime "
-                     f"({sync['memory_bytes'] / 2**20 / results['dense_mib']:.1f}x the dense parameters)")
+        model_bytes = sync["memory_bytes"] - sync.get("lane_bytes", 0)
+        lines.append(f"  sync memory  {model_bytes / 2**20:.2f} MiB held by the sync runtime "
+                     f"({model_bytes / 2**20 / results['dense_mib']:.1f}x the dense parameters)"
+                     + (f", and {sync['lane_bytes'] / 2**20:.2f} MiB of same-host lanes to the servers "
+                        "(sync.ps.lane_mb per channel and direction)" if sync.get("lane_bytes") else ""))
     if resources["cpu_s_per_sample"] is not None:
         lines.append(f"  CPU          {1e3 * resources['cpu_s_per_sample']:.3f} ms per sample trained (all ranks)")
     lines.append(f"  full record  {output}")
@@ -284,8 +288,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         checkpoints.check(config)
     except ConfigError as error:
         raise SystemExit(f"config error: {error}") from None
-    try:  # torchrun's WORLD_SIZE: refused before any process group exists
-        config.straggler.check(int(os.environ.get("WORLD_SIZE", "1")) - config.sync.ps.num_servers)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's: refused before any process group exists
+    try:
+        config.sync.check_world_size(world_size)
+    except ConfigError as error:
+        raise SystemExit(f"config error: sync.{error}") from None
+    try:
+        config.straggler.check(world_size - config.sync.ps.num_servers)
     except ConfigError as error:
         raise SystemExit(f"config error: straggler.{error}") from None
     torch.set_num_threads(1)

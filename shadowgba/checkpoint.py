@@ -73,6 +73,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -92,7 +93,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
 
-from shadowgba.errors import CheckpointError
+from shadowgba.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger("shadowgba")
 
@@ -161,10 +162,10 @@ class PerTrainer:
         self.key = f"trainer{trainer_index}"
 
     def state_dict(self) -> dict[str, Any]:
-        return {self.key: _to_bytes(self.target.state_dict())}
+        return {self.key: state_to_bytes(self.target.state_dict())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        loaded = _from_bytes(state[self.key], self.key)
+        loaded = state_from_bytes(state[self.key], self.key)
         if "torchrec" in sys.modules:  # a TorchRec optimizer needs its state before it loads one
             from shadowgba.integrations.torchrec import give_lazy_state
 
@@ -200,10 +201,10 @@ class ModelState:
 
     def state_dict(self) -> dict[str, Any]:
         sharded, local = self._split(self.model.state_dict())
-        return {self.sharded_key: sharded, self.key: _to_bytes(local)}
+        return {self.sharded_key: sharded, self.key: state_to_bytes(local)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        local = _from_bytes(state[self.key], self.key)
+        local = state_from_bytes(state[self.key], self.key)
         self.model.load_state_dict({**state[self.sharded_key], **local})
 
     @staticmethod
@@ -232,11 +233,11 @@ class TrainState:
     def state_dict(self) -> dict[str, Any]:
         state = {"step": self.step, "samples": self.samples, "data_position": self.data_position,
                  "extra": self.extra, "rng": _rng_states()}
-        return {f"trainer{self.trainer_index}": _to_bytes(state)}
+        return {f"trainer{self.trainer_index}": state_to_bytes(state)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         key = f"trainer{self.trainer_index}"
-        loaded = _from_bytes(state[key], key)
+        loaded = state_from_bytes(state[key], key)
         self.step, self.samples = loaded["step"], loaded["samples"]
         self.data_position, self.extra = loaded["data_position"], loaded["extra"]
         _set_rng_states(loaded["rng"])
@@ -255,7 +256,7 @@ class Checkpointer:
         timeout_s: float = 300.0,
     ) -> None:
         if keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+            raise ConfigError(f"keep_last must be >= 1, got {keep_last}")
         self.directory = Path(directory)
         self.setup = setup
         self.keep_last = keep_last
@@ -556,16 +557,37 @@ def _is_sharded(value: Any) -> bool:
     return isinstance(value, (ShardedTensor, DTensor))
 
 
-def _to_bytes(value: Any) -> bytes:
+def state_to_bytes(value: Any) -> bytes:
+    """`value` (tensors, numbers, strings, and dicts / lists / tuples / sets of them) as one blob that
+    `state_from_bytes` reads back."""
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
 
 
-def _from_bytes(blob: Any, key: str) -> Any:
+def state_from_bytes(blob: Any, what: str) -> Any:
+    """A `state_to_bytes` blob read back on the CPU, refusing (`CheckpointError` naming `what`) what is
+    not one or holds anything but tensors and plain containers: a checkpoint is data, and loading one
+    never runs code it carries (torch's `weights_only` unpickler refuses every other object)."""
     if not isinstance(blob, (bytes, bytearray)):
-        raise CheckpointError(f"checkpoint entry '{key}' is not a serialized state ({type(blob).__name__})")
-    return torch.load(io.BytesIO(blob), weights_only=False, map_location="cpu")
+        raise CheckpointError(f"checkpoint entry '{what}' is not a serialized state ({type(blob).__name__})")
+    return _load_weights_only(io.BytesIO(blob), what)
+
+
+def load_state_file(path: str | os.PathLike) -> Any:
+    """A file written by `torch.save` of tensors and plain containers, refused as `state_from_bytes`
+    refuses a blob."""
+    with open(path, "rb") as file:
+        return _load_weights_only(file, str(path))
+
+
+def _load_weights_only(file: Any, what: str) -> Any:
+    try:
+        return torch.load(file, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"checkpoint entry '{what}' holds an object other than tensors and plain containers, which "
+            f"shadowgba never saves and will not load (it could run code): {str(error).splitlines()[0]}") from error
 
 
 def _rng_states() -> dict[str, Any]:
@@ -575,7 +597,9 @@ def _rng_states() -> dict[str, Any]:
     try:
         import numpy
 
-        states["numpy"] = numpy.random.get_state()
+        name, keys, position, has_gauss, cached_gaussian = numpy.random.get_state()
+        states["numpy"] = {"name": name, "keys": torch.from_numpy(keys.copy()), "position": position,
+                           "has_gauss": has_gauss, "cached_gaussian": cached_gaussian}
     except ImportError:
         pass
     return states
@@ -589,7 +613,9 @@ def _set_rng_states(states: Mapping[str, Any]) -> None:
     if "numpy" in states:
         import numpy
 
-        numpy.random.set_state(states["numpy"])
+        state = states["numpy"]
+        numpy.random.set_state((state["name"], state["keys"].numpy(), state["position"], state["has_gauss"],
+                                state["cached_gaussian"]))
 
 
 def _size_and_crc(file: Path) -> tuple[int, int]:

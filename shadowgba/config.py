@@ -18,7 +18,7 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence, TypeVar
+from typing import Any, ClassVar, Literal, Mapping, Sequence, TypeVar
 
 import yaml
 
@@ -155,11 +155,35 @@ class SyncConfig:
     """2D jobs launched as one torchrun job per replica group, meeting at a store that outlives
     them: a lost group's agent restarts it alone, and it rejoins the others, taking a partner's
     replica (`shadowgba.shadow.survival`). Needs `on_group_lost: continue`."""
+    registered: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Options of the algorithms registered outside this package (`sync_algos.register` in the user's
+    own script), by name: each is read from the section of its name, `sync.<name>` in the YAML and
+    `--sync.<name>.<key>` on the command line, into the algorithm's own `Config`, as the built-in
+    ones are into the fields above (`open_sections`). Not a key of its own in a config file."""
+
+    OPEN_SECTIONS: ClassVar[str] = "registered"
+    """The field into which `from_dict` reads the sections `open_sections` names."""
+
+    @classmethod
+    def open_sections(cls) -> dict[str, type]:
+        """Sections beyond the fields: each registered algorithm without a field of its own, and its
+        `Config` (read when the config is, so registering must come first)."""
+        fields = {field.name for field in dataclasses.fields(cls)}
+        return {name: sync_algos.get_algorithm(name).Config for name in sync_algos.algorithm_names()
+                if name not in fields and name not in SECTION_OF}
 
     def __post_init__(self) -> None:
         allowed = sync_algos.algorithm_names()
         if self.algo not in allowed:
-            raise ConfigError(f"algo: unknown algorithm '{self.algo}'; allowed: {allowed}")
+            raise ConfigError(f"algo: unknown algorithm '{self.algo}'; allowed: {allowed} (an algorithm of your "
+                              "own: register it with sync_algos.register before the config is read)")
+        if self.section in self.open_sections():
+            kind = sync_algos.get_algorithm(self.algo).kind
+            if kind != "model":
+                raise ConfigError(f"algo: '{self.algo}' is a {kind} algorithm; an algorithm registered outside "
+                                  "shadowgba must be a model algorithm (a SyncAlgorithm whose round maps a "
+                                  "snapshot to a target), which the shadow runtime runs")
+            self.registered.setdefault(self.section, self.open_sections()[self.section]())
         if self.interval_ms < 0:
             raise ConfigError(f"interval_ms must be >= 0, got {self.interval_ms}")
         if self.interval_steps < 0:
@@ -189,12 +213,14 @@ class SyncConfig:
             )
         if self.sharding_group_size < 0:
             raise ConfigError(f"sharding_group_size must be >= 0 (0: the flat layout), got {self.sharding_group_size}")
-        if self.sharding_group_size and (self.algo in PS_ALGOS or self.ps.num_servers):
-            raise ConfigError(
-                f"sharding_group_size: the 2D layout keeps table replicas in sync with ma, easgd or bmuf on the "
-                f"trainers alone, not with sync.algo '{self.algo}' or parameter servers (ps.num_servers "
-                f"{self.ps.num_servers}); set sharding_group_size: 0 for those"
-            )
+        if self.sharding_group_size and self.algo in PS_ALGOS:
+            raise ConfigError(f"sharding_group_size: the 2D layout keeps table replicas in sync with ma, easgd or bmuf "
+                              f"on the trainers alone, not with sync.algo '{self.algo}' (parameter servers); set "
+                              "sharding_group_size: 0 for it")
+        if self.sharding_group_size and self.ps.num_servers:
+            raise ConfigError(f"ps.num_servers: the 2D layout (sharding_group_size {self.sharding_group_size}) runs on "
+                              f"the trainers alone, with no parameter servers; got ps.num_servers "
+                              f"{self.ps.num_servers} (set it to 0)")
         if self.compress not in ("none", "bf16", "int8"):
             raise ConfigError(f"compress must be 'none', 'bf16' or 'int8', got {self.compress!r}")
         if self.compress != "none" and self.algo in PS_ALGOS:
@@ -222,16 +248,42 @@ class SyncConfig:
                 "(servers host GBA's dense shards or the S-EASGD centre; for this algorithm they would idle)"
             )
 
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse (`ConfigError`) what cannot run on a job of `world_size` ranks (torchrun's
+        WORLD_SIZE), before any process group exists: servers that leave no trainer, replica groups
+        that do not divide the trainers, a torchrun job per replica group of another size. The
+        elastic layout (`ps.num_trainers`) starts every process on its own: nothing to check."""
+        if self.ps.num_trainers:
+            return
+        group = self.sharding_group_size
+        if self.replica_jobs.store is not None:
+            if world_size != group:
+                raise ConfigError(f"replica_jobs: each torchrun job is one replica group of sharding_group_size "
+                                  f"({group}) ranks, but this one has {world_size}: launch every group with {group} "
+                                  "ranks in all")
+            return
+        trainers = world_size - self.ps.num_servers
+        if trainers < 1:
+            raise ConfigError(f"ps.num_servers: {self.ps.num_servers} servers leave no trainer among the job's "
+                              f"{world_size} ranks")
+        if group and trainers % group:
+            raise ConfigError(f"sharding_group_size: {group} does not divide the job's {trainers} trainers into equal "
+                              "replica groups")
+
     @property
     def section(self) -> str:
         """The name of the section holding the chosen algorithm's options."""
-        return "easgd" if self.algo == "easgd_ps" else self.algo
+        return SECTION_OF.get(self.algo, self.algo)
 
     def algorithm_config(self) -> Any:
         """The chosen algorithm's options (its typed section)."""
+        if self.section in self.registered:
+            return self.registered[self.section]
         return getattr(self, self.section)
 
 
+SECTION_OF = {"easgd_ps": "easgd"}
+"""Built-in algorithms whose options live in another algorithm's section."""
 PS_ALGOS = frozenset({"gba", "easgd_ps"})
 """The algorithms that run beside parameter-server ranks (their trainers never meet all ranks)."""
 
@@ -299,8 +351,26 @@ def parse_overrides(args: Sequence[str]) -> dict[str, Any]:
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-    """A plain mapping of a config tree, for logs and result files."""
-    return dataclasses.asdict(config)
+    """A plain mapping of a config tree, for logs and result files, shaped as a config file is (the
+    registered algorithms' sections beside the built-in ones): `from_dict` reads it back."""
+    data: dict[str, Any] = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.name == getattr(config, "OPEN_SECTIONS", None):
+            data.update({name: to_dict(section) for name, section in value.items()})
+        else:
+            data[field.name] = _plain(value)
+    return data
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return to_dict(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -317,12 +387,18 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
 def _build(schema: type[T], data: Any, prefix: str) -> T:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
-    fields = {field.name: field for field in dataclasses.fields(schema)}
-    unknown = sorted(set(data) - set(fields))
+    open_field = getattr(schema, "OPEN_SECTIONS", None)  # SyncConfig: registered algorithms' sections
+    sections: dict[str, type] = schema.open_sections() if open_field else {}  # type: ignore[attr-defined]
+    fields = {field.name: field for field in dataclasses.fields(schema) if field.name != open_field}
+    unknown = sorted(set(data) - set(fields) - set(sections))
     if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown key; allowed keys: {sorted(fields)}")
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key; allowed keys: {sorted([*fields, *sections])}")
     hints = typing.get_type_hints(schema)
-    values = {name: _coerce(hints[name], data[name], f"{prefix}{name}") for name in data}
+    values: dict[str, Any] = {name: _coerce(hints[name], data[name], f"{prefix}{name}") for name in data
+                              if name in fields}
+    if sections:
+        values[open_field] = {name: _build(sections[name], data[name], f"{prefix}{name}.") for name in data
+                              if name in sections}
     try:
         return schema(**values)
     except (ConfigError, ValueError) as error:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shadowgba.errors import SetupError
 from sync_algos.base import FlaggedAllReduce, Reduced
 
 
@@ -27,12 +28,12 @@ class DenseParams:
 
     def __init__(self, named: Sequence[tuple[str, nn.Parameter]]) -> None:
         if not named:
-            raise ValueError("no dense parameters to synchronize (are all parameters sharded or frozen?)")
+            raise SetupError("no dense parameters to synchronize (are all parameters sharded or frozen?)")
         self.names = [name for name, _ in named]
         self.params = [param for _, param in named]
         kinds = {(p.dtype, p.device) for p in self.params}
         if len(kinds) > 1:
-            raise ValueError(
+            raise SetupError(
                 f"dense parameters must share one dtype and device to be synchronized as one buffer, "
                 f"found {sorted(str(k) for k in kinds)}"
             )

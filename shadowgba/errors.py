@@ -5,6 +5,8 @@
     ├── SetupError (ValueError)     a job that cannot be wired up (a DMP over the server ranks, an
     │                               optimizer the algorithm cannot mirror ...); names the fix
     ├── CheckpointError (ValueError) a state that does not fit this job; nothing was changed
+    ├── BatchError (ValueError)     a training batch the tables cannot take (lengths, ids, features);
+    │                               names the trainer, the feature and what is wrong
     └── SyncError                   a round, push or collective failed while running; the cause is
         └── PeerLost                chained (`__cause__`) and the local weights are intact
             │                       a peer rank stopped answering; names the rank
@@ -32,6 +34,10 @@ class SetupError(ShadowGBAError, ValueError):
 
 class CheckpointError(ShadowGBAError, ValueError):
     """A state that does not fit this job (another algorithm, layout or world size); nothing changed."""
+
+
+class BatchError(ShadowGBAError, ValueError):
+    """A batch refused by the trainer that got it, before TorchRec sees it; the message names the key."""
 
 
 class SyncError(ShadowGBAError):

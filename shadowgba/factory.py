@@ -34,6 +34,7 @@ import datetime
 import functools
 import itertools
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -53,7 +54,8 @@ from shadowgba.interface import DenseSync
 from shadowgba.layout import ReplicaLayout
 from shadowgba.network import init_process_group
 from shadowgba.nonfinite import NonFiniteGuard
-from shadowgba.ps.dense_server import DENSE_SERVICE, DenseShard
+from shadowgba.gba.server import DenseShard
+from shadowgba.gba.shards import DENSE_SERVICE
 from shadowgba.ps.membership import NOTICE_TIMEOUT_S, Heartbeat, NoticeBoard
 from shadowgba.ps.transport import NO_TRAINER_GROUP, Roles, Transport, failure_message
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
@@ -315,6 +317,8 @@ def join(
     """
     if not isinstance(config, SyncConfig):
         config = load_config(SyncConfig, config, section="sync")
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    config.check_world_size(world_size)  # before this rank makes any process group
     if tables is not None and (table_options is None or not config.ps.num_servers):
         raise SetupError("PS-hosted tables need table_options (see ps_table_options) and sync.ps.num_servers >= 1")
     if config.replica_jobs.store is not None:
@@ -366,11 +370,7 @@ def _join_replica_job(config: SyncConfig, backend: str | None) -> Job:
     torchrec_integration = optional.torchrec_integration("sync.replica_jobs (the 2D layout)")
     if not dist.is_initialized():
         init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
-    local_rank, size = dist.get_rank(), dist.get_world_size()
-    if size != config.sharding_group_size:
-        raise SetupError(f"sync.replica_jobs: each torchrun job is one replica group of sync.sharding_group_size "
-                         f"({config.sharding_group_size}) ranks, but this one has {size}: launch every group with "
-                         f"{config.sharding_group_size} ranks in all")
+    local_rank, size = dist.get_rank(), dist.get_world_size()  # size: sharding_group_size (`check_world_size`)
     rank = jobs.group * size + local_rank
     roles = Roles.assign(rank, jobs.num_groups * size, num_servers=0)
     local = dist.new_group(timeout=datetime.timedelta(seconds=config.timeout_s))  # TorchRec's: this group's ranks

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shadowgba.errors import CheckpointError, ConfigError, SetupError
 
 
 @dataclasses.dataclass
@@ -40,9 +41,9 @@ class LRSchedule:
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0 or self.decay_every < 0:
-            raise ValueError("warmup_steps and decay_every must be >= 0")
+            raise ConfigError("warmup_steps and decay_every must be >= 0")
         if not 0.0 < self.decay_gamma <= 1.0:
-            raise ValueError(f"decay_gamma must be in (0, 1], got {self.decay_gamma}")
+            raise ConfigError(f"decay_gamma must be in (0, 1], got {self.decay_gamma}")
 
     def factor(self, global_step: int) -> float:
         """Multiplier of the base learning rate at global step k."""
@@ -72,9 +73,9 @@ class OptimizerSpec:
         """The spec of a user's optimizer: same type, same hyperparameters."""
         name = type(optimizer).__name__
         if name not in SUPPORTED:
-            raise ValueError(f"optimizer {name} is not supported for sync/GBA modes; supported: {sorted(SUPPORTED)}")
+            raise SetupError(f"optimizer {name} is not supported for sync/GBA modes; supported: {sorted(SUPPORTED)}")
         if len(optimizer.param_groups) != 1:
-            raise ValueError("sync/GBA modes need a dense optimizer with exactly one param group")
+            raise SetupError("sync/GBA modes need a dense optimizer with exactly one param group")
         group = optimizer.param_groups[0]
         accepted = inspect.signature(SUPPORTED[name]).parameters  # defaults may hold more (AdamW)
         defaults = {key: group[key] for key in optimizer.defaults if key in group and key in accepted and key != "params"}
@@ -114,7 +115,7 @@ class FlatOptimizer:
         """Take over `export()` output (possibly sliced or concatenated); refuses a size mismatch."""
         param = exported["param"]
         if param.shape != self.param.shape or param.dtype != self.param.dtype:
-            raise ValueError(
+            raise CheckpointError(
                 f"optimizer state for {tuple(param.shape)} {param.dtype} cannot load into "
                 f"{tuple(self.param.shape)} {self.param.dtype}"
             )

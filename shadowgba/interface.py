@@ -55,6 +55,12 @@ class DenseSync(abc.ABC):
     """Counters of this trainer's rounds / pushes, latency, bytes and training-thread cost
     (`metrics.summary()` is a flat dict)."""
 
+    joined_running_job: bool = False
+    """True once `start()` let this trainer into a job whose other trainers were already training and
+    gave it their current replica (a lost 2D replica group rejoining, `sync.replica_jobs`). A
+    checkpoint this trainer saved before is older than that replica: resume only its position from
+    it (step, data position, RNG streams), not its weights or optimizer state."""
+
     reporter: MetricsReporter | None = None
     """Where `metrics` go at an interval and at the end (`shadowgba.reporting`: the log, TensorBoard);
     `shadowgba.dense_sync` sets it. The runtime calls `_report_step()` at every step boundary and

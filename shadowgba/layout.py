@@ -28,7 +28,6 @@ import datetime
 
 import torch.distributed as dist
 
-from shadowgba.errors import SetupError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +51,7 @@ class ReplicaLayout:
     @classmethod
     def build(cls, trainer_ranks: tuple[int, ...], rank: int, group_size: int, timeout_s: float) -> "ReplicaLayout":
         """Collective over `trainer_ranks`: create every sharding and replica group, return this rank's."""
-        trainers = len(trainer_ranks)
-        if group_size < 1 or trainers % group_size:
-            raise SetupError(f"sync.sharding_group_size {group_size} must divide the {trainers} trainers into "
-                             "equal replica groups")
+        trainers = len(trainer_ranks)  # a multiple of group_size (`SyncConfig.check_world_size`)
         timeout = datetime.timedelta(seconds=timeout_s)
         num_groups = trainers // group_size
         index = trainer_ranks.index(rank)

@@ -23,6 +23,10 @@ TableCounters = Callable[[], Mapping[str, float]]
 """A 2D runtime's account of its table replicas: cycles done and the fragments' age in steps."""
 
 
+LANE_PREFIX = "lane_"
+"""How `memory()` names the shared memory of the transport's same-host lanes (`Transport.lane_buffers`)."""
+
+
 def held_bytes(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """The bytes behind each named tensor; a storage named twice (views of one buffer) counts once,
     under its first name."""
@@ -133,8 +137,10 @@ class SyncMetrics:
 
     def summary(self) -> dict[str, float]:
         """A consistent snapshot of every counter plus derived rates, and `memory_bytes`, the sum of
-        `memory()`."""
-        memory_bytes = sum(self.memory().values())
+        `memory()`, of which `lane_bytes` is the transport's same-host shared-memory lanes (sized by
+        `sync.ps.lane_mb` per channel and direction, not by the model)."""
+        memory = self.memory()
+        memory_bytes = sum(memory.values())
         tables = dict(self._tables()) if self._tables is not None else None
         with self._lock:
             elapsed = max(time.monotonic() - self._started, 1e-9)
@@ -158,6 +164,7 @@ class SyncMetrics:
                 "replica_groups_joined": self.replica_groups_joined,
                 "nonfinite_steps_skipped": self._guard.skipped_steps if self._guard is not None else 0,
                 "memory_bytes": memory_bytes,
+                "lane_bytes": sum(size for name, size in memory.items() if name.startswith(LANE_PREFIX)),
                 "elapsed_s": elapsed,
             }
 

@@ -35,7 +35,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from shadowgba.errors import SyncError
+from shadowgba.errors import ConfigError, SyncError
 from sync_algos.base import is_finite
 
 logger = logging.getLogger("shadowgba")
@@ -48,9 +48,9 @@ class NonFiniteGuard:
         """`name` says which trainer this is in every message ("trainer 1 (rank 1)"); `on_nonfinite`
         and `max_skipped_steps` are `sync.on_nonfinite` and `sync.max_skipped_steps`."""
         if on_nonfinite not in ("skip", "fail"):
-            raise ValueError(f"on_nonfinite must be 'skip' or 'fail', got {on_nonfinite!r}")
+            raise ConfigError(f"on_nonfinite must be 'skip' or 'fail', got {on_nonfinite!r}")
         if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1:
-            raise ValueError(f"max_skipped_steps must be an integer >= 1, got {max_skipped_steps!r}")
+            raise ConfigError(f"max_skipped_steps must be an integer >= 1, got {max_skipped_steps!r}")
         self.name = name
         self.on_nonfinite = on_nonfinite
         self.max_skipped_steps = max_skipped_steps

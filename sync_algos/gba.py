@@ -1,7 +1,7 @@
 """GBA, global-batch gradient aggregation (Su et al., NeurIPS 2022): configuration and server rule.
 
 GBA aggregates *gradients*, not models, so it does not fit the snapshot -> target interface of
-`SyncAlgorithm`; its trainer runtime is `shadowgba.gba.GBASync` and its servers the dense shards
+`SyncAlgorithm`; its trainer runtime is `shadowgba.gba.runtime.GBASync` and its servers the dense shards
 and embedding shards of `shadowgba.ps`. The rule they all run lives here, once, free of any
 transport (`GlobalBatchRule`; `GlobalBatchAggregator` adds the buffer of a flat dense slice, the
 embedding shards a sparse buffer of rows):
@@ -201,7 +201,7 @@ class GlobalBatchAggregator:
 
 @register
 class GlobalBatchAggregation:
-    """Registry entry: `sync.algo: gba` selects GBA; its trainer runtime is `shadowgba.gba.GBASync`."""
+    """Registry entry: `sync.algo: gba` selects GBA; its trainer runtime is `shadowgba.gba.runtime.GBASync`."""
 
     name = "gba"
     kind: ClassVar[str] = "gradient"

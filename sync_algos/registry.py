@@ -59,7 +59,7 @@ def build_algorithm(
     cls = get_algorithm(name)
     if cls.kind != "model":
         raise ValueError(f"'{name}' is a {cls.kind} algorithm: no round to build; its rule runs on the parameter "
-                         "servers and its trainer runtime is shadowgba.gba.GBASync, not ShadowSync")
+                         "servers and its trainer runtime is shadowgba.gba.runtime.GBASync, not ShadowSync")
     config = cls.Config(**options) if isinstance(options, Mapping) else options
     if not isinstance(config, cls.Config):
         raise TypeError(f"options for '{name}' must be a mapping or {cls.Config.__name__}, got {type(options).__name__}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 
 @dataclasses.dataclass
@@ -89,6 +89,15 @@ class StalenessCounts:
         """Count one push the decay weighted by `weight`, its staleness unknown here (not in the histogram)."""
         self.dropped += weight == 0.0
         self.decayed += 0.0 < weight < 1.0
+
+    def state_dict(self) -> dict[str, object]:
+        """The counts as plain data (a checkpoint's part; `load_state_dict` takes it back)."""
+        return {"histogram": dict(self._histogram), "decayed": self.decayed, "dropped": self.dropped}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace the counts with a `state_dict()`'s."""
+        self._histogram = collections.Counter(state["histogram"])
+        self.decayed, self.dropped = state["decayed"], state["dropped"]
 
     def summary(self) -> dict[str, object]:
         """decayed, dropped and staleness_histogram (string keys "0".."15", "16+")."""

@@ -72,13 +72,13 @@ def _trainer_entries(path: Path, world_size: int) -> dict[str, Any]:
     """Every trainer's own blobs of one checkpoint (replica, optimizers, runtime), read with DCP alone."""
     import torch.distributed.checkpoint as dcp
 
-    from shadowgba.checkpoint import _from_bytes
+    from shadowgba.checkpoint import state_from_bytes
 
     template = {
         part: {f"trainer{rank}": b"" for rank in range(world_size)} for part in ("model", "dense_optimizer", "sync")
     }
     dcp.load(template, checkpoint_id=str(path), no_dist=True)
-    return {part: {key: _from_bytes(blob, key) for key, blob in blobs.items()} for part, blobs in template.items()}
+    return {part: {key: state_from_bytes(blob, key) for key, blob in blobs.items()} for part, blobs in template.items()}
 
 
 def _max_abs_diff(first: Any, second: Any) -> float:
@@ -405,12 +405,14 @@ def _plain(value: Any) -> Any:
     as their fields: what this trainer holds, comparable with `_max_abs_diff`."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+    from shadowgba.checkpoint import state_from_bytes
+
     if isinstance(value, ShardedTensor):
         return [shard.tensor.detach().clone() for shard in value.local_shards()]
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, (bytes, bytearray)):
-        return _plain(torch.load(io.BytesIO(value), weights_only=False))
+        return _plain(state_from_bytes(value, "a serialized state"))
     if isinstance(value, dict):
         return {key: _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -694,6 +696,62 @@ def test_a_keyed_optimizer_that_has_not_stepped_loads_a_saved_state_without_a_st
     for key in want:
         for field in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(got[key][field], want[key][field]), (key, field)
+
+
+class _RunsCode:
+    """What a crafted checkpoint could carry: an object whose unpickling calls a function (here
+    `os.mkdir(marker)`, harmless and visible)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.mkdir, (str(self.marker),)
+
+
+def test_a_crafted_checkpoint_entry_is_refused_without_running_its_code_and_plain_state_round_trips(
+        tmp_path: Path) -> None:
+    """Every serialized state the library loads (a trainer's blobs, a PS shard's state, a server's
+    checkpoint file) goes through torch's weights_only unpickler: an entry carrying code is refused
+    with a `CheckpointError` naming it, and the code never runs; what the library saves (RNG streams
+    with numpy's, counters, configs as plain data) loads back."""
+    import random
+
+    import numpy
+
+    from shadowgba.checkpoint import TrainState, state_from_bytes, state_to_bytes
+    from shadowgba.errors import CheckpointError
+    from shadowgba.ps.server_state import ServerCheckpoints
+
+    marker = tmp_path / "ran"
+    crafted = state_to_bytes({"step": 7, "payload": _RunsCode(marker)})
+    torch.load(io.BytesIO(crafted), weights_only=False)  # the payload is live: an unrestricted load runs it
+    assert marker.is_dir()
+    marker.rmdir()
+
+    with pytest.raises(CheckpointError, match="checkpoint entry 'trainer0' holds an object other than tensors"):
+        state_from_bytes(crafted, "trainer0")
+    train = TrainState(trainer_index=0, step=3)
+    with pytest.raises(CheckpointError, match="'trainer0'"):
+        train.load_state_dict({"trainer0": crafted})
+    assert train.step == 3
+
+    servers = ServerCheckpoints(tmp_path / "servers", server_index=0)
+    servers.save(10, {"dense": {"configure": {"spec": {"name": "Adam"}}, "exported": torch.ones(3)}})
+    servers.path_of(20).write_bytes(crafted)  # newer, crafted: skipped, the one before loads
+    step, state = servers.latest()
+    assert step == 10 and torch.equal(state["dense"]["exported"], torch.ones(3))
+    assert not marker.exists()
+
+    torch.manual_seed(5), random.seed(5), numpy.random.seed(5)
+    saved = TrainState(trainer_index=0, step=4, samples=128, data_position=2, extra={"note": [1, 2.5]}).state_dict()
+    want = (torch.rand(2), random.random(), numpy.random.rand(2))
+    torch.manual_seed(6), random.seed(6), numpy.random.seed(6)
+    loaded = TrainState(trainer_index=0)
+    loaded.load_state_dict(saved)
+    got = (torch.rand(2), random.random(), numpy.random.rand(2))
+    assert (loaded.step, loaded.samples, loaded.data_position, loaded.extra) == (4, 128, 2, {"note": [1, 2.5]})
+    assert torch.equal(got[0], want[0]) and got[1] == want[1] and numpy.array_equal(got[2], want[2])
 
 
 def test_a_centre_slice_loads_a_checkpoints_values_and_refuses_another_slice_shape_dtype_or_nan() -> None:

@@ -12,6 +12,9 @@ from shadowgba.gba.config import GBAConfig
 from sync_algos.bmuf import BMUFConfig
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 @dataclasses.dataclass
 class Job:
     """A job config nesting SyncConfig, as applications do."""
@@ -70,6 +73,9 @@ def test_several_servers_may_restart_under_s_easgd(tmp_path: Path) -> None:
         ("sync: {algo: easgd_ps}", [], r"sync\.ps\.num_servers: sync\.algo easgd_ps keeps the EASGD centre on the servers"),
         ("sync: {algo: gba}", [], r"sync\.ps\.num_servers: sync\.gba\.initial_mode gba needs at least one parameter server"),
         ("sync: {ps: {num_servers: 1}}", [], r"sync\.ps\.num_servers: parameter servers need sync\.algo gba or easgd_ps, not 'ma'"),
+        ("sync: {sharding_group_size: 2, ps: {num_servers: 1}}", [],
+         r"sync\.ps\.num_servers: the 2D layout \(sharding_group_size 2\) runs on the trainers alone, with no "
+         r"parameter servers; got ps\.num_servers 1 \(set it to 0\)"),
         ("sync: {algo: gba, ps: {num_servers: 1}, timeout_s: 30}", [],
          r"sync\.timeout_s: with parameter servers need ps\.rpc_timeout_s \(60\) <= timeout_s \(30\) <= ps\.trainer_timeout_s \(300\)"),
         ("sync: {algo: gba, ps: {num_servers: 2, num_trainers: 2, checkpoint_dir: ckpt, server_restart_s: 30}}", [],
@@ -118,3 +124,66 @@ def test_the_lane_size_is_read_from_the_ps_section_and_must_be_positive(tmp_path
     assert load_config(SyncConfig, path, section="sync").ps.lane_mb == 128.0
     with pytest.raises((ConfigError, ValueError), match="lane_mb must be > 0, got 0"):
         load_config(SyncConfig, path, ["--sync.ps.lane_mb", "0"], section="sync")
+
+
+def test_the_job_size_is_refused_before_any_process_group_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SyncConfig.check_world_size` on torchrun's WORLD_SIZE; the harness says it in one line and
+    exits before it makes a process group."""
+    import torch.distributed as dist
+    from train_dlrm import main
+
+    two_d = SyncConfig(sharding_group_size=2)
+    two_d.check_world_size(4)
+    with pytest.raises(ConfigError, match="sharding_group_size: 2 does not divide the job's 3 trainers"):
+        two_d.check_world_size(3)
+    with pytest.raises(ConfigError, match="ps.num_servers: 2 servers leave no trainer among the job's 2 ranks"):
+        load_config(SyncConfig, None, ["--algo", "easgd_ps", "--ps.num_servers", "2"]).check_world_size(2)
+    jobs = load_config(SyncConfig, None, ["--sharding_group_size", "2", "--on_group_lost", "continue",
+                                          "--replica_jobs.store", "localhost:29700", "--replica_jobs.num_groups", "2",
+                                          "--replica_jobs.group", "0"])
+    with pytest.raises(ConfigError, match=r"replica_jobs: each torchrun job is one replica group of "
+                                          r"sharding_group_size \(2\) ranks, but this one has 4"):
+        jobs.check_world_size(4)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit, match="^config error: sync.sharding_group_size: 2 does not divide the job's 3 "
+                                         "trainers into equal replica groups$"):
+        main(["--config", str(ROOT / "examples/configs/ma_2d.yaml")])
+    assert not dist.is_initialized()
+
+
+@dataclasses.dataclass
+class HalfConfig:
+    fraction: float = 0.5
+    """A share in (0, 1]."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+
+
+def test_an_algorithm_registered_outside_the_package_reads_its_own_section(monkeypatch: pytest.MonkeyPatch,
+                                                                           tmp_path: Path) -> None:
+    """`sync.<name>` of an algorithm registered in a user's script is read, checked, overridden on the
+    command line and written back like a built-in one's; only model algorithms may be registered so."""
+    import sync_algos.registry
+    from shadowgba.config import from_dict, to_dict
+    from sync_algos.ma import ModelAveraging
+
+    half = type("HalfAveraging", (ModelAveraging,), {"name": "half_ma", "Config": HalfConfig})
+    monkeypatch.setitem(sync_algos.registry._ALGORITHMS, "half_ma", half)  # registered for this test only
+    job = load_config(Job, write(tmp_path, "sync: {algo: half_ma, half_ma: {fraction: 0.25}}"),
+                      ["--sync.half_ma.fraction", "0.75"])
+    assert job.sync.algorithm_config() == HalfConfig(0.75)
+    assert to_dict(job.sync)["half_ma"] == {"fraction": 0.75} and "registered" not in to_dict(job.sync)
+    assert from_dict(SyncConfig, to_dict(job.sync)) == job.sync
+    assert load_config(Job, write(tmp_path, "sync: {algo: half_ma}")).sync.algorithm_config() == HalfConfig()
+    with pytest.raises(ConfigError, match=r"sync\.half_ma\.fraction must be in \(0, 1\], got 2\.0"):
+        load_config(Job, write(tmp_path, "sync: {algo: half_ma, half_ma: {fraction: 2}}"))
+    with pytest.raises(ConfigError, match=r"sync\.half_ma\.share: unknown key; allowed keys: \['fraction'\]"):
+        load_config(Job, write(tmp_path, "sync: {algo: half_ma, half_ma: {share: 2}}"))
+    with pytest.raises(ConfigError, match=r"sync\.registered: unknown key"):
+        load_config(Job, write(tmp_path, "sync: {registered: {}}"))
+    pushing = type("Pushing", (ModelAveraging,), {"name": "pushing", "Config": HalfConfig, "kind": "gradient"})
+    monkeypatch.setitem(sync_algos.registry._ALGORITHMS, "pushing", pushing)
+    with pytest.raises(ConfigError, match="'pushing' is a gradient algorithm; an algorithm registered outside"):
+        load_config(Job, write(tmp_path, "sync: {algo: pushing}"))

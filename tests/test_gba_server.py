@@ -9,12 +9,15 @@ import time
 import pytest
 import torch
 
+from shadowgba.errors import SyncError
+
 from shadowgba.flat_optimizer import (SHARD_ALIGN, FlatOptimizer, LRSchedule, OptimizerSpec, concat_exports, shard_bounds,
                                       slice_export)
 from shadowgba.config import from_dict
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
-from shadowgba.ps.dense_server import WATCHERS, DenseShard, DenseShardClient, PushRequest
+from shadowgba.gba.server import WATCHERS, DenseShard
+from shadowgba.gba.shards import DenseShardClient, PushRequest
 from shadowgba.ps.membership import Roster
 from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
 from shadowgba.ps.transport import Roles
@@ -168,7 +171,8 @@ def test_malformed_pushes_are_refused_and_leave_the_shard_untouched(args: tuple,
     shard = configured_shard()
     shard.push(PushRequest(1, 0, 4, torch.ones(4), 0, 1, 0.0))  # half a global batch buffered
     before = shard.stats()
-    with pytest.raises(ValueError, match=message):
+    refusal = SyncError if "NaN or inf" in message else ValueError  # under `fail`: the job's failure, as on trainers
+    with pytest.raises(refusal, match=message):
         shard.push(PushRequest(*args))
     after = shard.stats()
     assert after["buffered_samples"] == before["buffered_samples"] == 1
@@ -419,15 +423,15 @@ def test_non_finite_pushes_are_dropped_and_counted_under_skip_and_end_the_job_un
     assert (stats["nonfinite_dropped"], stats["buffered_samples"], stats["global_step"]) == (2, 1, 0)
     torch.testing.assert_close(leader.pull().params, torch.zeros(2))
     failing, _ = sharded(on_nonfinite="fail")
-    with pytest.raises(ValueError, match="trainer 1's gradient has NaN or inf values .*on_nonfinite: fail"):
+    with pytest.raises(SyncError, match="trainer 1's gradient has NaN or inf values .*on_nonfinite: fail"):
         failing.push(PushRequest(1, 0, 2, nan, 0, 1, 0.0))
-    with pytest.raises(ValueError, match="the job failed: trainer 1's gradient"):
+    with pytest.raises(SyncError, match="the job failed: trainer 1's gradient"):
         failing.push(PushRequest(0, 0, 2, torch.ones(2), 0, 1, 0.0))  # any trainer's later push
     failing.configure(0, 2, 2, *sharded_args())  # a new GBA phase starts clean
     failing.push(PushRequest(0, 0, 2, torch.ones(2), 0, 1, 0.0))
     reported, _ = sharded(on_nonfinite="fail")
     reported.fail("trainer 0 (rank 0): non-finite gradient")
-    with pytest.raises(ValueError, match=r"the job failed: trainer 0 \(rank 0\)"):
+    with pytest.raises(SyncError, match=r"the job failed: trainer 0 \(rank 0\)"):
         reported.push(PushRequest(1, 0, 2, torch.ones(2), 0, 1, 0.0))
 
 

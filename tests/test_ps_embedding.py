@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+
+from shadowgba.errors import SyncError
 import torch.distributed as dist
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -269,10 +271,10 @@ def test_non_finite_row_pushes_are_dropped_and_counted_under_skip_and_end_the_jo
     stats = skipping.stats()
     assert (stats["pushes"], stats["nonfinite_dropped"], stats["pending_samples"], stats["updates"]) == (2, 2, 0, 0)
     failing = shard(PSEmbeddingConfig(on_nonfinite="fail"))
-    with pytest.raises(ValueError, match=r"push refused: trainer 1's row gradients have NaN or inf values "
+    with pytest.raises(SyncError, match=r"push refused: trainer 1's row gradients have NaN or inf values "
                                          r"\(sync.on_nonfinite: fail\)"):
         failing.push(inf_rows, 1, None, 1)
-    with pytest.raises(ValueError, match="push refused: the job failed: trainer 1's row gradients"):
+    with pytest.raises(SyncError, match="push refused: the job failed: trainer 1's row gradients"):
         failing.push({"t": (torch.tensor([2]), torch.ones(1, 2))}, 1, None, 0)
     assert failing.stats()["failure"] == "trainer 1's row gradients have NaN or inf values (sync.on_nonfinite: fail)"
     with pytest.raises(ValueError, match="load refused: table 't': rows contain NaN or infinity"):

@@ -7,7 +7,7 @@ the replica store (`python -m shadowgba.replica_store`), two torchrun jobs of th
 groups of 2 ranks), a rank of group 1 SIGKILLed at a step; group 1's agent restarts that group
 alone, its new processes ask to join, group 0 lets them in after a round and hands them its replica,
 and the job ends with identical replicas across the groups, written by group 0, which never
-restarted.
+restarted; the restarted group resumes its data position from its own checkpoint.
 """
 
 from __future__ import annotations
@@ -91,8 +91,12 @@ def test_a_group_restarted_by_its_own_agent_rejoins_and_the_replicas_end_identic
     arguments = ["--config", "examples/configs/ma_2d.yaml", *SMALL, "--data.synthetic.eval_batches", "4", "--sync.timeout_s", "20",
                  "--sync.on_group_lost", "continue", "--sync.max_round_share", "1"]
     # group 0 trains for 30 s, long enough for group 1's agent to restart it (Python, torch and
-    # TorchRec imported again, the model built); group 1 trains 60 steps each time
-    lengths = [["--train.duration_s", "30"], ["--train.steps", "60"]]
+    # TorchRec imported again, the model built); group 1 trains to step 60 each time, saving a
+    # checkpoint every 10 steps, and its restart resumes its position from the last one (its weights
+    # come from group 0's replica: newer than the checkpoint's)
+    checkpoints = tmp_path / "checkpoints"
+    lengths = [["--train.duration_s", "30"],
+               ["--train.steps", "60", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10", "--resume"]]
     with replica_store() as store:
         jobs = [start_replica_group(group, 2, store, 2, [*arguments, *lengths[group]], tmp_path / f"group{group}.json",
                                     {"SHADOWGBA_TEST_FAULT_LOG": str(fault_log),
@@ -108,6 +112,9 @@ def test_a_group_restarted_by_its_own_agent_rejoins_and_the_replicas_end_identic
     results, rejoined = (json.loads((tmp_path / f"group{group}.json").read_text()) for group in (0, 1))
     assert results["restart_count"] == 0 and results["steps"] > 60, results  # group 0 never restarted
     assert rejoined["restart_count"] == 1 and rejoined["steps"] == 60, rejoined  # group 1's second process set
+    resumed_from = rejoined["checkpoint"]["resumed_from_step"]  # the step 20 save, or 10's if 20's was in flight
+    assert resumed_from in (10, 20) and rejoined["checkpoint"]["resumed_position_only"], rejoined["checkpoint"]
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["group1"]  # its own folder, apart from group 0's
     assert rejoined["dense_replica_max_abs_diff"] == 0.0 and rejoined["auc"] == results["auc"], rejoined
     assert results["sync"]["replica_groups_lost"] == 1 and results["sync"]["replica_groups_joined"] == 1, results["sync"]
     assert results["departed_trainers"] == [] and results["trainers"] == 4, results

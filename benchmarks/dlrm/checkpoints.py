@@ -89,8 +89,11 @@ class JobCheckpoints:
         setup = Setup.of(config.algo, dense_named_parameters(model.module), job.num_trainers, job.roles.num_servers,
                          config.sync.sharding_group_size)
         replica = job.layout.group_index if job.layout is not None else None
+        directory = options.directory
+        if job.replica_store is not None:  # one torchrun job per group: each commits its own checkpoints
+            directory = Path(directory) / f"group{replica}"
         self.checkpointer = Checkpointer(
-            options.directory, setup, keep_last=options.keep_last, async_save=options.async_save,
+            directory, setup, keep_last=options.keep_last, async_save=options.async_save,
             process_group=job.trainer_group, timeout_s=config.sync.timeout_s,
         )
         self.state: dict[str, Any] = {
@@ -108,14 +111,19 @@ class JobCheckpoints:
             self.state["centre"] = job.centre()  # on the servers: gathered by trainer 0
         self.state["train"] = self.train_state  # last: restores the RNG states after everything else
         self.resumed_from: int | None = None
+        self.resumed_position_only = False
         self.load_s = 0.0
         self._start_step = 0
 
-    def resume(self) -> int:
-        """Load the newest checkpoint when --resume says so (collective); the step to continue from."""
+    def resume(self, position_only: bool = False) -> int:
+        """Load the newest checkpoint when --resume says so (collective); the step to continue from.
+        `position_only`: only the train state (a replica group that joined a running job holds a
+        replica newer than its checkpoint's: `DenseSync.joined_running_job`)."""
         if self.options.resume:
             started = time.perf_counter()
-            self.resumed_from = self.checkpointer.load_latest(self.state, self.options.allow_fresh_start)
+            state = {"train": self.train_state} if position_only else self.state
+            self.resumed_from = self.checkpointer.load_latest(state, self.options.allow_fresh_start)
+            self.resumed_position_only = position_only and self.resumed_from is not None
             self.load_s = time.perf_counter() - started if self.resumed_from is not None else 0.0
         self._start_step = self.train_state.step
         return self._start_step
@@ -146,7 +154,8 @@ class JobCheckpoints:
         size = sum(f.stat().st_size for f in latest[0][1].rglob("*") if f.is_file()) if latest else None
         return {
             "directory": str(self.options.directory), "every": self.options.every, "async": self.options.async_save,
-            "resumed_from_step": self.resumed_from, "load_s": self.load_s,
+            "resumed_from_step": self.resumed_from, "resumed_position_only": self.resumed_position_only,
+            "load_s": self.load_s,
             "saves": len(saves), "save_s_mean": sum(saves) / len(saves) if saves else None,
             "save_s_max": max(saves, default=None), "latest_size_bytes": size,
         }

@@ -1,31 +1,15 @@
-"""GBA and its synchronous twin on a trainer, along its seams:
+"""GBA and its synchronous twin, trainer and server, along their seams:
 
 - `runtime.py`: `GBASync`, the `DenseSync` of `sync.algo: gba`; the mode state machine (`Mode`)
   and the switch and close protocols;
 - `allreduce.py`: sync mode's one all-reduce per step and its buffer layout;
 - `client.py`: GBA mode's asynchronous client (bounded queue, pusher and watcher threads);
+- `shards.py`: the dense shards' messages and their typed trainer side, `DenseShardClient`;
+- `server.py`: a parameter-server rank's dense shard (`DenseShard`, `serve_dense_shard`);
 - `config.py`: the `sync.gba` section (`GBAConfig`); `switch_policy.py`: automatic switching.
 
-The server side is `shadowgba.ps.dense_server` (`DenseShard`, its typed client `DenseShardClient`,
-`serve_dense_shard`).
-
-`from shadowgba.gba import GBASync, serve_dense_shard` loads the runtime on first use: importing it
-here at once would be an import cycle, since `dense_server` imports this package's `config`.
+The package imports `shadowgba.ps` (the transport the shards are served over, membership, server
+checkpoints), never the other way round. Import the modules themselves
+(`from shadowgba.gba.runtime import GBASync`): this file imports nothing, so that reading the
+`sync.gba` section (`shadowgba.config`) does not load the runtime.
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-_RUNTIME_NAMES = ("GBASync", "Mode", "serve_dense_shard")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RUNTIME_NAMES:
-        from shadowgba.gba import runtime
-
-        return getattr(runtime, name)
-    raise AttributeError(f"module 'shadowgba.gba' has no attribute '{name}'")
-
-
-__all__ = list(_RUNTIME_NAMES)

@@ -46,7 +46,7 @@ import torch
 from shadowgba.dense import DenseParams
 from shadowgba.errors import ServerRestarted, SyncError
 from shadowgba.metrics import GBAMetrics
-from shadowgba.ps.dense_server import DenseShardClient, ShardReply
+from shadowgba.gba.shards import DenseShardClient, ShardReply
 
 logger = logging.getLogger("shadowgba")
 

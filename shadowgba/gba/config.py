@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from shadowgba.errors import ConfigError
 from shadowgba.flat_optimizer import LRSchedule
 from shadowgba.gba.switch_policy import SwitchPolicyConfig
 from sync_algos.gba import AggregationConfig
@@ -53,9 +54,9 @@ class GBAConfig(AggregationConfig):
 
     def __post_init__(self) -> None:
         if self.queue_size < 1:
-            raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
+            raise ConfigError(f"queue_size must be >= 1, got {self.queue_size}")
         if self.lockstep_every is not None and self.lockstep_every < 0:
-            raise ValueError(f"lockstep_every must be >= 0 or null, got {self.lockstep_every}")
+            raise ConfigError(f"lockstep_every must be >= 0 or null, got {self.lockstep_every}")
 
 
 def _torch_dtype(setting: str | None, param_dtype: torch.dtype) -> torch.dtype:

@@ -16,7 +16,7 @@ GBASync is the mode state machine (`Mode`) and the switch and close protocols; i
   switch | compute time per trainer] (as DDP, plus the flags and the policy's inputs), and
 - `client.GBAClient`: GBA mode's bounded queue, pusher and watcher threads and installs of the
   parameters they bring; the training thread never waits,
-and talks to the shards only through `dense_server.DenseShardClient`.
+and talks to the shards only through `shards.DenseShardClient`.
 
 Switching (carries parameters, optimizer state, global step and global batch; nothing is retuned):
 - sync -> GBA, at the same step on every trainer: trainer 0 loads its flat optimizer, sliced, into
@@ -56,7 +56,7 @@ Groups, barriers and why nothing deadlocks or mis-pairs:
   collective on it fails at once, as `SyncError` (`_collective`); the job (`dense_sync`) tells the
   servers and the notice board which trainer failed and why.
 
-One global step: the dense shards apply every push as shard 0 decided it (`dense_server`), so at
+One global step: the dense shards apply every push as shard 0 decided it (`server`), so at
 every switch and at close every shard holds the same k, and a push's single token is the oldest
 of the installed slices' (`GBAClient.global_step`).
 
@@ -98,7 +98,8 @@ from shadowgba.gba.switch_policy import SwitchPolicy
 from shadowgba.interface import DenseSync
 from shadowgba.metrics import GBAMetrics
 from shadowgba.nonfinite import NonFiniteGuard
-from shadowgba.ps.dense_server import DenseShardClient, serve_dense_shard
+from shadowgba.gba.server import serve_dense_shard
+from shadowgba.gba.shards import DenseShardClient
 from shadowgba.ps.transport import NO_TRAINER_GROUP, Roles, Transport
 from shadowgba.step_hook import StepHook
 
@@ -168,11 +169,11 @@ class GBASync(DenseSync):
         `transport`: the job's transport to its servers (`job.transport`); without it (a runtime that is
         never started, in tests) the servers' shards and barriers refuse every use."""
         if roles.is_server:
-            raise ValueError("GBASync runs on trainer ranks; server ranks call serve_dense_shard()")
+            raise SetupError("GBASync runs on trainer ranks; server ranks call serve_dense_shard()")
         if config.initial_mode == Mode.GBA and roles.num_servers < 1:
             raise ConfigError("sync.gba.initial_mode is 'gba' but the job has no parameter-server ranks")
         if lockstep_every < 0:
-            raise ValueError(f"lockstep_every must be >= 0, got {lockstep_every}")
+            raise ConfigError(f"lockstep_every must be >= 0, got {lockstep_every}")
         if on_nonfinite not in ("skip", "fail"):
             raise ConfigError(f"sync.on_nonfinite must be 'skip' or 'fail', got {on_nonfinite!r}")
         if config.initial_mode != Mode.GBA:
@@ -311,11 +312,11 @@ class GBASync(DenseSync):
     def switch_mode(self, mode: str) -> None:
         """Ask for a switch to 'sync' or 'gba'; every trainer switches at an agreed point."""
         if mode not in self.modes:
-            raise ValueError(f"unknown mode '{mode}'; allowed: ['gba', 'sync']")
+            raise ConfigError(f"unknown mode '{mode}'; allowed: ['gba', 'sync']")
         if mode == self.mode or self.mode == Mode.LOCAL:
             return
         if mode == Mode.GBA and self.roles.num_servers < 1:
-            raise ValueError("cannot switch to GBA: the job has no parameter-server ranks")
+            raise ConfigError("cannot switch to GBA: the job has no parameter-server ranks")
         self._refuse_in_elastic(self.roles, f"switch_mode('{mode}')")
         if self.mode == Mode.SYNC:
             self._gba_requested = True  # rides in the next all-reduce

@@ -16,6 +16,8 @@ import logging
 import statistics
 from typing import Sequence
 
+from shadowgba.errors import CheckpointError, ConfigError
+
 logger = logging.getLogger("shadowgba")
 
 
@@ -35,11 +37,11 @@ class SwitchPolicyConfig:
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.to_sync_ratio < self.to_gba_ratio:
-            raise ValueError(
+            raise ConfigError(
                 f"need 1 <= to_sync_ratio < to_gba_ratio, got {self.to_sync_ratio} and {self.to_gba_ratio}"
             )
         if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
+            raise ConfigError(f"window must be >= 1, got {self.window}")
 
 
 class SwitchPolicy:
@@ -57,7 +59,7 @@ class SwitchPolicy:
         """Restore `state_dict()` output; `ValueError` on anything else, with nothing changed."""
         streak = state.get("streak") if isinstance(state, dict) else None
         if isinstance(streak, bool) or not isinstance(streak, int) or streak < 0:
-            raise ValueError(f"switch policy state must be {{'streak': integer >= 0}}, got {state!r}")
+            raise CheckpointError(f"switch policy state must be {{'streak': integer >= 0}}, got {state!r}")
         self._streak = streak
 
     def observe(self, mode: str, compute_times: Sequence[float]) -> str | None:

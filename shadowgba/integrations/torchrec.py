@@ -53,13 +53,13 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.sharding_plan import get_default_sharders
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from shadowgba.errors import SetupError
+from shadowgba.errors import BatchError, SetupError
 from shadowgba.layout import ReplicaLayout
 from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.ps.embedding import PSEmbeddingBagCollection, id_out_of_range, ids_outside
@@ -109,7 +109,10 @@ def group_plan(module: nn.Module, sharders: Sequence[Any], plan: ShardingPlan | 
                   for config in collection.embedding_bag_configs()]
         tables += [config.name for collection in module.modules() if isinstance(collection, EmbeddingCollection)
                    for config in collection.embedding_configs()]
-        constraints = {table: ParameterConstraints(compute_kernels=list(FUSED_KERNELS[:1])) for table in tables}
+        # data-parallel tables have no fused kernel: leaving them out spares the planner a warning per table
+        sharded = [kind.value for kind in ShardingType if kind != ShardingType.DATA_PARALLEL]
+        constraints = {table: ParameterConstraints(compute_kernels=list(FUSED_KERNELS[:1]), sharding_types=sharded)
+                       for table in tables}
         planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
         plan = planner.collective_plan(module, list(sharders), trainer_group)
     else:
@@ -219,18 +222,18 @@ class BatchCheck:
         lengths, values = features.lengths(), features.values()
         strides = features.stride_per_key()
         if lengths.numel() != sum(strides):
-            raise ValueError(f"batch refused: {lengths.numel()} lengths, not one per sample of each feature "
+            raise BatchError(f"batch refused: {lengths.numel()} lengths, not one per sample of each feature "
                              f"(features {list(keys)}, samples {strides})")
         if lengths.numel() and int(lengths.min()) < 0:
             key, part = next((key, part) for key, part in zip(keys, lengths.split(strides)) if int(part.min()) < 0)
-            raise ValueError(f"{self._refused(key)}: negative length {int(part.min())}")
+            raise BatchError(f"{self._refused(key)}: negative length {int(part.min())}")
         if features.variable_stride_per_key():
             counts = torch.stack([part.sum() for part in lengths.split(strides)])
         else:
             counts = lengths.view(len(keys), features.stride()).sum(1)
         if int(counts.sum()) != values.numel():
             per_feature = ", ".join(f"'{key}': {count}" for key, count in zip(keys, counts.tolist()))
-            raise ValueError(f"batch refused: the lengths count {int(counts.sum())} ids ({per_feature}) but the "
+            raise BatchError(f"batch refused: the lengths count {int(counts.sum())} ids ({per_feature}) but the "
                              f"batch holds {values.numel()} values")
         sizes = self._sizes.get(tuple(keys))
         if sizes is None:
@@ -239,18 +242,18 @@ class BatchCheck:
             for key, ids in zip(keys, values.split(counts.tolist())):
                 problem = id_out_of_range(ids, self.table_of[key].num_embeddings)
                 if problem:
-                    raise ValueError(f"{self._refused(key)}: {problem}")
+                    raise BatchError(f"{self._refused(key)}: {problem}")
 
     def _check_keys(self, keys: Sequence[str]) -> None:
         unknown = [key for key in keys if key not in self.table_of]
         if unknown:
-            raise ValueError(f"batch refused: unknown feature '{unknown[0]}'; the tables' features are "
+            raise BatchError(f"batch refused: unknown feature '{unknown[0]}'; the tables' features are "
                              f"{sorted(self.table_of)}")
         if len(keys) != len(self.table_of) or len(set(keys)) != len(keys):  # one is missing or repeated
             missing = [feature for feature in self.table_of if feature not in keys]
             named, problem = (missing[0], "missing") if missing else (
                 next(key for index, key in enumerate(keys) if key in keys[:index]), "given more than once")
-            raise ValueError(f"{self._refused(named)}: {problem} (keys {list(keys)})")
+            raise BatchError(f"{self._refused(named)}: {problem} (keys {list(keys)})")
 
     def _refused(self, feature: str) -> str:
         return f"batch refused: feature '{feature}' of table '{self.table_of[feature].name}'"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from shadowgba.errors import ConfigError
+
 
 @dataclasses.dataclass
 class PSConfig:
@@ -78,30 +80,30 @@ class PSConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.rpc_timeout_s <= self.trainer_timeout_s:
-            raise ValueError(
+            raise ConfigError(
                 f"rpc_timeout_s must be > 0 and <= trainer_timeout_s ({self.trainer_timeout_s:g}), got {self.rpc_timeout_s:g}"
             )
         if self.num_servers < 0:
-            raise ValueError(f"num_servers must be >= 0, got {self.num_servers}")
+            raise ConfigError(f"num_servers must be >= 0, got {self.num_servers}")
         if self.on_trainer_lost not in ("continue", "fail"):
-            raise ValueError(f"on_trainer_lost must be 'continue' or 'fail', got {self.on_trainer_lost!r}")
+            raise ConfigError(f"on_trainer_lost must be 'continue' or 'fail', got {self.on_trainer_lost!r}")
         if self.num_trainers < 0:
-            raise ValueError(f"num_trainers must be >= 0, got {self.num_trainers}")
+            raise ConfigError(f"num_trainers must be >= 0, got {self.num_trainers}")
         if self.num_trainers and not self.num_servers:
-            raise ValueError("num_trainers > 0 (the elastic layout) needs num_servers >= 1")
+            raise ConfigError("num_trainers > 0 (the elastic layout) needs num_servers >= 1")
         if self.max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+            raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.checkpoint_dir and not self.num_trainers:
-            raise ValueError("checkpoint_dir (the servers' own checkpoints) needs the elastic layout (num_trainers > 0): "
+            raise ConfigError("checkpoint_dir (the servers' own checkpoints) needs the elastic layout (num_trainers > 0): "
                              "in one torchrun job the trainers' Checkpointer saves the servers' state")
         if not self.lane_mb > 0:
-            raise ValueError(f"lane_mb must be > 0, got {self.lane_mb:g}")
+            raise ConfigError(f"lane_mb must be > 0, got {self.lane_mb:g}")
         if self.checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+            raise ConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.server_restart_s < 0:
-            raise ValueError(f"server_restart_s must be >= 0, got {self.server_restart_s:g}")
+            raise ConfigError(f"server_restart_s must be >= 0, got {self.server_restart_s:g}")
         if self.server_restart_s and not self.checkpoint_dir:
-            raise ValueError("server_restart_s > 0 (trainers wait for a restarted server) needs checkpoint_dir, "
+            raise ConfigError("server_restart_s > 0 (trainers wait for a restarted server) needs checkpoint_dir, "
                              "the servers' own checkpoints a new server process resumes from")
 
     @property

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from shadowgba.errors import CheckpointError, ServerRestarted
+from shadowgba.errors import CheckpointError, ServerRestarted, SetupError
 from shadowgba.flat_optimizer import shard_bounds
 from shadowgba.ps.channel import first_line
 from shadowgba.ps.server_state import OfferSchedule
@@ -142,13 +142,13 @@ class ElasticCenter:
 
     def _require_slice(self, start: int, end: int) -> None:
         if self._bounds != (start, end):
-            raise ValueError(f"centre holds slice [{self._bounds[0]}, {self._bounds[1]}), not [{start}, {end})")
+            raise CheckpointError(f"centre holds slice [{self._bounds[0]}, {self._bounds[1]}), not [{start}, {end})")
 
     def _accepted(self, start: int, end: int, values: torch.Tensor) -> torch.Tensor:
         """A copy of `values` as the slice [start, end), or ValueError naming what `slice_problem` finds."""
         problem = slice_problem(start, end, values, None if self._center is None else self._center.dtype)
         if problem is not None:
-            raise ValueError(problem)
+            raise CheckpointError(problem)
         return values.clone()
 
 
@@ -184,7 +184,7 @@ class CenterClient(Centre):
     def __init__(self, transport: Transport, service: str = CENTER_SERVICE) -> None:
         num_servers = transport.roles.num_servers
         if num_servers < 1:
-            raise ValueError(f"the S-EASGD centre needs at least one server, got num_servers={num_servers}")
+            raise SetupError(f"the S-EASGD centre needs at least one server, got num_servers={num_servers}")
         self.transport = transport
         self.num_servers = num_servers
         self.service = service

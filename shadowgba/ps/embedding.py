@@ -56,9 +56,7 @@ the problem), so a refused request leaves the shard untouched, across all its ta
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
-import io
 import threading
 import zlib
 from typing import Literal, Mapping, Sequence
@@ -70,7 +68,8 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, poo
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from shadowgba.errors import ConfigError, ServerRestarted
+from shadowgba.checkpoint import state_from_bytes, state_to_bytes
+from shadowgba.errors import CheckpointError, ConfigError, ServerRestarted, SetupError, SyncError
 from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.ps.transport import Transport
 from sync_algos.base import is_finite
@@ -204,7 +203,7 @@ class EmbeddingShard:
         finite = finite is True and all(is_finite(values) for _, _, values in checked)  # one pass, outside the lock
         with self._lock:
             if self._failure is not None:
-                raise ValueError(f"push refused: the job failed: {self._failure}")
+                raise SyncError(f"push refused: the job failed: {self._failure}")
             if not finite:
                 self._nonfinite(trainer)
                 return
@@ -235,7 +234,7 @@ class EmbeddingShard:
         message = f"{'a trainer' if trainer is None else f'trainer {trainer}'}'s row gradients have NaN or inf values"
         if self.config.on_nonfinite == "fail":
             self._failure = f"{message} (sync.on_nonfinite: fail)"
-            raise ValueError(f"push refused: {self._failure}")
+            raise SyncError(f"push refused: {self._failure}")
         self._pushes += 1
         self._nonfinite_dropped += 1
 
@@ -262,7 +261,7 @@ class EmbeddingShard:
                              "rows_applied": self._rows_applied},
                 "rule": None if self._rule is None else {
                     "global_step": self._rule.global_step, "buffered_samples": self._rule.buffered_samples},
-                "staleness": copy.deepcopy(self._staleness),
+                "staleness": self._staleness.state_dict(),
             }
 
     def import_state(self, state: Mapping[str, object]) -> None:
@@ -271,7 +270,7 @@ class EmbeddingShard:
         "import refused: ...") before anything changes."""
         if not isinstance(state, Mapping) or state.get("layout") != self._layout():
             theirs = state.get("layout") if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"import refused: state of shard layout {theirs}, this shard is {self._layout()}")
+            raise CheckpointError(f"import refused: state of shard layout {theirs}, this shard is {self._layout()}")
         tables = state["tables"]
         for name, table in self._tables.items():
             entry = tables[name]
@@ -292,7 +291,7 @@ class EmbeddingShard:
             if self._rule is not None:
                 self._rule.global_step = state["rule"]["global_step"]
                 self._rule.buffered_samples = state["rule"]["buffered_samples"]
-            self._staleness = copy.deepcopy(state["staleness"])
+            self._staleness.load_state_dict(state["staleness"])
 
     def restore(self, state: Mapping[str, object]) -> None:
         """Serve again from `export_state()` output (a new server process, before it serves): row
@@ -429,7 +428,7 @@ class PSEmbeddingBagCollection(nn.Module):
         super().__init__()
         num_servers = transport.roles.num_servers
         if num_servers < 1:
-            raise ValueError(f"PSEmbeddingBagCollection needs at least one server, got num_servers={num_servers}")
+            raise SetupError(f"PSEmbeddingBagCollection needs at least one server, got num_servers={num_servers}")
         self.config = config
         self.transport = transport
         """The trainer's transport to the servers holding the rows."""
@@ -461,7 +460,7 @@ class PSEmbeddingBagCollection(nn.Module):
                 "the row gradients of the previous batch were never pushed: call push_gradients() after backward()"
             )
         if features.variable_stride_per_key():
-            raise ValueError("variable batch sizes per feature (VBE) are not supported")
+            raise SetupError("variable batch sizes per feature (VBE) are not supported")
         jagged = features.to_dict()
         ids = {
             table.name: torch.cat([jagged[feature].values() for feature in table.feature_names]).long().cpu()
@@ -572,7 +571,7 @@ class PSEmbeddingBagCollection(nn.Module):
                 name: {key: value for key, value in entry.items() if key.startswith("pending")}
                 for name, entry in shard["tables"].items()
             }}
-            shards[f"server{server}"] = _to_bytes(rest)
+            shards[f"server{server}"] = state_to_bytes(rest)
         return {"tables": tables, "shards": shards}
 
     def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True, assign: bool = False):  # type: ignore[override]
@@ -583,10 +582,10 @@ class PSEmbeddingBagCollection(nn.Module):
         self.flush()
         tables, shards = state_dict["tables"], state_dict["shards"]
         if sorted(shards) != [f"server{server}" for server in range(self.num_servers)]:
-            raise ValueError(f"import refused: state of {len(shards)} servers, this job has {self.num_servers}")
+            raise CheckpointError(f"import refused: state of {len(shards)} servers, this job has {self.num_servers}")
         imports = []
         for server in range(self.num_servers):
-            shard = _from_bytes(shards[f"server{server}"])
+            shard = state_from_bytes(shards[f"server{server}"], f"server{server}")
             for table in self._tables:
                 entry = shard["tables"][table.name]
                 entry["weight"] = tables[table.name]["weight"][server::self.num_servers].clone()
@@ -608,7 +607,7 @@ class PSEmbeddingBagCollection(nn.Module):
         for table in self._tables:
             if table.name == name:
                 return table
-        raise ValueError(f"unknown table '{name}'; tables: {[table.name for table in self._tables]}")
+        raise SetupError(f"unknown table '{name}'; tables: {[table.name for table in self._tables]}")
 
     def _split(self, rows_by_table: RowsByTable) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """Per server, the (ids, rows) pairs of the ids it owns; every server gets a request."""
@@ -663,10 +662,10 @@ def checked_tables(tables: Sequence[EmbeddingBagConfig]) -> list[EmbeddingBagCon
     ]
     names = [table.name for table in checked]
     if len(set(names)) != len(names) or not all(names):
-        raise ValueError(f"tables need distinct, non-empty names, got {names}")
+        raise SetupError(f"tables need distinct, non-empty names, got {names}")
     for table in checked:
         if table.data_type != DataType.FP32:
-            raise ValueError(f"table '{table.name}': only FP32 tables are supported, got {table.data_type}")
+            raise SetupError(f"table '{table.name}': only FP32 tables are supported, got {table.data_type}")
         pooling_type_to_str(table.pooling)  # refuses pooling types other than sum and mean
     return checked
 
@@ -701,15 +700,3 @@ def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"{value.dtype} tensor of shape {tuple(value.shape)}"
     return type(value).__name__
-
-
-def _to_bytes(value: object) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def _from_bytes(blob: object) -> dict:
-    if not isinstance(blob, (bytes, bytearray)):
-        raise ValueError(f"import refused: a shard's state must be serialized bytes, got {type(blob).__name__}")
-    return torch.load(io.BytesIO(blob), weights_only=False)

@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from shadowgba.checkpoint import fsync_dir
+from shadowgba.checkpoint import fsync_dir, load_state_file
 
 logger = logging.getLogger("shadowgba")
 
@@ -104,7 +104,7 @@ class ServerCheckpoints:
         for step in reversed(self.steps()):
             path = self.path_of(step)
             try:
-                return step, torch.load(path, weights_only=False)
+                return step, load_state_file(path)
             except Exception as error:  # noqa: BLE001 (a truncated or corrupted file: the one before it)
                 logger.warning("shadowgba: server checkpoint %s does not load (%s); trying the one before", path, error)
         return None

@@ -110,7 +110,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shadowgba.errors import PeerLost, ServerRestarted, SetupError
+from shadowgba.errors import ConfigError, PeerLost, ServerRestarted, SetupError, SyncError
+from shadowgba.metrics import LANE_PREFIX
 from shadowgba.network import use_interface_to_master
 from shadowgba.ps.board import Board
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost, first_line
@@ -190,7 +191,7 @@ class Roles:
     def assign(cls, rank: int, world_size: int, num_servers: int) -> "Roles":
         """The roles of `rank`, without any group; refuses a server count that leaves no trainer."""
         if isinstance(num_servers, bool) or not isinstance(num_servers, int) or not 0 <= num_servers < world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"num_servers must be an integer in [0, world_size) so that at least one trainer remains; "
                 f"got {num_servers!r} with world_size {world_size}"
             )
@@ -650,7 +651,7 @@ class Transport:
         """The shared memory this rank's channels map (`Channel.lane_buffers`), by peer and direction."""
         with self._lock:
             channels = dict(self._channels)
-        return {f"lane_{kind}_{peer}": buffer for peer, channel in channels.items()
+        return {f"{LANE_PREFIX}{kind}_{peer}": buffer for peer, channel in channels.items()
                 for kind, buffer in channel.lane_buffers().items()}
 
     def retried_calls(self) -> int:
@@ -1035,7 +1036,7 @@ def _torchrun_roles(num_servers: int, backend: str, timeout: datetime.timedelta 
         try:
             rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         except KeyError as missing:
-            raise RuntimeError(f"the PS transport needs {missing.args[0]} (as set by torchrun)") from None
+            raise SetupError(f"the PS transport needs {missing.args[0]} (as set by torchrun)") from None
     else:
         rank, world_size = dist.get_rank(), dist.get_world_size()
     roles = Roles.assign(rank, world_size, num_servers)
@@ -1058,7 +1059,7 @@ def _await_every_rank(store: dist.Store, key: str, world_size: int, within_s: fl
     if store.add(key, 1) == world_size:
         store.set(f"{key}/all", "1")
     if not await_key(store, f"{key}/all", within_s):
-        raise RuntimeError(f"only {store.add(key, 0)} of {world_size} ranks started the PS transport "
+        raise SyncError(f"only {store.add(key, 0)} of {world_size} ranks started the PS transport "
                            f"within {within_s:g} s")
 
 
@@ -1071,7 +1072,7 @@ def elastic_roles(num_trainers: int, num_servers: int, timeout_s: float) -> tupl
     try:
         rank = int(os.environ[ELASTIC_RANK])
     except (KeyError, ValueError):
-        raise RuntimeError(f"the elastic layout (sync.ps.num_trainers > 0) needs {ELASTIC_RANK}, this process's "
+        raise SetupError(f"the elastic layout (sync.ps.num_trainers > 0) needs {ELASTIC_RANK}, this process's "
                            f"place in the job: 0 .. {num_trainers - 1} for a trainer, {num_trainers} .. "
                            f"{num_trainers + num_servers - 1} for a server") from None
     roles = dataclasses.replace(Roles.assign(rank, num_trainers + num_servers, num_servers), elastic=True)

@@ -20,11 +20,13 @@ from typing import Any, Callable
 
 from torch import nn
 
+from shadowgba.errors import ConfigError
+
 
 def shared_replicas(module: nn.Module, count: int) -> list[nn.Module]:
     """`count` modules: `module` itself, then copies whose parameters share its storage."""
     if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}")
+        raise ConfigError(f"count must be >= 1, got {count}")
     replicas = [module]
     for _ in range(count - 1):
         replica = copy.deepcopy(module)

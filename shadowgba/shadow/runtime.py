@@ -50,7 +50,7 @@ from torch import nn
 import sync_algos
 from shadowgba import groups as made_groups
 from shadowgba.config import SyncConfig
-from shadowgba.errors import CheckpointError, SyncError
+from shadowgba.errors import CheckpointError, SetupError, SyncError
 from shadowgba.interface import DenseSync
 from shadowgba.shadow.control import ControlFile, LiveSettings
 from shadowgba.shadow.pacing import RoundPacer
@@ -164,10 +164,10 @@ class ShadowSync(DenseSync):
     def start(self) -> None:
         """Collective over the ranks: new group, broadcast of the dense weights, hooks, shadow thread."""
         if self._running:
-            raise RuntimeError("ShadowSync.start() called twice")
+            raise SetupError("ShadowSync.start() called twice")
         collective = sync_algos.get_algorithm(self.config.algo).uses_collectives
         if (collective or self._parent_group is not None) and not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("ShadowSync needs torch.distributed initialised (init_process_group) first")
+            raise SetupError("ShadowSync needs torch.distributed initialised (init_process_group) first")
         if collective and self._parent_is_own:
             self._group, self._owns_group = self._parent_group, True
         elif collective:
@@ -180,7 +180,7 @@ class ShadowSync(DenseSync):
         self._running = True
         initial = self._snapshot  # free until the first round; what the algorithm keeps, it copies
         self.dense.copy_to(initial)
-        rejoining = self._survival is not None and self._survival.rejoining
+        rejoining = self.joined_running_job = self._survival is not None and self._survival.rejoining
         if rejoining:  # a group that rejoins takes a member's replica (the members' side: `_heal`)
             assert self.tables is not None
             source = self._survival.heal_source()
@@ -423,7 +423,7 @@ class ShadowSync(DenseSync):
     # ---------------------------------------------------------------------------------- internals
     def _require_started(self) -> sync_algos.SyncAlgorithm:
         if self._algorithm is None:
-            raise RuntimeError("ShadowSync has not been started")
+            raise SetupError("ShadowSync has not been started")
         return self._algorithm
 
     def _before_step(self, optimizer: Any) -> bool:

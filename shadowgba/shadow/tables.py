@@ -48,7 +48,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from shadowgba.errors import SetupError
+from shadowgba.errors import CheckpointError, ConfigError, SetupError
 from sync_algos.base import FlaggedAllReduce, Reduced
 
 
@@ -71,7 +71,7 @@ class TableSyncConfig:
 
     def __post_init__(self) -> None:
         if self.fragment_mb <= 0:
-            raise ValueError(f"fragment_mb must be > 0, got {self.fragment_mb}")
+            raise ConfigError(f"fragment_mb must be > 0, got {self.fragment_mb}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +236,7 @@ class TableFragments:
 
     def __init__(self, shards: Sequence[TableShard], group: dist.ProcessGroup, config: TableSyncConfig) -> None:
         if not shards:
-            raise ValueError("no table shards to keep in sync")
+            raise SetupError("no table shards to keep in sync")
         self.shards = list(shards)
         self.device = self.shards[0].tensors[0].device
         self.fragment_numel = max(1, int(config.fragment_mb * 2**20) // 4)
@@ -458,7 +458,7 @@ class TableFragments:
         """`ValueError` unless `state` is a `state_dict()` of this cycle (it changes nothing)."""
         if not isinstance(state, Mapping) or state.get("fragments") != len(self.fragments):
             found = state.get("fragments") if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"table state is for a cycle of {found} fragments, this job's has {len(self.fragments)} "
+            raise CheckpointError(f"table state is for a cycle of {found} fragments, this job's has {len(self.fragments)} "
                              "(other tables, shards or sync.tables.fragment_mb)")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
