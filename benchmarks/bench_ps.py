@@ -32,8 +32,8 @@ same gradient to a service on each server rank that returns at once (`Probe.floo
 push and no watcher. That is what the transport alone costs at that size, the floor no server code
 can go below; "floor" rows give its pushes/s and CPU beside the real pushes'.
 
-Either transport API is driven through one adapter (`PS`): a tree's `Transport` object, or the
-module functions over `torch.distributed.rpc` of the code before it, so that `--trees` compares them.
+Either layout of the transport is driven through one adapter (`PS`): this tree's two ends
+(`start_transport`) or the single `Transport` before them, so that `--trees` compares them.
 
 `--embeddings` adds the embedding side per world: lookups of 4,096 ids (rows/s) and row-gradient
 pushes of 4,096 rows (rows/s) against PS-hosted tables of 100K x 64 rows, the same client
@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import inspect
 import json
 import os
@@ -110,21 +111,22 @@ class Probe:
 
 
 class PS:
-    """The transport of the tree a world imports, whichever its API: a `Transport` object, or the
-    module functions of the code before it (`transport.start()` ... over `torch.distributed.rpc`)."""
+    """The transport of the tree a world imports, whichever its layout: this one's (`start_transport`,
+    the dense shards in `shadowgba.gba`), or the one before (`Transport.start`, the dense shards in
+    `shadowgba.ps.dense_server`), so that one invocation compares a change with its parent."""
 
     def __init__(self, num_servers: int, lane_mb: float | None = None) -> None:
-        from shadowgba.ps import transport
+        from shadowgba.ps.config import PSConfig
 
-        self._object = hasattr(transport, "Transport")
-        if self._object:
-            from shadowgba.ps.config import PSConfig
+        try:
+            from shadowgba.ps.start import start_transport
+        except ImportError:  # the tree before the transport's two ends
+            from shadowgba.ps.transport import Transport
 
-            lanes = {} if lane_mb is None else {"lane_bytes": PSConfig(lane_mb=lane_mb).lane_bytes}
-            self.api: Any = transport.Transport.start(num_servers, **lanes)
-            self.roles = self.api.roles
-        else:
-            self.roles, self.api = transport.start(num_servers), transport
+            start_transport = Transport.start
+        lanes = {} if lane_mb is None else {"lane_bytes": PSConfig(lane_mb=lane_mb).lane_bytes}
+        self.api: Any = start_transport(num_servers, **lanes)
+        self.roles = self.api.roles
 
     def call(self, server: int, name: str, method: str, *args: Any) -> Any:
         return self.api.call(server, name, method, *args)
@@ -142,14 +144,18 @@ class PS:
         self.api.stop(trainer_timeout_s=600)
 
     def serve_dense_shard(self) -> None:
-        from shadowgba.gba.server import serve_dense_shard
-
-        serve_dense_shard(*([self.api] if self._object else []))
+        dense_shards("server").serve_dense_shard(self.api)
 
     def dense_client(self, numel: int) -> Any:
-        from shadowgba.gba.shards import DenseShardClient
+        return dense_shards("shards").DenseShardClient(numel, self.api)
 
-        return DenseShardClient(numel, self.api if self._object else self.roles.num_servers)
+
+def dense_shards(side: str) -> Any:
+    """The tree's module of the dense shards' `side` (server: `serve_dense_shard`; shards: the client)."""
+    try:
+        return importlib.import_module(f"shadowgba.gba.{side}")
+    except ImportError:  # the tree before they moved into shadowgba.gba
+        return importlib.import_module("shadowgba.ps.dense_server")
 
 
 def _rank_main(rank: int, world: World, port: int, plan: dict[str, Any], results: Any) -> None:
@@ -182,7 +188,10 @@ def _rank_main(rank: int, world: World, port: int, plan: dict[str, Any], results
 def _embedding_shard(server_index: int, num_servers: int) -> Any:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-    from shadowgba.ps.embedding import EmbeddingShard, PSEmbeddingConfig
+    try:
+        from shadowgba.ps.embedding_shard import EmbeddingShard, PSEmbeddingConfig
+    except ImportError:  # the tree before the embedding shard had a module of its own
+        from shadowgba.ps.embedding import EmbeddingShard, PSEmbeddingConfig
 
     table = EmbeddingBagConfig(name="t0", embedding_dim=EMBEDDING_DIM, num_embeddings=EMBEDDING_ROWS,
                                feature_names=["f0"])

@@ -1,4 +1,4 @@
-"""Throughput of every sync mode against local training and DDP, at both model presets, side by side.
+"""Throughput of every sync mode against local training, DDP and torch's PMA, at both presets, side by side.
 
     python benchmarks/bench_sync.py [--reps 5] [--duration-s 30] [--presets small,production] \
         [--modes none,ddp,bmuf-shadow] [--dotted.key value ...]
@@ -7,8 +7,9 @@ Identical runs differ too much on these machines to compare invocations
 (docs/benchmarks.md, "The development machines"), so one invocation runs every mode as a `torchrun`
 job of `benchmarks/train_dlrm.py`, interleaved over several repetitions (for each repetition, for
 each preset, every mode in a row), each with a fixed timed window after warm-up. Each mode's ratios
-to `none` and to `ddp` are taken per repetition, against the run of the same preset and repetition,
-which cancels slow drifts of the machine, and then summarized: median, min-max. The presets are
+to `none`, `ddp` and torch's `PeriodicModelAverager` (`pma`; those of them run) are taken per
+repetition, against the run of the same preset and repetition, which cancels slow drifts of the
+machine, and then summarized: median, min-max. The presets are
 `example_job.MODEL_PRESETS` (small: a 338K-parameter dense net; production: MLPerf DLRM's 2.4M);
 further `--dotted.key value` arguments override every run's config. Every figure is shown as its
 median over repetitions with the min-max beside it, resources included (CPU ms per sample of all
@@ -33,6 +34,7 @@ from example_job import CONFIGS, MODEL_PRESETS, ROOT, WARMUP_STEPS, parse_preset
 MODES: dict[str, list[str]] = {
     "none": ["--config", str(CONFIGS / "none.yaml")],
     "ddp": ["--config", str(CONFIGS / "ddp.yaml")],
+    "pma": ["--config", str(CONFIGS / "pma.yaml")],
     **{
         f"{algo}-{mode}": ["--config", str(CONFIGS / f"{algo}.yaml"), "--sync.mode", mode]
         for algo in ("ma", "easgd", "bmuf")
@@ -66,7 +68,7 @@ def summarize(runs: list[Run], presets: Sequence[str], modes: Sequence[str]) -> 
     rows = []
     for preset in presets:
         mine = select(runs, preset=preset)
-        baselines = {base: select(mine, mode=base) for base in ("none", "ddp")}
+        baselines = {base: select(mine, mode=base) for base in ("none", "ddp", "pma") if select(mine, mode=base)}
         for mode in modes:
             cells = select(mine, mode=mode)
             rows.append({
@@ -88,7 +90,8 @@ COLUMNS: list[Column] = [
     ("mode", lambda row: row["mode"]),
     ("samples/s (min-max)", lambda row: spread_cell(row["samples_per_s"], ",.0f")),
     ("ratio to none", lambda row: spread_cell(row["ratio_to_none"], ".3f")),
-    ("ratio to ddp", lambda row: spread_cell(row["ratio_to_ddp"], ".3f")),
+    ("ratio to ddp", lambda row: spread_cell(row["ratio_to_ddp"], ".3f") if "ratio_to_ddp" in row else "-"),
+    ("ratio to pma", lambda row: spread_cell(row["ratio_to_pma"], ".3f") if "ratio_to_pma" in row else "-"),
     ("AUC", lambda row: spread_cell(row["auc"], ".4f")),
     ("sync rounds/s", lambda row: spread_cell(row["sync_rounds_per_s"], ".1f")),
     *RESOURCE_COLUMNS,

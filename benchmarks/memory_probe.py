@@ -195,9 +195,9 @@ def probe_rank(rank: int, world_size: int, case: str, warmup: int, steps: int,
     if case not in ("sync", "gba"):
         return measure_trainer(case, None, warmup, steps, seed=rank)
     from shadowgba.gba.runtime import serve_dense_shard
-    from shadowgba.ps.transport import Transport
+    from shadowgba.ps.start import start_transport
 
-    ps = Transport.start(1 if case == "gba" else 0)
+    ps = start_transport(1 if case == "gba" else 0)
     roles = ps.roles
     if not roles.is_server:
         try:

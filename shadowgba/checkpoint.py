@@ -69,11 +69,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
-import io
 import json
 import logging
 import os
-import pickle
 import random
 import re
 import shutil
@@ -94,6 +92,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
 
 from shadowgba.errors import CheckpointError, ConfigError
+from shadowgba.serialized import fsync_dir, state_from_bytes, state_to_bytes
 
 logger = logging.getLogger("shadowgba")
 
@@ -557,39 +556,6 @@ def _is_sharded(value: Any) -> bool:
     return isinstance(value, (ShardedTensor, DTensor))
 
 
-def state_to_bytes(value: Any) -> bytes:
-    """`value` (tensors, numbers, strings, and dicts / lists / tuples / sets of them) as one blob that
-    `state_from_bytes` reads back."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def state_from_bytes(blob: Any, what: str) -> Any:
-    """A `state_to_bytes` blob read back on the CPU, refusing (`CheckpointError` naming `what`) what is
-    not one or holds anything but tensors and plain containers: a checkpoint is data, and loading one
-    never runs code it carries (torch's `weights_only` unpickler refuses every other object)."""
-    if not isinstance(blob, (bytes, bytearray)):
-        raise CheckpointError(f"checkpoint entry '{what}' is not a serialized state ({type(blob).__name__})")
-    return _load_weights_only(io.BytesIO(blob), what)
-
-
-def load_state_file(path: str | os.PathLike) -> Any:
-    """A file written by `torch.save` of tensors and plain containers, refused as `state_from_bytes`
-    refuses a blob."""
-    with open(path, "rb") as file:
-        return _load_weights_only(file, str(path))
-
-
-def _load_weights_only(file: Any, what: str) -> Any:
-    try:
-        return torch.load(file, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as error:
-        raise CheckpointError(
-            f"checkpoint entry '{what}' holds an object other than tensors and plain containers, which "
-            f"shadowgba never saves and will not load (it could run code): {str(error).splitlines()[0]}") from error
-
-
 def _rng_states() -> dict[str, Any]:
     states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -625,20 +591,6 @@ def _size_and_crc(file: Path) -> tuple[int, int]:
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
     return size, crc
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a folder's entries (a rename in it) to disk; best effort: a file system that cannot is skipped."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 __all__ = ["Checkpointer", "ModelState", "PerTrainer", "Setup", "Stateful", "TrainState"]

@@ -57,7 +57,9 @@ from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.gba.server import DenseShard
 from shadowgba.gba.shards import DENSE_SERVICE
 from shadowgba.ps.membership import NOTICE_TIMEOUT_S, Heartbeat, NoticeBoard
-from shadowgba.ps.transport import NO_TRAINER_GROUP, Roles, Transport, failure_message
+from shadowgba.ps.rendezvous import Roles, failure_message
+from shadowgba.ps.transport import NO_TRAINER_GROUP, Transport
+from shadowgba.ps.start import start_transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
 from shadowgba.reporting import MetricsReporter
@@ -66,7 +68,8 @@ from shadowgba.shadow.survival import INCARNATION, SurvivingGroups
 from shadowgba.shadow.tables import TableFragments
 
 if TYPE_CHECKING:  # PS-hosted tables need TorchRec: imported where used (`shadowgba.optional`)
-    from shadowgba.ps.embedding import PSEmbeddingBagCollection, PSEmbeddingConfig
+    from shadowgba.ps.embedding import PSEmbeddingBagCollection
+    from shadowgba.ps.embedding_shard import PSEmbeddingConfig
 
 logger = logging.getLogger("shadowgba")
 
@@ -339,7 +342,7 @@ def join(
             job.sharding_guard.install()
         job.heartbeat = job.notices.heartbeat(roles.rank)
         return job
-    transport = Transport.start(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s,
+    transport = start_transport(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s,
                                 rpc_timeout_s=config.ps.rpc_timeout_s, on_trainer_lost=config.ps.on_trainer_lost,
                                 num_trainers=config.ps.num_trainers, server_restart_s=config.ps.server_restart_s,
                                 lane_bytes=config.ps.lane_bytes)
@@ -432,7 +435,7 @@ def ps_table_options(
     the same `sync.gba.decay`; without aggregation (plain async PS) and under S-EASGD they are applied
     on arrival (Hogwild)."""
     aggregate = config.algo == "gba" and config.gba.aggregation == "global_batch"
-    PSEmbeddingConfig = optional.ps_embedding("ps_table_options()").PSEmbeddingConfig
+    PSEmbeddingConfig = optional.ps_embedding_shard("ps_table_options()").PSEmbeddingConfig
     return PSEmbeddingConfig(
         optimizer=optimizer, lr=lr, seed=seed, max_in_flight=config.ps.max_in_flight,
         mode="aggregate" if aggregate else "hogwild",
@@ -540,7 +543,7 @@ def _serve(job: Job) -> CheckpointWriter | None:
         dense_service, service = DENSE_SERVICE, DenseShard(transport.roster, transport.shared_copy)
     job.served[dense_service] = service
     if job.tables is not None:
-        embedding = optional.ps_embedding("PS-hosted tables")
+        embedding = optional.ps_embedding_shard("PS-hosted tables")
         job.served[embedding.DEFAULT_SERVICE] = embedding.EmbeddingShard(
             list(job.tables), job.table_options, job.roles.server_index, job.roles.num_servers)
     writer = _restore_and_checkpoint(job, dense_service) if job.config.ps.checkpoint_dir else None

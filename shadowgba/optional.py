@@ -48,3 +48,9 @@ def ps_embedding(feature: str) -> ModuleType:
     """`shadowgba.ps.embedding` (PS-hosted tables, TorchRec's EmbeddingBagCollection API) for `feature`."""
     require("torchrec", feature)
     return importlib.import_module("shadowgba.ps.embedding")
+
+
+def ps_embedding_shard(feature: str) -> ModuleType:
+    """`shadowgba.ps.embedding_shard` (a server's shard of PS-hosted tables, and their config) for `feature`."""
+    require("torchrec", feature)
+    return importlib.import_module("shadowgba.ps.embedding_shard")

@@ -72,7 +72,7 @@ def _trainer_entries(path: Path, world_size: int) -> dict[str, Any]:
     """Every trainer's own blobs of one checkpoint (replica, optimizers, runtime), read with DCP alone."""
     import torch.distributed.checkpoint as dcp
 
-    from shadowgba.checkpoint import state_from_bytes
+    from shadowgba.serialized import state_from_bytes
 
     template = {
         part: {f"trainer{rank}": b"" for rank in range(world_size)} for part in ("model", "dense_optimizer", "sync")
@@ -292,7 +292,7 @@ def test_a_killed_trainer_restarts_under_torchrun_and_finishes_from_its_checkpoi
 @pytest.mark.timeout(150)
 def test_a_parameter_server_job_restarts_under_torchrun_and_finishes_from_its_checkpoint(tmp_path: Path) -> None:
     """GBA with PS-hosted tables, 2 trainers + 1 server: the restarted attempt's RPC rendezvous must not
-    read the dead attempt's addresses in torchrun's agent store (`shadowgba.ps.transport.attempt_store`)."""
+    read the dead attempt's addresses in torchrun's agent store (`shadowgba.ps.rendezvous.attempt_store`)."""
     fired, results, directory = _killed_and_restarted(
         tmp_path, 3, ["--config", "examples/configs/gba_ps_embeddings.yaml"], "0:15")
     assert [_kill_of(record) for record in fired] == [{"kind": "kill", "trainer": 0, "step": 15, "restart_count": 0}]
@@ -324,7 +324,7 @@ so that a checkpoint holds a half-full GBA buffer."""
 
 
 def test_an_embedding_shard_exports_and_imports_everything_and_refuses_another_layout() -> None:
-    from shadowgba.ps.embedding import EmbeddingShard, PSEmbeddingConfig
+    from shadowgba.ps.embedding_shard import EmbeddingShard, PSEmbeddingConfig
 
     config = PSEmbeddingConfig(**PS_OPTIONS)
     shard = EmbeddingShard(_ps_tables(), config, 1, 2)
@@ -346,11 +346,12 @@ def test_an_embedding_shard_exports_and_imports_everything_and_refuses_another_l
 def _ps_job(rank: int, world_size: int, directory: str) -> dict[str, Any] | None:
     """1 trainer + 2 servers: train, checkpoint, train on, restore: tables and shard state as saved."""
     from shadowgba.checkpoint import Checkpointer, Setup, TrainState
-    from shadowgba.ps.embedding import DEFAULT_SERVICE, EmbeddingShard, PSEmbeddingBagCollection, PSEmbeddingConfig
-    from shadowgba.ps.transport import Transport
+    from shadowgba.ps.embedding import PSEmbeddingBagCollection
+    from shadowgba.ps.embedding_shard import DEFAULT_SERVICE, EmbeddingShard, PSEmbeddingConfig
+    from shadowgba.ps.start import start_transport
 
     config = PSEmbeddingConfig(**PS_OPTIONS)
-    ps = Transport.start(num_servers=2)
+    ps = start_transport(num_servers=2)
     roles = ps.roles
     if roles.is_server:
         ps.serve(DEFAULT_SERVICE, EmbeddingShard(_ps_tables(), config, roles.server_index, roles.num_servers))
@@ -405,7 +406,7 @@ def _plain(value: Any) -> Any:
     as their fields: what this trainer holds, comparable with `_max_abs_diff`."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-    from shadowgba.checkpoint import state_from_bytes
+    from shadowgba.serialized import state_from_bytes
 
     if isinstance(value, ShardedTensor):
         return [shard.tensor.detach().clone() for shard in value.local_shards()]
@@ -719,7 +720,8 @@ def test_a_crafted_checkpoint_entry_is_refused_without_running_its_code_and_plai
 
     import numpy
 
-    from shadowgba.checkpoint import TrainState, state_from_bytes, state_to_bytes
+    from shadowgba.checkpoint import TrainState
+    from shadowgba.serialized import state_from_bytes, state_to_bytes
     from shadowgba.errors import CheckpointError
     from shadowgba.ps.server_state import ServerCheckpoints
 

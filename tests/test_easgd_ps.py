@@ -15,7 +15,7 @@ from shadowgba import factory
 from shadowgba.config import SyncConfig
 from shadowgba.errors import ConfigError
 from shadowgba.ps.config import PSConfig
-from shadowgba.ps.transport import Transport
+from shadowgba.ps.start import start_transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
 from tests.multiprocess import run_ranks
@@ -33,7 +33,7 @@ def snapshot(trainer: int, round_index: int) -> torch.Tensor:
 def job(rank: int, world_size: int, num_servers: int, rounds: int) -> dict | None:
     """Trainer 1 starts only after trainer 0 has finished all its rounds: with a collective in the
     round this would deadlock (and time out); with S-EASGD it must not."""
-    ps = Transport.start(num_servers)
+    ps = start_transport(num_servers)
     roles = ps.roles
     try:
         if roles.is_server:
@@ -123,7 +123,7 @@ def shadow_job(rank: int, world_size: int, steps: list[int]) -> dict | None:
     from shadowgba.shadow.runtime import ShadowSync
     from tests.test_runtime import ConstantStep, flat, vector_model
 
-    ps = Transport.start(1)
+    ps = start_transport(1)
     roles = ps.roles
     try:
         if roles.is_server:

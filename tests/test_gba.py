@@ -15,6 +15,7 @@ from shadowgba.config import from_dict
 from shadowgba.errors import SyncError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.ps.transport import Transport
+from shadowgba.ps.start import start_transport
 from tests.multiprocess import run_shared
 
 pytestmark = pytest.mark.timeout(240)
@@ -35,7 +36,7 @@ def loss_on(model: nn.Module, trainer: int, step: int) -> torch.Tensor:
 
 def gba_job(rank: int, world_size: int, num_servers: int, trainer_fn, *args) -> object:  # noqa: ANN001
     """Every rank joins the PS job; servers serve a dense shard, trainers run `trainer_fn`."""
-    ps = Transport.start(num_servers)
+    ps = start_transport(num_servers)
     try:
         if ps.roles.is_server:
             serve_dense_shard(ps)

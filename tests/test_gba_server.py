@@ -20,7 +20,7 @@ from shadowgba.gba.server import WATCHERS, DenseShard
 from shadowgba.gba.shards import DenseShardClient, PushRequest
 from shadowgba.ps.membership import Roster
 from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
-from shadowgba.ps.transport import Roles
+from shadowgba.ps.rendezvous import Roles
 from sync_algos.gba import GlobalBatchAggregator
 from sync_algos.staleness import StalenessDecayConfig
 

@@ -21,7 +21,7 @@ from shadowgba import SyncConfig
 from shadowgba.config import from_dict
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
-from shadowgba.ps.transport import Transport
+from shadowgba.ps.start import start_transport
 from shadowgba.shadow.runtime import ShadowSync
 from tests.multiprocess import run_ranks, run_shared
 
@@ -143,7 +143,7 @@ def test_rounds_after_warmup_allocate_no_dense_sized_tensor(algo: str, shadow_ru
 
 def gba_run(rank: int, world_size: int) -> dict[str, Any] | None:
     """GBA mode against one dense shard; the client's queue buffers are counted in its account."""
-    ps = Transport.start(1)
+    ps = start_transport(1)
     roles = ps.roles
     try:
         if roles.is_server:

@@ -16,7 +16,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from shadowgba.config import ConfigError
 from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.ps.transport import Transport
-from shadowgba.ps.embedding import EmbeddingShard, PSEmbeddingBagCollection, PSEmbeddingConfig, checked_tables
+from shadowgba.ps.start import start_transport
+from shadowgba.ps.embedding import PSEmbeddingBagCollection
+from shadowgba.ps.embedding_shard import EmbeddingShard, PSEmbeddingConfig, checked_tables
 from sync_algos.staleness import StalenessDecayConfig
 from tests.multiprocess import run_ranks
 
@@ -69,7 +71,7 @@ SERVICES = {
 
 def ps_against_torchrec(rank: int, world_size: int) -> dict:
     """Ranks 0-1 train, 2-3 serve. One step of both trainers on both services, then refused pushes."""
-    ps = Transport.start(num_servers=2)
+    ps = start_transport(num_servers=2)
     roles = ps.roles
     try:
         if roles.is_server:

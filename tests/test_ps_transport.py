@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.errors import PeerLost
-from shadowgba.ps import channel, sessions, transport
-from shadowgba.ps.transport import Transport
+from shadowgba.ps import channel, rendezvous, server_end, sessions, trainer_end
+from shadowgba.ps.start import start_transport
 from tests.multiprocess import run_ranks, run_ranks_outcomes, run_shared
 
 pytestmark = pytest.mark.timeout(180)
@@ -91,7 +91,7 @@ def listening_sockets() -> set[tuple[str, str, str]]:
 def exercise_transport(rank: int, world_size: int) -> dict:
     """3 ranks, 1 server: every rank checks its roles; trainers call the server's Echo service."""
     before = listening_sockets()
-    ps = Transport.start(num_servers=1)
+    ps = start_transport(num_servers=1)
     roles = ps.roles
     result: dict = {"roles": dataclasses.replace(roles, trainer_group=None)}
     try:
@@ -102,7 +102,7 @@ def exercise_transport(rank: int, world_size: int) -> dict:
             assert roles.trainer_group is None
             time.sleep(SERVE_DELAY_S)
             ps.serve("echo", Echo(roles.server_index, ps.shared_copy))
-            transport.SERVE_WAIT_S = 0.5  # how long the trainers' call for an unknown service waits
+            server_end.SERVE_WAIT_S = 0.5  # how long the trainers' call for an unknown service waits
         else:
             assert (roles.server_index, roles.trainer_index, roles.name) == (None, rank, f"trainer{rank}")
             reply = ps.call_async(0, "echo", "describe", rank, torch.arange(3.0)).wait()
@@ -154,7 +154,7 @@ def exercise_transport(rank: int, world_size: int) -> dict:
 def abort_and_barriers(rank: int, world_size: int) -> dict:
     """3 ranks, 1 server. The trainers meet in a barrier; trainer 0 waits alone in a second one (with
     a 1 s deadline); then trainer 1 aborts and trainer 0 waits in a third: what each rank saw, when."""
-    ps = Transport.start(num_servers=1)
+    ps = start_transport(num_servers=1)
     roles = ps.roles
     seen: dict = {}
     if roles.is_server:
@@ -208,9 +208,9 @@ def stalls_watched(rank: int, world_size: int) -> dict:
     server: what each rank saw, when (trainer 1 continues and calls once more, on a new session,
     while the server still answers: its grace outlasts the freeze)."""
     pinged_every, channel.PING_INTERVAL_S = channel.PING_INTERVAL_S, WATCH_PING_S
-    grace, transport.ABORT_GRACE_S = transport.ABORT_GRACE_S, 2 * WATCH_TIMEOUT_S
+    grace, server_end.ABORT_GRACE_S = server_end.ABORT_GRACE_S, 2 * WATCH_TIMEOUT_S
     try:
-        ps = Transport.start(num_servers=1, timeout_s=WATCH_TIMEOUT_S, on_trainer_lost="fail")
+        ps = start_transport(num_servers=1, timeout_s=WATCH_TIMEOUT_S, on_trainer_lost="fail")
         roles = ps.roles
         seen: dict = {}
         if roles.is_server:
@@ -236,7 +236,7 @@ def stalls_watched(rank: int, world_size: int) -> dict:
         seen["stop"] = (str(stopped.value), time.monotonic())
         return seen
     finally:
-        channel.PING_INTERVAL_S, transport.ABORT_GRACE_S = pinged_every, grace
+        channel.PING_INTERVAL_S, server_end.ABORT_GRACE_S = pinged_every, grace
 
 
 class Counter:
@@ -276,9 +276,9 @@ def paused_calls(rank: int, world_size: int) -> dict:
     from dlrm.faults import exchange_pids  # the harness's helper; this file's torchrun run needs no dlrm
 
     pids = exchange_pids()
-    alive_within, transport.ALIVE_WITHIN_S = transport.ALIVE_WITHIN_S, 1.0
+    alive_within, trainer_end.ALIVE_WITHIN_S = trainer_end.ALIVE_WITHIN_S, 1.0
     try:
-        ps = Transport.start(num_servers=1, timeout_s=PAUSE_TIMEOUT_S, rpc_timeout_s=PAUSE_RPC_TIMEOUT_S)
+        ps = start_transport(num_servers=1, timeout_s=PAUSE_TIMEOUT_S, rpc_timeout_s=PAUSE_RPC_TIMEOUT_S)
         roles = ps.roles
         seen: dict = {}
         if roles.is_server:
@@ -308,7 +308,7 @@ def paused_calls(rank: int, world_size: int) -> dict:
         ps.stop()
         return seen
     finally:
-        transport.ALIVE_WITHIN_S = alive_within
+        trainer_end.ALIVE_WITHIN_S = alive_within
 
 
 LATE_S = 3.0
@@ -323,7 +323,7 @@ def late_start(rank: int, world_size: int) -> dict:
     if rank == 1:
         time.sleep(LATE_S)
     started = time.monotonic()
-    ps = Transport.start(num_servers=1, timeout_s=LATE_TIMEOUT_S)
+    ps = start_transport(num_servers=1, timeout_s=LATE_TIMEOUT_S)
     seen = {"started": started, "waited": time.monotonic() - started}
     if ps.roles.is_server:
         ps.serve("counter", Counter())
@@ -374,7 +374,7 @@ def test_an_aborted_trainer_ends_every_barrier_call_and_stop_at_once_naming_it(s
         message, ended = seen["stop"]
         assert message == aborted, (rank, message)
         # monotonic clocks of one machine: the server waits ABORT_GRACE_S for the trainers to read it
-        assert ended - trainer1["aborted_at"] < transport.ABORT_GRACE_S + 5.0, (rank, ended - trainer1["aborted_at"])
+        assert ended - trainer1["aborted_at"] < server_end.ABORT_GRACE_S + 5.0, (rank, ended - trainer1["aborted_at"])
 
 
 def test_a_trainer_frozen_for_less_than_the_timeout_carries_on_and_one_frozen_longer_is_lost(
@@ -414,7 +414,7 @@ def test_a_call_to_a_stopped_server_fails_naming_it_within_the_rpc_timeout_and_a
 
 
 def test_a_server_runs_each_call_number_once_and_forgets_the_replies_its_trainer_settled() -> None:
-    replies, runs = transport._Replies(), []
+    replies, runs = server_end._Replies(), []
 
     def work(value: str) -> str:
         runs.append(value)
@@ -426,7 +426,7 @@ def test_a_server_runs_each_call_number_once_and_forgets_the_replies_its_trainer
     assert replies.run_once((0, 1, (0,)), lambda: work("next")) == "next"  # trainer 0 settled call 0
     assert runs == ["first", "other trainer", "next"]
     assert sorted(replies._by_trainer[0]) == [1]  # call 0's reply is forgotten, call 1's kept
-    calls = transport._Calls()
+    calls = trainer_end._Calls()
     assert [calls.begin(0), calls.begin(1)] == [(0, ()), (1, ())]
     calls.settled(0, 0)
     calls.settled(1, 1)
@@ -446,7 +446,7 @@ def test_the_same_checks_pass_under_torchrun() -> None:
 def trainer_dies(rank: int, world_size: int, trainer_timeout_s: float, on_trainer_lost: str = "fail") -> list:
     """3 ranks, 1 server: trainer 1 exits abruptly after a call; the others end up in stop(). The
     server's departures (on_trainer_lost continue)."""
-    ps = Transport.start(num_servers=1, on_trainer_lost=on_trainer_lost)
+    ps = start_transport(num_servers=1, on_trainer_lost=on_trainer_lost)
     roles = ps.roles
     if roles.is_server:
         ps.serve("echo", Echo(roles.server_index))
@@ -454,7 +454,7 @@ def trainer_dies(rank: int, world_size: int, trainer_timeout_s: float, on_traine
         ps.call(0, "echo", "describe", rank, torch.zeros(1))
         os._exit(3)  # no stop(), no exception, no goodbye: as a killed or crashed process
     ps.stop(trainer_timeout_s=trainer_timeout_s)
-    return [(left.trainer, left.incarnation, left.why) for left in ps.roster.departures]
+    return [(left.trainer, left.incarnation, left.why) for left in ps.roster.departures] if roles.is_server else []
 
 
 def test_a_server_whose_trainer_died_fails_with_a_clear_error_instead_of_waiting_forever() -> None:
@@ -493,7 +493,7 @@ def stall_departs(rank: int, world_size: int) -> dict:
     meanwhile (they must all succeed) and its stop(); trainer 1's refused call once continued."""
     pinged_every, channel.PING_INTERVAL_S = channel.PING_INTERVAL_S, WATCH_PING_S
     try:
-        ps = Transport.start(num_servers=1, timeout_s=WATCH_TIMEOUT_S, on_trainer_lost="continue")
+        ps = start_transport(num_servers=1, timeout_s=WATCH_TIMEOUT_S, on_trainer_lost="continue")
         roles = ps.roles
         seen: dict = {}
         if roles.is_server:
@@ -532,7 +532,7 @@ def test_a_trainer_stopped_past_the_timeout_departs_under_continue_and_is_refuse
 
 
 def test_roles_are_assigned_before_any_group_and_bad_server_counts_are_refused() -> None:
-    Roles = transport.Roles
+    Roles = rendezvous.Roles
     roles = Roles.assign(rank=1, world_size=4, num_servers=2)
     assert (roles.trainer_ranks, roles.server_ranks, roles.trainer_index) == ((0, 1), (2, 3), 1)
     assert not roles.is_server and roles.server_index is None
@@ -549,7 +549,7 @@ def test_start_refuses_a_bad_server_count_before_creating_any_group(monkeypatch:
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="got 2 with world_size 2"):
-        Transport.start(num_servers=2)
+        start_transport(num_servers=2)
     assert not dist.is_initialized()
 
 

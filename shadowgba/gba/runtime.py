@@ -34,7 +34,7 @@ Groups, barriers and why nothing deadlocks or mis-pairs:
   the user use: a library collective can never be paired with one of theirs. Collectives run only in
   the training thread; the client's threads only call the servers (`Transport`).
 - Barriers are not collectives: the GBA -> sync switch, a checkpoint load in GBA mode and the close
-  in GBA mode meet the other trainers through shard 0's server (`Transport.barrier`), so a
+  in GBA mode meet the other trainers through shard 0's server (`TrainerTransport.barrier`), so a
   trainer waiting in one never blocks a peer's collective, learns at once that a peer aborted
   (`PeerLost` with its reason), and gives up on a peer that does not come within `timeout_s`.
 - Sync mode issues one all-reduce per step and every decision (stop, switch, policy) is taken from
@@ -100,7 +100,9 @@ from shadowgba.metrics import GBAMetrics
 from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.gba.server import serve_dense_shard
 from shadowgba.gba.shards import DenseShardClient
-from shadowgba.ps.transport import NO_TRAINER_GROUP, Roles, Transport
+from shadowgba.ps.rendezvous import Roles
+from shadowgba.ps.trainer_end import TrainerTransport
+from shadowgba.ps.transport import NO_TRAINER_GROUP
 from shadowgba.step_hook import StepHook
 
 __all__ = ["GBASync", "Mode", "serve_dense_shard"]  # serve_dense_shard: GBA's server-rank entry point
@@ -155,7 +157,7 @@ class GBASync(DenseSync):
         on_nonfinite: str = "skip",
         timeout_s: float | None = None,
         guard: NonFiniteGuard | None = None,
-        transport: Transport | None = None,
+        transport: TrainerTransport | None = None,
     ) -> None:
         """`lockstep_every` > 0 says the trainers take every step together anyway (TorchRec-sharded
         tables: each step's all-to-all pairs them); GBA -> sync is then agreed every that many steps
@@ -545,7 +547,7 @@ class GBASync(DenseSync):
 
     def _group(self) -> dist.ProcessGroup:
         """The sync group, the library's own over the trainers, never the trainer group TorchRec and
-        the user use: with servers the transport's (`Transport.sync_group`, destroyed when the job
+        the user use: with servers the transport's (`TrainerTransport.sync_group`, destroyed when the job
         ends or aborts), else this runtime's. Fetched for each collective and never kept, so that
         destroying it frees it, and a peer's pending collective on it fails at once."""
         return self._require_transport().sync_group() if self.roles.num_servers else self._own_group
@@ -562,7 +564,7 @@ class GBASync(DenseSync):
                             f"the sync group (aborted, died, or did not come within sync.timeout_s)") from error
 
     def _barrier(self, name: str) -> None:
-        """Meet every trainer with no collective (`Transport.barrier`: through shard 0's server);
+        """Meet every trainer with no collective (`TrainerTransport.barrier`: through shard 0's server);
         a peer that aborted, or that does not come within `timeout_s`, raises `PeerLost` naming it."""
         self._require_transport().barrier(name, self.timeout_s)
 
@@ -573,7 +575,7 @@ class GBASync(DenseSync):
         if roles.elastic:
             raise SetupError(f"{what}: {NO_TRAINER_GROUP}")
 
-    def _require_transport(self) -> Transport:
+    def _require_transport(self) -> TrainerTransport:
         if self.transport is None:
             raise SetupError("GBASync in a job with servers needs its transport (GBASync(..., transport=job.transport))")
         return self.transport

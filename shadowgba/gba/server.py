@@ -91,7 +91,7 @@ from shadowgba.gba.shards import DENSE_SERVICE, Decision, PushRequest, ShardRepl
 from shadowgba.gba.switch_policy import SwitchPolicy
 from shadowgba.ps.membership import Roster
 from shadowgba.ps.server_state import OfferSchedule
-from shadowgba.ps.transport import Transport
+from shadowgba.ps.server_end import ServerTransport
 from sync_algos.base import is_finite
 from sync_algos.gba import Admission, GlobalBatchAggregator
 from sync_algos.staleness import StalenessCounts
@@ -586,6 +586,6 @@ class DenseShard:
         return self._optimizer, self._aggregator
 
 
-def serve_dense_shard(transport: Transport) -> None:
+def serve_dense_shard(transport: ServerTransport) -> None:
     """On a server rank: host an (unconfigured) dense shard; trainers configure it."""
     transport.serve(DENSE_SERVICE, DenseShard(transport.roster, transport.shared_copy))

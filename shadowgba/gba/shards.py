@@ -18,7 +18,7 @@ from shadowgba.flat_optimizer import (
     slice_export,
 )
 from shadowgba.gba.config import GBAConfig
-from shadowgba.ps.transport import Transport
+from shadowgba.ps.trainer_end import TrainerTransport
 from sync_algos.gba import Admission
 
 DENSE_SERVICE = "dense"
@@ -123,13 +123,13 @@ class DenseShardClient:
     The flat dense vector of `numel` elements is split over `num_shards` shards by `shard_bounds`
     (shard i on server i). Each method calls every shard that has a part in it, in parallel, and
     returns the replies in shard order; a shard's exception is raised here with its own type and
-    message (`Transport.call_async`). A push goes to shard 0 first, which decides it for all
+    message (`TrainerTransport.call_async`). A push goes to shard 0 first, which decides it for all
     (module docstring). Switch and close requests go to shard 0 alone: one place decides them,
     under one lock (`DenseShard.begin_close`). With no shards (a job without servers)
     the client is empty and every fan-out returns nothing.
     """
 
-    def __init__(self, numel: int, transport: Transport | None) -> None:
+    def __init__(self, numel: int, transport: TrainerTransport | None) -> None:
         self.transport = transport
         """The trainer's transport to the shards' servers; None in a job without servers."""
         num_shards = transport.roles.num_servers if transport is not None else 0
@@ -241,7 +241,7 @@ class DenseShardClient:
         """`method(*args)` on shard 0, which decides pushes, switches and closing for all."""
         return self._require_transport().call(0, DENSE_SERVICE, method, *args)
 
-    def _require_transport(self) -> Transport:
+    def _require_transport(self) -> TrainerTransport:
         if self.transport is None:
             raise RuntimeError("the dense shards need the job's transport to its servers (job.transport)")
         return self.transport

@@ -62,7 +62,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from shadowgba.errors import BatchError, SetupError
 from shadowgba.layout import ReplicaLayout
 from shadowgba.nonfinite import NonFiniteGuard
-from shadowgba.ps.embedding import PSEmbeddingBagCollection, id_out_of_range, ids_outside
+from shadowgba.ps.embedding import PSEmbeddingBagCollection
+from shadowgba.ps.embedding_shard import id_out_of_range, ids_outside
 from shadowgba.shadow.tables import TableShard
 
 __all__ = [
@@ -207,7 +208,7 @@ class BatchCheck:
     """Refuses a malformed batch of a set of tables with `ValueError` "batch refused: ..." naming the
     feature, its table and the bad value: keys that are not exactly the tables' features, lengths
     that are negative, not one per sample and feature, or do not add up to the values, and ids
-    outside their table (`shadowgba.ps.embedding.ids_outside`, the rule PS tables apply). A few
+    outside their table (`shadowgba.ps.embedding_shard.ids_outside`, the rule PS tables apply). A few
     vector operations over the lengths and the ids (the search for the culprit only on a refusal);
     reads the batch, never changes it."""
 

@@ -19,13 +19,13 @@ class PSConfig:
     rpc_timeout_s: float = 60.0
     """How long a trainer's channel to a server may hear nothing (no reply, no heartbeat; a live server
     beats 4 times in that time) before the trainer opens a new session there: a server whose acceptor
-    does not take it within `transport.ALIVE_WITHIN_S` is named lost (`PeerLost`); one that does gets
+    does not take it within `trainer_end.ALIVE_WITHIN_S` is named lost (`PeerLost`); one that does gets
     the calls in flight again (each run once however often it is sent) until `sync.timeout_s` after
     the call began, so a trainer stopped with a call in flight, or a slow call, is no failure.
     Must not exceed `trainer_timeout_s`."""
     on_trainer_lost: str = "continue"
     """What the servers do when they lose a trainer (its channel silent past `sync.timeout_s`, i.e.
-    stopped or stuck, or closed with no new session within `transport.RECONNECT_GRACE_S`, i.e.
+    stopped or stuck, or closed with no new session within `server_end.RECONNECT_GRACE_S`, i.e.
     killed): `continue`: the trainer *departs*: its in-flight pushes are dropped (GBA's global batch
     counts samples, so the survivors fill it), no barrier or `stop()` waits for it, the survivors
     carry on, and a new process of the same trainer rejoins (a stopped one that resumes is refused
@@ -60,7 +60,7 @@ class PSConfig:
     --max-restarts, whose agent hosts the store so that it outlives the server) before its calls
     fail. Meanwhile the trainers wait (their pushes and lookups block); once it is back, what
     they had in flight is dropped and counted, and they train on its restored parameters. 0: a
-    server that takes no new session within `transport.ALIVE_WITHIN_S` is lost and the job ends.
+    server that takes no new session within `trainer_end.ALIVE_WITHIN_S` is lost and the job ends.
     GBA allows one server only: the dense shards of several would have to go back to one global
     step together. S-EASGD allows any number, restarting alone or together (a trainer's exchange
     that a restart cut is sent again to the new process, whose centre slice is its checkpoint's)."""

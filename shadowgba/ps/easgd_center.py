@@ -27,7 +27,7 @@ from shadowgba.errors import CheckpointError, ServerRestarted, SetupError
 from shadowgba.flat_optimizer import shard_bounds
 from shadowgba.ps.channel import first_line
 from shadowgba.ps.server_state import OfferSchedule
-from shadowgba.ps.transport import Transport
+from shadowgba.ps.trainer_end import TrainerTransport
 from sync_algos.base import is_finite
 from sync_algos.easgd import elastic_pull
 from sync_algos.easgd_ps import Centre
@@ -169,7 +169,7 @@ def slice_problem(start: int, end: int, values: object, dtype: torch.dtype | Non
 class CenterClient(Centre):
     """The trainer side of the centre: the whole flat vector over `num_servers` `ElasticCenter` slices.
 
-    Needs the job's PS transport (`Transport`) and every server serving an
+    Needs the job's PS transport (`TrainerTransport`) and every server serving an
     `ElasticCenter` under `service`. Holds no state but the length and dtype `init` started the
     centre with (what a checkpoint must match): the slices follow from the length by `shard_bounds`,
     as on every trainer; a server refuses a slice that is not the one it holds.
@@ -181,7 +181,7 @@ class CenterClient(Centre):
     rounds; in shadow mode the other trainers' exchanges race with the gather by design).
     """
 
-    def __init__(self, transport: Transport, service: str = CENTER_SERVICE) -> None:
+    def __init__(self, transport: TrainerTransport, service: str = CENTER_SERVICE) -> None:
         num_servers = transport.roles.num_servers
         if num_servers < 1:
             raise SetupError(f"the S-EASGD centre needs at least one server, got num_servers={num_servers}")

@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from shadowgba.checkpoint import fsync_dir, load_state_file
+from shadowgba.serialized import fsync_dir, load_state_file
 
 logger = logging.getLogger("shadowgba")
 

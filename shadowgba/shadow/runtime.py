@@ -59,7 +59,7 @@ from shadowgba.metrics import SyncMetrics
 from shadowgba.nonfinite import NonFiniteGuard, gradients, reset_nonfinite_state
 from shadowgba.step_hook import StepHook
 from shadowgba.dense import DenseParams, trainable_named_parameters
-from shadowgba.shadow.survival import SurvivingGroups
+from shadowgba.shadow.survival import EpochRounds, PeersAborted, SurvivingGroups
 from shadowgba.shadow.writeback import DirectWriteBack, HandoffWriteBack, WriteBack, wait_for_device
 
 logger = logging.getLogger("shadowgba")
@@ -68,15 +68,7 @@ ABORT_ROUND_S = 5.0
 """Longest `abort()` waits for its last round (the one that tells the peers), whatever `timeout_s`."""
 
 
-class _PeersAborted(SyncError):
-    """A round's flags named aborted peers (`ranks`, global), where the rounds may survive them."""
-
-    def __init__(self, message: str, ranks: Sequence[int]) -> None:
-        super().__init__(message)
-        self.ranks = tuple(ranks)
-
-
-class ShadowSync(DenseSync):
+class ShadowSync(EpochRounds, DenseSync):
     """Synchronizes the dense parameters of `model` across trainers, in the background or every k steps.
 
     `optimizers` are the optimizers whose `step()` marks a step boundary: usually the one dense
@@ -575,97 +567,6 @@ class ShadowSync(DenseSync):
             self._admit()
         return result.last or failed
 
-    def _admit(self) -> None:
-        """After a round in which every rank saw a replica group waiting to join: take the job's
-        next decision (`SurvivingGroups.admit`) and meet in its epoch (`_enter_epoch`)."""
-        assert self._survival is not None
-        before = self._survival.members
-        self._survival.admit()
-        self._enter_epoch(before)
-
-    def _round_surviving(self) -> bool:
-        """`_run_round`; with `survival`, a round that failed (a collective's error, or peers' aborted
-        flags: `_PeersAborted`) is followed by the job's decision on which replica groups are lost and
-        the rounds rebuilt over the survivors (False: they go on), unless this rank's group is lost or
-        no lost peer is found: then the error is raised, as without `survival`. Meeting in the new
-        epoch can fail too (a decision read here may have let in a group that does not come, or
-        another rank was lost meanwhile): each failure takes the next decision, one per group at most."""
-        try:
-            return self._run_round()
-        except Exception as error:
-            if self._survival is None or self._aborting.is_set():
-                raise
-            failure: BaseException = error
-            flagged = error.ranks if isinstance(error, _PeersAborted) else ()
-        for _ in range(len(self._survival.trainer_ranks) // self._survival.group_size):
-            before = self._survival.members
-            self._survival.agree(failure, flagged)
-            try:
-                self._enter_epoch(before)
-                return False
-            except Exception as error:  # noqa: BLE001 - the next decision's evidence decides
-                failure, flagged = error, ()
-        raise SyncError(f"the rounds could not meet in a new epoch after {failure!r}") from failure
-
-    def _enter_epoch(self, before: tuple[int, ...]) -> None:
-        """After the job's next decision changed the member groups from `before`: meet in the new
-        epoch's groups (`SurvivingGroups.groups`) and restart the rounds there at the members'
-        average (`regroup`: the consensus start; a failed round may have left the algorithm's state
-        unequal, and EASGD's and BMUF's constants follow the rank count). Groups let in take a
-        replica first, on each position's replica group (`_heal`). The old groups are released."""
-        survival = self._survival
-        assert survival is not None
-        if survival.members == before:
-            return  # a decision that changed nobody (a join request counted, nobody waiting)
-        started = time.perf_counter()
-        dense, replica = survival.groups()
-        old_groups = [self._group]
-        if self.tables is not None:
-            old_groups.append(self.tables.group)
-            self.tables.regroup(replica)
-        if survival.joined:
-            self._heal(replica, survival.heal_source())
-        with self._round_lock:
-            self._group = dense
-            self._algorithm.regroup(dense)
-        for group in old_groups:
-            made_groups.release(group)
-        lost = [group for group in before if group not in survival.members]
-        self.metrics.record_groups_lost(len(lost))
-        self.metrics.record_groups_joined(len(survival.joined))
-        if lost:
-            logger.warning("shadowgba: %s; the rounds go on over ranks %s, from their average", survival.describe(),
-                           ", ".join(map(str, survival.survivors())))
-        if survival.joined:
-            logger.warning("shadowgba: replica group %s rejoined (epoch %d) and took the replica of group %s in %.1f s; "
-                           "the rounds go on over ranks %s, from their average", ", ".join(map(str, survival.joined)),
-                           survival.epoch, survival.members[survival.heal_source()], time.perf_counter() - started,
-                           ", ".join(map(str, survival.survivors())))
-
-    def _heal(self, replica: dist.ProcessGroup, source: int) -> None:
-        """A member's side of a joining group's heal, collective on this rank's new replica group
-        (the joining rank's side is `start()`): the replica group's rank `source` broadcasts its dense
-        weights, then its table shards with their optimizer state a fragment at a time, every
-        partner having checked that all hold the same cycle and started the rotation over. Members
-        snapshot at step boundaries, as a round does (a pending delta is applied first), and keep
-        their own. `SyncError` if this rank is aborting meanwhile (its partners' next round learns
-        why)."""
-        if not self._writeback.snapshot(self._snapshot):
-            raise SyncError("this rank is aborting: it leaves the heal of a joining replica group")
-        dist.broadcast(self._snapshot, group_src=source, group=replica)
-        wait_for_device(self.dense.device)  # the buffer is the next round's: the broadcast must be done
-        if self.tables is None or self._table_writeback is None:
-            return
-        self.tables.check_partners()
-        if not self._table_writeback.snapshot(self.tables.buffer):  # a pending delta lands, at its fragment
-            raise SyncError("this rank is aborting: it leaves the heal of a joining replica group")
-        self.tables.restart_rotation()
-        for _ in self.tables.fragments:
-            if not self._table_writeback.snapshot(self.tables.buffer):
-                raise SyncError("this rank is aborting: it leaves the heal of a joining replica group")
-            dist.broadcast(self.tables.buffer, group_src=source, group=replica)
-            wait_for_device(self.tables.device)
-
     def _check_flags(self, nonfinite: Sequence[int], aborted: Sequence[int], where: str) -> bool:
         """Act on a collective's flags, as every rank does alike: a peer that aborted, or NaN / Inf
         under `on_nonfinite: fail`, becomes `_error` (returns True: leave the rounds); NaN / Inf
@@ -674,7 +575,7 @@ class ShadowSync(DenseSync):
             message = (f"rank {', '.join(map(str, aborted))} aborted: its training loop raised (see that rank's log); "
                        f"{where} left it out")
             if self._survival is not None:
-                raise _PeersAborted(message, aborted)
+                raise PeersAborted(message, aborted)
             self._error = SyncError(f"{message} and this rank's rounds ended with it")
             return True
         if nonfinite and self.config.on_nonfinite == "fail":
