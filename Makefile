@@ -10,7 +10,7 @@ NPROC ?= 2
 CONFIG ?= examples/configs/bmuf.yaml
 PRESET ?=
 
-.PHONY: setup run test test-hosts test-newer bench bench-quick bench-quality bench-scaling bench-gba bench-2d bench-ps bench-elastic bench-rejoin bench-hosts bench-host-faults soak clean
+.PHONY: setup run test test-hosts test-newer bench bench-quick bench-quality bench-scaling bench-sync bench-gba bench-2d bench-ps bench-elastic bench-rejoin bench-heal bench-hosts bench-host-faults bench-memory calibrate soak clean
 
 setup: $(STAMP)
 
@@ -75,6 +75,11 @@ bench-scaling: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_scaling.py
 
 # GBA vs sync all-reduce vs plain async PS, 4 trainers + 1 PS, one trainer 3x slow
+# Loopback, 2 ranks: local training, DDP, torch's PMA and every shadow mode side by side at the small
+# and production presets, interleaved (benchmarks/bench_sync.py; runs/bench_sync.json)
+bench-sync: $(STAMP)
+	$(PY) benchmarks/bench_sync.py
+
 bench-gba: $(STAMP)
 	$(PY) benchmarks/bench_gba.py --compute simulated
 	$(PY) benchmarks/bench_gba.py --compute real
@@ -100,6 +105,21 @@ bench-elastic: $(STAMP)
 # (benchmarks/bench_rejoin.py; runs/bench_rejoin.json)
 bench-rejoin: $(STAMP)
 	$(PY) benchmarks/bench_rejoin.py
+
+# A replica gone NaN and healed under sync.on_nonfinite: skip, against the same job clean, per algorithm
+# (benchmarks/bench_heal.py; runs/bench_heal.json)
+bench-heal: $(STAMP)
+	$(PY) benchmarks/bench_heal.py
+
+# A trainer's resident memory under each runtime, and a dense server's, against the dense size
+# (benchmarks/memory_probe.py)
+bench-memory: $(STAMP)
+	$(PY) benchmarks/memory_probe.py
+
+# The throughput model's inputs measured on this machine (benchmarks/calibrate.py; docs/scaling.md);
+# `calibrate.py validate` then checks its predictions against make bench-scaling's results
+calibrate: $(STAMP)
+	$(PY) benchmarks/calibrate.py measure
 
 # Across hosts (needs root): the flat variants on 2 simulated hosts, links at 1 and 10 Gbit/s, without and
 # with a 3x straggler (benchmarks/bench_hosts.py; runs/bench_hosts.json)

@@ -42,7 +42,8 @@ pushes of 4,096 rows (rows/s) against PS-hosted tables of 100K x 64 rows, the sa
 Interleaving: for each repetition, for each world (trainers x shards), for each `--trees` entry, one
 group of processes is spawned and measures every size, dtype pair and in-flight setting in turn; `--trees`
 names checkouts whose `shadowgba` the processes import (e.g. the code before and after an
-optimisation: `--trees after=.,before=/tmp/old`), so their ratio is measured side by side. Each
+optimisation: `--trees after=.,before=/tmp/old`; `--trees shm=.,tcp=.+tcp`: this checkout with and
+without its same-host path), so their ratio is measured side by side. Each
 figure is the median over repetitions with its min-max; ratios (of parameters per second) are per
 repetition to the first tree's first dtype pair, then the median.
 Prints Markdown tables and writes every window's numbers to runs/bench_ps.json.
@@ -88,6 +89,8 @@ class World:
     shards: int
     tree: str
     tree_path: str
+    same_host: bool = True
+    """False: the transport without its same-host path (`sync.ps.same_host: false`; a tree `PATH+tcp`)."""
 
 
 def parse_size(text: str) -> int:
@@ -115,7 +118,7 @@ class PS:
     the dense shards in `shadowgba.gba`), or the one before (`Transport.start`, the dense shards in
     `shadowgba.ps.dense_server`), so that one invocation compares a change with its parent."""
 
-    def __init__(self, num_servers: int, lane_mb: float | None = None) -> None:
+    def __init__(self, num_servers: int, lane_mb: float | None = None, same_host: bool = True) -> None:
         from shadowgba.ps.config import PSConfig
 
         try:
@@ -125,6 +128,8 @@ class PS:
 
             start_transport = Transport.start
         lanes = {} if lane_mb is None else {"lane_bytes": PSConfig(lane_mb=lane_mb).lane_bytes}
+        if not same_host:
+            lanes = {"lane_bytes": 0}
         self.api: Any = start_transport(num_servers, **lanes)
         self.roles = self.api.roles
 
@@ -166,7 +171,7 @@ def _rank_main(rank: int, world: World, port: int, plan: dict[str, Any], results
     import torch
 
     torch.set_num_threads(plan["threads"])
-    ps = PS(world.shards, plan["lane_mb"])
+    ps = PS(world.shards, plan["lane_mb"], world.same_host)
     roles = ps.roles
     try:
         if roles.is_server:
@@ -481,7 +486,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--lane-mb", type=float, default=None,
                         help="sync.ps.lane_mb of the channel transport's trees (default: theirs)")
     parser.add_argument("--trees", default=f"current={ROOT}",
-                        help="comma-separated NAME=PATH checkouts to import shadowgba from (first: the baseline)")
+                        help="comma-separated NAME=PATH checkouts to import shadowgba from (first: the baseline); "
+                             "PATH+tcp: that checkout without its same-host path (sync.ps.same_host: false)")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_ps.json", help="JSON results")
     args = parser.parse_args(argv)
     trees = dict(part.split("=", 1) for part in args.trees.split(","))
@@ -499,7 +505,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for rep in range(args.reps):
         for trainers, shards in worlds:
             for name, path in trees.items():
-                world = World(trainers, shards, name, str(Path(path).resolve()))
+                path, _, mode = path.partition("+")
+                world = World(trainers, shards, name, str(Path(path).resolve()), same_host=mode != "tcp")
                 for window in run_world(world, plan, per_world_s):
                     records.append({"rep": rep, "trainers": trainers, "shards": shards, "tree": name, **window})
                     shown = (f"{window['ingest_gib_per_s_per_server']:.3f} GiB/s per server, "

@@ -69,15 +69,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
-import json
 import logging
 import os
 import random
-import re
 import shutil
 import sys
 import time
-import zlib
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -92,15 +89,12 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
 
 from shadowgba.errors import CheckpointError, ConfigError
-from shadowgba.serialized import fsync_dir, state_from_bytes, state_to_bytes
+from shadowgba.serialized import (
+    TMP_PREFIX, commit_folder, state_from_bytes, state_to_bytes, step_folders, verify_folder,
+)
 
 logger = logging.getLogger("shadowgba")
 
-META_FILE = "shadowgba.json"
-"""Written by trainer 0 into each checkpoint: setup, step, and the size and CRC-32 of every file."""
-FORMAT = 1
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_TMP_PREFIX = ".tmp-"
 _ASYNC_GROUPS: dict[tuple[Any, ...], dist.ProcessGroup] = {}
 
 
@@ -268,7 +262,7 @@ class Checkpointer:
         self._pending: tuple[int, Path, Future] | None = None
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-            for stale in self.directory.glob(f"{_TMP_PREFIX}*"):  # saves a crash cut short
+            for stale in self.directory.glob(f"{TMP_PREFIX}*"):  # saves a crash cut short
                 shutil.rmtree(stale, ignore_errors=True)
         self._barrier()
 
@@ -285,7 +279,7 @@ class Checkpointer:
             if callable(prepare):
                 prepare()
         final = self.path_of(step)
-        tmp = self.directory / f"{_TMP_PREFIX}{final.name}"
+        tmp = self.directory / f"{TMP_PREFIX}{final.name}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -328,14 +322,7 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------ loading
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Committed checkpoints (step, path), oldest first."""
-        if not self.directory.is_dir():
-            return []
-        found = []
-        for entry in self.directory.iterdir():
-            match = _STEP_DIR.match(entry.name)
-            if match and entry.is_dir():
-                found.append((int(match.group(1)), entry))
-        return sorted(found)
+        return step_folders(self.directory)
 
     def path_of(self, step: int) -> Path:
         return self.directory / f"step_{step:08d}"
@@ -380,28 +367,7 @@ class Checkpointer:
     def verify(self, path: Path) -> int:
         """Check the files against `shadowgba.json` and the setup against this job's; its step.
         Raises `CheckpointError` naming the path and what is wrong. No collective."""
-        meta_path = path / META_FILE
-        try:
-            meta = json.loads(meta_path.read_text())
-            files, saved_setup, step = meta["files"], meta["setup"], int(meta["step"])
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise CheckpointError(f"checkpoint {path} is corrupted or incomplete: cannot read {META_FILE} "
-                                  f"({error!r})") from None
-        difference = self.setup.difference(saved_setup)
-        if difference:
-            raise CheckpointError(f"checkpoint {path} does not fit this job: {difference}")
-        for name, expected in sorted(files.items()):
-            file = path / name
-            try:
-                size, crc = _size_and_crc(file)
-            except OSError:
-                raise CheckpointError(f"checkpoint {path} is corrupted: {file} is missing") from None
-            if size != expected["size"]:
-                raise CheckpointError(f"checkpoint {path} is truncated or corrupted: {file} has {size} bytes, "
-                                      f"{expected['size']} were written")
-            if crc != expected["crc32"]:
-                raise CheckpointError(f"checkpoint {path} is corrupted: {file} fails its CRC-32 check")
-        return step
+        return verify_folder(path, self.setup.difference)["step"]
 
     # ---------------------------------------------------------------------------------- internals
     def _choose(self, allow_fresh_start: bool) -> tuple[int, str] | None:
@@ -421,7 +387,7 @@ class Checkpointer:
             return step, str(path)
         if refused and not allow_fresh_start:
             raise CheckpointError(f"none of the {len(refused)} checkpoints in {self.directory} loads, so the run "
-                                  "would start over from step 0 (allow a fresh start explicitly to do that): "
+                                  "would start over from step 0 (load_latest(..., allow_fresh_start=True) does that): "
                                   + "; ".join(refused))
         if refused:
             logger.warning("shadowgba: every checkpoint in %s is corrupted; starting from step 0 (fresh start "
@@ -445,23 +411,8 @@ class Checkpointer:
                                   "loaded)")
 
     def _commit(self, step: int, tmp: Path) -> None:
-        """Trainer 0: checksum, write the metadata, rename into place, drop the oldest."""
-        files = {}
-        for file in sorted(tmp.rglob("*")):
-            if file.is_file():
-                size, crc = _size_and_crc(file)
-                files[str(file.relative_to(tmp))] = {"size": size, "crc32": crc}
-        meta = {"format": FORMAT, "step": step, "setup": self.setup.to_json(), "files": files,
-                "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-        fsync_dir(tmp)
-        final = self.path_of(step)
-        if final.exists():  # an earlier run's checkpoint of the same step (e.g. after a restart)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(self.directory)
-        for _, old in self.checkpoints()[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        """Trainer 0: seal the folder and rename it into place (`commit_folder`), dropping the oldest."""
+        commit_folder(tmp, self.path_of(step), step, self.setup.to_json(), self.keep_last)
 
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -582,15 +533,6 @@ def _set_rng_states(states: Mapping[str, Any]) -> None:
         state = states["numpy"]
         numpy.random.set_state((state["name"], state["keys"].numpy(), state["position"], state["has_gauss"],
                                 state["cached_gaussian"]))
-
-
-def _size_and_crc(file: Path) -> tuple[int, int]:
-    crc, size = 0, 0
-    with open(file, "rb") as stream:
-        while chunk := stream.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return size, crc
 
 
 __all__ = ["Checkpointer", "ModelState", "PerTrainer", "Setup", "Stateful", "TrainState"]

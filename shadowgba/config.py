@@ -25,6 +25,7 @@ import yaml
 import sync_algos
 from shadowgba.errors import ConfigError
 from shadowgba.gba.config import GBAConfig
+from shadowgba.nonfinite import DEFAULT_ON_NONFINITE
 from shadowgba.ps.config import PSConfig
 from shadowgba.shadow.survival import ReplicaJobsConfig
 from shadowgba.shadow.tables import TableSyncConfig
@@ -96,7 +97,7 @@ class SyncConfig:
     With servers, the order the timeouts must respect is rpc_timeout_s <= timeout_s <=
     trainer_timeout_s (`sync.ps`): a call fails before a collective gives up on a peer, and both
     before a server gives up on a trainer, so the error a user sees names the cause."""
-    on_nonfinite: Literal["skip", "fail"] = "skip"
+    on_nonfinite: Literal["skip", "fail"] = DEFAULT_ON_NONFINITE
     """A round, all-reduce or push that would bring NaN / Inf into other replicas or the servers is
     refused either way, and so are embedding gradients bound for a peer's table shards and row
     pushes to PS-hosted tables (`shadowgba.nonfinite`). skip: leave that rank's contribution and

@@ -9,7 +9,7 @@
     │                               names the trainer, the feature and what is wrong
     └── SyncError                   a round, push or collective failed while running; the cause is
         └── PeerLost                chained (`__cause__`) and the local weights are intact
-            │                       a peer rank stopped answering; names the rank
+            │                       a peer rank failed or stopped answering; names the rank
             └── ServerRestarted     a server came back as a new process, restored from its checkpoint,
                                     while a call to it was in flight (the call was not run again)
 
@@ -18,6 +18,8 @@ logged and attached to it as notes (`DenseSync.__exit__`).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 
 class ShadowGBAError(RuntimeError):
@@ -41,11 +43,18 @@ class BatchError(ShadowGBAError, ValueError):
 
 
 class SyncError(ShadowGBAError):
-    """Synchronization failed while running; the cause is chained and the local weights are intact."""
+    """Synchronization failed while running; the cause is chained and the local weights are intact.
+    `ranks`: the global ranks whose failure this is, when known (a round's NaN flags, a lost peer),
+    which every rank's report names as the cause (`shadowgba.blame`)."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
 
 
 class PeerLost(SyncError):
-    """A peer rank (trainer or server) stopped answering; the message names it."""
+    """A peer rank (trainer or server) failed or stopped answering; the message names it (`ranks`,
+    when it is known by rank), and what the transport said is its cause (`__cause__`)."""
 
 
 class ServerRestarted(PeerLost):

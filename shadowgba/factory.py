@@ -46,9 +46,10 @@ from torch import nn
 import sync_algos
 from shadowgba import optional, reporting
 from shadowgba.batch_size import check_first_batch
+from shadowgba.blame import Blame
 from shadowgba.config import PS_ALGOS, SyncConfig, load_config
 from shadowgba.dense import trainable_named_parameters
-from shadowgba.errors import ConfigError, PeerLost, SetupError, SyncError
+from shadowgba.errors import ConfigError, PeerLost, SetupError
 from shadowgba.gba.runtime import GBASync
 from shadowgba.interface import DenseSync
 from shadowgba.layout import ReplicaLayout
@@ -56,7 +57,7 @@ from shadowgba.network import init_process_group
 from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.gba.server import DenseShard
 from shadowgba.gba.shards import DENSE_SERVICE
-from shadowgba.ps.membership import NOTICE_TIMEOUT_S, Heartbeat, NoticeBoard
+from shadowgba.ps.membership import Heartbeat, NoticeBoard
 from shadowgba.ps.rendezvous import Roles, failure_message
 from shadowgba.ps.transport import NO_TRAINER_GROUP, Transport
 from shadowgba.ps.start import start_transport
@@ -244,43 +245,38 @@ class Job:
         """Leave the job (collective over every rank); with servers, releases them once all trainers have."""
         self._leave(lambda transport: transport.stop(trainer_timeout_s=self.config.ps.trainer_timeout_s))
 
-    def announce_failure(self, error: BaseException) -> None:
-        """Tell the job that this trainer's part failed with `error`, waiting for no peer: post it on
-        the notice board (for peers whose collectives fail once this rank is gone) and tell every
-        server (`Transport.notify_abort`: they refuse every later call naming this trainer). A peer
-        that had posted first is named in a note on `error`: its failure is likely this one's cause.
-        Without such a notice, one whose heartbeat stopped (`NoticeBoard.silent_peers`: killed or stuck,
-        it posts nothing) is named instead, in a note and in this trainer's notice, so that servers
-        and peers name it too; a `SyncError` that neither explains, and that names no rank itself
-        (no `PeerLost` in it or its causes), says the lost rank is unknown."""
+    @functools.cached_property
+    def blame(self) -> Blame:
+        """This trainer's judge of failures (`shadowgba.blame`): which rank failed first, on `notices`."""
+        roles = self.roles
+        peers = [rank for rank in roles.trainer_ranks if rank != roles.rank]
+        return Blame(self.notices, roles.rank, peers, roles.describe,
+                     cause_number=lambda: self.survival.epoch if self.survival is not None else 0)
+
+    def announce_failure(self, error: BaseException) -> BaseException | None:
+        """Tell the job that this trainer's part failed with `error`, waiting for no peer, and return
+        the error the user should see instead, if any. `Blame.judge` decides who failed first: this
+        rank (the user's exception, its own NaN: `error` stays what the user sees), or a peer (a
+        `PeerLost` naming it, `error` as its cause). The verdict is posted on the notice board (for
+        peers whose collectives fail once this rank is gone) and sent to every server
+        (`Transport.notify_abort`: they refuse every later call with it)."""
         if self.closed or self.failure is not None:
-            return
-        peers = [rank for rank in self.roles.trainer_ranks if rank != self.roles.rank]
-        notices = self.notices
-        posted = notices.aborted_peers(peers)
-        for reason in posted.values():
-            error.add_note(f"shadowgba: before this rank failed, {reason}")
-        silent = [] if posted else notices.silent_peers(peers)
-        causes = [f"trainer {self.roles.trainer_ranks.index(rank)} (rank {rank}) stopped its heartbeat: it probably "
-                  "died, is stuck, or is cut off from the network" for rank in silent]
-        if not notices.reachable:
-            causes.append(f"this rank (rank {self.roles.rank}) could not reach the job's store within "
-                          f"{NOTICE_TIMEOUT_S:.0f} s: it is cut off from the other hosts (a network partition), "
-                          "or the store's host is down")
-        for cause in causes:
-            error.add_note(f"shadowgba: before this rank failed, {cause} (the likely cause)")
-        if not posted and not causes and isinstance(error, SyncError) and not _names_a_peer(error):
-            error.add_note("shadowgba: no peer posted a failure and every peer's heartbeat is alive: rank unknown")
-        reason = "; before it, ".join([repr(error), *causes])
-        self.failure = failure_message(self.roles, reason)
-        notices.post_abort(self.roles.rank, self.failure)
+            return None
+        verdict = self.blame.judge(error)
+        if verdict.earlier is not None:
+            error.add_note(f"shadowgba: an earlier failure ended the job first: {verdict.earlier}")
+        self.failure = verdict.why if verdict.own else \
+            f"{verdict.why} ({self.roles.describe(self.roles.rank)} ended after it)"
+        self.notices.post_abort(self.roles.rank, self.failure)
         if self.transport is not None:
-            self.transport.notify_abort(reason)
+            self.transport.notify_abort(self.failure)
+        return verdict.replacement
 
     def abort(self) -> None:
         """Leave the job after `announce_failure`, waiting for no peer: with servers, the channels are
         closed without draining and the transport's groups destroyed (`Transport.abort`)."""
-        self._leave(lambda transport: transport.abort(self.failure or "its part of the job ended without closing"))
+        self._leave(lambda transport: transport.abort(
+            self.failure or failure_message(self.roles, "its part of the job ended without closing")))
 
     def _leave(self, end_transport: Callable[[Transport], None]) -> None:
         """Once: mark the job closed, remove the sharding guard and, with servers, `end_transport(transport)`."""
@@ -293,18 +289,6 @@ class Job:
             self.sharding_guard.remove()
         if self.transport is not None:
             end_transport(self.transport)
-
-
-def _names_a_peer(error: BaseException) -> bool:
-    """Whether `error` or one of its causes is a `PeerLost`, whose message names the lost rank."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, PeerLost):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
 
 
 def join(

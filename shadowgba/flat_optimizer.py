@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from shadowgba.errors import CheckpointError, ConfigError, SetupError
+from shadowgba.serialized import check_count, check_entries
 
 
 @dataclasses.dataclass
@@ -125,6 +126,38 @@ class FlatOptimizer:
             key: value.clone() if torch.is_tensor(value) else value for key, value in exported["state"].items()
         }
         self.global_step = int(exported["global_step"])
+
+
+def state_keys(spec: OptimizerSpec, dtype: torch.dtype) -> set[str]:
+    """The keys of `spec`'s optimizer state once it has stepped (e.g. Adam: step, exp_avg, exp_avg_sq)."""
+    probe = FlatOptimizer(spec, torch.zeros(1, dtype=dtype))
+    probe.step(torch.zeros(1, dtype=dtype))
+    return set(probe.export()["state"])
+
+
+def check_export(exported: Any, spec: OptimizerSpec, numel: int, dtype: torch.dtype, what: str) -> dict[str, Any]:
+    """`exported` if it is an export of `spec`'s optimizer (`FlatOptimizer.export`) over `numel`
+    values of `dtype`: its parameters, a state of that optimizer's keys whose per-element tensors
+    have the same length, everything finite, a global step that is an integer >= 0. Else
+    `CheckpointError` naming `what`: the one check of such a state before it is loaded, by a
+    trainer (its checkpoint) and by a dense shard (its slice). Reads only."""
+    exported = check_entries(exported, what, ("param", "state", "global_step"))
+    param, state = exported["param"], exported["state"]
+    check_count(exported["global_step"], f"{what}'s global_step")
+    if not torch.is_tensor(param) or param.shape != (numel,) or param.dtype != dtype:
+        got = f"{tuple(param.shape)} {param.dtype}" if torch.is_tensor(param) else type(param).__name__
+        raise CheckpointError(f"{what} holds {got} parameter values, not ({numel},) {dtype}")
+    expected = state_keys(spec, dtype)
+    if not isinstance(state, dict) or (state and set(state) != expected):
+        keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{what}'s optimizer state {keys} is not {spec.name}'s {sorted(expected)}")
+    tensors = {"param": param, **{key: value for key, value in state.items() if torch.is_tensor(value)}}
+    for key, value in tensors.items():
+        if value.dim() > 0 and value.shape != (numel,):
+            raise CheckpointError(f"{what}'s optimizer state '{key}' has shape {tuple(value.shape)}, expected ({numel},)")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"{what}'s '{key}' has NaN or Inf values")
+    return exported
 
 
 def _per_element(value: Any, numel: int) -> bool:

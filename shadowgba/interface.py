@@ -75,35 +75,43 @@ class DenseSync(abc.ABC):
             try:
                 self.close()
             except BaseException as error:  # close() released this rank's part; the job is told why
-                self._fail(error)
+                replacement = self._fail(error)
+                if replacement is not None:
+                    raise replacement from error
                 raise
             for finish in self.__dict__.pop("_after_exit", ()):
                 finish()
             return
-        self._fail(exc, abort=True)
+        replacement = self._fail(exc, abort=True)
+        if replacement is not None:  # a peer's failure: the user sees whose, the transport's words as its cause
+            raise replacement from exc
 
     def call_after_exit(self, finish: Callable[[], None]) -> None:
         """Run `finish` once a `with` block over this sync has closed it normally (not after an
         exception: then peers may still wait in collectives, and only this rank's part is ended)."""
         self.__dict__.setdefault("_after_exit", []).append(finish)
 
-    def call_on_failure(self, announce: Callable[[BaseException], None], leave: Callable[[], None]) -> None:
+    def call_on_failure(self, announce: Callable[[BaseException], BaseException | None],
+                        leave: Callable[[], None]) -> None:
         """When a `with` block over this sync ends by an exception (the user's, or `close()`'s):
         `announce(error)` before this rank's sync is aborted (tell the peers, while this rank's
         groups still exist: a peer whose collective fails once they are gone finds the reason
-        posted), then `leave()` after it. Neither may wait for a peer."""
+        posted), then `leave()` after it. Neither may wait for a peer. What `announce` returns, if
+        anything, is raised in place of the error, chaining it (`Job.announce_failure`: a `PeerLost`
+        naming the peer that failed first)."""
         self.__dict__.setdefault("_on_failure", []).append((announce, leave))
 
-    def _fail(self, error: BaseException, abort: bool = False) -> None:
-        """The failure path of `__exit__`: announce, abort (when `abort`), leave. Raises nothing: what
-        goes wrong here is logged and attached to `error` as a note."""
+    def _fail(self, error: BaseException, abort: bool = False) -> BaseException | None:
+        """The failure path of `__exit__`: announce, abort (when `abort`), leave; returns the error to
+        raise in place of `error` (`call_on_failure`), if any. Raises nothing: what goes wrong here
+        is logged and attached to `error` as a note."""
         hooks = self.__dict__.pop("_on_failure", ())
-        for announce, _ in hooks:
-            _attach_failure(error, announce, error)
+        replacements = [_attach_failure(error, announce, error) for announce, _ in hooks]
         if abort:
             _attach_failure(error, self.abort)
         for _, leave in hooks:
             _attach_failure(error, leave)
+        return next((replacement for replacement in replacements if replacement is not None), None)
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -138,11 +146,12 @@ class DenseSync(abc.ABC):
         """Restore `state_dict()` output; refuses (`CheckpointError`) a state of another setup."""
 
 
-def _attach_failure(error: BaseException, action: Callable[..., None], *args: Any) -> None:
-    """Run a clean-up `action` after `error`; a failure of its own is logged and attached to `error`
-    as a note, never raised in its place (the user's exception wins)."""
+def _attach_failure(error: BaseException, action: Callable[..., Any], *args: Any) -> Any:
+    """Run a clean-up `action` after `error` and return what it returns; a failure of its own is
+    logged and attached to `error` as a note, never raised in its place (the user's exception wins)."""
     try:
-        action(*args)
+        return action(*args)
     except BaseException as failure:
         logger.exception("shadowgba: cleaning up after %r failed", error)
         error.add_note(f"shadowgba: while aborting the sync after this error: {failure!r}")
+        return None

@@ -40,15 +40,33 @@ from sync_algos.base import is_finite
 
 logger = logging.getLogger("shadowgba")
 
+ON_NONFINITE = ("skip", "fail")
+"""The values of `sync.on_nonfinite`."""
+DEFAULT_ON_NONFINITE = "skip"
+"""What NaN / Inf does unless the config says otherwise, wherever it is found: left out and counted."""
+
+
+def check_on_nonfinite(policy: str) -> str:
+    """`policy` if it is one of `ON_NONFINITE`, else `ConfigError`."""
+    if policy not in ON_NONFINITE:
+        raise ConfigError(f"sync.on_nonfinite must be one of {list(ON_NONFINITE)}, got {policy!r}")
+    return policy
+
+
+def nonfinite_failure(policy: str, what: str) -> str | None:
+    """The one non-finite rule, applied wherever NaN / Inf is found (a trainer's step, a round's
+    flags, a GBA step, a dense or table shard's push): under `fail`, the job's failure, `what` as
+    every rank and server reports it; under `skip`, None: the caller leaves the value out and counts it."""
+    return f"{what} (sync.on_nonfinite: fail)" if check_on_nonfinite(policy) == "fail" else None
+
 
 class NonFiniteGuard:
     """Catches NaN / Inf on this trainer before it leaves, and applies `sync.on_nonfinite` to its steps."""
 
-    def __init__(self, name: str, on_nonfinite: str = "skip", max_skipped_steps: int = 100) -> None:
+    def __init__(self, name: str, on_nonfinite: str = DEFAULT_ON_NONFINITE, max_skipped_steps: int = 100) -> None:
         """`name` says which trainer this is in every message ("trainer 1 (rank 1)"); `on_nonfinite`
         and `max_skipped_steps` are `sync.on_nonfinite` and `sync.max_skipped_steps`."""
-        if on_nonfinite not in ("skip", "fail"):
-            raise ConfigError(f"on_nonfinite must be 'skip' or 'fail', got {on_nonfinite!r}")
+        check_on_nonfinite(on_nonfinite)
         if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1:
             raise ConfigError(f"max_skipped_steps must be an integer >= 1, got {max_skipped_steps!r}")
         self.name = name
@@ -125,8 +143,9 @@ class NonFiniteGuard:
                 self.skipped_steps += 1
                 self.streak += 1
         where = f"{self.name}: NaN / Inf in its {caught} at its step {self.steps}"
-        if self.on_nonfinite == "fail":
-            raise SyncError(f"{where}; caught before any of it left this trainer (sync.on_nonfinite: fail)")
+        failure = nonfinite_failure(self.on_nonfinite, f"{where}; caught before any of it left this trainer")
+        if failure is not None:
+            raise SyncError(failure)
         if self.streak >= self.max_skipped_steps:
             raise SyncError(f"{where}: {self.streak} of its steps in a row skipped, so it trains nothing "
                             f"(sync.max_skipped_steps: {self.max_skipped_steps}; its weights or data are probably "

@@ -235,6 +235,7 @@ def test_a_resume_with_every_checkpoint_corrupted_fails_listing_each_unless_a_fr
     refusals = shared["refusals"]
     damaged = refusals["all_damaged"]
     assert isinstance(damaged, str) and "none of the 3 checkpoints" in damaged and "start over from step 0" in damaged
+    assert "allow_fresh_start=True" in damaged  # the error names the way out
     assert "step_00000006 is corrupted" in damaged and "step_00000004 is truncated" in damaged
     assert "step_00000002 is corrupted or incomplete: cannot read shadowgba.json" in damaged
     assert refusals["fresh_start"] == (None, 99)  # nothing loaded, nothing changed
@@ -659,7 +660,7 @@ def test_with_servers_a_resume_restores_the_saved_state_bit_for_bit_and_a_corrup
         assert "saved from 3 parameter servers, this job has 2" in refusals["servers"]
         assert f"holds {length} values of torch.float32, got ({length - 1},)" in refusals["length"]
         assert "refuses NaN or Inf values" in refusals["nan"]
-        assert "has keys ['centre', 'num_servers'], got list" in refusals["not_a_state"]
+        assert "S-EASGD centre state is a mapping with keys ['centre', 'num_servers'], got list" in refusals["not_a_state"]
 
 
 def test_a_keyed_optimizer_that_has_not_stepped_loads_a_saved_state_without_a_step() -> None:
@@ -723,7 +724,8 @@ def test_a_crafted_checkpoint_entry_is_refused_without_running_its_code_and_plai
     from shadowgba.checkpoint import TrainState
     from shadowgba.serialized import state_from_bytes, state_to_bytes
     from shadowgba.errors import CheckpointError
-    from shadowgba.ps.server_state import ServerCheckpoints
+    from shadowgba.ps.server_state import STATE_FILE, ServerCheckpoints
+    from shadowgba.serialized import commit_folder
 
     marker = tmp_path / "ran"
     crafted = state_to_bytes({"step": 7, "payload": _RunsCode(marker)})
@@ -740,7 +742,10 @@ def test_a_crafted_checkpoint_entry_is_refused_without_running_its_code_and_plai
 
     servers = ServerCheckpoints(tmp_path / "servers", server_index=0)
     servers.save(10, {"dense": {"configure": {"spec": {"name": "Adam"}}, "exported": torch.ones(3)}})
-    servers.path_of(20).write_bytes(crafted)  # newer, crafted: skipped, the one before loads
+    forged = servers.folder / "forged"  # newer, crafted, with a manifest that fits: skipped, the one before loads
+    forged.mkdir()
+    (forged / STATE_FILE).write_bytes(crafted)
+    commit_folder(forged, servers.path_of(20), 20, servers.setup, keep_last=5)
     step, state = servers.latest()
     assert step == 10 and torch.equal(state["dense"]["exported"], torch.ones(3))
     assert not marker.exists()

@@ -114,7 +114,7 @@ def test_a_server_refuses_a_checkpoint_folder_that_another_algorithm_wrote(tmp_p
     config = SyncConfig(algo="easgd_ps", ps=PSConfig(num_servers=1, num_trainers=2, checkpoint_dir=str(tmp_path)))
     job = SimpleNamespace(config=config, roles=SimpleNamespace(server_index=0, name="ps0"),
                           served={CENTER_SERVICE: ElasticCenter()})
-    with pytest.raises(ConfigError, match=r"step_0000000005\.pt holds \['dense'\], but this easgd_ps server serves "
+    with pytest.raises(ConfigError, match=r"step_0000000005 holds \['dense'\], but this easgd_ps server serves "
                                           r"\['easgd_center'\]"):
         factory._restore_and_checkpoint(job, CENTER_SERVICE)
 

@@ -310,7 +310,7 @@ def test_on_nonfinite_and_local_batch_size_are_checked_at_construction() -> None
     model, roles = make_model(), Roles.assign(0, 2, num_servers=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     config = from_dict(GBAConfig, {"initial_mode": "sync"})
-    with pytest.raises(ConfigError, match="on_nonfinite must be 'skip' or 'fail', got 'ignore'"):
+    with pytest.raises(ConfigError, match=r"sync.on_nonfinite must be one of \['skip', 'fail'\], got 'ignore'"):
         GBASync(model, optimizer, config, roles, BATCH, on_nonfinite="ignore")
     for bad in (0, 2.5, True):
         with pytest.raises(SetupError, match="local_batch_size must be an integer >= 1"):

@@ -143,11 +143,11 @@ def test_unsupported_optimizer_is_refused_by_name() -> None:
         OptimizerSpec.of(optimizer, LRSchedule())
 
 
-def configured_shard(numel: int = 4) -> DenseShard:
+def configured_shard(numel: int = 4, on_nonfinite: str = "fail") -> DenseShard:
     spec = OptimizerSpec.of(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), LRSchedule())
     shard = DenseShard()
     initial = FlatOptimizer(spec, torch.zeros(numel)).export()
-    shard.configure(0, numel, 2, spec, initial, GBAConfig(), global_batch=2)
+    shard.configure(0, numel, 2, spec, initial, GBAConfig(), global_batch=2, on_nonfinite=on_nonfinite)
     return shard
 
 
@@ -483,5 +483,5 @@ def test_a_shard_saves_at_each_multiple_of_its_interval_and_a_restored_one_drops
     assert (stats["restored_at"], stats["dropped_after_restore"], stats["buffered_samples"]) == (4, 1, 0)
     with pytest.raises(ValueError, match="token 6 is from the future"):  # the live shard, at k = 5
         shard.push(PushRequest(0, 0, 4, torch.ones(4), 6, 1, 0.0))
-    (checkpoints.folder / "step_0000000004.pt").write_bytes(b"truncated")
+    (checkpoints.path_of(4) / "state.pt").write_bytes(b"truncated")
     assert checkpoints.latest()[1]["dense"]["exported"]["global_step"] == 2

@@ -20,7 +20,7 @@ import pytest
 
 from ctrkit import cluster as cluster_module
 from ctrkit.cluster import Cluster
-from shadowgba.ps.channel import INLINE_TENSOR_BYTES
+from shadowgba.ps.wire import INLINE_TENSOR_BYTES
 from tests import fault_table
 
 pytestmark = [

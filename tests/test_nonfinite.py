@@ -137,7 +137,7 @@ def nan_job(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
             if config.algo == "gba":
                 record["dense_shards"] = sync.server_stats()
     except Exception as error:  # noqa: BLE001 (what the rank saw is the test's evidence)
-        record["error"] = {"type": type(error).__name__, "message": str(error),
+        record["error"] = {"type": type(error).__name__, "message": str(error), "ranks": getattr(error, "ranks", None),
                            "text": " ".join([str(error), *getattr(error, "__notes__", [])])}
     record["fired"] = [(fired["kind"], fired["trainer"], fired["step"]) for fired in faults.fired]
     record["metrics"] = sync.metrics.summary()
@@ -224,8 +224,12 @@ def test_under_fail_the_bad_trainer_ends_the_job_and_every_error_names_it_alone(
     assert bad["error"]["type"] == "SyncError", records
     assert bad["error"]["text"].startswith(f"trainer 1 (rank 1): NaN / Inf in its embedding gradients of tables "
                                            f"t0, t1; dense gradients at its step {NAN_STEP + 1}"), records
-    for rank in (0, 2):
-        assert_names_rank_1_alone(records[rank]["error"])
+    assert "unknown" not in bad["error"]["text"], records  # it named itself: nothing else to find
+    for rank in (0, 2):  # a peer's failure: PeerLost naming the first failure, rank 1's, and no other rank
+        error = records[rank]["error"]
+        assert error["type"] == "PeerLost" and tuple(error["ranks"]) == (1,), (rank, error)
+        assert "NaN" in error["message"], error
+        assert_names_rank_1_alone(error)
 
 
 def test_under_skip_the_bad_replica_takes_the_others_average_and_trains_on(

@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.ps import channel as links
+from shadowgba.ps import wire
 from shadowgba.ps import lane
 from shadowgba.ps.board import Board, BoardView, StaleBoard
-from shadowgba.ps.channel import REPLY, REQUEST, Channel, ChannelLost, Frame, encode
-from shadowgba.ps.sessions import GLOO_LOOP_THREAD, threads_named
+from shadowgba.ps.channel import Channel, ChannelLost
+from shadowgba.ps.wire import REPLY, REQUEST, Frame, encode
+from shadowgba.ps.same_host import LOOP_NICE, loop_threads
 from tests.multiprocess import run_ranks, run_ranks_outcomes
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,8 +74,8 @@ def decoded(kind: int, body: Any) -> Any:
     header = frame.header_bytes(message.header)
 
     sent = {tag: tensor for tensor, tag in message.sends}
-    staged = sent.pop(links._STAGED_TAG, None)
-    buffer = torch.empty(links.STAGED_BYTES, dtype=torch.uint8)
+    staged = sent.pop(wire.STAGED_TAG, None)
+    buffer = torch.empty(wire.STAGED_BYTES, dtype=torch.uint8)
     if staged is not None:
         buffer[:staged.numel() * staged.element_size()] = staged.reshape(-1).view(torch.uint8)
 
@@ -93,10 +95,10 @@ def test_framing_round_trips_mixed_tensors_dtypes_empty_tensors_and_big_headers(
     body = mixed_body()
     assert encode(REQUEST, (7, body)).sends == []  # it all fits in a frame
     assert_same(decoded(REQUEST, (7, body)), (7, body))
-    monkeypatch.setattr(links, "FRAME_BYTES", SMALL_FRAME_BYTES)
-    monkeypatch.setattr(links, "INLINE_TENSOR_BYTES", 64)
+    monkeypatch.setattr(wire, "FRAME_BYTES", SMALL_FRAME_BYTES)
+    monkeypatch.setattr(wire, "INLINE_TENSOR_BYTES", 64)
     tags = [tag for _, tag in encode(REQUEST, (7, body)).sends]
-    assert tags[0] == links._STAGED_TAG and len(tags) >= 2, tags  # the first large one staged, the rest apart
+    assert tags[0] == wire.STAGED_TAG and len(tags) >= 2, tags  # the first large one staged, the rest apart
     assert_same(decoded(REQUEST, (7, body)), (7, body))
     long_header = {"names": [f"name {i} " * 5 for i in range(200)], "t": torch.ones(2)}  # over a small frame
     assert encode(REQUEST, (0, long_header)).header is not None
@@ -197,11 +199,11 @@ def channel_end(rank: int, timeout_s: float, handler: Any = None, on_lost: Any =
     """This rank's end of a channel over the harness's store (server rank 0 answers with `handler`,
     lending the tensors of its lane as the transport's server end does, and naming those on `board`)."""
     store = dist.PrefixStore("channel-test", dist.distributed_c10d._get_default_store())
-    before = threads_named(GLOO_LOOP_THREAD)  # the harness's default group's
+    before = loop_threads()  # the harness's default group's
     group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
     peer = "trainer 1 (rank 1)" if rank == 0 else "ps0"
     return Channel(group, rank, peer, on_request=handler, on_lost=on_lost, timeout_s=timeout_s,
-                   peer_timeout_s=timeout_s, lanes=lanes, loop_threads=sorted(threads_named(GLOO_LOOP_THREAD) - before),
+                   peer_timeout_s=timeout_s, lanes=lanes, loop_threads=sorted(loop_threads() - before),
                    lane_bytes=lane_bytes, lend=rank == 0, board=board)
 
 
@@ -237,7 +239,7 @@ def concurrent_calls(rank: int, world_size: int, lanes: bool) -> dict[str, Any]:
     requests fill the ring, except every other request's rows, which it answers with a copy on its
     board (as small as a lane: regions are reused all the time). Rank 0 returns how many of its
     requests' rows tensors were lent, and how many replies went through the board."""
-    links.FRAME_BYTES, links.INLINE_TENSOR_BYTES, lane.LANE_BYTES = SMALL_FRAME_BYTES, 64, SMALL_LANE_BYTES
+    wire.FRAME_BYTES, wire.INLINE_TENSOR_BYTES, lane.LANE_BYTES = SMALL_FRAME_BYTES, 64, SMALL_LANE_BYTES
     lent, boarded = [], []
     board = Board.create() if rank == 0 else None
 
@@ -274,7 +276,7 @@ def concurrent_calls(rank: int, world_size: int, lanes: bool) -> dict[str, Any]:
     body = mixed_body()
     echoed = end.request((0.0, body)).wait()
     used = end.lanes
-    nice = {thread: os.getpriority(os.PRIO_PROCESS, thread) for thread in threads_named(GLOO_LOOP_THREAD)}
+    nice = {thread: os.getpriority(os.PRIO_PROCESS, thread) for thread in loop_threads()}
     end.close(wait_s=10.0)
     return {"results": results, "echoed": echoed, "expected": body, "lanes": used, "nice": nice,
             "loop_threads": end._loop_threads}
@@ -290,7 +292,7 @@ def test_many_concurrent_calls_in_flight_get_their_own_replies(lanes: bool) -> N
     # the channel's gloo loop yields to every other thread once it only reads frames; others keep theirs
     assert trainer["loop_threads"] and set(trainer["loop_threads"]) < set(trainer["nice"]), trainer["nice"]
     for thread, nice in trainer["nice"].items():
-        assert nice == (links.LOOP_NICE if lanes and thread in trainer["loop_threads"] else 0), trainer["nice"]
+        assert nice == (LOOP_NICE if lanes and thread in trainer["loop_threads"] else 0), trainer["nice"]
     assert sorted(trainer["results"]) == list(range(200))
     for index, reply in trainer["results"].items():
         assert reply["index"] == index

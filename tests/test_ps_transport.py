@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.errors import PeerLost
-from shadowgba.ps import channel, rendezvous, server_end, sessions, trainer_end
+from shadowgba.ps import channel, rendezvous, same_host, server_end, sessions, trainer_end
 from shadowgba.ps.start import start_transport
 from tests.multiprocess import run_ranks, run_ranks_outcomes, run_shared
 
@@ -173,7 +173,7 @@ def abort_and_barriers(rank: int, world_size: int) -> dict:
     dist.barrier(group=roles.trainer_group)  # trainer 1 aborts only once trainer 0 has given up
     if roles.trainer_index == 1:
         seen["aborted_at"] = time.monotonic()
-        ps.abort("ValueError('boom')")
+        ps.abort(rendezvous.failure_message(roles, "ValueError('boom')"))
         return seen
     started = time.monotonic()
     with pytest.raises(PeerLost) as told:
@@ -323,12 +323,15 @@ def late_start(rank: int, world_size: int) -> dict:
     if rank == 1:
         time.sleep(LATE_S)
     started = time.monotonic()
-    ps = start_transport(num_servers=1, timeout_s=LATE_TIMEOUT_S)
+    ps = start_transport(num_servers=1, timeout_s=LATE_TIMEOUT_S, lane_bytes=0)  # sync.ps.same_host: false
     seen = {"started": started, "waited": time.monotonic() - started}
     if ps.roles.is_server:
         ps.serve("counter", Counter())
+        seen["board"] = ps._board is not None
     else:
         seen["applied"] = ps.call(0, "counter", "push", 0.0)
+        seen["lanes"] = ps._channel(0).lanes
+        seen["loop_nice"] = sorted({os.getpriority(os.PRIO_PROCESS, thread) for thread in ps._channel(0)._loop_threads})
     ps.stop()
     return seen
 
@@ -348,7 +351,7 @@ def test_roles_calls_and_remote_errors_on_three_spawned_ranks(spawned: dict[str,
     for result in results:  # the trainers' channels are open by now (the server's may still be building)
         assert result["opened"] <= loopback and (result["opened"] or result["roles"].is_server), result["opened"]
         if not result["roles"].is_server:
-            assert result["loop_nice"] == [channel.LOOP_NICE], result["loop_nice"]
+            assert result["loop_nice"] == [same_host.LOOP_NICE], result["loop_nice"]
             assert result["shared_equal"] and result["lane_bytes"][0] == 0 and result["lane_bytes"][1] >= 400_000, result
 
 
@@ -358,6 +361,9 @@ def test_a_trainer_that_starts_the_transport_later_than_its_timeout_still_joins(
     for seen in (trainer0, server):  # the others waited for it, past their timeout
         assert seen["waited"] >= LATE_S - 0.5 > LATE_TIMEOUT_S, seen
     assert {trainer0["applied"], trainer1["applied"]} == {1, 2}, (trainer0, trainer1)
+    # the job ran without the same-host path: no lane mapped, no board, gloo's loop at its own priority
+    assert server["board"] is False and trainer0["lanes"] == trainer1["lanes"] == (False, False), (trainer0, trainer1)
+    assert trainer0["loop_nice"] == trainer1["loop_nice"] == [0], (trainer0, trainer1)
 
 
 def test_an_aborted_trainer_ends_every_barrier_call_and_stop_at_once_naming_it(spawned: dict[str, list]) -> None:

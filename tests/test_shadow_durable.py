@@ -121,12 +121,12 @@ def user_bug_on_rank_1(rank: int, world_size: int, cases: list[tuple[str, str]])
 
 def test_a_user_exception_wins_on_its_rank_and_ends_the_peers_rounds_within_seconds() -> None:
     """ma in shadow mode and bmuf in foreground mode, timeout_s=300: rank 1's ValueError propagates as
-    itself (no note of a failed abort), rank 0 gets SyncError naming rank 1, both well within 20 s."""
+    itself (no note of a failed abort), rank 0 gets PeerLost naming rank 1, both well within 20 s."""
     results = run_ranks(user_bug_on_rank_1, 2, ABORT_CASES, timeout_s=110)
     for index, (algo, mode) in enumerate(ABORT_CASES):
         rank0, rank1 = results[0][index], results[1][index]
         assert (rank1["type"], rank1["message"], rank1["notes"]) == ("ValueError", "user bug", []), (algo, mode, rank1)
-        assert rank0["type"] == "SyncError" and rank0["message"].startswith("rank 1 aborted"), (algo, mode, rank0)
+        assert rank0["type"] == "PeerLost" and rank0["message"].startswith("rank 1 aborted"), (algo, mode, rank0)
         assert rank0["elapsed_s"] < 20 and rank1["elapsed_s"] < 20, (algo, mode, rank0, rank1)
 
 
@@ -163,8 +163,8 @@ def resized(state: dict) -> dict:
 
 
 BAD_STATES = {
-    "none": (lambda state: None, r"a ShadowSync state is a mapping .*got NoneType"),
-    "list": (lambda state: [state], r"a ShadowSync state is a mapping .*got list"),
+    "none": (lambda state: None, r"ShadowSync state is a mapping .*got NoneType"),
+    "list": (lambda state: [state], r"ShadowSync state is a mapping .*got list"),
     "no keys": (lambda state: {"step": 3}, r"ShadowSync state lacks \['algo', 'param_names', 'algorithm'\]"),
     "other algorithm": (lambda state: {**state, "algo": "ma" if state["algo"] != "ma" else "bmuf"},
                         r"checkpoint is for sync algo '\w+', this job runs"),

@@ -82,6 +82,7 @@ def _pipeline_job(rank: int, world_size: int, options: dict[str, Any], fault: tu
                     after_step()
     except Exception as error:  # what the user's loop sees: the fault tests assert on it
         out["error"] = f"{type(error).__name__}: {error}"
+        out["blamed"] = (type(error).__name__, tuple(getattr(error, "ranks", ())))
         for note in getattr(error, "__notes__", ()):
             out["error"] += f"\n{note}"
         return out
@@ -270,8 +271,10 @@ STALL_TIMEOUT_S = 6.0
 @pytest.mark.parametrize(("kind", "failing"), [("fail", 2), ("kill", 3), ("stop", 1)])
 def test_a_failure_in_one_group_ends_every_rank_naming_it(kind: str, failing: int) -> None:
     """An exception in group 1's loop, a SIGKILLed rank of group 1, or a rank of group 0 stopped for
-    good (SIGSTOP, its sockets open): every other rank, in both groups, raises within the timeout,
-    and the error names the failed rank."""
+    good (SIGSTOP, its sockets open), the ranks started by hand (no torchrun agent to end the others):
+    every other rank, in both groups, raises within the timeout, and its error is `PeerLost` naming
+    the failed rank, and no other: a rank that ended after it learned of the failure (its partner,
+    whose collective failed first) is never named."""
     options = {"algo": "ma", **({"timeout_s": STALL_TIMEOUT_S} if kind == "stop" else {})}
     started = time.monotonic()
     outcomes = run_ranks_outcomes(_pipeline_job, 4, options, (kind, failing, 8), timeout_s=120,
@@ -287,7 +290,11 @@ def test_a_failure_in_one_group_ends_every_rank_naming_it(kind: str, failing: in
         if rank == failing:
             continue
         assert outcome.returned, (rank, outcome)
-        assert outcome.value["error"] is not None and f"rank {failing}" in outcome.value["error"], (rank, outcome.value)
+        error = outcome.value["error"]
+        assert error is not None and f"rank {failing}" in error, (rank, outcome.value)
+        assert outcome.value["blamed"] == ("PeerLost", (failing,)), (rank, outcome.value)
+        healthy = [f"rank {other}" for other in range(4) if other != failing]
+        assert not [name for name in healthy if name in error], (rank, error)  # message and notes
 
 
 @pytest.mark.parametrize(("kind", "failing"), [("stop", 1)])

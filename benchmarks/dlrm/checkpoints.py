@@ -39,7 +39,7 @@ import shadowgba
 from dlrm.config import ExperimentConfig
 from dlrm.model import BuiltModel
 from shadowgba.checkpoint import Checkpointer, ModelState, PerReplica, PerTrainer, Setup, TrainState
-from shadowgba.errors import ConfigError
+from shadowgba.errors import CheckpointError, ConfigError
 from shadowgba.integrations.torchrec import dense_named_parameters
 
 
@@ -122,7 +122,12 @@ class JobCheckpoints:
         if self.options.resume:
             started = time.perf_counter()
             state = {"train": self.train_state} if position_only else self.state
-            self.resumed_from = self.checkpointer.load_latest(state, self.options.allow_fresh_start)
+            try:
+                self.resumed_from = self.checkpointer.load_latest(state, self.options.allow_fresh_start)
+            except CheckpointError as error:
+                if "would start over from step 0" in str(error):
+                    error.add_note("train_dlrm.py: add --resume-allow-fresh-start to train from step 0 anyway")
+                raise
             self.resumed_position_only = position_only and self.resumed_from is not None
             self.load_s = time.perf_counter() - started if self.resumed_from is not None else 0.0
         self._start_step = self.train_state.step

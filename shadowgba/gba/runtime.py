@@ -18,15 +18,7 @@ GBASync is the mode state machine (`Mode`) and the switch and close protocols; i
   parameters they bring; the training thread never waits,
 and talks to the shards only through `shards.DenseShardClient`.
 
-Switching (carries parameters, optimizer state, global step and global batch; nothing is retuned):
-- sync -> GBA, at the same step on every trainer: trainer 0 loads its flat optimizer, sliced, into
-  the shards and broadcasts the outcome; everyone pulls.
-- GBA -> sync: a request (API or the policy on shard 0) is carried back in every push reply. Each
-  trainer stops feeding the queue, waits for its in-flight pushes, and enters a barrier; trainer 0
-  takes the shards' state and broadcasts it, and the trainers continue in lockstep. A partly filled
-  global batch is dropped (counted on the shard). Trainers whose steps are paired anyway
-  (TorchRec-sharded tables) first agree on the step (`lockstep_every`), else one trainer's barrier
-  would meet another's embedding all-to-all.
+Switching: `shadowgba.gba.mode` (the modes, their transitions and the two switch protocols).
 
 Groups, barriers and why nothing deadlocks or mis-pairs:
 - Every collective of GBASync runs on the library's own sync group over the trainers (`_group`),
@@ -79,7 +71,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import enum
 import logging
 import time
 from typing import Any, Callable, ClassVar, Iterable, Iterator
@@ -90,14 +81,16 @@ from torch import nn
 
 from shadowgba.dense import DenseParams, trainable_named_parameters
 from shadowgba.errors import CheckpointError, ConfigError, SetupError, SyncError
-from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec
+from shadowgba.serialized import check_entries
+from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, check_export
 from shadowgba.gba.allreduce import SyncAllReduce, SyncRound
 from shadowgba.gba.client import GBAClient
 from shadowgba.gba.config import GBAConfig
+from shadowgba.gba.mode import Mode, ModeSwitches
 from shadowgba.gba.switch_policy import SwitchPolicy
 from shadowgba.interface import DenseSync
 from shadowgba.metrics import GBAMetrics
-from shadowgba.nonfinite import NonFiniteGuard
+from shadowgba.nonfinite import DEFAULT_ON_NONFINITE, NonFiniteGuard, check_on_nonfinite, nonfinite_failure
 from shadowgba.gba.server import serve_dense_shard
 from shadowgba.gba.shards import DenseShardClient
 from shadowgba.ps.rendezvous import Roles
@@ -110,37 +103,7 @@ __all__ = ["GBASync", "Mode", "serve_dense_shard"]  # serve_dense_shard: GBA's s
 logger = logging.getLogger("shadowgba")
 
 
-class Mode(enum.StrEnum):
-    """Where a trainer's dense update happens; the value is what `GBASync.mode` compares equal to.
-
-    States:
-    - SYNC: every step all-reduces the gradient over the trainers and steps this trainer's flat
-      optimizer with the mean (as DDP). The state at construction.
-    - GBA: every step queues the gradient for the shards and installs the newest parameters they
-      sent; the optimizer state lives on the shards.
-    - LOCAL: after a trainer raised the stop flag in a sync all-reduce (a peer is closing, or this
-      trainer's own close): no more collectives until `close()`; each step applies this trainer's
-      own gradient to its own flat optimizer, as a ShadowSync trainer trains between rounds.
-      `switch_mode` is ignored; `close()` averages the parameters once over the trainers.
-
-    Transitions (all taken in the training thread, at a step boundary or in start / close):
-    - start():  SYNC -> GBA when `initial_mode` is gba (not counted as a switch).
-    - SYNC -> GBA: a sync all-reduce whose switch flag is set (`switch_mode("gba")` on any trainer)
-      or after which the policy fires on the trainers' compute times: the same step everywhere.
-    - GBA -> SYNC: a push reply carried shard 0's request (`switch_mode("sync")` on any trainer, or
-      shard 0's policy): at once, or at the next agreement step with `lockstep_every`; also in
-      `close()` when shard 0 refuses to close because such a switch is pending.
-    - SYNC -> LOCAL: a sync all-reduce whose stop flag is set (not counted as a switch).
-    - close(): GBA ends with a drain, a barrier (through the servers) and a pull; SYNC goes through LOCAL;
-      LOCAL ends with the average. No transition leaves LOCAL.
-    """
-
-    SYNC = "sync"
-    GBA = "gba"
-    LOCAL = "local"
-
-
-class GBASync(DenseSync):
+class GBASync(ModeSwitches, DenseSync):
     """Sync all-reduce / GBA for one trainer's dense parameters (see the module docstring)."""
 
     modes: ClassVar[tuple[str, ...]] = (Mode.SYNC, Mode.GBA)
@@ -154,7 +117,7 @@ class GBASync(DenseSync):
         local_batch_size: int,
         params: Iterable[tuple[str, nn.Parameter]] | None = None,
         lockstep_every: int = 0,
-        on_nonfinite: str = "skip",
+        on_nonfinite: str = DEFAULT_ON_NONFINITE,
         timeout_s: float | None = None,
         guard: NonFiniteGuard | None = None,
         transport: TrainerTransport | None = None,
@@ -176,8 +139,7 @@ class GBASync(DenseSync):
             raise ConfigError("sync.gba.initial_mode is 'gba' but the job has no parameter-server ranks")
         if lockstep_every < 0:
             raise ConfigError(f"lockstep_every must be >= 0, got {lockstep_every}")
-        if on_nonfinite not in ("skip", "fail"):
-            raise ConfigError(f"sync.on_nonfinite must be 'skip' or 'fail', got {on_nonfinite!r}")
+        check_on_nonfinite(on_nonfinite)
         if config.initial_mode != Mode.GBA:
             self._refuse_in_elastic(roles, "sync.gba.initial_mode 'sync'")
         if config.switch_policy.enabled:
@@ -421,7 +383,7 @@ class GBASync(DenseSync):
         """Act on a sync all-reduce's result: the non-finite rule, apply the mean gradient, then stop,
         switch or stay."""
         if result.nonfinite:
-            self._nonfinite([self._trainer_name(index) for index in result.nonfinite])
+            self._nonfinite(list(result.nonfinite))
         if result.mean_gradient is not None:
             self._apply(result.mean_gradient)
             self.metrics.record_applied(self._flat.global_step)
@@ -436,13 +398,13 @@ class GBASync(DenseSync):
         """After a peer closed in sync mode: keep training with the same optimizer, alone (a
         non-finite gradient is skipped or raised on: the closing average would spread it)."""
         if not finite:
-            self._nonfinite([self._trainer_name(self.roles.trainer_index)])
+            self._nonfinite([self.roles.trainer_index])
             return
         self._apply(gradient)
 
     def _gba_step(self, gradient: torch.Tensor, compute_s: float, finite: bool) -> None:
         if not finite:
-            self._nonfinite([self._trainer_name(self.roles.trainer_index)], self._shards.fail)
+            self._nonfinite([self.roles.trainer_index], self._shards.fail)
         self._client.submit(gradient, compute_s, finite)
         self._client.install_fresh()
         self._gba_steps += 1
@@ -468,74 +430,25 @@ class GBASync(DenseSync):
             dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self._group())
         return seen.item() > 0
 
-    def _nonfinite(self, trainers: list[str], report: Callable[[str], None] | None = None) -> None:
-        """The non-finite rule for `trainers`' gradients of this step: count and warn (skip), or raise
-        `SyncError` naming them (fail), after `report`ing the reason (GBA: to shard 0, for the peers)."""
-        where = f"non-finite (NaN / Inf) gradient from {', '.join(trainers)} at global step {self.global_step}"
-        if self.on_nonfinite == "fail":
+    def _nonfinite(self, trainers: list[int], report: Callable[[str], None] | None = None) -> None:
+        """The non-finite rule for the gradients of this step of `trainers` (indices): count and warn
+        (skip), or raise `SyncError` naming them (fail), after `report`ing the reason (GBA: to shard 0,
+        for the peers)."""
+        names = ", ".join(self._trainer_name(index) for index in trainers)
+        where = f"non-finite (NaN / Inf) gradient from {names} at global step {self.global_step}"
+        failure = nonfinite_failure(self.on_nonfinite, where)
+        if failure is not None:
             if report is not None:
                 try:
                     report(where)
                 except Exception:  # the local error below is the one that matters
                     logger.exception("shadowgba: could not report the non-finite gradient to the dense shards")
-            raise SyncError(f"{where} (sync.on_nonfinite: fail)")
+            raise SyncError(failure, ranks=[self.roles.trainer_ranks[index] for index in trainers])
         self.metrics.record_nonfinite_skipped(len(trainers))
         logger.warning("shadowgba: %s left out (sync.on_nonfinite: skip)", where)
 
     def _trainer_name(self, index: int) -> str:
         return f"trainer {index} (rank {self.roles.trainer_ranks[index]})"
-
-    # ------------------------------------------------------------------------------- switching
-    def _on_trainer0(self, action: Callable[[], Any], what: str) -> Any:
-        """Run `action` on trainer 0 and give every trainer its result (one broadcast, collective).
-        If it raised there, every trainer raises the same `SyncError`: no peer is left waiting in a
-        collective trainer 0 will not reach."""
-        outcome: list[Any] = [None]
-        error: BaseException | None = None
-        if self.roles.trainer_index == 0:
-            try:
-                outcome = [(True, action())]
-            except Exception as failure:
-                error, outcome = failure, [(False, f"{what} failed on trainer 0: {failure!r}")]
-        with self._collective(f"the broadcast of {what}"):
-            dist.broadcast_object_list(outcome, src=self.roles.trainer_ranks[0], group=self._group())
-        ok, value = outcome[0]
-        if not ok:
-            raise SyncError(value) from error
-        return value
-
-    def _configure_shards(self, exported: dict[str, Any], if_idle: bool = False) -> None:
-        """Trainer 0: every dense shard takes its slice of `exported`, all at its global step (`if_idle`:
-        only the shards not serving yet)."""
-        self._shards.configure(self.num_trainers, self.spec, exported, self.config, self.global_batch,
-                               self.on_nonfinite, if_idle)
-
-    def _join_shards(self) -> None:
-        """The elastic layout's start, with no collective: trainer 0 configures the shards unless they
-        serve already (a restarted trainer 0 joins a running job and must not reset it); every
-        trainer waits (up to `timeout_s`) until they serve, then installs their parameters
-        (`_enter_gba`), so a trainer that rejoins trains on the current ones."""
-        if self.roles.trainer_index == 0:
-            self._configure_shards(self._flat.export(), if_idle=True)
-        self._shards.await_serving(self._require_transport().timeout_s)
-
-    def _enter_gba(self, initial: bool = False) -> None:
-        """sync -> GBA at the same step on every trainer (at start when `initial`: not a switch)."""
-        if self.roles.elastic:
-            self._join_shards()
-        else:
-            self._on_trainer0(lambda: self._configure_shards(self._flat.export()), "configuring the dense shards")
-        self._gba_requested = False
-        self._gba_steps = 0
-        self._client.enter()
-        self._switch_to(Mode.GBA, counted=not initial)
-
-    def _leave_gba(self) -> None:
-        """GBA -> sync: quiesce this trainer's pushes, agree, take the servers' state."""
-        self._client.leave()
-        self._barrier("gba-leave")  # every trainer's pushes have reached every shard
-        self._load(self._on_trainer0(self._shards.export, "taking the dense shards' state back"))
-        self._switch_to(Mode.SYNC)
 
     # ------------------------------------------------------------------------- meeting the peers
     def _sync_round(self, gradient: torch.Tensor | None, stop: bool, compute_s: float,
@@ -626,39 +539,15 @@ class GBASync(DenseSync):
     def _checked_state(self, state: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """`state` as (optimizer export on this trainer's device, policy state or None), or
         `CheckpointError` saying what does not fit. Reads only: nothing is changed here."""
-        if not isinstance(state, dict):
-            raise CheckpointError(f"a GBA checkpoint is the dict GBASync.state_dict() returns, got {type(state).__name__}")
-        missing = [key for key in ("mode", "param_names", "optimizer") if key not in state]
-        if missing:
-            raise CheckpointError(f"GBA checkpoint lacks {missing} (keys: {sorted(map(str, state))})")
+        check_entries(state, "GBA checkpoint", ("mode", "param_names", "optimizer"))
         if state["mode"] not in (*Mode,):
             raise CheckpointError(f"GBA checkpoint has unknown mode {state['mode']!r}; allowed: {[str(m) for m in Mode]}")
         names = list(state["param_names"]) if isinstance(state["param_names"], (list, tuple)) else None
         if names != list(self.dense.names):
             raise CheckpointError(f"GBA checkpoint was made for other dense parameters: {state['param_names']!r}, "
                                   f"this model has {list(self.dense.names)}")
-        optimizer = state["optimizer"]
-        if not isinstance(optimizer, dict) or not {"param", "state", "global_step"} <= set(optimizer):
-            raise CheckpointError("GBA checkpoint's 'optimizer' must be a dict of param, state, global_step")
-        param, opt_state, step = optimizer["param"], optimizer["state"], optimizer["global_step"]
-        numel = self.dense.numel
-        if not torch.is_tensor(param) or param.shape != (numel,) or param.dtype != self.dense.dtype:
-            got = f"{tuple(param.shape)} {param.dtype}" if torch.is_tensor(param) else type(param).__name__
-            raise CheckpointError(f"GBA checkpoint holds {got} parameter values; this model's dense parameters "
-                                  f"are ({numel},) {self.dense.dtype}")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointError(f"GBA checkpoint's global_step must be an integer >= 0, got {step!r}")
-        if not isinstance(opt_state, dict) or (opt_state and set(opt_state) != self._state_keys()):
-            keys = sorted(opt_state) if isinstance(opt_state, dict) else type(opt_state).__name__
-            raise CheckpointError(f"GBA checkpoint's optimizer state {keys} is not {self.spec.name}'s "
-                                  f"{sorted(self._state_keys())}")
-        tensors = {"param": param, **{key: value for key, value in opt_state.items() if torch.is_tensor(value)}}
-        for key, value in tensors.items():
-            if value.dim() > 0 and value.shape != (numel,):
-                raise CheckpointError(f"GBA checkpoint's optimizer state '{key}' has shape {tuple(value.shape)}, "
-                                      f"expected ({numel},)")
-            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                raise CheckpointError(f"GBA checkpoint's '{key}' has NaN or Inf values")
+        optimizer = check_export(state["optimizer"], self.spec, self.dense.numel, self.dense.dtype,
+                                 "GBA checkpoint's 'optimizer'")
         policy = state.get("switch_policy")
         if policy is not None:
             try:
@@ -667,15 +556,9 @@ class GBASync(DenseSync):
                 raise CheckpointError(f"GBA checkpoint's switch_policy does not load: {error}") from None
         device = self.dense.device
         exported = {
-            "param": param.detach().to(device).clone(),
+            "param": optimizer["param"].detach().to(device).clone(),
             "state": {key: value.detach().to(device).clone() if torch.is_tensor(value) and value.dim() > 0
-                      else value for key, value in opt_state.items()},
-            "global_step": step,
+                      else value for key, value in optimizer["state"].items()},
+            "global_step": optimizer["global_step"],
         }
         return exported, policy
-
-    def _state_keys(self) -> set[str]:
-        """The keys of this optimizer's state once it has stepped (e.g. Adam: step, exp_avg, exp_avg_sq)."""
-        probe = FlatOptimizer(self.spec, torch.zeros(1, dtype=self.dense.dtype))
-        probe.step(torch.zeros(1, dtype=self.dense.dtype))
-        return set(probe.export()["state"])

@@ -84,11 +84,12 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from shadowgba.config import from_dict, to_dict
-from shadowgba.errors import ConfigError, SyncError
-from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec
+from shadowgba.errors import SyncError
+from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, check_export
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.shards import DENSE_SERVICE, Decision, PushRequest, ShardReply, Void
 from shadowgba.gba.switch_policy import SwitchPolicy
+from shadowgba.nonfinite import DEFAULT_ON_NONFINITE, check_on_nonfinite, nonfinite_failure
 from shadowgba.ps.membership import Roster
 from shadowgba.ps.server_state import OfferSchedule
 from shadowgba.ps.server_end import ServerTransport
@@ -158,7 +159,7 @@ class DenseShard:
         self._pushes = 0
         self._steps_at_configure = 0
         self._configured_at = time.monotonic()
-        self._on_nonfinite = "fail"
+        self._on_nonfinite = DEFAULT_ON_NONFINITE
         self._nonfinite_dropped = 0
         self._failure: str | None = None
         """Under on_nonfinite fail, why the job failed: every later push is refused with it."""
@@ -189,7 +190,7 @@ class DenseShard:
 
     # -------------------------------------------------------------------------------- mode changes
     def configure(self, start: int, end: int, num_trainers: int, spec: OptimizerSpec, exported: dict[str, Any],
-                  config: GBAConfig, global_batch: int, index: int = 0, on_nonfinite: str = "fail",
+                  config: GBAConfig, global_batch: int, index: int = 0, on_nonfinite: str = DEFAULT_ON_NONFINITE,
                   if_idle: bool = False) -> bool:
         """Own slice [start, end) as shard `index` (0 decides every push): take over its parameters,
         optimizer state and global step (at start, at a switch to GBA, or loading a checkpoint).
@@ -197,11 +198,9 @@ class DenseShard:
         0 must not reset the shards the others train on). Whether it took them."""
         if if_idle and self.serving():
             return False
-        if on_nonfinite not in ("skip", "fail"):
-            raise ConfigError(f"on_nonfinite must be 'skip' or 'fail', got {on_nonfinite!r}")
+        check_on_nonfinite(on_nonfinite)
         numel = end - start
-        if exported["param"].shape != (numel,):
-            raise ValueError(f"shard [{start}, {end}) cannot load {tuple(exported['param'].shape)} values")
+        check_export(exported, spec, numel, exported["param"].dtype, f"the slice [{start}, {end}) given to shard {index}")
         optimizer = FlatOptimizer(spec, exported["param"])
         optimizer.load(exported)
         aggregator = GlobalBatchAggregator(config, numel, exported["param"].dtype, global_batch)
@@ -488,9 +487,9 @@ class DenseShard:
 
     def _nonfinite(self, request: PushRequest) -> ShardReply:
         """Shard 0 and a non-finite gradient: dropped and counted (skip) or the job fails (fail)."""
-        message = f"trainer {request.trainer}'s gradient has NaN or inf values"
-        if self._on_nonfinite == "fail":
-            self._failure = f"{message} (sync.on_nonfinite: fail)"
+        failure = nonfinite_failure(self._on_nonfinite, f"trainer {request.trainer}'s gradient has NaN or inf values")
+        if failure is not None:
+            self._failure = failure
             raise SyncError(f"push refused by dense shard {self.index}: {self._failure}")
         self._nonfinite_dropped += 1
         return self._dropped(request)

@@ -18,6 +18,7 @@ from shadowgba.flat_optimizer import (
     slice_export,
 )
 from shadowgba.gba.config import GBAConfig
+from shadowgba.nonfinite import DEFAULT_ON_NONFINITE
 from shadowgba.ps.trainer_end import TrainerTransport
 from sync_algos.gba import Admission
 
@@ -137,7 +138,7 @@ class DenseShardClient:
         """The [start, end) slice of each shard, in shard order."""
 
     def configure(self, num_trainers: int, spec: OptimizerSpec, exported: dict[str, Any], config: GBAConfig,
-                  global_batch: int, on_nonfinite: str = "fail", if_idle: bool = False) -> None:
+                  global_batch: int, on_nonfinite: str = DEFAULT_ON_NONFINITE, if_idle: bool = False) -> None:
         """Load a whole-vector optimizer `export()`, sliced, into the shards (they start serving GBA),
         every shard at the export's global step; `if_idle`: only the shards not serving yet."""
         self._fan_out("configure", [

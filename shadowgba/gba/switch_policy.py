@@ -16,7 +16,8 @@ import logging
 import statistics
 from typing import Sequence
 
-from shadowgba.errors import CheckpointError, ConfigError
+from shadowgba.errors import ConfigError
+from shadowgba.serialized import check_count, check_entries
 
 logger = logging.getLogger("shadowgba")
 
@@ -57,10 +58,8 @@ class SwitchPolicy:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore `state_dict()` output; `ValueError` on anything else, with nothing changed."""
-        streak = state.get("streak") if isinstance(state, dict) else None
-        if isinstance(streak, bool) or not isinstance(streak, int) or streak < 0:
-            raise CheckpointError(f"switch policy state must be {{'streak': integer >= 0}}, got {state!r}")
-        self._streak = streak
+        self._streak = check_count(check_entries(state, "switch policy state", ("streak",))["streak"],
+                                   "switch policy state's streak")
 
     def observe(self, mode: str, compute_times: Sequence[float]) -> str | None:
         """One global step's compute times (one per trainer) in `mode`; a new mode or None."""

@@ -73,6 +73,12 @@ class PSConfig:
     pair on one host, and once more per server for its board (the parameters it sends every
     trainer, written once); a /dev/shm too small for it refuses the lane, and that channel's
     tensors go over TCP."""
+    same_host: bool = True
+    """Use the same-host fast path between a trainer and a server on one host: the shared-memory
+    lanes (`lane_mb`), the server's board (what it sends every trainer, written once) and gloo's
+    loop thread at the lowest priority once both lanes are mapped (`shadowgba.ps.lane`, `board`,
+    `channel`; what each saves: docs/benchmarks.md). False: every channel carries its tensors over
+    gloo TCP, as between hosts: for a host whose /dev/shm or /proc is restricted, or to measure."""
     trainer_timeout_s: float = 300.0
     """How long a server at the end of the job waits for a trainer that has neither finished nor
     answered a ping before it gives up on it, naming it (`PeerLost`). Must be at least
@@ -108,5 +114,5 @@ class PSConfig:
 
     @property
     def lane_bytes(self) -> int:
-        """`lane_mb` in bytes, as the transport takes it."""
-        return int(self.lane_mb * (1 << 20))
+        """`lane_mb` in bytes, as the transport takes it; 0 without the same-host path (`same_host`)."""
+        return int(self.lane_mb * (1 << 20)) if self.same_host else 0

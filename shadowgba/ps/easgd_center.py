@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from shadowgba.errors import CheckpointError, ServerRestarted, SetupError
+from shadowgba.serialized import check_entries
 from shadowgba.flat_optimizer import shard_bounds
 from shadowgba.ps.channel import first_line
 from shadowgba.ps.server_state import OfferSchedule
@@ -218,10 +219,7 @@ class CenterClient(Centre):
         length, dtype = self._require_layout()
         if not self._saving_trainer():
             return
-        if not isinstance(state, Mapping) or set(state) != {"num_servers", "centre"}:
-            keys = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
-            raise CheckpointError(f"an S-EASGD centre state has keys ['centre', 'num_servers'], got {keys} "
-                                  "(is it the output of CenterClient.state_dict()?)")
+        check_entries(state, "S-EASGD centre state", ("centre", "num_servers"), exact=True)
         if state["num_servers"] != self.num_servers:
             raise CheckpointError(f"the S-EASGD centre was saved from {state['num_servers']} parameter servers, "
                                   f"this job has {self.num_servers}")
@@ -235,7 +233,7 @@ class CenterClient(Centre):
 
     def _require_layout(self) -> tuple[int, torch.dtype]:
         if self._layout is None:
-            raise RuntimeError("the S-EASGD centre has not been started: checkpoint it after the sync's start()")
+            raise SetupError("the S-EASGD centre has not been started: checkpoint it after the sync's start()")
         return self._layout
 
     def _saving_trainer(self) -> bool:

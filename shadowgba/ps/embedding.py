@@ -118,7 +118,7 @@ class PSEmbeddingBagCollection(nn.Module):
         """Pooled embeddings of every feature, in table order, as `EmbeddingBagCollection.forward`."""
         self._settle(self.config.max_in_flight)
         if self._step is not None and any(leaf.grad is not None for leaf in self._step.leaves.values()):
-            raise RuntimeError(
+            raise SetupError(
                 "the row gradients of the previous batch were never pushed: call push_gradients() after backward()"
             )
         if features.variable_stride_per_key():
@@ -157,7 +157,7 @@ class PSEmbeddingBagCollection(nn.Module):
         """Send the last backward's row gradients to the servers; waits only if too many are in flight."""
         step, self._step = self._step, None
         if step is None:
-            raise RuntimeError("push_gradients() needs a forward() with gradients enabled first")
+            raise SetupError("push_gradients() needs a forward() with gradients enabled first")
         grads = {
             name: (step.unique_ids[name], leaf.grad.detach().cpu())
             for name, leaf in step.leaves.items()

@@ -30,6 +30,7 @@ import torch
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, pooling_type_to_str
 
 from shadowgba.errors import CheckpointError, ConfigError, SetupError, SyncError
+from shadowgba.nonfinite import DEFAULT_ON_NONFINITE, nonfinite_failure
 from sync_algos.base import is_finite
 from sync_algos.gba import AggregationConfig, Admission, GlobalBatchRule
 from sync_algos.staleness import StalenessCounts, StalenessDecayConfig
@@ -62,7 +63,7 @@ class PSEmbeddingConfig:
     decay: StalenessDecayConfig = dataclasses.field(default_factory=StalenessDecayConfig)
     """aggregate: weight of a push by its staleness (GBA: the dense shards' `sync.options.decay`);
     ignored in hogwild mode, where every push is applied on arrival."""
-    on_nonfinite: Literal["skip", "fail"] = "skip"
+    on_nonfinite: Literal["skip", "fail"] = DEFAULT_ON_NONFINITE
     """A push with NaN / Inf row gradients (`sync.on_nonfinite`): skip: every shard drops and counts
     it, the trainer carries on; fail: it is refused naming the trainer, and so is every later push."""
     max_in_flight: int = 2
@@ -189,9 +190,10 @@ class EmbeddingShard:
 
     def _nonfinite(self, trainer: int | None) -> None:
         """A push with NaN / Inf rows (the lock held): dropped and counted (skip), or the job fails (fail)."""
-        message = f"{'a trainer' if trainer is None else f'trainer {trainer}'}'s row gradients have NaN or inf values"
-        if self.config.on_nonfinite == "fail":
-            self._failure = f"{message} (sync.on_nonfinite: fail)"
+        who = "a trainer" if trainer is None else f"trainer {trainer}"
+        failure = nonfinite_failure(self.config.on_nonfinite, f"{who}'s row gradients have NaN or inf values")
+        if failure is not None:
+            self._failure = failure
             raise SyncError(f"push refused: {self._failure}")
         self._pushes += 1
         self._nonfinite_dropped += 1

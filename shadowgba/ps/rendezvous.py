@@ -93,6 +93,15 @@ class Roles:
         """This rank's name in messages: `ps{i}` or `trainer{i}`."""
         return server_name(self.server_index) if self.is_server else f"trainer{self.trainer_index}"
 
+    def describe(self, rank: int) -> str:
+        """Global rank `rank` as failures name it: `trainer {i} (rank r)` or `server {i} (ps{i}, rank r)`."""
+        if rank in self.trainer_ranks:
+            return f"trainer {self.trainer_ranks.index(rank)} (rank {rank})"
+        if rank in self.server_ranks:
+            index = self.server_ranks.index(rank)
+            return f"server {index} ({server_name(index)}, rank {rank})"
+        return f"rank {rank}"
+
 
 def server_name(server_index: int) -> str:
     """The name of server `server_index` in messages: `ps{i}`."""
@@ -101,7 +110,7 @@ def server_name(server_index: int) -> str:
 
 def failure_message(roles: Roles, reason: str) -> str:
     """How a failed trainer is named to its peers and servers: `trainer {i} (rank r) aborted: reason`."""
-    return f"trainer {roles.trainer_index} (rank {roles.rank}) aborted: {reason}"
+    return f"{roles.describe(roles.rank)} aborted: {reason}"
 
 
 def torchrun_roles(num_servers: int, backend: str, timeout: datetime.timedelta | None

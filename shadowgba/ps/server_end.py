@@ -114,9 +114,10 @@ class ServerTransport(Transport):
         """Server: per trainer index, when its newest session was admitted (a rejoining process has
         no channel until the session's group is built)."""
         self._pool = concurrent.futures.ThreadPoolExecutor(SERVER_THREADS, f"shadowgba-{roles.name}")
-        self._board: Board | None = Board.create(lane_bytes)
+        self._board: Board | None = Board.create(lane_bytes) if lane_bytes != 0 else None
         """Server: where `shared_copy` writes the tensors its services send to every trainer
-        (`shadowgba.ps.board`, as large as a lane); None where shared memory is unavailable."""
+        (`shadowgba.ps.board`, as large as a lane); None where shared memory is unavailable, or
+        without the same-host path (`lane_bytes` 0)."""
         self._acceptor = Acceptor(store, generation, roles.server_index, incarnation, self._accept, self._refusal)
         self._begin()
 
@@ -149,7 +150,8 @@ class ServerTransport(Transport):
             return
         channel = Channel(group, 0, trainer, on_request=self._on_request, on_lost=functools.partial(
             self._trainer_lost, info), timeout_s=self.timeout_s, peer_timeout_s=info.timeout_s,
-            loop_threads=loop_threads, lane_bytes=self._lane_bytes, lend=True, board=self._board)
+            loop_threads=loop_threads, lanes=self._lane_bytes != 0, lane_bytes=self._lane_bytes, lend=True,
+            board=self._board)
         with self._lock:
             current = self._sessions.get(info.trainer)
             if self._ended.is_set() or (current is not None and current.ticket > info.ticket) \

@@ -25,9 +25,10 @@ Invariants:
   The tables are copied under their own lock when the file is written (their pushes and lookups
   wait for that memory copy, not for the disk). Memory: while a checkpoint is pending or being
   written, one copy of the dense slice with its optimizer state and one of the tables.
-- Atomic: a file is written as `.tmp-step_<k>.pt`, flushed to disk, renamed to `step_<k>.pt` and
-  the folder flushed, so a crash at any point leaves the previous checkpoint whole. The newest
-  `KEEP_LAST` are kept. A file that does not load is skipped, naming why, for the one before it.
+- The trainers' format (`shadowgba.serialized`): a folder `step_<k>` with the state in `STATE_FILE`
+  and the manifest, written as `.tmp-step_<k>`, sealed and renamed, so a crash at any point leaves
+  the previous checkpoint whole. The newest `KEEP_LAST` are kept. One that fails its manifest's
+  checks or does not load is skipped, naming why, for the one before it.
 - GBA: one server only (`sync.ps.server_restart_s` refuses more): the dense shards of several
   servers would have to go back to one common k together, and the others keep serving. S-EASGD:
   any number, one at a time or all at once (a torchrun job of the servers restarts them together):
@@ -39,20 +40,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
+import shutil
 import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 
-from shadowgba.serialized import fsync_dir, load_state_file
+from shadowgba.serialized import TMP_PREFIX, commit_folder, load_state_file, step_folders, verify_folder
 
 logger = logging.getLogger("shadowgba")
 
 KEEP_LAST = 2
 """Checkpoints kept per server."""
-_STEP_FILE = re.compile(r"^step_(\d{10})\.pt$")
+STATE_FILE = "state.pt"
+"""A server checkpoint's data: every service's state, one `torch.save` file of tensors and plain data."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,38 +76,43 @@ class ServerCheckpoints:
 
     def __init__(self, directory: str | os.PathLike, server_index: int) -> None:
         self.folder = Path(directory) / f"ps{server_index}"
+        self.setup = {"server": server_index}
+        """What the manifest says wrote it (a checkpoint of another server index is not this one's)."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        for stale in self.folder.glob(f"{TMP_PREFIX}*"):  # a save a crash cut short
+            shutil.rmtree(stale, ignore_errors=True)
 
     def steps(self) -> list[int]:
         """The global steps saved, oldest first."""
-        return sorted(int(match.group(1)) for name in os.listdir(self.folder) if (match := _STEP_FILE.match(name)))
+        return [step for step, _ in step_folders(self.folder)]
 
     def path_of(self, step: int) -> Path:
-        """The file of global step `step`'s checkpoint."""
-        return self.folder / f"step_{step:010d}.pt"
+        """The folder of global step `step`'s checkpoint."""
+        return self.folder / f"step_{step:010d}"
 
     def save(self, step: int, state: Mapping[str, Any]) -> Path:
         """Write `state` as the checkpoint of step `step` (global step or exchanges), atomically; keep
         the newest `KEEP_LAST`."""
         path = self.path_of(step)
-        tmp = self.folder / f".tmp-{path.name}"
-        with open(tmp, "wb") as file:
+        tmp = self.folder / f"{TMP_PREFIX}{path.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        with open(tmp / STATE_FILE, "wb") as file:
             torch.save(dict(state), file)
             file.flush()
             os.fsync(file.fileno())
-        tmp.replace(path)
-        fsync_dir(self.folder)
-        for old in self.steps()[:-KEEP_LAST]:
-            self.path_of(old).unlink(missing_ok=True)
+        commit_folder(tmp, path, step, self.setup, KEEP_LAST)
         return path
 
     def latest(self) -> tuple[int, dict[str, Any]] | None:
-        """(its step, its state) of the newest checkpoint that loads, or None if there is none."""
+        """(its step, its state) of the newest checkpoint that verifies and loads, or None if there is none."""
         for step in reversed(self.steps()):
             path = self.path_of(step)
             try:
-                return step, load_state_file(path)
-            except Exception as error:  # noqa: BLE001 (a truncated or corrupted file: the one before it)
+                verify_folder(path, lambda setup: None if setup == self.setup else f"written by {setup}, not "
+                                                                                    f"{self.setup}")
+                return step, load_state_file(path / STATE_FILE)
+            except Exception as error:  # noqa: BLE001 (truncated, corrupted or crafted: the one before it)
                 logger.warning("shadowgba: server checkpoint %s does not load (%s); trying the one before", path, error)
         return None
 

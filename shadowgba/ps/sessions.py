@@ -44,6 +44,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from shadowgba.network import StoreUnreachable, bounded
+from shadowgba.ps.same_host import loop_threads
 
 
 SESSION_SETUP_S = 30.0
@@ -132,31 +133,10 @@ def session_group(namespace: str, generation: int, server: int, incarnation: int
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                            timeout=datetime.timedelta(seconds=SESSION_SETUP_S))
     prefix = f"{namespace}/{server_key(generation, server, incarnation, f'session{ticket}')}"
-    before = threads_named(GLOO_LOOP_THREAD)
+    before = loop_threads()
     group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, client), rank, 2, datetime.timedelta(seconds=timeout_s))
-    started = threads_named(GLOO_LOOP_THREAD) - before
+    started = loop_threads() - before
     return group, sorted(started) if len(started) == 1 else []
-
-
-GLOO_LOOP_THREAD = "gloo_tcp_loop"
-"""The name gloo gives the event-loop thread of each of its TCP devices (one per process group)."""
-
-
-def threads_named(name: str) -> set[int]:
-    """Ids of this process's threads called `name` (Linux's /proc; none elsewhere)."""
-    found = set()
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as comm:
-                if comm.read().strip() == name:
-                    found.add(int(task))
-        except OSError:  # ended meanwhile
-            pass
-    return found
 
 
 def request_session(store: dist.Store, generation: int, server: int, server_incarnation: int, trainer: int,

@@ -33,7 +33,8 @@ def start_transport(num_servers: int, backend: str = "gloo", timeout_s: float | 
     capped at `timeout_s`), and a server that loses a trainer acts on `on_trainer_lost`
     (`sync.ps.on_trainer_lost`). A trainer whose server stops answering waits up to
     `server_restart_s` for a new process of it (`sync.ps.server_restart_s`; elastic layout).
-    Each same-host channel's lanes hold `lane_bytes` (`sync.ps.lane_mb`; None: `LANE_BYTES`).
+    Each same-host channel's lanes hold `lane_bytes` (`sync.ps.lane_mb`; None: `LANE_BYTES`; 0: no
+    same-host path, `sync.ps.same_host`: every channel's tensors go over gloo TCP).
     """
     use_interface_to_master()
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)

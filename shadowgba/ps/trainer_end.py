@@ -16,9 +16,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shadowgba.errors import PeerLost, ServerRestarted, SetupError
+from shadowgba.errors import PeerLost, ServerRestarted, SetupError, SyncError
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost, first_line
-from shadowgba.ps.rendezvous import Roles, failure_message, server_name
+from shadowgba.ps.rendezvous import Roles, server_name
 from shadowgba.ps.sessions import SessionRefused, current_incarnation, request_session, session_group
 from shadowgba.ps.transport import CONTROL, NO_TRAINER_GROUP, ServiceFailure, Transport
 
@@ -98,7 +98,7 @@ class TrainerTransport(Transport):
         if self.roles.elastic:
             raise SetupError(NO_TRAINER_GROUP)
         if self._sync_group is None:
-            raise RuntimeError("the PS transport has ended")
+            raise SyncError("the PS transport has ended (job.close() or an abort ended it)")
         return self._sync_group
 
     def call_async(self, server_index: int, name: str, method: str, *args: Any) -> torch.futures.Future:
@@ -179,7 +179,7 @@ class TrainerTransport(Transport):
                                             self.rpc_timeout_s)
         channel = Channel(group, 1, server_name(server), on_lost=functools.partial(self._server_channel_lost, server),
                           timeout_s=self.rpc_timeout_s, peer_timeout_s=self.timeout_s, loop_threads=loop_threads,
-                          lane_bytes=self._lane_bytes)
+                          lanes=self._lane_bytes != 0, lane_bytes=self._lane_bytes)
         return channel, incarnation
 
     def _server_channel_lost(self, server: int, channel: Channel, _: ChannelLost) -> None:
@@ -221,7 +221,7 @@ class TrainerTransport(Transport):
                 waited = f" nor came back within {self.server_restart_s:g} s (sync.ps.server_restart_s)" \
                     if self.server_restart_s else " either"
                 lost = PeerLost(f"shadowgba: {server_name(server)} accepted no new session within {ALIVE_WITHIN_S:g} s"
-                                f"{waited} ({first_line(error)})")
+                                f"{waited} ({first_line(error)})", ranks=[self.roles.server_ranks[server]])
                 self._refused[server] = (failed, lost, time.monotonic())
                 raise lost from error
             with self._lock:
@@ -287,8 +287,8 @@ class TrainerTransport(Transport):
                     raise PeerLost(
                         f"{roles.name} gave up in barrier '{key}' after {timeout_s:g}s (sync.timeout_s): "
                         + ", ".join(f"trainer {i} (rank {roles.trainer_ranks[i]})" for i in missing)
-                        + " neither arrived nor aborted (stuck, e.g. in a collective no peer will enter, or dead)"
-                    )
+                        + " neither arrived nor aborted (stuck, e.g. in a collective no peer will enter, or dead)",
+                        ranks=[roles.trainer_ranks[i] for i in missing])
             time.sleep(pause)
             pause = min(2 * pause, PING_INTERVAL_S / 4)
 
@@ -303,16 +303,15 @@ class TrainerTransport(Transport):
         """A transport request (idempotent) to `server`, from a trainer in `stop()` or `barrier()`."""
         return self._request(server, (None, CONTROL, method, args), "went away in transport.stop() or barrier()").wait()
 
-    def notify_abort(self, reason: str) -> None:
-        """Tell every server that this trainer failed (`reason`: what failed), waiting for no peer: each
-        notice `"trainer {i} (rank r) aborted: {reason}"` waits at most `ABORT_NOTICE_S`, and a server that
+    def notify_abort(self, message: str) -> None:
+        """Tell every server that this trainer failed (`message`: the job's verdict, `Job.announce_failure`,
+        or `failure_message`), waiting for no peer: each notice waits at most `ABORT_NOTICE_S`, and a server that
         is gone is skipped. The servers refuse every later call with it and end their `stop()` with it,
         so the other trainers end naming this one. Sent once; never raises; a no-op once the transport
         has ended. `abort()` follows."""
         if self._notified or self._ended.is_set():
             return
         self._notified = True
-        message = failure_message(self.roles, reason)
         with self._lock:
             channels = list(self._channels.values())
         notice = (None, CONTROL, "abort", (self.roles.trainer_index, self.incarnation, message))

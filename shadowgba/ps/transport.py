@@ -97,9 +97,10 @@ import threading
 import torch
 import torch.distributed as dist
 
+from shadowgba.errors import SyncError
 from shadowgba.metrics import LANE_PREFIX
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel
-from shadowgba.ps.rendezvous import Roles
+from shadowgba.ps.rendezvous import Roles, failure_message
 
 logger = logging.getLogger("shadowgba")
 
@@ -183,7 +184,7 @@ class Transport:
         only if `start()` created it.
         """
         if self._ended.is_set():
-            raise RuntimeError("the PS transport has ended")
+            raise SyncError("the PS transport has ended (job.close() or an abort ended it)")
         lost_after_s = min(self.timeout_s, TRAINER_TIMEOUT_S if trainer_timeout_s is None else trainer_timeout_s)
         try:
             self._leave(lost_after_s)
@@ -192,21 +193,22 @@ class Transport:
             raise
         self._tear_down(graceful=True)
 
-    def abort(self, reason: str) -> None:
-        """Leave the job at once after a failure on this rank, waiting for no peer: `notify_abort(reason)`
+    def abort(self, message: str) -> None:
+        """Leave the job at once after a failure on this rank, waiting for no peer: `notify_abort(message)`
         unless already done, then the channels are closed without draining and the groups the transport
         created are destroyed, which makes a peer's pending collective on them fail at once. Never
         raises; a no-op once the transport has ended."""
         if self._ended.is_set():
             return
         try:
-            self.notify_abort(reason)
+            self.notify_abort(message)
         finally:
             self._tear_down(graceful=False)
 
     def _abort_at_exit(self) -> None:
         """At interpreter exit with the transport still started: nothing stopped it, so abort it."""
-        self.abort("its process exited without leaving the job (transport.stop() or abort() never ran)")
+        self.abort(failure_message(self.roles, "its process exited without leaving the job (transport.stop() or "
+                                   "abort() never ran)"))
 
     def _tear_down(self, graceful: bool) -> None:
         """End this rank's part: no more sessions, channels closed (answered by the peers when
@@ -243,7 +245,7 @@ class Transport:
         silent trainer)."""
         raise NotImplementedError
 
-    def notify_abort(self, reason: str) -> None:
+    def notify_abort(self, message: str) -> None:
         """Tell the servers this trainer failed (`TrainerTransport`); a server has no one to tell."""
 
     def _stop_accepting(self) -> None:

@@ -69,5 +69,7 @@ class HogwildThreads:
             thread.start()
         for thread in threads:
             thread.join()
-        if errors:
-            raise RuntimeError(f"{len(errors)} Hogwild training thread(s) failed") from errors[0]
+        if errors:  # the user's exception wins, as in a `with` block of one thread
+            if len(errors) > 1:
+                errors[0].add_note(f"shadowgba: {len(errors)} Hogwild training threads failed; this is the first one's error")
+            raise errors[0]

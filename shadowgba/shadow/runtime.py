@@ -30,8 +30,9 @@ Threads and invariants:
 - The same collective carries every rank's status (`sync_algos.base`): a NaN / Inf contribution is
   left out of the round on every rank alike, then skipped with a warning or raised as `SyncError`
   per `sync.on_nonfinite`; an aborting rank (`abort()`, the user's exception) sends its last round
-  with an aborted marker, and its peers leave after that round and raise `SyncError` naming it,
-  instead of waiting `timeout_s` in a collective it will never enter.
+  with an aborted marker, and its peers leave after that round instead of waiting `timeout_s` in a
+  collective it will never enter, and raise `PeerLost` naming the rank that failed first
+  (`shadowgba.blame`: the aborted rank itself may have left because of another).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,13 +51,15 @@ from torch import nn
 import sync_algos
 from shadowgba import groups as made_groups
 from shadowgba.config import SyncConfig
-from shadowgba.errors import CheckpointError, SetupError, SyncError
+from shadowgba.errors import CheckpointError, PeerLost, SetupError, SyncError
+from shadowgba.serialized import check_count, check_entries
 from shadowgba.interface import DenseSync
 from shadowgba.shadow.control import ControlFile, LiveSettings
 from shadowgba.shadow.pacing import RoundPacer
+from shadowgba.shadow.table_rounds import TableRounds
 from shadowgba.shadow.tables import TableFragments
 from shadowgba.metrics import SyncMetrics
-from shadowgba.nonfinite import NonFiniteGuard, gradients, reset_nonfinite_state
+from shadowgba.nonfinite import NonFiniteGuard, gradients, nonfinite_failure, reset_nonfinite_state
 from shadowgba.step_hook import StepHook
 from shadowgba.dense import DenseParams, trainable_named_parameters
 from shadowgba.shadow.survival import EpochRounds, PeersAborted, SurvivingGroups
@@ -68,7 +71,7 @@ ABORT_ROUND_S = 5.0
 """Longest `abort()` waits for its last round (the one that tells the peers), whatever `timeout_s`."""
 
 
-class ShadowSync(EpochRounds, DenseSync):
+class ShadowSync(EpochRounds, TableRounds, DenseSync):
     """Synchronizes the dense parameters of `model` across trainers, in the background or every k steps.
 
     `optimizers` are the optimizers whose `step()` marks a step boundary: usually the one dense
@@ -377,13 +380,7 @@ class ShadowSync(EpochRounds, DenseSync):
         """Restore `state_dict()` output; refuses (`CheckpointError`, changing nothing) a state that
         is not one, or one of another algorithm, other dense parameters or shapes, or holding NaN / Inf."""
         algorithm = self._require_started()
-        expected = ("algo", "param_names", "algorithm")
-        if not isinstance(state, Mapping):
-            raise CheckpointError(f"a ShadowSync state is a mapping with keys {list(expected)}, got {type(state).__name__}")
-        missing = [key for key in expected if key not in state]
-        if missing:
-            raise CheckpointError(f"ShadowSync state lacks {missing}; it has {sorted(map(str, state))} "
-                                  "(is it the output of ShadowSync.state_dict()?)")
+        check_entries(state, "ShadowSync state", ("algo", "param_names", "algorithm"))
         if state["algo"] != self.config.algo:
             raise CheckpointError(f"checkpoint is for sync algo '{state['algo']}', this job runs '{self.config.algo}'")
         names = state["param_names"]
@@ -394,9 +391,7 @@ class ShadowSync(EpochRounds, DenseSync):
                 f"{len(names) if isinstance(names, (list, tuple)) else type(names).__name__} names vs "
                 f"{len(self.dense.names)} here; differing: {other!r:.200}"
             )
-        step = state.get("step", 0)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointError(f"ShadowSync state's step must be an integer >= 0, got {step!r}")
+        step = check_count(state.get("step", 0), "ShadowSync state's step")
         if (self.tables is not None) != ("tables" in state):
             raise CheckpointError("checkpoint and job differ in table replicas: one is a 2D job "
                                   "(sync.sharding_group_size), the other is not")
@@ -471,64 +466,10 @@ class ShadowSync(EpochRounds, DenseSync):
         reset = sum(reset_nonfinite_state(optimizer, self.dense.params) for optimizer in self._step_hook.optimizers)
         self._record_heal("dense weights", f"; {reset} optimizer state tensors reset" if reset else "")
 
-    def _record_table_applied(self, replaced: bool) -> None:
-        self.tables.mark_applied(self._step)
-        if replaced:
-            self._record_heal(f"table fragment {self.tables.cursor} (rows and their optimizer state)", "")
-
     def _record_heal(self, what: str, extra: str) -> None:
         self.metrics.record_heal()
         logger.warning("shadowgba: %s: its %s held NaN / Inf and took the healthy replicas' consensus at step %d%s "
                        "(sync.on_nonfinite: skip)", self.guard.name, what, self._step, extra)
-
-    def _fragment_ages(self) -> dict[str, float]:
-        """The tables' counters for `metrics`: cycles done, the age of the fragments now in steps,
-        and over the run how many steps a fragment had gone unaveraged when it was refreshed."""
-        tables = self.tables
-        oldest, mean = tables.ages(self._step)
-        return {"table_cycles": tables.cycles, "fragment_age_steps_max": oldest, "fragment_age_steps_mean": mean,
-                "fragment_refresh_age_steps_max": tables.refresh_age_max,
-                "fragment_refresh_age_steps_mean": tables.refresh_age_total / max(tables.refreshed, 1)}
-
-    def _table_rounds(self, count: int, writeback: WriteBack | None) -> bool:
-        """`count` table rounds on the replica group, each one fragment: snapshot it at a step
-        boundary, average it with the partners, hand the delta back (`writeback`; None: the final
-        sync, in the training thread after the rounds ended, assigns the average). Returns True when a snapshot
-        was cancelled (this rank is aborting): it then sends an empty contribution with its aborted
-        marker, which the partners leave out, so nobody waits for it in this collective; its next
-        dense round tells every rank. NaN / Inf rows are left out on every partner alike and acted
-        on as in a dense round (`_check_flags`)."""
-        buffer = self.tables.buffer
-        if writeback is None:
-            self.tables.start_full_cycle()
-        elif self.config.mode == "shadow" and self.tables.touched is not None and not self.tables.queue:
-            if self._aborting.is_set():
-                self.tables.allreduce.sum(None, stop=False, aborted=True)
-                return True
-            started = time.perf_counter()
-            if self.tables.plan_touched_cycle() is not None:
-                return False  # a partner is aborting: the next dense round tells every rank
-            self.metrics.record_table_round(time.perf_counter() - started, self.tables.mask_bytes, fragment=False)
-            if not self.tables.queue:
-                return False  # no partner touched a row since the last cycle
-        for _ in range(count):
-            started = time.perf_counter()
-            if writeback is None:
-                self.tables.copy_to(buffer)
-            elif self._aborting.is_set() or not writeback.snapshot(buffer):
-                self.tables.allreduce.sum(None, stop=False, aborted=True)
-                return True
-            reduced = self.tables.average(buffer, delta=writeback is not None)
-            self.metrics.record_table_round(time.perf_counter() - started, self.tables.allreduce.bytes_per_call)
-            replace = not reduced.own_counted and reduced.heals and self._heals
-            if (reduced.own_counted or replace) and writeback is None:
-                self.tables.copy_from(buffer)
-                self._record_table_applied(replace)
-            elif reduced.own_counted or replace:
-                writeback.apply(buffer, replace)
-            if self._check_flags(self._global_ranks(reduced.nonfinite_ranks, self.tables.group), (), "a table round"):
-                return False
-        return False
 
     def _run_round(self) -> bool:
         """One round: snapshot, communicate, write back. Returns True when every rank must stop
@@ -576,13 +517,13 @@ class ShadowSync(EpochRounds, DenseSync):
                        f"{where} left it out")
             if self._survival is not None:
                 raise PeersAborted(message, aborted)
-            self._error = SyncError(f"{message} and this rank's rounds ended with it")
+            # names no culprit: the aborted rank may have left because of another one (`shadowgba.blame`)
+            self._error = PeerLost(f"{message} and this rank's rounds ended with it")
             return True
-        if nonfinite and self.config.on_nonfinite == "fail":
-            self._error = SyncError(
-                f"rank {', '.join(map(str, nonfinite))} sent NaN / Inf weights to {where} (sync.on_nonfinite: fail); "
-                "they were left out, so no other replica took them"
-            )
+        failure = nonfinite_failure(self.config.on_nonfinite, f"rank {', '.join(map(str, nonfinite))} sent NaN / Inf "
+                                    f"weights to {where}; they were left out, so no other replica took them")
+        if nonfinite and failure is not None:
+            self._error = SyncError(failure, ranks=nonfinite)
             return True
         if nonfinite:
             self.metrics.record_nonfinite_skip()
