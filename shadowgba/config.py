@@ -74,6 +74,12 @@ class SyncConfig:
     rounds space out where they are dear (a slow link, busy cores) and run as often as the other
     limits allow where they are cheap. 1: no such limit. Can be changed while the job runs.
     Ignored by gba."""
+    rounds_nice: int = 0
+    """Shadow mode: the niceness (0-19) of the shadow thread and of the gloo threads of the process
+    group its rounds run on (Linux). Where the training threads keep every core busy (CPU training),
+    a high value leaves the rounds the CPU that training does not use, instead of taking half a core
+    from it; where training waits (a GPU, a straggler, a link) the rounds run as before. 0: the
+    training thread's priority. Ignored by gba and in foreground mode."""
     foreground_every: int = 10
     """Foreground mode: training steps between two synchronous rounds. Ignored by gba."""
     first_round_after: int = 50
@@ -191,6 +197,8 @@ class SyncConfig:
             raise ConfigError(f"interval_steps must be >= 0, got {self.interval_steps}")
         if not 0 < self.max_round_share <= 1:
             raise ConfigError(f"max_round_share must be in (0, 1], got {self.max_round_share}")
+        if not 0 <= self.rounds_nice <= 19:
+            raise ConfigError(f"rounds_nice must be in [0, 19], got {self.rounds_nice}")
         if self.first_round_after < 0:
             raise ConfigError(f"first_round_after must be >= 0, got {self.first_round_after}")
         if self.foreground_every < 1:

@@ -84,6 +84,7 @@ def test_several_servers_may_restart_under_s_easgd(tmp_path: Path) -> None:
         ("sync: {algorithm: ma}", [], r"sync\.algorithm: unknown key; allowed keys: \[.*'algo'.*\]"),
         ("sync: {mode: async}", [], r"sync\.mode: 'async' is not allowed; allowed values: \['shadow', 'foreground'\]"),
         ("sync: {interval_ms: -1}", [], r"sync\.interval_ms must be >= 0, got -1"),
+        ("sync: {rounds_nice: 20}", [], r"sync\.rounds_nice must be in \[0, 19\], got 20"),
         ("sync: {foreground_every: 0}", [], r"sync\.foreground_every must be >= 1"),
         ("sync: {max_skipped_steps: 0}", [], r"sync\.max_skipped_steps must be >= 1, got 0"),
         ("sync: {interval_ms: fast}", [], r"sync\.interval_ms: expected a number, got 'fast'"),

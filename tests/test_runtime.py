@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -227,6 +228,30 @@ def test_pacing_bounds_the_round_rate_and_can_change_while_running(two_ranks: di
         assert result["fast_rounds"] > result["slow_rounds"], result
 
 
+def niced_rounds(rank: int, world_size: int) -> dict:
+    """`sync.rounds_nice` 15: the niceness of the training thread, the shadow thread and the gloo
+    threads of the rounds' group while the job runs, and the rounds made."""
+    model = vector_model(rank)
+    optimizer = ConstantStep(list(model.parameters()), increment=1.0)
+    config = SyncConfig(algo="ma", interval_ms=5.0, first_round_after=0, rounds_nice=15)
+    with ShadowSync(model, optimizer, config) as sync:
+        started = time.monotonic()
+        while time.monotonic() - started < 0.5:
+            optimizer.step()
+            time.sleep(0.002)
+        seen = {"training": os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
+                "shadow": os.getpriority(os.PRIO_PROCESS, sync._thread.native_id),
+                "group": sorted(os.getpriority(os.PRIO_PROCESS, thread) for thread in sync._round_threads)}
+    return seen | {"rounds": sync.metrics.rounds}
+
+
+def test_rounds_nice_lowers_the_shadow_thread_and_its_groups_threads_and_rounds_go_on(two_ranks: dict) -> None:
+    for seen in two_ranks["rounds-nice"]:
+        assert seen["training"] == 0 and seen["shadow"] == 15, seen
+        assert seen["group"] and set(seen["group"]) == {15}, seen  # gloo's loop and workers of its group
+        assert seen["rounds"] >= 5, seen
+
+
 def step_paced_rounds(rank: int, world_size: int) -> dict:
     """Rank 0 steps every 2 ms, rank 1 five times slower; rounds every 10 steps of the fastest rank."""
     model = vector_model(rank)
@@ -434,6 +459,7 @@ def two_ranks() -> dict[str, list]:
         "checkpoint-often": (checkpoint_often, ()),
         "bmuf-close-after-round": (close_right_after_a_round, ()),
         "round-costs": (round_costs_carried, ()),
+        "rounds-nice": (niced_rounds, ()),
     }, timeout_s=150)
 
 

@@ -25,12 +25,12 @@ server alone").
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable
 
 from shadowgba.network import host_identity
 from shadowgba.ps.board import Board, BoardView
 from shadowgba.ps.lane import IncomingLane, OutgoingLane
+from shadowgba.threads import renice, threads_named
 
 LOOP_NICE = 19
 """Niceness given to a same-host channel's gloo event-loop thread once both lanes are mapped (the
@@ -46,23 +46,6 @@ in docs/benchmarks.md ("The gloo loop's priority lowered on same-host channels")
 
 GLOO_LOOP_THREAD = "gloo_tcp_loop"
 """The name gloo gives the event-loop thread of each of its TCP devices (one per process group)."""
-
-
-def threads_named(name: str) -> set[int]:
-    """Ids of this process's threads called `name` (Linux's /proc; none elsewhere)."""
-    found = set()
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as comm:
-                if comm.read().strip() == name:
-                    found.add(int(task))
-        except OSError:  # ended meanwhile
-            pass
-    return found
 
 
 def loop_threads() -> set[int]:
@@ -84,10 +67,5 @@ def accept(offered: tuple[str, Any, Any]) -> tuple[IncomingLane | None, BoardVie
 
 
 def lower_loop_priority(threads: Iterable[int]) -> None:
-    """Renice gloo's loop threads `threads` to `LOOP_NICE`; one that ended, or may not be reniced, keeps
-    its priority."""
-    for thread in threads:
-        try:
-            os.setpriority(os.PRIO_PROCESS, thread, LOOP_NICE)  # Linux: a thread id names the thread
-        except OSError:
-            pass
+    """Renice gloo's loop threads `threads` to `LOOP_NICE`."""
+    renice(threads, LOOP_NICE)

@@ -61,6 +61,7 @@ from shadowgba.shadow.tables import TableFragments
 from shadowgba.metrics import SyncMetrics
 from shadowgba.nonfinite import NonFiniteGuard, gradients, nonfinite_failure, reset_nonfinite_state
 from shadowgba.step_hook import StepHook
+from shadowgba.threads import renice, thread_ids
 from shadowgba.dense import DenseParams, trainable_named_parameters
 from shadowgba.shadow.survival import EpochRounds, PeersAborted, SurvivingGroups
 from shadowgba.shadow.writeback import DirectWriteBack, HandoffWriteBack, WriteBack, wait_for_device
@@ -152,6 +153,8 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
         self._writeback: WriteBack | None = None
         self._table_writeback: WriteBack | None = None
         self._snapshot = self.dense.empty()
+        self._round_threads: set[int] = set()
+        """The threads gloo started for this runtime's own group (`sync.rounds_nice` lowers them)."""
         self._check_s = 0.0
         """The last step's gradient check (`_before_step`), part of its time in sync code."""
 
@@ -167,7 +170,9 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
             self._group, self._owns_group = self._parent_group, True
         elif collective:
             backend = "nccl" if self.dense.device.type == "cuda" else "gloo"
+            before = thread_ids()
             self._group = made_groups.duplicate(self._parent_group, self.config.timeout_s, backend)
+            self._round_threads = thread_ids() - before  # its gloo loop and workers (`sync.rounds_nice`)
             self._owns_group = True
         else:  # rounds talk to a parameter server: a group only carries the broadcast and final average
             self._group = self._parent_group
@@ -556,6 +561,8 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
 
     def _shadow_loop(self) -> None:
         stream = torch.cuda.Stream(self.dense.device) if self.dense.device.type == "cuda" else None
+        if self.config.rounds_nice:
+            renice({threading.get_native_id(), *self._round_threads}, self.config.rounds_nice)
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if self.config.first_round_after:
