@@ -76,7 +76,7 @@ class SyncConfig:
     Ignored by gba."""
     rounds_nice: int = 0
     """Shadow mode: the niceness (0-19) of the shadow thread and of the gloo threads of the process
-    group its rounds run on (Linux). Where the training threads keep every core busy (CPU training),
+    group it makes for its rounds (flat layout; in a 2D job the shadow thread only; Linux). Where the training threads keep every core busy (CPU training),
     a high value leaves the rounds the CPU that training does not use, instead of taking half a core
     from it; where training waits (a GPU, a straggler, a link) the rounds run as before. 0: the
     training thread's priority. Ignored by gba and in foreground mode."""

@@ -9,7 +9,7 @@ buffer, laid out as
 - gradient: this trainer's gradient, or zeros when it does not contribute (its closing round, or
   a gradient with NaN / Inf values: those never enter the sum);
 - contributors: 1 from each trainer that contributed, so the sum is the divisor of the mean;
-- stop: 1 from a trainer that is closing: its peers stop issuing collectives (`runtime.Mode.LOCAL`);
+- stop: 1 from a trainer that is closing: its peers stop issuing collectives (`mode.Mode.LOCAL`);
 - switch: 1 from a trainer that was asked (`switch_mode("gba")`) to switch to GBA;
 - compute time: each trainer writes only its own slot, so the sum is every trainer's time;
 - non-finite: 1 in its own slot from a trainer whose gradient was not finite, so every trainer
