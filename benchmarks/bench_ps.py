@@ -42,8 +42,9 @@ pushes of 4,096 rows (rows/s) against PS-hosted tables of 100K x 64 rows, the sa
 Interleaving: for each repetition, for each world (trainers x shards), for each `--trees` entry, one
 group of processes is spawned and measures every size, dtype pair and in-flight setting in turn; `--trees`
 names checkouts whose `shadowgba` the processes import (e.g. the code before and after an
-optimisation: `--trees after=.,before=/tmp/old`; `--trees shm=.,tcp=.+tcp`: this checkout with and
-without its same-host path), so their ratio is measured side by side. Each
+optimisation: `--trees after=.,before=/tmp/old`; `--trees shm=.,tcp=.+tcp,lend=.+lend`: this checkout
+with and without its same-host path or one step of it, `WITHOUT`), so their ratio is measured side by
+side. Each
 figure is the median over repetitions with its min-max; ratios (of parameters per second) are per
 repetition to the first tree's first dtype pair, then the median.
 Prints Markdown tables and writes every window's numbers to runs/bench_ps.json.
@@ -89,8 +90,8 @@ class World:
     shards: int
     tree: str
     tree_path: str
-    same_host: bool = True
-    """False: the transport without its same-host path (`sync.ps.same_host: false`; a tree `PATH+tcp`)."""
+    without: str = ""
+    """A tree `PATH+STEP`: that checkout without one step of its same-host path (`WITHOUT`)."""
 
 
 def parse_size(text: str) -> int:
@@ -118,7 +119,7 @@ class PS:
     the dense shards in `shadowgba.gba`), or the one before (`Transport.start`, the dense shards in
     `shadowgba.ps.dense_server`), so that one invocation compares a change with its parent."""
 
-    def __init__(self, num_servers: int, lane_mb: float | None = None, same_host: bool = True) -> None:
+    def __init__(self, num_servers: int, lane_mb: float | None = None, without: str = "") -> None:
         from shadowgba.ps.config import PSConfig
 
         try:
@@ -128,8 +129,10 @@ class PS:
 
             start_transport = Transport.start
         lanes = {} if lane_mb is None else {"lane_bytes": PSConfig(lane_mb=lane_mb).lane_bytes}
-        if not same_host:
+        if without == "tcp":  # sync.ps.same_host: false
             lanes = {"lane_bytes": 0}
+        elif without:
+            _drop_step(without)
         self.api: Any = start_transport(num_servers, **lanes)
         self.roles = self.api.roles
 
@@ -163,6 +166,36 @@ def dense_shards(side: str) -> Any:
         return importlib.import_module("shadowgba.ps.dense_server")
 
 
+WITHOUT = ("tcp", "lend", "board", "renice")
+"""What a tree `PATH+STEP` leaves out: the whole same-host path (`sync.ps.same_host: false`), or one
+of its steps (`shadowgba/ps/same_host.py`), patched out in the benchmark's own processes only: the
+server's lent requests (copies instead), its board (parameters through each trainer's lane), or the
+gloo loop's lower priority. So that each step is measured against the path with it, side by side."""
+
+
+def _drop_step(step: str) -> None:
+    """Patch one step of the same-host path out of this process's transport (see `WITHOUT`)."""
+    from shadowgba.ps import channel, same_host, server_end
+
+    if step == "lend":
+        class Copying(channel.Channel):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **{**kwargs, "lend": False})
+
+        server_end.Channel = Copying
+    elif step == "board":
+        class NoBoard:
+            @staticmethod
+            def create(nbytes: int | None = None) -> None:
+                return None
+
+        server_end.Board = NoBoard
+    elif step == "renice":
+        same_host.lower_loop_priority = lambda threads: None
+    else:
+        raise ValueError(f"a tree's +STEP is one of {list(WITHOUT)}, got {step!r}")
+
+
 def _rank_main(rank: int, world: World, port: int, plan: dict[str, Any], results: Any) -> None:
     """One process of a world: a server serving the dense shard (and a table), or a pushing trainer."""
     sys.path.insert(0, world.tree_path)
@@ -171,7 +204,7 @@ def _rank_main(rank: int, world: World, port: int, plan: dict[str, Any], results
     import torch
 
     torch.set_num_threads(plan["threads"])
-    ps = PS(world.shards, plan["lane_mb"], world.same_host)
+    ps = PS(world.shards, plan["lane_mb"], world.without)
     roles = ps.roles
     try:
         if roles.is_server:
@@ -487,7 +520,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="sync.ps.lane_mb of the channel transport's trees (default: theirs)")
     parser.add_argument("--trees", default=f"current={ROOT}",
                         help="comma-separated NAME=PATH checkouts to import shadowgba from (first: the baseline); "
-                             "PATH+tcp: that checkout without its same-host path (sync.ps.same_host: false)")
+                             f"PATH+STEP, STEP one of {list(WITHOUT)}: that checkout without its same-host path "
+                             "(tcp: sync.ps.same_host: false) or one step of it")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_ps.json", help="JSON results")
     args = parser.parse_args(argv)
     trees = dict(part.split("=", 1) for part in args.trees.split(","))
@@ -505,8 +539,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for rep in range(args.reps):
         for trainers, shards in worlds:
             for name, path in trees.items():
-                path, _, mode = path.partition("+")
-                world = World(trainers, shards, name, str(Path(path).resolve()), same_host=mode != "tcp")
+                path, _, without = path.partition("+")
+                world = World(trainers, shards, name, str(Path(path).resolve()), without=without)
                 for window in run_world(world, plan, per_world_s):
                     records.append({"rep": rep, "trainers": trainers, "shards": shards, "tree": name, **window})
                     shown = (f"{window['ingest_gib_per_s_per_server']:.3f} GiB/s per server, "
