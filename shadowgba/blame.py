@@ -111,7 +111,7 @@ class Blame:
             why = (f"this rank (rank {self.rank}) could not reach the job's store within {NOTICE_TIMEOUT_S:.0f} s: "
                    "it is cut off from the other hosts (a network partition), or the store's host is down")
             return Verdict((), False, why, replacement=SyncError(why))
-        if isinstance(error, PeerLost) or _chain_has(error, PeerLost):
+        if _chain_has(error, PeerLost):
             return Verdict((), False, _text(error))  # the transport's own words name the peer (a server)
         why = ("a peer failed, but none posted a failure and every peer's heartbeat is alive: "
                f"the lost rank is unknown ({_text(error)})")

@@ -465,7 +465,7 @@ def dense_sync(
     if job.is_server:
         raise SetupError("dense_sync() runs on trainer ranks; a server's part of the job ends in join()")
     config = job.config
-    guard = NonFiniteGuard(f"trainer {job.trainer_index} (rank {job.roles.rank})", config.on_nonfinite,
+    guard = NonFiniteGuard(job.roles.describe(job.roles.rank), config.on_nonfinite,
                            config.max_skipped_steps)
     torchrec_integration = _torchrec_integration()
     if torchrec_integration is not None:

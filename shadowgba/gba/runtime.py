@@ -448,7 +448,7 @@ class GBASync(ModeSwitches, DenseSync):
         logger.warning("shadowgba: %s left out (sync.on_nonfinite: skip)", where)
 
     def _trainer_name(self, index: int) -> str:
-        return f"trainer {index} (rank {self.roles.trainer_ranks[index]})"
+        return self.roles.describe(self.roles.trainer_ranks[index])
 
     # ------------------------------------------------------------------------- meeting the peers
     def _sync_round(self, gradient: torch.Tensor | None, stop: bool, compute_s: float,

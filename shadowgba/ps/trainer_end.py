@@ -286,7 +286,7 @@ class TrainerTransport(Transport):
                 elif deadline is not None and time.monotonic() > deadline:
                     raise PeerLost(
                         f"{roles.name} gave up in barrier '{key}' after {timeout_s:g}s (sync.timeout_s): "
-                        + ", ".join(f"trainer {i} (rank {roles.trainer_ranks[i]})" for i in missing)
+                        + ", ".join(roles.describe(roles.trainer_ranks[i]) for i in missing)
                         + " neither arrived nor aborted (stuck, e.g. in a collective no peer will enter, or dead)",
                         ranks=[roles.trainer_ranks[i] for i in missing])
             time.sleep(pause)
