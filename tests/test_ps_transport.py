@@ -76,9 +76,10 @@ def listening_sockets() -> set[tuple[str, str, str]]:
     """(table, hex address, hex port) of every TCP socket this process listens on, from /proc."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
-        with_target = Path("/proc/self/fd", fd)
-        if with_target.is_symlink():
-            inodes.add(os.readlink(with_target))
+        try:
+            inodes.add(os.readlink(Path("/proc/self/fd", fd)))
+        except OSError:  # closed since the listing by another thread (gloo's, a channel's): not a listener
+            pass
     listening = set()
     for table in ("tcp", "tcp6"):
         for line in Path("/proc/net", table).read_text().splitlines()[1:]:
