@@ -11,7 +11,8 @@ ranks crosses a shaped link: TorchRec's embedding all-to-all in every step (the 
 table-wise over the two hosts), DDP's gradient all-reduce, PMA's and the shadow rounds' averages.
 Variants (`VARIANTS`): `none` (no dense sync), `ddp`, `pma` (torch's PeriodicModelAverager every
 `--every` steps), ma / bmuf in the shadow thread (their configs' pacing unless overridden), and ma
-with compressed rounds (`ma-shadow-bf16`, `ma-shadow-int8`: `sync.compress`).
+with compressed rounds (`ma-shadow-bf16`, `ma-shadow-int8`: `sync.compress`); any of them followed by
+`@dotted.key=value` overrides (`example_job.parse_variants`: `ma-shadow@sync.rounds_nice=19`).
 Straggler settings (`--stragglers`): `even`; `compute`, trainer 1 `--factor` times slower
 (`ctrkit.straggler`, real compute); `link`, host 1's link at 1% of the cell's rate (a network
 straggler).
@@ -41,7 +42,10 @@ from typing import Any, Callable, Sequence
 from bench_2d import parse_list
 from bench_summary import Column, Run, difference_spread, markdown_table, ratio_spread, select, spread, spread_cell
 from ctrkit.cluster import rate_bits, unavailable_reason
-from example_job import CONFIGS, ROOT, SYNTHETIC_HELDOUT, WARMUP_STEPS, preset_arguments, run_across_hosts
+from example_job import (
+    CONFIGS, ROOT, SYNTHETIC_HELDOUT, WARMUP_STEPS, parse_variants, preset_arguments, run_across_hosts,
+    variant_arguments,
+)
 
 VARIANTS: dict[str, list[str]] = {
     "none": ["--config", str(CONFIGS / "none.yaml")],
@@ -167,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for rate in rates:
         rate_bits(rate)  # refuses a malformed rate before any run
     stragglers = parse_list(args.stragglers, STRAGGLERS, "--stragglers")
-    variants = parse_list(args.variants, list(VARIANTS), "--variants")
+    variants = parse_variants(args.variants, VARIANTS, "--variants")
     throughput, quality = [], []
     with tempfile.TemporaryDirectory() as scratch:
         output = Path(scratch) / "result.json"
@@ -177,10 +181,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                     slowed = ["--straggler.trainers", "[1]", "--straggler.factor", str(args.factor)]
                     for variant in variants:
                         label = f"rep {rep} {rate} {straggler} {variant}"
-                        result = run_on_hosts(label, rate, straggler, [
-                            *VARIANTS[variant], *preset_arguments(args.preset), "--train.duration_s",
+                        result = run_on_hosts(label, rate, straggler, variant_arguments(variant, VARIANTS, [
+                            *preset_arguments(args.preset), "--train.duration_s",
                             str(args.duration_s), "--train.warmup_steps", str(args.warmup_steps),
-                            *(slowed if straggler == "compute" else []), *extra], output)
+                            *(slowed if straggler == "compute" else []), *extra]), output)
                         run = {"rate": rate, "straggler": straggler, "variant": variant, "rep": rep,
                                "metrics": metrics(result), "result": result}
                         throughput.append(run)
@@ -191,9 +195,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         for seed in (int(seed) for seed in args.quality_seeds.split(",") if args.quality_steps):
             for variant in variants:
                 label = f"quality seed {seed} {rates[0]} {variant}"
-                result = run_on_hosts(label, rates[0], "even", [
-                    *VARIANTS[variant], *preset_arguments(args.preset), "--train.steps", str(args.quality_steps),
-                    "--train.seed", str(seed), "--data.synthetic.seed", str(seed), *SYNTHETIC_HELDOUT, *extra], output)
+                result = run_on_hosts(label, rates[0], "even", variant_arguments(variant, VARIANTS, [
+                    *preset_arguments(args.preset), "--train.steps", str(args.quality_steps),
+                    "--train.seed", str(seed), "--data.synthetic.seed", str(seed), *SYNTHETIC_HELDOUT, *extra]), output)
                 quality.append({"variant": variant, "seed": seed, "result": result})
                 print(f"{label}: AUC {result['auc']:.4f} after {result['samples_computed_total']:,.0f} samples", flush=True)
     report: dict[str, Any] = {"settings": {key: str(value) for key, value in vars(args).items()} | {

@@ -1,7 +1,7 @@
 """Throughput of every sync mode against local training, DDP and torch's PMA, at both presets, side by side.
 
     python benchmarks/bench_sync.py [--reps 5] [--duration-s 30] [--presets small,production] \
-        [--modes none,ddp,bmuf-shadow] [--dotted.key value ...]
+        [--modes none,ddp,bmuf-shadow,ma-shadow@sync.rounds_nice=19] [--dotted.key value ...]
 
 Identical runs differ too much on these machines to compare invocations
 (docs/benchmarks.md, "The development machines"), so one invocation runs every mode as a `torchrun`
@@ -11,7 +11,8 @@ to `none`, `ddp` and torch's `PeriodicModelAverager` (`pma`; those of them run) 
 repetition, against the run of the same preset and repetition, which cancels slow drifts of the
 machine, and then summarized: median, min-max. The presets are
 `example_job.MODEL_PRESETS` (small: a 338K-parameter dense net; production: MLPerf DLRM's 2.4M);
-further `--dotted.key value` arguments override every run's config. Every figure is shown as its
+further `--dotted.key value` arguments override every run's config, and a mode followed by
+`@dotted.key=value` overrides (`example_job.parse_variants`) runs that mode with them, beside it as it is. Every figure is shown as its
 median over repetitions with the min-max beside it, resources included (CPU ms per sample of all
 ranks, peak memory, a trainer's extra memory as a multiple of the dense size; `bench_summary`).
 Prints a Markdown table and writes every run's numbers as JSON.
@@ -29,7 +30,10 @@ from bench_summary import (
     EXTRA_OVER_NONE_COLUMN, PRESET_COLUMN, RESOURCE_COLUMNS, Column, Run, difference_spread, extra_x_dense,
     markdown_table, ratio_spread, resource_spreads, select, spread, spread_cell,
 )
-from example_job import CONFIGS, MODEL_PRESETS, ROOT, WARMUP_STEPS, parse_presets, preset_arguments, run_example
+from example_job import (
+    CONFIGS, MODEL_PRESETS, ROOT, WARMUP_STEPS, parse_presets, parse_variants, preset_arguments, run_example,
+    variant_arguments,
+)
 
 MODES: dict[str, list[str]] = {
     "none": ["--config", str(CONFIGS / "none.yaml")],
@@ -45,10 +49,10 @@ MODES: dict[str, list[str]] = {
 
 def run_once(preset: str, mode: str, args: argparse.Namespace, extra: Sequence[str], output: Path) -> dict[str, Any]:
     """One torchrun job of the example in `mode` at model `preset`."""
-    arguments = [
-        *MODES[mode], *preset_arguments(preset),
+    arguments = variant_arguments(mode, MODES, [
+        *preset_arguments(preset),
         "--train.duration_s", str(args.duration_s), "--train.warmup_steps", str(args.warmup_steps), *extra,
-    ]
+    ])
     return run_example(f"{preset} {mode}", args.nproc, arguments, output)
 
 
@@ -112,10 +116,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_sync.json", help="JSON results")
     args, extra = parser.parse_known_args(argv)
     presets = parse_presets(args.presets)
-    modes = args.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown or "none" not in modes:
-        parser.error(f"--modes must include none and name only {list(MODES)}; got {modes}")
+    modes = parse_variants(args.modes, MODES, "--modes")
+    if "none" not in modes:
+        parser.error(f"--modes must include none; got {modes}")
     runs = []
     with tempfile.TemporaryDirectory() as scratch:
         for rep in range(args.reps):

@@ -52,6 +52,32 @@ def parse_presets(text: str) -> list[str]:
     return presets
 
 
+VARIANT_OVERRIDE = "@"
+"""Separates a variant's name from overrides of its config: `ma-shadow@sync.rounds_nice=19@sync.max_round_share=0.05`
+runs `ma-shadow` with those two settings, so a candidate setting is measured side by side with the variant
+as it is, in the same invocation."""
+
+
+def parse_variants(text: str, table: Mapping[str, Sequence[str]], option: str) -> list[str]:
+    """A comma-separated list of variants, each a key of `table` with optional `@dotted.key=value`
+    overrides; refused (SystemExit) when empty, naming anything else, or with an override lacking `=`."""
+    variants = [variant for variant in text.split(",") if variant]
+    wrong = [variant for variant in variants if variant.split(VARIANT_OVERRIDE)[0] not in table
+             or any("=" not in override for override in variant.split(VARIANT_OVERRIDE)[1:])]
+    if wrong or not variants:
+        raise SystemExit(f"{option} must name only {list(table)}, each optionally followed by "
+                         f"{VARIANT_OVERRIDE}dotted.key=value overrides; got {variants}")
+    return variants
+
+
+def variant_arguments(variant: str, table: Mapping[str, Sequence[str]], rest: Sequence[str] = ()) -> list[str]:
+    """The harness arguments of `variant` (`parse_variants`): its table entry, then `rest` (the run's
+    own arguments and the command line's overrides), then the variant's own overrides, which win."""
+    name, *overrides = variant.split(VARIANT_OVERRIDE)
+    own = [part for override in overrides for part in (f"--{override.partition('=')[0]}", override.partition("=")[2])]
+    return [*table[name], *rest, *own]
+
+
 SYNTHETIC_HELDOUT = ["--data.synthetic.eval_batches", "128"]
 """Held-out synthetic set of the quality benchmarks: 128 x 512 = 65,536 samples, 4x the example's
 default, since they compare AUCs to 0.002 and the held-out set's own sampling noise must stay

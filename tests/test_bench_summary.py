@@ -13,6 +13,7 @@ import bench_gba
 import bench_sync
 from bench_summary import difference_spread, merged_histogram, ratio_spread, spread, spread_cell
 from dlrm.config import preset_overrides
+from example_job import parse_variants, variant_arguments
 from dlrm.host import cpu_seconds
 from dlrm.job import ResourceMeter, StepWallClock, resource_summary
 from shadowgba.errors import ConfigError
@@ -80,6 +81,18 @@ def gba_result(speed: float, shards: list[dict[str, Any]], tables: list[dict[str
 def dense_shard(histogram: dict[str, int], pushes: int, depth: int, dropped: int) -> dict[str, Any]:
     return {"staleness_histogram": histogram, "decayed": 1, "dropped": dropped, "pushes": pushes,
             "queue_depth_max": depth}
+
+
+def test_a_variant_with_overrides_runs_its_entry_with_them_last_and_bad_names_are_refused() -> None:
+    table = {"ma-shadow": ["--config", "ma.yaml"], "none": ["--config", "none.yaml"]}
+    variants = parse_variants("none,ma-shadow@sync.rounds_nice=19@sync.max_round_share=0.05", table, "--modes")
+    assert variants == ["none", "ma-shadow@sync.rounds_nice=19@sync.max_round_share=0.05"]
+    assert variant_arguments(variants[1], table, ["--sync.rounds_nice", "0"]) == [
+        "--config", "ma.yaml", "--sync.rounds_nice", "0", "--sync.rounds_nice", "19", "--sync.max_round_share", "0.05"]
+    assert variant_arguments("none", table, ["--x", "1"]) == ["--config", "none.yaml", "--x", "1"]
+    for wrong in ("pma", "ma-shadow@sync.rounds_nice", ""):
+        with pytest.raises(SystemExit, match="--modes must name only"):
+            parse_variants(wrong, table, "--modes")
 
 
 def test_bench_gba_takes_staleness_from_shard_0_pushes_per_shard_and_adds_up_the_tables() -> None:
