@@ -18,6 +18,8 @@ Every run is a `torchrun` job of `benchmarks/train_dlrm.py` on 4 trainers (`--np
 - ddp: flat model parallelism, the tables sharded over all 4 ranks, dense DDP (TorchRec's default);
 - none-2d: the 2D layout with no sync across the groups (the ceiling: nothing but a group's own
   all-to-all paces it).
+Any variant followed by `@dotted.key=value` overrides (`example_job.parse_variants`) runs with them,
+beside the variant as it is (`ma-shadow@data.synthetic.zipf_exponent=1.3`).
 Straggler settings (`--stragglers`): `straggler` slows trainer `--slow-trainer` (1: in group 0 with
 trainer 0) `--factor` times (`ctrkit.straggler`), `even` slows nobody. Compute (`--compute`):
 `simulated` pads every trainer's compute to `--step-ms` (default `SIMULATED_STEP_MS` of the preset),
@@ -91,8 +93,8 @@ from bench_summary import (
 )
 from dlrm.config import ExperimentConfig
 from example_job import (
-    CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, WARMUP_STEPS, parse_presets, preset_arguments, run_across_hosts,
-    run_example,
+    CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, WARMUP_STEPS, parse_presets, parse_variants, preset_arguments,
+    run_across_hosts, run_example, variant_arguments, variant_base,
 )
 from shadowgba.config import load_config
 
@@ -268,7 +270,7 @@ def throughput_rows(
             row: dict[str, Any] = {
                 "preset": preset, "compute": compute, "straggler": straggler, "variant": variant, "reps": len(cell),
                 "dense_params": cell[0]["result"]["dense_params"],
-                "decoupled": VARIANTS[variant].decoupled,
+                "decoupled": VARIANTS[variant_base(variant)].decoupled,
                 **{key: spread([run["metrics"][key] for run in cell]) for key in THROUGHPUT_FIGURES},
                 "stopped_together": sum(run["metrics"]["stopped_together"] for run in cell),
                 "extra_mib_over_none_2d": difference_spread(cell, select(mine, variant=NO_SYNC), repetition,
@@ -415,7 +417,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args, extra = parser.parse_known_args(argv)
     computes = parse_list(args.compute, COMPUTE, "--compute")
     stragglers = parse_list(args.stragglers, list(STRAGGLERS), "--stragglers")
-    variants = parse_list(args.variants, list(VARIANTS), "--variants")
+    variants = parse_variants(args.variants, VARIANTS, "--variants")
+    variant_table = {name: variant.arguments(args.group_size, args.every) for name, variant in VARIANTS.items()}
     presets = parse_presets(args.presets)
     quality_cells = parse_quality_cells(args.quality)
     if "simulated" in computes and args.step_ms is None and set(presets) - set(SIMULATED_STEP_MS):
@@ -434,12 +437,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             for preset, compute, straggler in cells:
                 for variant in variants:
                     label = f"rep {rep} {preset} {compute} {straggler} {variant}"
-                    result = run(label, [
-                        *VARIANTS[variant].arguments(args.group_size, args.every), *pacing_arguments(args),
-                        *preset_arguments(preset),
+                    result = run(label, variant_arguments(variant, variant_table, [
+                        *pacing_arguments(args), *preset_arguments(preset),
                         "--train.duration_s", str(args.duration_s), "--train.warmup_steps", str(args.warmup_steps),
                         *straggler_arguments(compute, straggler, args.step_ms or SIMULATED_STEP_MS.get(preset, 0.0),
-                                             args), *extra], output)
+                                             args), *extra]), output)
                     metrics = throughput_metrics(result, args.slow_trainer, args.group_size)
                     throughput.append({"preset": preset, "compute": compute, "straggler": straggler,
                                        "variant": variant, "rep": rep, "metrics": metrics, "result": result})
@@ -449,11 +451,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             for compute, straggler in quality_cells:
                 for variant in variants:
                     label = f"quality seed {seed} {compute} {straggler} {variant}"
-                    result = run(label, [
-                        *VARIANTS[variant].arguments(args.group_size, args.every), *pacing_arguments(args),
-                        *quality_length(args, extra), "--train.warmup_steps", str(args.warmup_steps),
+                    result = run(label, variant_arguments(variant, variant_table, [
+                        *pacing_arguments(args), *quality_length(args, extra),
+                        "--train.warmup_steps", str(args.warmup_steps),
                         "--train.seed", str(seed), "--data.synthetic.seed", str(seed), *SYNTHETIC_HELDOUT,
-                        *straggler_arguments(compute, straggler, args.quality_step_ms, args), *extra], output)
+                        *straggler_arguments(compute, straggler, args.quality_step_ms, args), *extra]), output)
                     quality.append({
                         "compute": compute, "straggler": straggler, "variant": variant, "rep": rep, "seed": seed,
                         "overrun_fast_group": fast_group_overrun(result, args.slow_trainer, args.group_size),

@@ -58,11 +58,16 @@ runs `ma-shadow` with those two settings, so a candidate setting is measured sid
 as it is, in the same invocation."""
 
 
-def parse_variants(text: str, table: Mapping[str, Sequence[str]], option: str) -> list[str]:
+def variant_base(variant: str) -> str:
+    """The table entry a variant runs: its name without the `@` overrides."""
+    return variant.split(VARIANT_OVERRIDE)[0]
+
+
+def parse_variants(text: str, table: Mapping[str, Any], option: str) -> list[str]:
     """A comma-separated list of variants, each a key of `table` with optional `@dotted.key=value`
     overrides; refused (SystemExit) when empty, naming anything else, or with an override lacking `=`."""
     variants = [variant for variant in text.split(",") if variant]
-    wrong = [variant for variant in variants if variant.split(VARIANT_OVERRIDE)[0] not in table
+    wrong = [variant for variant in variants if variant_base(variant) not in table
              or any("=" not in override for override in variant.split(VARIANT_OVERRIDE)[1:])]
     if wrong or not variants:
         raise SystemExit(f"{option} must name only {list(table)}, each optionally followed by "
@@ -73,9 +78,9 @@ def parse_variants(text: str, table: Mapping[str, Sequence[str]], option: str) -
 def variant_arguments(variant: str, table: Mapping[str, Sequence[str]], rest: Sequence[str] = ()) -> list[str]:
     """The harness arguments of `variant` (`parse_variants`): its table entry, then `rest` (the run's
     own arguments and the command line's overrides), then the variant's own overrides, which win."""
-    name, *overrides = variant.split(VARIANT_OVERRIDE)
+    overrides = variant.split(VARIANT_OVERRIDE)[1:]
     own = [part for override in overrides for part in (f"--{override.partition('=')[0]}", override.partition("=")[2])]
-    return [*table[name], *rest, *own]
+    return [*table[variant_base(variant)], *rest, *own]
 
 
 SYNTHETIC_HELDOUT = ["--data.synthetic.eval_batches", "128"]
