@@ -4,7 +4,8 @@
         [--duration-s 40] [--presets small] [--variants ma-shadow,bmuf-shadow,torchrec_2d,ddp,...] \
         [--every 10] [--interval-steps 2] [--interval-ms 20] [--step-ms MS] [--quality simulated:straggler] \
         [--quality-steps 3000] [--quality-stop samples|steps] \
-        [--quality-seeds 0,1,2] [--quality-step-ms 30] [--hosts-rate 1gbit] [--dotted.key value ...]
+        [--quality-seeds 0,1,2] [--quality-step-ms 30] [--quality-preset production] [--hosts-rate 1gbit] \
+        [--dotted.key value ...]
 
 Every run is a `torchrun` job of `benchmarks/train_dlrm.py` on 4 trainers (`--nproc`), TorchRec tables
 (FBGEMM's fused kernels), in the 2D layout of 2 replica groups x 2 ranks (`--group-size`:
@@ -56,8 +57,8 @@ the paced variants its steps overrun by waiting, not by working).
 Quality (`--quality COMPUTE:STRAGGLER,...`; empty: none): held-out AUC at equal samples seen. Every
 variant trains `--quality-steps` x trainers x batch samples from `train.seed` = the synthetic
 data's seed = each of `--quality-seeds` (one repetition each), on the harness's default model
-(ExperimentConfig defaults, whose steps are cheap enough for a long run), then scores the held-out
-set (`example_job.SYNTHETIC_HELDOUT`). The default length, 3000 steps of 4 x 512, is the 6.1M
+(ExperimentConfig defaults, whose steps are cheap enough for a long run) or `--quality-preset`'s,
+then scores the held-out set (`example_job.SYNTHETIC_HELDOUT`). The default length, 3000 steps of 4 x 512, is the 6.1M
 samples at which bench_matrix's quality preset saw ddp's held-out AUC flatten on 2 trainers (6000
 steps of 2 x 512); on 4 trainers ddp takes half as many optimizer steps for them.
 `--quality-stop` says how the samples are shared out:
@@ -410,6 +411,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "takes --quality-steps")
     parser.add_argument("--quality-seeds", default="0,1,2", help="comma-separated seeds, one quality repetition each")
     parser.add_argument("--quality-step-ms", type=float, default=30.0, help="simulated compute per step, quality runs")
+    parser.add_argument("--quality-preset", default="",
+                        help=f"model preset of the quality runs, one of {MODEL_PRESETS} (empty: the harness's "
+                             "default model)")
     parser.add_argument("--hosts-rate", default="",
                         help="run every job across 2 simulated hosts (a replica group a host) whose links run at this "
                              "rate, e.g. 1gbit (needs root); empty: one host's loopback")
@@ -421,6 +425,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     variant_table = {name: variant.arguments(args.group_size, args.every) for name, variant in VARIANTS.items()}
     presets = parse_presets(args.presets)
     quality_cells = parse_quality_cells(args.quality)
+    if args.quality_preset:
+        parse_presets(args.quality_preset)
     if "simulated" in computes and args.step_ms is None and set(presets) - set(SIMULATED_STEP_MS):
         parser.error(f"--step-ms: simulated compute has a default only for {list(SIMULATED_STEP_MS)}")
     cells = [(preset, compute, straggler) for preset in presets for compute in computes for straggler in stragglers]
@@ -453,6 +459,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     label = f"quality seed {seed} {compute} {straggler} {variant}"
                     result = run(label, variant_arguments(variant, variant_table, [
                         *pacing_arguments(args), *quality_length(args, extra),
+                        *(preset_arguments(args.quality_preset) if args.quality_preset else []),
                         "--train.warmup_steps", str(args.warmup_steps),
                         "--train.seed", str(seed), "--data.synthetic.seed", str(seed), *SYNTHETIC_HELDOUT,
                         *straggler_arguments(compute, straggler, args.quality_step_ms, args), *extra]), output)
