@@ -72,14 +72,18 @@ class SyncConfig:
     after the last one started. A round's duration is what it costs the steps, in link time (a
     step's embedding all-to-all crosses the same link) and in CPU (its copies and reduction), so
     rounds space out where they are dear (a slow link, busy cores) and run as often as the other
-    limits allow where they are cheap. 1: no such limit. Can be changed while the job runs.
-    Ignored by gba."""
-    rounds_nice: int = 0
+    limits allow where they are cheap. Across a link of 1 Gbit/s or less, 0.05 averages a dense net
+    of millions of parameters about as often as a foreground round every 10 steps, at less cost to
+    the steps (docs/benchmarks.md, "Across hosts"); in a 2D job it also halves the table rounds,
+    which follow the dense ones. 1: no such limit. Can be changed while the job runs. Ignored by gba."""
+    rounds_nice: int = 19
     """Shadow mode: the niceness (0-19) of the shadow thread and of the gloo threads of the process
-    group it makes for its rounds (flat layout; in a 2D job the shadow thread only; Linux). Where the training threads keep every core busy (CPU training),
-    a high value leaves the rounds the CPU that training does not use, instead of taking half a core
-    from it; where training waits (a GPU, a straggler, a link) the rounds run as before. 0: the
-    training thread's priority. Ignored by gba and in foreground mode."""
+    group it makes for its rounds (flat layout; in a 2D job the shadow thread only; Linux). Where
+    the training threads keep every core busy (CPU training), 19 leaves the rounds the CPU that
+    training does not use instead of taking it from the steps; where training waits (a GPU, a
+    straggler, a link) the rounds run as at 0. On cores kept busy by other work too, the rounds
+    slow down, and the share pacing spaces them out (the sync gap in `metrics` grows); 0 gives
+    them the training thread's priority. Ignored by gba and in foreground mode."""
     foreground_every: int = 10
     """Foreground mode: training steps between two synchronous rounds. Ignored by gba."""
     first_round_after: int = 50
