@@ -129,6 +129,10 @@ FAILING_JOBS: dict[str, tuple[dict[str, Any], bool]] = {
 }
 """name: (the `sync` section, TorchRec-sharded tables). The TorchRec job runs last: a peer waiting in
 TorchRec's all-to-all is released when the failed process exits (the group is TorchRec's to keep)."""
+DECOUPLED_JOBS = {"gba", "easgd_ps"}
+"""Jobs whose trainers step apart (they meet only the server): trainer 1 may reach its failing step
+while trainer 0, started later or given less CPU, has taken a step or none (seen on a loaded CI
+machine), so only the lockstep jobs promise that the survivors trained alongside until the failure."""
 
 
 def describe(error: BaseException) -> dict[str, Any]:
@@ -212,5 +216,5 @@ def test_an_exception_in_one_trainers_loop_ends_every_rank_soon_naming_it(
         assert "trainer 1 (rank 1) aborted: ValueError('boom at step 5')" in seen["error"]["text"], (rank, seen)
         if seen["role"] == "server":
             assert seen["error"]["is_peer_lost"], seen
-        else:
+        elif name not in DECOUPLED_JOBS:
             assert seen["steps"] >= FAIL_AT - 1, seen  # it trained alongside until the failure
