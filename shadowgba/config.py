@@ -76,14 +76,15 @@ class SyncConfig:
     of millions of parameters about as often as a foreground round every 10 steps, at less cost to
     the steps (docs/benchmarks.md, "Across hosts"); in a 2D job it also halves the table rounds,
     which follow the dense ones. 1: no such limit. Can be changed while the job runs. Ignored by gba."""
-    rounds_nice: int = 19
+    rounds_nice: int = 0
     """Shadow mode: the niceness (0-19) of the shadow thread and of the gloo threads of the process
     group it makes for its rounds (flat layout; in a 2D job the shadow thread only; Linux). Where
     the training threads keep every core busy (CPU training), 19 leaves the rounds the CPU that
     training does not use instead of taking it from the steps; where training waits (a GPU, a
     straggler, a link) the rounds run as at 0. On cores kept busy by other work too, the rounds
-    slow down, and the share pacing spaces them out (the sync gap in `metrics` grows); 0 gives
-    them the training thread's priority. Ignored by gba and in foreground mode."""
+    slow down, and the share pacing spaces them out (the sync gap in `metrics` grows): with 2D ranks
+    or simulated hosts sharing 2 busy cores, rounds at 19 all but stopped, so the default is 0, the
+    training thread's priority. Ignored by gba and in foreground mode."""
     foreground_every: int = 10
     """Foreground mode: training steps between two synchronous rounds. Ignored by gba."""
     first_round_after: int = 50
