@@ -80,7 +80,10 @@ from bench_summary import (
     PRESET_COLUMN, RESOURCE_COLUMNS, Column, Run, markdown_table, merged_histogram, paired, ratio_spread,
     resource_spreads, select, spread, spread_cell, staleness_summary,
 )
-from example_job import CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, parse_presets, preset_arguments, run_example
+from example_job import (
+    CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, parse_presets, parse_variants, preset_arguments, run_example,
+    variant_arguments, variant_base,
+)
 
 ALGOS: dict[str, tuple[Path, tuple[str, ...]]] = {
     "sync": (CONFIGS / "sync_allreduce.yaml", ()),
@@ -91,6 +94,8 @@ ALGOS: dict[str, tuple[Path, tuple[str, ...]]] = {
                       ("--sync.gba.push_dtype", "bfloat16", "--sync.gba.params_dtype", "bfloat16")),
 }
 """Benchmarked algorithms: a config and the overrides that make the variant."""
+ALGO_ARGUMENTS = {name: ("--config", str(config), *overrides) for name, (config, overrides) in ALGOS.items()}
+"""Each algorithm's harness arguments, for `variant_arguments` (`--algos gba@sync.gba.fresh_wait=0.5`)."""
 DEFAULT_ALGOS = ("sync", "gba", "async")
 """What `--algos` runs unless told: GBA against its two baselines."""
 
@@ -156,13 +161,11 @@ def run_label(seed: int, preset: str, shards: int, what: str) -> str:
 def job_arguments(algo: str, seed: int, preset: str, shards: int, args: argparse.Namespace,
                   extra: Sequence[str]) -> list[str]:
     """What every job of `algo` at `preset` on `shards` servers gets, whatever its straggler and stop."""
-    return [
-        "--config", str(ALGOS[algo][0]), *ALGOS[algo][1], *shared_job(preset, args.tables),
-        "--sync.ps.num_servers", str(shards),
-        *preset_arguments(preset),
+    return variant_arguments(algo, ALGO_ARGUMENTS, [
+        *shared_job(preset, args.tables), "--sync.ps.num_servers", str(shards), *preset_arguments(preset),
         "--train.warmup_steps", str(args.warmup_steps), "--train.seed", str(seed), "--data.synthetic.seed", str(seed),
         *SYNTHETIC_HELDOUT, *extra,
-    ]
+    ])
 
 
 def run_once(
@@ -230,6 +233,7 @@ def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
         "step_ms_slow": 1e3 * run["window_s"] / max(steps[slow_trainer], 1),
         "auc": run["auc"],
         "log_loss": run["log_loss"],
+        "dead_units": run.get("dead_unit_share", 0.0),
         **staleness_summary(deciding["staleness_histogram"]),
         "decayed": deciding["decayed"],
         "dropped": deciding["dropped"],
@@ -238,6 +242,8 @@ def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
             merged_histogram(table["staleness_histogram"] for table in tables))["staleness_mean"],
         "rows_dropped": sum(table["dropped"] for table in tables),
         "queue_dropped": run["sync"]["queue_dropped"],
+        "fresh_wait_ms": 1e3 * run["sync"].get("fresh_wait_s", 0.0) / max(run["sync"].get("fresh_waits", 0), 1),
+        "fresh_timeouts": run["sync"].get("fresh_timeouts", 0) / max(run["sync"].get("fresh_waits", 0), 1),
         "global_steps_per_s": run["gba"]["global_steps_per_s"],
         "queue_depth": max(shard["queue_depth_max"] for shard in shards),
         "switches": run["gba"]["mode_switches"],
@@ -250,6 +256,7 @@ SUMMARY: dict[str, tuple[Callable[[list[float]], float], ...]] = {
     "applied_samples_per_s": (statistics.median,),
     "auc": (statistics.median, min, max),
     "log_loss": (statistics.median,),
+    "dead_units": (max,),
     "step_ms_fast": (statistics.median,),
     "step_ms_slow": (statistics.median,),
     "staleness_mean": (statistics.median,),
@@ -261,6 +268,8 @@ SUMMARY: dict[str, tuple[Callable[[list[float]], float], ...]] = {
     "row_staleness_mean": (statistics.median,),
     "rows_dropped": (statistics.median,),
     "queue_dropped": (statistics.median,),
+    "fresh_wait_ms": (statistics.median,),
+    "fresh_timeouts": (statistics.median,),
     "global_steps_per_s": (statistics.median,),
     "queue_depth": (max,),
     "switches": (max,),
@@ -313,12 +322,15 @@ COLUMNS: list[Column] = [
     ("step ms fast / slow", lambda row: f"{row['step_ms_fast_median']:.0f} / {row['step_ms_slow_median']:.0f}"),
     ("AUC median (min-max)", lambda row: f"{row['auc_median']:.4f} ({row['auc_min']:.4f}-{row['auc_max']:.4f})"),
     ("AUC - sync, per seed", lambda row: " ".join(f"{gap:+.4f}" for gap in row["auc_minus_sync"]) or "-"),
+    ("dead units max", lambda row: f"{row['dead_units_max']:.0%}"),
     ("staleness mean / p90 / max",
      lambda row: f"{row['staleness_mean_median']:.2f} / {row['staleness_p90_max']} / {row['staleness_top_max']}"),
     ("row staleness mean / rows dropped",
      lambda row: f"{row['row_staleness_mean_median']:.2f} / {row['rows_dropped_median']:.0f}"),
     ("decayed / dropped / queue-dropped",
      lambda row: f"{row['decayed_median']:.0f} / {row['dropped_median']:.0f} / {row['queue_dropped_median']:.0f}"),
+    ("fresh wait ms / timed out (trainer 0)",
+     lambda row: f"{row['fresh_wait_ms_median']:.1f} / {row['fresh_timeouts_median']:.0%}"),
     ("pushes per shard", lambda row: f"{row['pushes_per_shard_median']:,.0f}"),
     ("global steps/s", lambda row: f"{row['global_steps_per_s_median']:.1f}"),
     ("PS queue depth max", lambda row: str(row["queue_depth_max"])),
@@ -344,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--global-samples", type=int,
                         help=f"every run stops at this many samples applied (default per preset: {GLOBAL_SAMPLES})")
     parser.add_argument("--warmup-steps", type=int, default=20, help="steps before the timed window")
-    parser.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help=f"comma-separated subset of {list(ALGOS)}")
+    parser.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help=f"comma-separated subset of {list(ALGOS)}, each optionally "
+                             "followed by @dotted.key=value overrides (gba@sync.gba.fresh_wait=0.5)")
     parser.add_argument("--tables", choices=sorted(TABLES), default="ps",
                         help="where every run's tables live: ps (default), or torchrec (rows synchronous, "
                              "GBA on the dense parameters only; every step paired, so no speed-up)")
@@ -353,10 +366,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="train sync alone this many samples first, then continue every algorithm from its "
                              "checkpoint for --global-samples more (0: every run starts from scratch)")
     args, extra = parser.parse_known_args(argv)
-    algos = args.algos.split(",")
-    if sorted(set(algos) - set(ALGOS)) or not algos:
-        parser.error(f"--algos must name only {list(ALGOS)}; got {algos}")
-    if args.warm_start_samples and "async" in algos:
+    algos = parse_variants(args.algos, ALGOS, "--algos")
+    if "sync" not in algos:
+        parser.error("--algos must include sync: every ratio and AUC difference is taken against it")
+    if args.warm_start_samples and any(variant_base(algo) == "async" for algo in algos):
         parser.error("--warm-start-samples: plain async counts a local batch per global step, sync's checkpoint a "
                      "global batch, so its stopping rule would not count the warm start's samples; leave it out")
     presets = parse_presets(args.presets)

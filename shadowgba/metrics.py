@@ -203,6 +203,19 @@ class GBAMetrics(SyncMetrics):
         self.pushes_lost_to_restart = 0
         """Gradients in flight or queued when a server restarted: computed on newer parameters than
         the restored ones, never applied."""
+        self.fresh_waits = 0
+        """GBA steps that waited for the global step their gradient entered (`GBAConfig.fresh_wait`)."""
+        self.fresh_wait_s = 0.0
+        """The training thread's time spent in those waits."""
+        self.fresh_timeouts = 0
+        """Waits that ended at their bound: the next gradient was computed on older parameters."""
+
+    def record_fresh_wait(self, seconds: float, fresh: bool) -> None:
+        """A GBA step waited `seconds` for the global step its gradient entered; `fresh`: it came in time."""
+        with self._lock:
+            self.fresh_waits += 1
+            self.fresh_wait_s += seconds
+            self.fresh_timeouts += int(not fresh)
 
     def record_push(self, weight: float) -> None:
         """A shard answered a push with the decay weight it gave the gradient (0: dropped)."""
@@ -234,7 +247,8 @@ class GBAMetrics(SyncMetrics):
                 queue_dropped=self.queue_dropped, decayed=self.push_weights.decayed,
                 stale_dropped=self.push_weights.dropped, mode_switches=self.mode_switches,
                 nonfinite_skipped=self.nonfinite_skipped, server_restarts=self.server_restarts,
-                pushes_lost_to_restart=self.pushes_lost_to_restart,
+                pushes_lost_to_restart=self.pushes_lost_to_restart, fresh_waits=self.fresh_waits,
+                fresh_wait_s=self.fresh_wait_s, fresh_timeouts=self.fresh_timeouts,
             )
         return summary
 

@@ -108,6 +108,7 @@ def three_ranks() -> dict[str, list]:
         "never-switched": (gba_job, (1, sync_then_state, 30, {})),
         "slowed-trainer": (gba_job, (1, timed_run, 2.0, (0.004, 0.080), decay)),
         "equal-speed": (gba_job, (1, timed_run, 3.0, (0.025, 0.025), {})),
+        "equal-speed-fresh": (gba_job, (1, timed_run, 3.0, (0.025, 0.025), {"fresh_wait": 1.0})),
         "switch-policy": (gba_job, (1, policy_run)),
         "close-and-abort": (gba_job, (2, fail_then_close_and_abort)),
     }, timeout_s=180)
@@ -203,6 +204,23 @@ def test_equal_speed_trainers_compute_on_parameters_about_one_global_step_old(th
     # about 1.1-1.3 on a quiet machine, up to 1.48 with the suite's other jobs on the 2 cores: the bound
     # separates "about one" from the "about two" it guards against, not the machine's load
     assert mean < 1.6, histogram
+
+
+def test_with_fresh_wait_equal_speed_trainers_compute_on_the_global_step_their_last_gradient_entered(
+    three_ranks: dict,
+) -> None:
+    """`fresh_wait`: after each push a trainer waits (at most its own compute time here) for the global
+    step its gradient entered, so equal-speed trainers push fresh gradients, as sync all-reduce
+    computes them: staleness 0 where the run without the wait had about one. (Waiting instead for
+    parameters newer than the gradient's token settled, after a few steps, at 97% one step stale.)"""
+    first, second, _ = three_ranks["equal-speed-fresh"]
+    histogram = {int(key.rstrip("+")): count for key, count in first["server"]["staleness_histogram"].items()}
+    assert first["server"]["global_step"] > 40
+    assert histogram.get(0, 0) >= 0.8 * sum(histogram.values()), histogram  # 100% on a quiet machine
+    for trainer in (first, second):
+        metrics = trainer["metrics"]
+        assert metrics["fresh_waits"] > 40 and metrics["fresh_timeouts"] <= 0.2 * metrics["fresh_waits"], metrics
+        assert metrics["fresh_wait_s"] < 0.025 * metrics["fresh_waits"], metrics  # bounded by its compute time
 
 
 def policy_run(ps: Transport) -> dict:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.datasets.utils import Batch
+from torchrec.modules.mlp import Perceptron
 
 from dlrm.config import TrainConfig
 from dlrm.model import BuiltModel
@@ -229,14 +230,46 @@ def evaluate(
     group = roles.trainer_group if group is None else group
     logits, labels = [], []
     share = (0, 1) if alone else (group.rank(), group.size())
-    for batch in data.heldout_batches(*share):
-        _, (_, batch_logits, batch_labels) = model(batch.to(device))
-        logits.append(batch_logits)
-        labels.append(batch_labels)
+    with DeadUnits(model) as dead:
+        for batch in data.heldout_batches(*share):
+            _, (_, batch_logits, batch_labels) = model(batch.to(device))
+            logits.append(batch_logits)
+            labels.append(batch_labels)
     all_logits, all_labels = torch.cat(logits), torch.cat(labels)
     if not alone:
         all_logits, all_labels = all_gather_rows(all_logits, group), all_gather_rows(all_labels, group)
-    return {"auc": roc_auc(all_logits, all_labels), "log_loss": log_loss(all_logits, all_labels)}
+    return {"auc": roc_auc(all_logits, all_labels), "log_loss": log_loss(all_logits, all_labels),
+            "dead_unit_share": dead.share()}
+
+
+class DeadUnits:
+    """While entered, the hidden units of the model's MLPs (TorchRec `Perceptron`s, ReLU) that never
+    fire: a unit whose output is 0 on every held-out sample this trainer scores is dead, and a
+    model whose units died learns nothing more through them (the collapse of a too-large step)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._layers = [module for module in model.modules() if isinstance(module, Perceptron)]
+        self._fired: dict[int, torch.Tensor] = {}
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> "DeadUnits":
+        for index, layer in enumerate(self._layers):
+            self._hooks.append(layer.register_forward_hook(
+                lambda _module, _inputs, output, index=index: self._record(index, output)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def _record(self, index: int, output: torch.Tensor) -> None:
+        fired = (output.detach() > 0).any(dim=0)
+        self._fired[index] = fired | self._fired[index] if index in self._fired else fired
+
+    def share(self) -> float:
+        """Dead units / hidden units over every MLP layer (0 when the model has none)."""
+        units = sum(fired.numel() for fired in self._fired.values())
+        return sum(int((~fired).sum()) for fired in self._fired.values()) / units if units else 0.0
 
 
 def replica_spread(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> float:

@@ -66,6 +66,8 @@ class _Queued:
     """The global step of the parameters the gradient was computed on (the oldest slice's)."""
     compute_s: float
     finite: bool
+    seq: int
+    """How many gradients the training thread submitted before this one."""
 
 
 class GBAClient:
@@ -109,6 +111,14 @@ class GBAClient:
         self._live_tokens: list[int] = []
         """A copy of `tokens` for the watcher thread; guarded by _replies_lock."""
         self._replies_lock = threading.Lock()
+        self._replies_arrived = threading.Condition(self._replies_lock)
+        """Notified by `_offer`, `_answer`, `_rebase` and a thread's failure: wakes `wait_fresh`."""
+        self._submitted = 0
+        """Gradients submitted so far (training thread only)."""
+        self._answered: tuple[int, int | None] = (0, None)
+        """The newest answered push: its `_Queued.seq` + 1, and the global step its gradient entered
+        (reached once the batch it joined is applied; None: dropped, or lost to a server's
+        restart); guarded by _replies_lock."""
         self._watching = threading.Event()
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
@@ -182,7 +192,8 @@ class GBAClient:
         installed parameters. `finite` False: the training thread found NaN / Inf in it; shard 0
         only counts it."""
         with self._queue_ready:
-            self._queue.append(_Queued(gradient, self.global_step, compute_s, finite))
+            self._queue.append(_Queued(gradient, self.global_step, compute_s, finite, self._submitted))
+            self._submitted += 1
             self._queue_ready.notify()
 
     def held_tensors(self) -> dict[str, torch.Tensor]:
@@ -205,6 +216,33 @@ class GBAClient:
         slices = [reply.params if new else None for reply, new in zip(fresh, newer)]
         tokens = [reply.token if new else token for reply, new, token in zip(fresh, newer, self.tokens)]
         self._install(slices, tokens)
+
+    def wait_fresh(self, timeout_s: float) -> bool:
+        """Wait at most `timeout_s` until the last submitted gradient's push is answered and, if it
+        was kept, until every shard has sent the parameters of the global step it entered (its
+        global batch applied), so that the next gradient is computed on them; True if they came.
+
+        Not "parameters newer than the gradient's token": those can be the previous global step's,
+        applied while the gradient was computed, and a trainer installing them would compute every
+        gradient one step stale again (a stable state: measured, 2 equal trainers, 97% stale).
+        Returns at once on a background thread's failure (raised by the next `raise_error`) or when
+        GBA mode is not being watched (leaving it, or plain async)."""
+        deadline = time.monotonic() + timeout_s
+        with self._replies_arrived:
+            while not self._fresh_arrived():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._error is not None or not self._watching.is_set():
+                    return False
+                self._replies_arrived.wait(remaining)
+        return True
+
+    def _fresh_arrived(self) -> bool:
+        """`wait_fresh`'s condition; the caller holds _replies_lock."""
+        answered, target = self._answered
+        if answered < self._submitted:
+            return False
+        return target is None or all(live >= target or (reply is not None and reply.token >= target)
+                                     for live, reply in zip(self._live_tokens, self._fresh))
 
     def refresh(self) -> None:
         """Pull every shard's parameters now and install them."""
@@ -262,6 +300,8 @@ class GBAClient:
         except BaseException as error:
             logger.exception("shadowgba GBA %s thread failed", role)
             self._error = error  # drain() polls for it
+            with self._replies_arrived:
+                self._replies_arrived.notify_all()  # wait_fresh returns, the training thread raises it
 
     def _push_loop(self) -> None:
         """Push queued gradients until stopped and the queue is empty."""
@@ -289,14 +329,26 @@ class GBAClient:
                                         queued.compute_s, queued.finite, reply_params=not self._watch)
         except ServerRestarted:
             self._rebase(pushes_lost=1)
+            self._answer(queued.seq, None)
             return
         if queued.finite:
             self._metrics.record_push(replies[0].weight)  # one decision for the whole push (shard 0's)
         received = sum(reply.params.numel() * reply.params.element_size() for reply in replies if reply.params is not None)
         self._metrics.record_round(time.perf_counter() - started, gradient.numel() * gradient.element_size() + received)
         self._offer(replies)
+        decision = replies[0].decision
+        if decision is None:  # dropped (or plain async's push, which has no global batch to wait for)
+            self._answer(queued.seq, None)
+        else:  # the step its batch advances k to: this reply's k if it completed the batch, else the next
+            self._answer(queued.seq, replies[0].token + (0 if decision.admission.completed_samples else 1))
         if replies[0].requested_mode == "sync":
             self._sync_requested.set()
+
+    def _answer(self, seq: int, entered: int | None) -> None:
+        """The push of gradient `seq` was answered; `entered`: the global step it entered (None: none)."""
+        with self._replies_arrived:
+            self._answered = (seq + 1, entered)
+            self._replies_arrived.notify_all()
 
     def _watch_loop(self) -> None:
         """While watching: one long poll per shard, renewed when all have answered, each asking
@@ -338,6 +390,7 @@ class GBAClient:
             self._fresh, self._rebased = list(replies), True
             self._live_tokens = [reply.token for reply in replies]
             self._epoch += 1
+            self._replies_arrived.notify_all()
             restarted, self._restarts_seen = restarts > self._restarts_seen, restarts
         self._metrics.record_server_restart(pushes_lost + len(lost), restarted)
         logger.log(logging.WARNING if restarted else logging.DEBUG, "shadowgba: trainer %d: a server restarted "
@@ -355,3 +408,4 @@ class GBAClient:
                 kept = self._fresh[index]
                 if reply.params is not None and (kept is None or reply.token > kept.token):
                     self._fresh[index] = reply
+            self._replies_arrived.notify_all()

@@ -37,6 +37,12 @@ class GBAConfig(AggregationConfig):
     and push replies): None, their own. bfloat16 halves that traffic, and the trainers then compute
     their gradients on the parameters rounded to bf16 (the shards keep and step their own); the
     pulls that start and end a GBA phase stay exact, so every replica ends at the shards' values."""
+    fresh_wait: float = 0.0
+    """After pushing a gradient, a trainer waits at most this share of its own compute time per step
+    for the global step that gradient entered to be applied, so that its next gradient is computed
+    on fresh parameters (staleness 0) whenever its peers complete the global batch within that time.
+    Equal-speed trainers then train as sync does; a straggler's late gradients stay as GBA made
+    them. 0: never wait (every gradient about one global step stale); >= 0."""
     lockstep_every: int | None = None
     """When the trainers take every step together anyway (TorchRec-sharded tables: each step's
     all-to-all pairs them), they agree on leaving GBA every this many GBA steps, else one trainer's
@@ -55,6 +61,8 @@ class GBAConfig(AggregationConfig):
     def __post_init__(self) -> None:
         if self.queue_size < 1:
             raise ConfigError(f"queue_size must be >= 1, got {self.queue_size}")
+        if not self.fresh_wait >= 0:
+            raise ConfigError(f"fresh_wait must be >= 0 (a share of the step's compute time), got {self.fresh_wait}")
         if self.lockstep_every is not None and self.lockstep_every < 0:
             raise ConfigError(f"lockstep_every must be >= 0 or null, got {self.lockstep_every}")
 

@@ -184,6 +184,9 @@ class GBASync(ModeSwitches, DenseSync):
                                  watch=config.aggregation == "global_batch", metrics=self.metrics,
                                  push_dtype=config.push_torch_dtype(self.dense.dtype))
         self._last_step_end = time.perf_counter()
+        self._compute_s: float | None = None
+        """This trainer's compute time per step (forward, backward: from one step's end to the next
+        hook), a moving average over about 10 GBA steps: `GBAConfig.fresh_wait` is a share of it."""
 
     # ----------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -406,6 +409,11 @@ class GBASync(ModeSwitches, DenseSync):
         if not finite:
             self._nonfinite([self.roles.trainer_index], self._shards.fail)
         self._client.submit(gradient, compute_s, finite)
+        self._compute_s = compute_s if self._compute_s is None else 0.9 * self._compute_s + 0.1 * compute_s
+        if self.config.fresh_wait > 0 and self.config.aggregation == "global_batch":  # plain async has no batch
+            started = time.perf_counter()
+            fresh = self._client.wait_fresh(self.config.fresh_wait * self._compute_s)
+            self.metrics.record_fresh_wait(time.perf_counter() - started, fresh)
         self._client.install_fresh()
         self._gba_steps += 1
         if self._leave_gba_due():
