@@ -340,6 +340,34 @@ COLUMNS: list[Column] = [
 """The table's columns: header and how a summary row fills the cell."""
 
 
+def curve_rows(runs: list[Run], every: int) -> tuple[list[Column], list[dict[str, Any]]]:
+    """The learning curves side by side: per run (algorithm, seed), the held-out AUC at each multiple
+    of `every` samples applied (the harness's `train.eval_every_samples` points; the last is the
+    final evaluation), and its difference to sync's of the same seed, preset and shard count."""
+    def points(run: Run) -> dict[int, float]:
+        return {round(point["samples_seen"] / every): point["auc"] for point in run["result"]["curve"]}
+
+    marks = sorted({mark for run in runs for mark in points(run)})
+    rows = []
+    for run in runs:
+        sync = select(runs, algo="sync", seed=run["seed"], preset=run["preset"], shards=run["shards"])
+        base = points(sync[0]) if sync else {}
+        mine = points(run)
+        rows.append({"run": f"{run['preset']} {run['shards']} shard(s) seed {run['seed']} {run['algo']}",
+                     **{mark: (mine.get(mark), base.get(mark)) for mark in marks}})
+
+    def cell(pair: tuple[float | None, float | None]) -> str:
+        auc, base = pair
+        if auc is None:
+            return "-"
+        return f"{auc:.4f}" + (f" ({auc - base:+.4f})" if base is not None else "")
+
+    columns: list[Column] = [("run", lambda row: row["run"])] + [
+        (f"AUC at {mark * every:,} (- sync)", lambda row, mark=mark: cell(row.get(mark, (None, None))))
+        for mark in marks]
+    return columns, rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compute", choices=("simulated", "real"), required=True,
@@ -361,6 +389,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tables", choices=sorted(TABLES), default="ps",
                         help="where every run's tables live: ps (default), or torchrec (rows synchronous, "
                              "GBA on the dense parameters only; every step paired, so no speed-up)")
+    parser.add_argument("--curve-every", type=int, default=0,
+                        help="also evaluate held-out AUC every this many samples applied and print the curves "
+                             "side by side (train.eval_every_samples); 0: the final evaluation only")
     parser.add_argument("--output", type=Path, help="JSON results (default runs/bench_gba_<compute>.json)")
     parser.add_argument("--warm-start-samples", type=int, default=0,
                         help="train sync alone this many samples first, then continue every algorithm from its "
@@ -373,6 +404,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--warm-start-samples: plain async counts a local batch per global step, sync's checkpoint a "
                      "global batch, so its stopping rule would not count the warm start's samples; leave it out")
     presets = parse_presets(args.presets)
+    if args.curve_every:
+        extra = [*extra, "--train.eval_every_samples", str(args.curve_every)]
     shard_counts = [int(count) for count in args.shards.split(",")]
     output = args.output or ROOT / "runs" / f"bench_gba_{args.compute}.json"
     runs, warm_starts = [], []
@@ -399,6 +432,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = summarize(runs, presets, shard_counts, algos)
     print(markdown_table(COLUMNS, rows))
     print(f"ideal ratio to sync: {ideal:.2f} ({args.trainers} trainers, one {args.factor:g}x slower)")
+    if args.curve_every:
+        print(markdown_table(*curve_rows(runs, args.curve_every)))
     for preset in presets:
         for shards in shard_counts:
             starts = [start for start in warm_starts if start["preset"] == preset and start["shards"] == shards]

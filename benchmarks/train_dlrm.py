@@ -99,7 +99,8 @@ def run_trainer(
     roles = job.roles
     torch.manual_seed(config.train.seed)
     model = build_model(config, data, job, device)
-    optimizer = DENSE_OPTIMIZERS[config.train.dense_optimizer](model.dense_params, lr=config.train.dense_lr)
+    betas = {"betas": (config.train.adam_beta1, 0.999)} if config.train.dense_optimizer == "adam" else {}
+    optimizer = DENSE_OPTIMIZERS[config.train.dense_optimizer](model.dense_params, lr=config.train.dense_lr, **betas)
     meter.mark_before_sync()
     sync = dense_sync(config, model.module, optimizer, job)
     gba = sync if config.algo == "gba" else None

@@ -65,11 +65,15 @@ def train(ps: Transport, options: dict, schedule: list[str | None], lockstep: bo
     return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "mode": mode, "memory": memory}
 
 
+SCHEDULE = {"warmup_steps": 12, "decay_every": 8, "decay_gamma": 0.5}
+"""A learning-rate schedule whose warm-up and decays both fall inside the switch test's GBA phase."""
+
+
 def sync_then_state(ps: Transport, steps: int, switches: dict[int, str]) -> dict:
     """Train `steps` lockstep steps with switches at given steps; end in sync mode, return the state."""
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    config = from_dict(GBAConfig, {"initial_mode": "sync"})
+    config = from_dict(GBAConfig, {"initial_mode": "sync", "schedule": SCHEDULE})
     gba = GBASync(model, optimizer, config, ps.roles, local_batch_size=BATCH, transport=ps)
     gba.start()
     for step in range(steps):
@@ -82,7 +86,7 @@ def sync_then_state(ps: Transport, steps: int, switches: dict[int, str]) -> dict
     assert gba.mode == "sync", gba.mode
     result = {"state": gba.state_dict()["optimizer"], "switches": gba.metrics.summary()["mode_switches"]}
     gba.close()
-    return result
+    return {**result, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
 
 
 @pytest.fixture(scope="module")
@@ -143,20 +147,27 @@ def test_gba_with_bf16_pushes_is_sync_training_on_gradients_rounded_to_bf16(four
     torch.testing.assert_close(results[0]["params"], results[1]["params"], rtol=0, atol=0)
 
 
-def test_switching_sync_gba_sync_carries_parameters_optimizer_state_and_global_step(
+def test_switching_sync_gba_sync_with_zero_staleness_stays_bit_equal_to_sync_all_the_way(
     four_ranks: dict, three_ranks: dict
 ) -> None:
-    """Over 2 dense shards, which must both hand back the same global step at the switch to sync."""
+    """The switch costs nothing: sync -> GBA (over 2 dense shards, which must both hand back the same
+    global step) -> sync, every GBA step in lockstep (staleness 0), ends bit for bit where the same
+    job ends that never left sync: parameters, Adam's moments and step count (its bias corrections),
+    the global step, and the learning-rate schedule, whose warm-up and two decays fall in the GBA
+    phase (steps 10-19). Bit-equal because with 2 trainers and a power-of-two batch the shard's
+    sample-weighted mean rounds as the all-reduce's mean does."""
     switched, reference = four_ranks["switched"], three_ranks["never-switched"]
     for trainer in (0, 1):
         got, want = switched[trainer]["state"], reference[trainer]["state"]
         assert switched[trainer]["switches"] == 2 and reference[trainer]["switches"] == 0
         assert got["global_step"] == want["global_step"] == 30
-        torch.testing.assert_close(got["param"], want["param"], rtol=1e-9, atol=1e-12)
+        assert torch.equal(got["param"], want["param"])
+        assert torch.equal(switched[trainer]["params"], reference[trainer]["params"])
         assert set(got["state"]) == set(want["state"]) == {"step", "exp_avg", "exp_avg_sq"}
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(got["state"][key], want["state"][key], rtol=1e-9, atol=1e-15)
+            assert torch.equal(got["state"][key], want["state"][key]), key
         assert float(got["state"]["step"]) == float(want["state"]["step"]) == 30
+    assert not torch.equal(switched[0]["params"], torch.cat([p.detach().reshape(-1) for p in make_model().parameters()]))
 
 
 def timed_run(ps: Transport, seconds: float, sleeps_s: tuple[float, float], options: dict) -> dict:

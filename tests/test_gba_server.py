@@ -14,6 +14,7 @@ from shadowgba.errors import SyncError
 from shadowgba.flat_optimizer import (SHARD_ALIGN, FlatOptimizer, LRSchedule, OptimizerSpec, concat_exports, shard_bounds,
                                       slice_export)
 from shadowgba.config import from_dict
+from shadowgba.gba.client import entered_step
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
 from shadowgba.gba.server import WATCHERS, DenseShard
@@ -220,6 +221,25 @@ def test_shard_steps_once_per_global_batch_and_tracks_staleness() -> None:
     shard.push(PushRequest(0, 0, 4, torch.ones(4), 0, 1, 0.0))  # staleness 1
     stats = shard.stats()
     assert stats["staleness_histogram"] == {"0": 2, "1": 1} and stats["global_step"] == 1
+
+
+def test_the_step_a_push_entered_is_the_one_its_global_batch_advances_k_to() -> None:
+    """`fresh_wait` waits for `entered_step` of the last push (global batch of 2 one-sample pushes):
+    the first push of a batch entered k + 1, the push completing it the k its reply carries, a stale
+    one the batch still open, and a dropped one none (decay threshold 0: staleness 1 is dropped)."""
+    shard = configured_shard()
+    assert entered_step(shard.push(PushRequest(0, 0, 4, torch.ones(4), 0, 1, 0.0))) == 1
+    assert entered_step(shard.push(PushRequest(1, 0, 4, torch.ones(4), 0, 1, 0.0))) == 1  # completed it
+    assert entered_step(shard.push(PushRequest(0, 0, 4, torch.ones(4), 0, 1, 0.0))) == 2  # staleness 1, kept
+    strict = DenseShard()
+    spec = OptimizerSpec.of(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), LRSchedule())
+    config = from_dict(GBAConfig, {"decay": {"kind": "drop", "threshold": 0}})
+    strict.configure(0, 4, 2, spec, FlatOptimizer(spec, torch.zeros(4)).export(), config, global_batch=2,
+                     on_nonfinite="fail")
+    strict.push(PushRequest(0, 0, 4, torch.ones(4), 0, 1, 0.0))
+    strict.push(PushRequest(1, 0, 4, torch.ones(4), 0, 1, 0.0))
+    dropped = strict.push(PushRequest(0, 0, 4, torch.ones(4), 0, 1, 0.0))
+    assert dropped.weight == 0.0 and entered_step(dropped) is None
 
 
 def test_pending_switch_blocks_close_and_close_blocks_switches() -> None:

@@ -84,6 +84,9 @@ class TrainConfig:
     """Optimizer of the dense parameters (each rank's replica; GBA: the one optimizer)."""
     dense_lr: float = 0.002
     """Learning rate of the dense optimizer."""
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay (torch's default 0.9); 0 takes the momentum out, a diagnostic of how
+    much of stale gradients' cost is momentum's (docs/gba.md). Only with dense_optimizer adam."""
     seed: int = 0
     """Seeds model initialization (identical on every rank)."""
     progress: bool = True

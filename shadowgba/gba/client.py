@@ -57,6 +57,15 @@ WATCH_IDLE_S = 0.01
 answers at once (all its waiters taken) is not polled in a tight loop."""
 
 
+def entered_step(reply: ShardReply) -> int | None:
+    """The global step a push's gradient entered, from shard 0's reply: the k its global batch
+    advances the shards to once applied (the reply's own k if this push completed the batch, else
+    the next one); None for a dropped push, which entered none."""
+    if reply.decision is None:
+        return None
+    return reply.token + (0 if reply.decision.admission.completed_samples else 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Queued:
     """A gradient waiting for the pusher thread."""
@@ -336,11 +345,7 @@ class GBAClient:
         received = sum(reply.params.numel() * reply.params.element_size() for reply in replies if reply.params is not None)
         self._metrics.record_round(time.perf_counter() - started, gradient.numel() * gradient.element_size() + received)
         self._offer(replies)
-        decision = replies[0].decision
-        if decision is None:  # dropped (or plain async's push, which has no global batch to wait for)
-            self._answer(queued.seq, None)
-        else:  # the step its batch advances k to: this reply's k if it completed the batch, else the next
-            self._answer(queued.seq, replies[0].token + (0 if decision.admission.completed_samples else 1))
+        self._answer(queued.seq, entered_step(replies[0]))
         if replies[0].requested_mode == "sync":
             self._sync_requested.set()
 
