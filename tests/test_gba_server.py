@@ -16,6 +16,7 @@ from shadowgba.flat_optimizer import (SHARD_ALIGN, FlatOptimizer, LRSchedule, Op
 from shadowgba.config import from_dict
 from shadowgba.gba.client import entered_step
 from shadowgba.gba.config import GBAConfig
+from shadowgba.gba.fresh import FreshWaitPolicy
 from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
 from shadowgba.gba.server import WATCHERS, DenseShard
 from shadowgba.gba.shards import DenseShardClient, PushRequest
@@ -240,6 +241,25 @@ def test_the_step_a_push_entered_is_the_one_its_global_batch_advances_k_to() -> 
     strict.push(PushRequest(1, 0, 4, torch.ones(4), 0, 1, 0.0))
     dropped = strict.push(PushRequest(0, 0, 4, torch.ones(4), 0, 1, 0.0))
     assert dropped.weight == 0.0 and entered_step(dropped) is None
+
+
+def test_fresh_waits_are_bounded_by_a_share_of_compute_and_stop_while_they_time_out() -> None:
+    """`FreshWaitPolicy`, by hand: the bound is `share` x the moving average of the compute time
+    (weights 0.8 / 0.2); after timeouts bring the share of useful waits under one half, only every
+    10th step waits (a probe); useful waits bring the waiting back."""
+    policy = FreshWaitPolicy(0.5)
+    assert policy.bound_s(0.100) == pytest.approx(0.050)
+    assert policy.bound_s(0.200) == pytest.approx(0.5 * (0.8 * 0.100 + 0.2 * 0.200))  # 0.060
+    for _ in range(3):  # useful: 1 -> 0.8 -> 0.64 -> 0.512, still waiting
+        policy.record(fresh=False)
+    assert policy.useful == pytest.approx(0.512) and policy.bound_s(0.120) is not None  # step 3
+    policy.record(fresh=False)  # 0.41: futile
+    waits = [policy.bound_s(0.120) is not None for _ in range(4, 21)]  # steps 4..20
+    assert [step for step, waited in zip(range(4, 21), waits) if waited] == [10, 20]
+    for _ in range(2):  # probes that found fresh parameters: 0.41 -> 0.53 -> 0.62
+        policy.record(fresh=True)
+    assert policy.bound_s(0.120) is not None  # step 21: waiting again
+    assert FreshWaitPolicy(0.0).bound_s(0.100) is None
 
 
 def test_pending_switch_blocks_close_and_close_blocks_switches() -> None:

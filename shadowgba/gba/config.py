@@ -41,8 +41,10 @@ class GBAConfig(AggregationConfig):
     """After pushing a gradient, a trainer waits at most this share of its own compute time per step
     for the global step that gradient entered to be applied, so that its next gradient is computed
     on fresh parameters (staleness 0) whenever its peers complete the global batch within that time.
-    Equal-speed trainers then train as sync does; a straggler's late gradients stay as GBA made
-    them. 0: never wait (every gradient about one global step stale); >= 0."""
+    Equal-speed trainers then train as sync does. Once most waits time out (a straggler holds the
+    batch) the trainer stops waiting and probes one step in 10 (`shadowgba.gba.fresh`), so a
+    straggler costs the others no waiting. 0: never wait (every gradient about one global step
+    stale); >= 0. Plain async (`aggregation: none`) never waits."""
     lockstep_every: int | None = None
     """When the trainers take every step together anyway (TorchRec-sharded tables: each step's
     all-to-all pairs them), they agree on leaving GBA every this many GBA steps, else one trainer's

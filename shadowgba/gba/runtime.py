@@ -86,6 +86,7 @@ from shadowgba.flat_optimizer import FlatOptimizer, OptimizerSpec, check_export
 from shadowgba.gba.allreduce import SyncAllReduce, SyncRound
 from shadowgba.gba.client import GBAClient
 from shadowgba.gba.config import GBAConfig
+from shadowgba.gba.fresh import FreshWaitPolicy
 from shadowgba.gba.mode import Mode, ModeSwitches
 from shadowgba.gba.switch_policy import SwitchPolicy
 from shadowgba.interface import DenseSync
@@ -184,9 +185,8 @@ class GBASync(ModeSwitches, DenseSync):
                                  watch=config.aggregation == "global_batch", metrics=self.metrics,
                                  push_dtype=config.push_torch_dtype(self.dense.dtype))
         self._last_step_end = time.perf_counter()
-        self._compute_s: float | None = None
-        """This trainer's compute time per step (forward, backward: from one step's end to the next
-        hook), a moving average over about 10 GBA steps: `GBAConfig.fresh_wait` is a share of it."""
+        self._fresh = FreshWaitPolicy(config.fresh_wait if config.aggregation == "global_batch" else 0.0)
+        """Whether and how long a GBA step waits for fresh parameters (plain async has no global batch)."""
 
     # ----------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -409,10 +409,11 @@ class GBASync(ModeSwitches, DenseSync):
         if not finite:
             self._nonfinite([self.roles.trainer_index], self._shards.fail)
         self._client.submit(gradient, compute_s, finite)
-        self._compute_s = compute_s if self._compute_s is None else 0.9 * self._compute_s + 0.1 * compute_s
-        if self.config.fresh_wait > 0 and self.config.aggregation == "global_batch":  # plain async has no batch
+        bound_s = self._fresh.bound_s(compute_s)
+        if bound_s is not None:
             started = time.perf_counter()
-            fresh = self._client.wait_fresh(self.config.fresh_wait * self._compute_s)
+            fresh = self._client.wait_fresh(bound_s)
+            self._fresh.record(fresh)
             self.metrics.record_fresh_wait(time.perf_counter() - started, fresh)
         self._client.install_fresh()
         self._gba_steps += 1
