@@ -380,5 +380,6 @@ def test_2d_a_host_cut_off_past_the_timeout_ends_every_rank_naming_the_unreachab
     assert results is not None, logs[0][-4000:]
     assert results["departed_trainers"] == [2, 3] and results["steps_by_trainer"] == [steps, steps], results
     assert results["sync"]["replica_groups_lost"] == 1, results["sync"]
-    assert results["dense_replica_max_abs_diff"] == 0.0 and results["table_replica_max_abs_diff"] == 0.0
+    # host 0's two ranks hold identical dense replicas; their table shards have no replica left to compare
+    assert results["dense_replica_max_abs_diff"] == 0.0 and results["table_replica_max_abs_diff"] is None, results
     assert "the rounds go on over ranks 0, 1" in logs[0], logs[0][-4000:]
