@@ -59,7 +59,7 @@ from shadowgba.shadow.pacing import RoundPacer
 from shadowgba.shadow.table_rounds import TableRounds
 from shadowgba.shadow.tables import TableFragments
 from shadowgba.metrics import SyncMetrics
-from shadowgba.nonfinite import NonFiniteGuard, gradients, nonfinite_failure, reset_nonfinite_state
+from shadowgba.nonfinite import NonFiniteGuard, gradients, nonfinite_failure, restart_state
 from shadowgba.step_hook import StepHook
 from shadowgba.threads import renice, thread_ids
 from shadowgba.dense import DenseParams, trainable_named_parameters
@@ -135,6 +135,8 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
         self._heals = config.on_nonfinite == "skip"
         """Whether this rank's NaN / Inf weights take the healthy replicas' consensus when a round
         offers it (`RoundResult.healed`); under fail the job ends instead."""
+        self._restarts: set[int] = set()
+        """The optimizers (ids) whose state for the healed dense weights is dropped before their next step."""
         self._first_round_due = threading.Event()  # set after `first_round_after` steps or at close
         self._rounds_finished = False
         self._round_lock = threading.Lock()  # algorithm state: rounds vs load_state_dict()
@@ -250,8 +252,10 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
         try:
             if self._error is None and final_sync and group is not None:
                 reduced = self.dense.average_(group, self._snapshot, self._algorithm.allreduce, heal=self._heals)
-                if reduced.heals and self._heals:
+                if reduced.heals and self._heals:  # no step comes any more: restart now
                     self._heal_optimizer()
+                    for optimizer in self._step_hook.optimizers:
+                        self._restart(optimizer)
                 self._check_flags(self._global_ranks(reduced.nonfinite_ranks, group), (), "the final average")
                 if self.tables is not None and self._error is None:
                     self._table_rounds(len(self.tables.fragments), None)
@@ -423,6 +427,7 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
         this step (embedding gradients, row pushes), are finite. A sum per gradient, counted in the
         step's `training_sync_s`."""
         started = time.perf_counter()
+        self._restart(optimizer)
         self.guard.check_all(gradients(optimizer), "dense gradients")
         self._check_s = time.perf_counter() - started
         return self.guard.step_finite
@@ -467,9 +472,16 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
             self._heal_optimizer()
 
     def _heal_optimizer(self) -> None:
-        """The dense weights were healed: so is their optimizer state (`reset_nonfinite_state`)."""
-        reset = sum(reset_nonfinite_state(optimizer, self.dense.params) for optimizer in self._step_hook.optimizers)
-        self._record_heal("dense weights", f"; {reset} optimizer state tensors reset" if reset else "")
+        """The dense weights were healed: their optimizer state starts afresh (`restart_state`), each
+        optimizer's just before its next step, in the thread that steps it: one may be stepping now
+        (a direct write-back heals from the shadow thread; Hogwild threads step apart)."""
+        self._restarts = {id(optimizer) for optimizer in self._step_hook.optimizers}
+        self._record_heal("dense weights", "; its optimizer state for them starts afresh at its next step")
+
+    def _restart(self, optimizer: Any) -> None:
+        if id(optimizer) in self._restarts:
+            self._restarts.discard(id(optimizer))
+            restart_state(optimizer, self.dense.params)
 
     def _record_heal(self, what: str, extra: str) -> None:
         self.metrics.record_heal()
