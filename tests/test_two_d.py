@@ -33,7 +33,7 @@ def _pipeline_job(rank: int, world_size: int, options: dict[str, Any], fault: tu
     """TinyRec (2 tables, row-wise Adagrad fused in backward) in 2 groups of 2 through `join` /
     `dense_sync` on TorchRec's train pipeline. `fault = (kind, rank, step)`: that rank raises
     (`fail`), SIGKILLs itself (`kill`), stops itself for good (`stop`: SIGSTOP, a stalled rank) or
-    turns its dense weights and table rows NaN (`nan`) after that step. Returns the final table shards, dense weights and metrics (or the error)."""
+    turns its dense weights, table rows and their optimizer state NaN (`nan`) after that step. Returns the final table shards, dense weights and metrics (or the error)."""
     from torchrec.distributed import TrainPipelineSparseDist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -67,9 +67,10 @@ def _pipeline_job(rank: int, world_size: int, options: dict[str, Any], fault: tu
             raise InjectedFailure(f"injected failure on rank {rank} after step {step}")
         if fault[0] in ("kill", "stop"):
             os.kill(os.getpid(), signal.SIGKILL if fault[0] == "kill" else signal.SIGSTOP)
-        with torch.no_grad():  # nan: a diverged replica, dense weights and table rows alike
+        with torch.no_grad():  # nan: a diverged replica, dense weights, table rows and their optimizer state alike
             next(iter(dense.values())).view(-1)[:3] = float("nan")
-            fused_table_shards(dmp)[0].tensors[0][:2] = float("nan")
+            for tensor in fused_table_shards(dmp)[0].tensors:
+                tensor[:2] = float("nan")
 
     built = [tensor.clone() for shard in fused_table_shards(dmp) for tensor in shard.tensors]
     try:
@@ -88,6 +89,7 @@ def _pipeline_job(rank: int, world_size: int, options: dict[str, Any], fault: tu
         return out
     shards = fused_table_shards(dmp)
     return out | {"tables": [tensor.clone() for shard in shards for tensor in shard.tensors],
+                  "table_weights": [shard.tensors[0].clone() for shard in shards],
                   "dense": [param.detach().clone() for param in dense.values()], "metrics": sync.metrics.summary(),
                   "pacing": (sync.interval_ms, sync.interval_steps)}
 
@@ -130,6 +132,8 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
                                          "control_file": str(control)},)),
         "ma-foreground": (_pipeline_job, ({"algo": "ma", "mode": "foreground"},)),
         "nan": (_pipeline_job, ({"algo": "ma", "mode": "foreground"}, ("nan", 1, 10))),
+        "nan-weights-averaged-alone": (_pipeline_job, ({"algo": "ma", "mode": "foreground",
+                                                        "tables": TableSyncConfig(optimizer_state=False)}, ("nan", 1, 10))),
         "resume": (_resume_job, (str(tmp_path_factory.mktemp("two_d")),)),
     }, timeout_s=200)
 
@@ -241,12 +245,25 @@ def test_a_resumed_2d_job_equals_the_uninterrupted_one(four_ranks: dict) -> None
 
 
 def test_a_nan_replica_is_healed_by_its_partners_and_every_rank_finishes(four_ranks: dict) -> None:
-    """Rank 1 (group 0) turns NaN, dense weights and table rows, after step 10 (a round every 3 steps).
-    Until the next round its steps are skipped, and so are its group partner's, which read its NaN
-    rows through the all-to-all; nothing NaN leaves either. That round heals it: its dense weights
-    take the others' average, its NaN fragment the rows and optimizer state of its replica partner
-    (rank 3). Then every rank trains on to the end, and the replicas end identical and finite."""
-    results = four_ranks["nan"]
+    """Rank 1 (group 0) turns NaN, dense weights, table rows and their row-wise Adagrad state, after
+    step 10 (a round every 3 steps). Until the next round its steps are skipped, and so are its group
+    partner's, which read its NaN rows through the all-to-all; nothing NaN leaves either. That round
+    heals it: its dense weights take the others' average, its NaN fragment the rows and optimizer
+    state of its replica partner (rank 3). Then every rank trains on to the end, and the replicas end
+    identical and finite."""
+    _assert_healed_once(four_ranks["nan"], "tables")
+
+
+def test_a_nan_replica_whose_table_state_is_not_averaged_starts_that_state_afresh(four_ranks: dict) -> None:
+    """The same fault under `sync.tables.optimizer_state: false`: the rounds average the table rows
+    alone, so the heal cannot take the partner's row state. The healed rows' state starts afresh (a
+    new fused optimizer's, zero) instead of keeping its NaN, which would turn the rows NaN again at
+    their next update, round after round. The replicas end with identical rows, and every rank finite."""
+    _assert_healed_once(four_ranks["nan-weights-averaged-alone"], "table_weights")
+
+
+def _assert_healed_once(results: list[dict], averaged: str) -> None:
+    """`results[rank][averaged]`: what the table rounds average (rows and state, or rows alone)."""
     assert results[1]["fired"] == 10 and all(result["fired"] is None for index, result in enumerate(results) if index != 1)
     assert all(result["error"] is None for result in results), [result["error"] for result in results]
     for result in results:
@@ -261,7 +278,7 @@ def test_a_nan_replica_is_healed_by_its_partners_and_every_rank_finishes(four_ra
     for rank in range(1, 4):
         assert _max_diff(results[0]["dense"], results[rank]["dense"]) == 0.0
     for first, partner in ((0, 2), (1, 3)):
-        assert _max_diff(results[first]["tables"], results[partner]["tables"]) == 0.0
+        assert _max_diff(results[first][averaged], results[partner][averaged]) == 0.0
 
 
 STALL_TIMEOUT_S = 6.0

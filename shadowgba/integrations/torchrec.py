@@ -152,9 +152,10 @@ def _plan_signature(plan: ShardingPlan) -> list[tuple[Any, ...]]:
 
 def fused_table_shards(model: nn.Module, optimizer_state: bool = True) -> list[TableShard]:
     """Every table shard of `model`'s sharded embedding collections on this rank, in module order:
-    its rows (views into the FBGEMM kernel's weights) and, with `optimizer_state`, the kernel's
-    per-row optimizer state (row-wise Adagrad's sum, Adam's moments ...). Refuses a table whose
-    kernel is not fused: its rows or state would not be where this reads them."""
+    its rows (views into the FBGEMM kernel's weights) and the kernel's per-row optimizer state
+    (row-wise Adagrad's sum, Adam's moments ...), averaged with the rows with `optimizer_state`,
+    else left out of the rounds (`TableShard.state_left_out`). Refuses a table whose kernel is not
+    fused: its rows or state would not be where this reads them."""
     shards = []
     for path, module in model.named_modules():
         if not isinstance(module, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
@@ -167,10 +168,11 @@ def fused_table_shards(model: nn.Module, optimizer_state: bool = True) -> list[T
                 if fbgemm is None or not hasattr(fbgemm, "get_optimizer_state"):
                     raise SetupError(f"tables {names} of {path} use {type(kernel).__name__}, not a fused kernel; a "
                                      f"2D job averages fused kernels only (compute_kernels={list(FUSED_KERNELS[:1])})")
-                states = fbgemm.get_optimizer_state() if optimizer_state else [{} for _ in names]
-                for name, weights, state in zip(names, fbgemm.split_embedding_weights(), states):
-                    rows = [value for value in state.values() if value.dim() >= 1 and value.shape[0] == weights.shape[0]]
-                    shards.append(TableShard(f"{path}.{name}", (weights, *rows)))
+                for name, weights, state in zip(names, fbgemm.split_embedding_weights(), fbgemm.get_optimizer_state()):
+                    rows = tuple(value for value in state.values()
+                                 if value.dim() >= 1 and value.shape[0] == weights.shape[0])
+                    shards.append(TableShard(f"{path}.{name}", (weights, *rows)) if optimizer_state
+                                  else TableShard(f"{path}.{name}", (weights,), state_left_out=rows))
     return shards
 
 

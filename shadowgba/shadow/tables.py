@@ -63,7 +63,7 @@ class TableSyncConfig:
     through the whole cycle. > 0."""
     optimizer_state: bool = True
     """Average the fused optimizer's per-row state with the weights (as `DMPCollection.sync()`
-    does by default); false averages the weights alone."""
+    does by default); false averages the weights alone (a healed row's state then starts afresh)."""
     touched_rows: bool = True
     """Shadow rounds average only the rows some partner touched since their last average (module
     docstring): a cycle's length follows the rows the steps touch, not the tables' size. False: every
@@ -80,6 +80,10 @@ class TableShard:
 
     name: str
     tensors: tuple[torch.Tensor, ...]
+    """What the rounds average."""
+    state_left_out: tuple[torch.Tensor, ...] = ()
+    """The per-row optimizer state the rounds do not average (`optimizer_state: false`): a heal
+    cannot take the partners' and starts it afresh (`TableFragments.restart_state`)."""
 
     @property
     def rows(self) -> int:
@@ -314,6 +318,18 @@ class TableFragments:
                 self._saw(rows, tensor, part, None)
             else:
                 tensor[rows.start:rows.stop].copy_(part)
+
+    def restart_state(self) -> None:
+        """The current fragment's rows were healed: their optimizer state that the rounds leave out
+        (`TableShard.state_left_out`) becomes a new fused optimizer's (zero). It is what the steps
+        that diverged left there (NaN, or finite but exploded), and would turn the healed rows NaN
+        again at their next update, round after round."""
+        for rows in self.current.rows:
+            for tensor in self.shards[rows.shard].state_left_out:
+                if isinstance(rows, Picked):
+                    tensor.index_fill_(0, rows.index, 0.0)
+                else:
+                    tensor[rows.start:rows.stop].zero_()
 
     def _saw(self, rows: Picked, tensor: torch.Tensor, part: torch.Tensor, before: torch.Tensor | None) -> None:
         """The picked `rows` of `tensor` just took `part` (added to their `before` markers, or
