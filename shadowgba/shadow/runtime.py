@@ -244,9 +244,7 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
                 while not self._rounds_finished and self._error is None:
                     self._foreground_round()
         finally:
-            self._step_hook.remove()
-            self.guard.enabled = False
-            group, self._group, self._running = self._group, None, False
+            group = self._unhook()
         if self._survival is not None and self._error is None:
             self._survival.mark_ended()
         try:
@@ -295,9 +293,7 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
             if last is not None:
                 last.join(timeout=min(self.config.timeout_s, ABORT_ROUND_S))
         finally:
-            self._step_hook.remove()
-            self.guard.enabled = False
-            group, self._group, self._running = self._group, None, False
+            group = self._unhook()
             self._error_reported = True  # the caller's exception is the one that matters
             if last is not None and last.is_alive():
                 logger.warning("shadowgba: the aborted round still waits for a peer after %gs; it is left to "
@@ -317,6 +313,15 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
                 failure.append(error)
             finally:
                 self._rounds_finished = True
+
+    def _unhook(self) -> dist.ProcessGroup | None:
+        """Leave the model and optimizers be (step hook, guard, lookup hooks); hand back the rounds' group."""
+        self._step_hook.remove()
+        self.guard.enabled = False
+        if self.tables is not None:
+            self.tables.close()
+        group, self._group, self._running = self._group, None, False
+        return group
 
     def _release(self, group: dist.ProcessGroup | None) -> None:
         self._end_report()
