@@ -139,11 +139,11 @@ def run_trainer(
     roles = dataclasses.replace(roles, trainer_group=survivors.group, trainer_ranks=survivors.ranks)
     window = common_window(stats, config.data.batch_size, roles, device)
     wall_window = clock.intervals(*timed_window(stats, roles, device))
-    spread = replica_spread(model.dense_params, roles.trainer_group)
+    spread = spread_among(model.dense_params, roles.trainer_group)
     table_spread = None
     if job.layout is not None:  # each rank's table shards against their replicas in the other groups
         shards = [tensor for shard in fused_table_shards(model.module) for tensor in shard.tensors]
-        table_spread = replica_spread(shards, survivors.replica_group)
+        table_spread = spread_among(shards, survivors.replica_group)
     quality = evaluate(model.module, data, roles, device)
     curve.finish(quality, stats.step_end_s[-1])
     ceiling = data.teacher_heldout() if isinstance(data, SyntheticCTR) else None  # only synthetic data has one
@@ -188,6 +188,13 @@ def run_trainer(
         **({"step_end_at": stats.step_end_at} if config.train.record_step_times else {}),
         "config": to_dict(config),
     }, wall_window, survivors.ranks
+
+
+def spread_among(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> float | None:
+    """`replica_spread` of `tensors` over `group`, or None where the group has one member (a lone
+    surviving trainer, a replica group whose other groups were lost): a replica against itself
+    reads 0.0 whatever it holds, which would pass every check of identical replicas."""
+    return replica_spread(tensors, group) if dist.get_world_size(group) > 1 else None
 
 
 def _device() -> tuple[torch.device, str]:

@@ -66,10 +66,29 @@ _TBF_LATENCY_MS = 20
 """How long a packet may wait in a shaped link's queue before it is dropped (as `tc tbf latency`)."""
 
 
+_CAPABILITIES = {"CAP_NET_ADMIN": 12, "CAP_SYS_ADMIN": 21}
+"""The capabilities a cluster needs (links and qdiscs; namespaces), by bit in the effective set."""
+
+
+def _missing_capabilities() -> list[str]:
+    """Which of `_CAPABILITIES` this process lacks (root in a container may hold none of them)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return list(_CAPABILITIES)
+    effective = int(re.search(r"^CapEff:\s*([0-9a-f]+)$", status, re.MULTILINE).group(1), 16)
+    return [name for name, bit in _CAPABILITIES.items() if not effective >> bit & 1]
+
+
 def unavailable_reason() -> str | None:
-    """Why a cluster cannot be made here (None when it can): not root, or no pyroute2."""
+    """Why a cluster cannot be made here (None when it can): not root, root without the
+    capabilities (no network namespaces), or no pyroute2."""
     if os.geteuid() != 0:
         return "simulated hosts need root (network namespaces, veth pairs and tc)"
+    missing = _missing_capabilities()
+    if missing:
+        return (f"simulated hosts need {' and '.join(missing)} (network namespaces, veth pairs and tc), which this "
+                "root process lacks")
     try:
         import pyroute2  # noqa: F401
     except ImportError:

@@ -163,24 +163,26 @@ def gradients(optimizer: object) -> list[torch.Tensor]:
             if isinstance(param, torch.Tensor) and param.grad is not None]
 
 
-def reset_nonfinite_state(optimizer: object, params: Iterable[torch.Tensor]) -> int:
-    """Zero the NaN / Inf entries of `optimizer`'s state for `params` (momentum, Adam's moments ...),
-    leaving finite entries as they are; returns how many state tensors had any. What a healed
-    replica (its weights replaced by the healthy replicas' consensus) does to its own optimizer: a
-    step skipped for NaN / Inf never reaches the state, but a step whose finite gradients overflowed
-    it does, and that state would turn the healed weights non-finite again at the next step. Works
-    on any optimizer whose `state` maps parameters to dicts of tensors, in place (TorchRec's
-    keyed and combined optimizers return the same tensors)."""
+def restart_state(optimizer: object, params: Iterable[torch.Tensor]) -> int:
+    """Drop `optimizer`'s state for `params` (momentum, Adam's moments and step ...), so that its next
+    step builds it anew, as for a parameter it never stepped; returns for how many parameters it
+    held any. What a healed replica (its weights replaced by the healthy replicas' consensus) does
+    to its own optimizer: that state comes from the steps that diverged, and finite is not sound.
+    Momentum or moments of 1e18 left by a burst of huge gradients (a skipped step never reaches the
+    state, but a step whose finite gradients exploded it does) would throw the healed weights 1e17
+    away at the next step (SGD's momentum), which the next round would bring to every replica, or
+    step against the gradient for thousands of steps (Adam's moments). The healthy replicas' state
+    is not at hand (the rounds move weights only), so the healed replica restarts its optimizer:
+    its next step is the one a new optimizer takes from the healed weights. Works on any optimizer
+    whose `state` maps parameters to dicts and that builds a parameter's state at its first step,
+    as torch's do (TorchRec's keyed and combined optimizers hand out the same dicts, emptied in place)."""
     wanted = {id(param) for param in params}
     state = getattr(optimizer, "state", None)
     if not isinstance(state, Mapping):
         return 0
-    reset = 0
+    restarted = 0
     for param, values in state.items():
-        if id(param) not in wanted or not isinstance(values, Mapping):
-            continue
-        for value in values.values():
-            if isinstance(value, torch.Tensor) and not is_finite(value):
-                value.masked_fill_(~torch.isfinite(value), 0.0)
-                reset += 1
-    return reset
+        if id(param) in wanted and isinstance(values, dict) and values:
+            values.clear()
+            restarted += 1
+    return restarted

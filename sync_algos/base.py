@@ -350,7 +350,7 @@ class SyncAlgorithm(abc.ABC):
         """The average of the finite snapshots, `allreduce(s) / n_good` (None if none was finite),
         with the round's flags: the building block of MA and BMUF. Compressed: `reference +
         allreduce(s - reference) / n_good`, once the reference is agreed."""
-        if self.reference is None or not self.reference_agreed:
+        if self._average_exact:
             reduced = self.allreduce.sum(snapshot, stop, exact=True)
             return reduced.mean_(), reduced
         difference = torch.sub(snapshot, self.reference, out=self.allreduce.payload)
@@ -398,12 +398,22 @@ class SyncAlgorithm(abc.ABC):
             held["residual"] = self.allreduce.compressed.residual
         return held
 
+    @property
+    def _average_exact(self) -> bool:
+        """Whether an average runs exact (`average`): no reference, or none agreed yet."""
+        return self.reference is None or not self.reference_agreed
+
     def abort_round(self) -> None:
         """This rank's last round when it aborts: no payload, the stop flag with the aborted marker.
-        It pairs with its peers' next round, so they leave after it knowing who aborted. Nothing to
-        tell without collectives (S-EASGD): each trainer's rounds are its own."""
+        It pairs with its peers' next round, so they leave after it knowing who aborted; so it sums
+        as that round does, exact or compressed (alike on every rank): exact where it is an average
+        (`sync`'s first round, MA's and BMUF's every round) before the reference is agreed. A
+        compressed abort against an exact round is a collective mismatch: gloo ended the aborting
+        process (SIGABRT) and the peer failed naming no one. Nothing to tell without collectives
+        (S-EASGD): each trainer's rounds are its own."""
         if self.uses_collectives:
-            self.allreduce.sum(None, stop=True, aborted=True)
+            exact = (self.averages_snapshots or not self.started) and self._average_exact
+            self.allreduce.sum(None, stop=True, aborted=True, exact=exact)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The algorithm's state (centre, global model, momentum ...) as cloned flat tensors."""

@@ -1,8 +1,9 @@
 """Every layout across simulated hosts (`ctrkit.cluster`): network namespaces on one switch, each
 rank's bytes to a peer on another host crossing a link, started per host as multi-node torchrun.
 
-Run by `make test-hosts` (they need root; without it they skip, saying so). No test sets
-GLOO_SOCKET_IFNAME: the job must find its interface itself, whatever the host name resolves to.
+Run by `make test-hosts`. They need root (tests/conftest.py: without it a plain run skips them,
+saying why, and `make test-hosts` fails saying so). No test sets GLOO_SOCKET_IFNAME: the job must
+find its interface itself, whatever the host name resolves to.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Sequence
 
 import pytest
 
-from ctrkit import cluster as cluster_module
 from ctrkit.cluster import Cluster
 from shadowgba.ps.wire import INLINE_TENSOR_BYTES
 from tests import fault_table
@@ -26,8 +26,6 @@ from tests import fault_table
 pytestmark = [
     pytest.mark.hosts,
     pytest.mark.timeout(400),
-    pytest.mark.skipif(cluster_module.unavailable_reason() is not None,
-                       reason=str(cluster_module.unavailable_reason())),
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -382,5 +380,6 @@ def test_2d_a_host_cut_off_past_the_timeout_ends_every_rank_naming_the_unreachab
     assert results is not None, logs[0][-4000:]
     assert results["departed_trainers"] == [2, 3] and results["steps_by_trainer"] == [steps, steps], results
     assert results["sync"]["replica_groups_lost"] == 1, results["sync"]
-    assert results["dense_replica_max_abs_diff"] == 0.0 and results["table_replica_max_abs_diff"] == 0.0
+    # host 0's two ranks hold identical dense replicas; their table shards have no replica left to compare
+    assert results["dense_replica_max_abs_diff"] == 0.0 and results["table_replica_max_abs_diff"] is None, results
     assert "the rounds go on over ranks 0, 1" in logs[0], logs[0][-4000:]

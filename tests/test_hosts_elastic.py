@@ -37,8 +37,6 @@ from tests.test_elastic import (SERVERS, TIMEOUT_S, TRAINERS, Outage,
 pytestmark = [
     pytest.mark.hosts,
     pytest.mark.timeout(150),
-    pytest.mark.skipif(cluster_module.unavailable_reason() is not None,
-                       reason=str(cluster_module.unavailable_reason())),
 ]
 
 SERVER_HOST = 0

@@ -266,20 +266,25 @@ def test_under_skip_with_no_healthy_replica_every_trainer_ends_naming_itself(
         assert record["metrics"]["nonfinite_replicas_healed"] == 0, records
 
 
-def test_a_healed_replicas_optimizer_state_loses_its_nonfinite_entries_and_keeps_the_rest() -> None:
-    from shadowgba.nonfinite import reset_nonfinite_state
+def test_a_healed_replicas_optimizer_drops_its_state_for_the_healed_weights_and_steps_as_a_new_one() -> None:
+    """`restart_state`, through TorchRec's keyed optimizer as through torch's: the healed weights'
+    state (finite, but exploded) is dropped, another parameter's kept, and the next step is the one a
+    new optimizer takes."""
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+    from shadowgba.nonfinite import restart_state
     weights, other = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.Adam([weights, other])
+    optimizer = KeyedOptimizerWrapper({"weights": weights, "other": other}, lambda params: torch.optim.Adam(params))
     for param in (weights, other):
+        param.grad = torch.full_like(param, 1e18)
+    optimizer.step()
+    kept = {key: value.clone() for key, value in optimizer.state[other].items()}
+    assert restart_state(optimizer, [weights]) == 1
+    assert optimizer.state[weights] == {} and all(torch.equal(optimizer.state[other][key], kept[key]) for key in kept)
+    new = nn.Parameter(weights.detach().clone())
+    for param in (weights, new):
         param.grad = torch.ones_like(param)
     optimizer.step()
-    moments = optimizer.state[weights]
-    moments["exp_avg"][1] = math.inf
-    moments["exp_avg_sq"][2] = math.nan
-    optimizer.state[other]["exp_avg"][0] = math.nan  # not one of the healed parameters: left alone
-    kept = moments["exp_avg"][0].item()
-    assert reset_nonfinite_state(optimizer, [weights]) == 2
-    assert torch.isfinite(moments["exp_avg"]).all() and torch.isfinite(moments["exp_avg_sq"]).all()
-    assert moments["exp_avg"][1] == 0 and moments["exp_avg_sq"][2] == 0 and moments["exp_avg"][0] == kept
-    assert torch.isnan(optimizer.state[other]["exp_avg"][0])
-    assert reset_nonfinite_state(object(), [weights]) == 0  # no state to reset
+    torch.optim.Adam([new]).step()
+    assert torch.equal(weights, new)
+    assert restart_state(object(), [weights]) == 0  # no state to drop

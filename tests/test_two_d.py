@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from shadowgba.shadow.tables import Picked, TableFragments, TableShard, TableSyncConfig, plan_fragments
-from tests.multiprocess import run_ranks_outcomes, run_shared
+from tests.multiprocess import run_ranks, run_ranks_outcomes, run_shared
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,7 +33,7 @@ def _pipeline_job(rank: int, world_size: int, options: dict[str, Any], fault: tu
     """TinyRec (2 tables, row-wise Adagrad fused in backward) in 2 groups of 2 through `join` /
     `dense_sync` on TorchRec's train pipeline. `fault = (kind, rank, step)`: that rank raises
     (`fail`), SIGKILLs itself (`kill`), stops itself for good (`stop`: SIGSTOP, a stalled rank) or
-    turns its dense weights and table rows NaN (`nan`) after that step. Returns the final table shards, dense weights and metrics (or the error)."""
+    turns its dense weights, table rows and their optimizer state NaN (`nan`) after that step. Returns the final table shards, dense weights and metrics (or the error)."""
     from torchrec.distributed import TrainPipelineSparseDist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -67,9 +67,10 @@ def _pipeline_job(rank: int, world_size: int, options: dict[str, Any], fault: tu
             raise InjectedFailure(f"injected failure on rank {rank} after step {step}")
         if fault[0] in ("kill", "stop"):
             os.kill(os.getpid(), signal.SIGKILL if fault[0] == "kill" else signal.SIGSTOP)
-        with torch.no_grad():  # nan: a diverged replica, dense weights and table rows alike
+        with torch.no_grad():  # nan: a diverged replica, dense weights, table rows and their optimizer state alike
             next(iter(dense.values())).view(-1)[:3] = float("nan")
-            fused_table_shards(dmp)[0].tensors[0][:2] = float("nan")
+            for tensor in fused_table_shards(dmp)[0].tensors:
+                tensor[:2] = float("nan")
 
     built = [tensor.clone() for shard in fused_table_shards(dmp) for tensor in shard.tensors]
     try:
@@ -88,6 +89,7 @@ def _pipeline_job(rank: int, world_size: int, options: dict[str, Any], fault: tu
         return out
     shards = fused_table_shards(dmp)
     return out | {"tables": [tensor.clone() for shard in shards for tensor in shard.tensors],
+                  "table_weights": [shard.tensors[0].clone() for shard in shards],
                   "dense": [param.detach().clone() for param in dense.values()], "metrics": sync.metrics.summary(),
                   "pacing": (sync.interval_ms, sync.interval_steps)}
 
@@ -130,6 +132,8 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
                                          "control_file": str(control)},)),
         "ma-foreground": (_pipeline_job, ({"algo": "ma", "mode": "foreground"},)),
         "nan": (_pipeline_job, ({"algo": "ma", "mode": "foreground"}, ("nan", 1, 10))),
+        "nan-weights-averaged-alone": (_pipeline_job, ({"algo": "ma", "mode": "foreground",
+                                                        "tables": TableSyncConfig(optimizer_state=False)}, ("nan", 1, 10))),
         "resume": (_resume_job, (str(tmp_path_factory.mktemp("two_d")),)),
     }, timeout_s=200)
 
@@ -193,23 +197,31 @@ def picked_rows(tables: TableFragments) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_touched_rows_cycle_takes_exactly_the_rows_touched_since_their_last_average(dtype: torch.dtype) -> None:
-    """One rank (its sum is its own mask): a shard with a per-row optimizer state (the marker) and
-    one without (its first weight column is), both fragments of 2 rows; float16 tables too (the
-    fragment buffer is float32)."""
+    """One rank (its sum is its own mask): a shard with a per-row optimizer state and one without,
+    both fragments of 2 rows; float16 tables too (the fragment buffer is float32). Steps flag the
+    rows they update (`TouchedRows.mark`: a fused kernel's lookups do, `fused_table_shards`)."""
     weights, state, other = torch.zeros(10, 4, dtype=dtype), torch.zeros(10, dtype=dtype), torch.zeros(7, 3, dtype=dtype)
     shards = [TableShard("a", (weights, state)), TableShard("b", (other,))]
     tables = TableFragments(shards, None, TableSyncConfig(fragment_mb=10 * 4 / 2**20))  # 10 values: 2 rows of "a"
+    assert tables.touched is not None
     tables.plan_touched_cycle()
     assert tables.queue == []  # nothing touched since the start
-    for tensor, row, value in ((weights, 3, 1.0), (state, 3, 1.0), (weights, 8, 2.0), (state, 8, 0.5), (other, 5, 1.0)):
-        tensor[row] += value  # steps' updates of three rows
+
+    def step(shard: int, row: int, *updates: tuple[torch.Tensor, float]) -> None:
+        tables.touched.mark(shard, torch.tensor([row]))
+        for tensor, value in updates:
+            tensor[row] += value
+
+    step(0, 3, (weights, 1.0), (state, 1.0))
+    step(0, 8, (weights, 2.0), (state, 0.5))
+    step(1, 5, (other, 1.0))
     tables.plan_touched_cycle()
     assert picked_rows(tables) == [(0, 3), (0, 8), (1, 5)]
     assert [fragment.closes_cycle for fragment in tables.queue] == [False, True]
     flat = torch.zeros_like(tables.buffer)
     tables.copy_to(flat)  # rows 3 and 8 of "a": their weights, then their state
     assert flat[:10].tolist() == [1, 1, 1, 1, 2, 2, 2, 2, 1, 0.5]
-    state[8] += 1.0  # row 8 trained on while its round was in flight
+    step(0, 8, (state, 1.0))  # row 8 trained on while its round was in flight
     tables.add_(torch.full_like(flat, 0.25))  # the delta avg - s of both rows
     assert weights[3].tolist() == [1.25] * 4 and state.tolist()[3] == 1.25 and state.tolist()[8] == 1.75
     tables.mark_applied(step=5)
@@ -219,12 +231,18 @@ def test_a_touched_rows_cycle_takes_exactly_the_rows_touched_since_their_last_av
     tables.add_(torch.full_like(flat, -0.5))
     tables.mark_applied(step=6)
     assert tables.cycles == 1 and tables.ages(step=6) == (0, 0.0)
-    tables.plan_touched_cycle()  # only row 8 moved since its average (in flight)
+    tables.plan_touched_cycle()  # only row 8 was updated since its cycle was planned (in flight)
     assert picked_rows(tables) == [(0, 8)]
     tables.copy_to(flat)
     tables.add_(torch.zeros_like(flat))
     tables.plan_touched_cycle()
-    assert tables.queue == []  # an average that moved nothing leaves the rows untouched
+    assert tables.queue == []  # the average itself flags nothing
+    step(1, 2, (other, 1.0))
+    tables.plan_touched_cycle()
+    tables.copy_to(flat)  # row 2 of "b" in flight when its partners restart the rotation (a rejoin):
+    tables.restart_rotation()  # it goes to the next cycle
+    tables.plan_touched_cycle()
+    assert picked_rows(tables) == [(1, 2)]
     tables.start_full_cycle()  # the final sync goes through every row, in the fixed fragments
     tables.copy_to(flat)
     assert tables.current is tables.fragments[0]
@@ -241,12 +259,25 @@ def test_a_resumed_2d_job_equals_the_uninterrupted_one(four_ranks: dict) -> None
 
 
 def test_a_nan_replica_is_healed_by_its_partners_and_every_rank_finishes(four_ranks: dict) -> None:
-    """Rank 1 (group 0) turns NaN, dense weights and table rows, after step 10 (a round every 3 steps).
-    Until the next round its steps are skipped, and so are its group partner's, which read its NaN
-    rows through the all-to-all; nothing NaN leaves either. That round heals it: its dense weights
-    take the others' average, its NaN fragment the rows and optimizer state of its replica partner
-    (rank 3). Then every rank trains on to the end, and the replicas end identical and finite."""
-    results = four_ranks["nan"]
+    """Rank 1 (group 0) turns NaN, dense weights, table rows and their row-wise Adagrad state, after
+    step 10 (a round every 3 steps). Until the next round its steps are skipped, and so are its group
+    partner's, which read its NaN rows through the all-to-all; nothing NaN leaves either. That round
+    heals it: its dense weights take the others' average, its NaN fragment the rows and optimizer
+    state of its replica partner (rank 3). Then every rank trains on to the end, and the replicas end
+    identical and finite."""
+    _assert_healed_once(four_ranks["nan"], "tables")
+
+
+def test_a_nan_replica_whose_table_state_is_not_averaged_starts_that_state_afresh(four_ranks: dict) -> None:
+    """The same fault under `sync.tables.optimizer_state: false`: the rounds average the table rows
+    alone, so the heal cannot take the partner's row state. The healed rows' state starts afresh (a
+    new fused optimizer's, zero) instead of keeping its NaN, which would turn the rows NaN again at
+    their next update, round after round. The replicas end with identical rows, and every rank finite."""
+    _assert_healed_once(four_ranks["nan-weights-averaged-alone"], "table_weights")
+
+
+def _assert_healed_once(results: list[dict], averaged: str) -> None:
+    """`results[rank][averaged]`: what the table rounds average (rows and state, or rows alone)."""
     assert results[1]["fired"] == 10 and all(result["fired"] is None for index, result in enumerate(results) if index != 1)
     assert all(result["error"] is None for result in results), [result["error"] for result in results]
     for result in results:
@@ -261,7 +292,7 @@ def test_a_nan_replica_is_healed_by_its_partners_and_every_rank_finishes(four_ra
     for rank in range(1, 4):
         assert _max_diff(results[0]["dense"], results[rank]["dense"]) == 0.0
     for first, partner in ((0, 2), (1, 3)):
-        assert _max_diff(results[first]["tables"], results[partner]["tables"]) == 0.0
+        assert _max_diff(results[first][averaged], results[partner][averaged]) == 0.0
 
 
 STALL_TIMEOUT_S = 6.0
@@ -321,3 +352,51 @@ def test_under_continue_a_lost_group_drops_out_and_the_other_trains_on(kind: str
         assert all(torch.isfinite(tensor).all() for tensor in outcomes[rank].value["dense"])
     first, second = (outcomes[rank].value for rank in survivors)
     assert _max_diff(first["dense"], second["dense"]) == 0.0  # the final average ran over the survivors
+
+
+def _a_small_update_after_a_large_one(rank: int, world_size: int) -> dict[str, Any]:
+    """TinyRec's tables on one rank (row-wise Adagrad fused in backward, lr 0.1) and their touched
+    rows (`TableFragments`) from after a large update of row 3 of t0 (gradient 1000, its Adagrad sum
+    1e6) on: a small update of the same row (gradient 1e-3) moves its weights by 1e-7 while its sum
+    grows by 1e-6, which float32 rounds away (an ulp of 1e6 is 0.06). Returns how much the row moved
+    and the rows the next touched-rows cycle takes."""
+    from torchrec import KeyedJaggedTensor
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from shadowgba.integrations.torchrec import fused_table_shards
+    from tests import tiny_dmp
+
+    model = tiny_dmp.TinyRec()
+    apply_optimizer_in_backward(RowWiseAdagrad, model.ebc.parameters(), {"lr": 0.1})
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints={
+        table: ParameterConstraints(compute_kernels=["fused"]) for table in tiny_dmp.TABLES})
+    plan = planner.plan(model, [EmbeddingBagCollectionSharder()])
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan)
+    row = KeyedJaggedTensor.from_lengths_sync(keys=list(tiny_dmp.TABLES), values=torch.tensor([3, 7]),
+                                              lengths=torch.tensor([1, 1], dtype=torch.int32))
+
+    def update(gradient: float) -> None:
+        (gradient * dmp.module.ebc(row).values()).sum().backward()
+
+    update(1000.0)
+    shards = fused_table_shards(dmp)
+    tables = TableFragments(shards, None, TableSyncConfig())
+    before = [shard.tensors[0][index].clone() for shard, index in zip(shards, (3, 7))]
+    update(1e-3)
+    with torch.no_grad():  # an evaluation looks rows up and updates none
+        dmp.module.ebc(KeyedJaggedTensor.from_lengths_sync(keys=list(tiny_dmp.TABLES), values=torch.tensor([5, 9]),
+                                                           lengths=torch.tensor([1, 1], dtype=torch.int32)))
+    tables.plan_touched_cycle()
+    tables.close()
+    return {"moved": [(shard.tensors[0][index] - old).abs().max().item()
+                      for shard, index, old in zip(shards, (3, 7), before)], "picked": picked_rows(tables)}
+
+
+def test_a_row_whose_update_rounds_its_adagrad_sum_to_no_change_is_still_taken() -> None:
+    [result] = run_ranks(_a_small_update_after_a_large_one, 1, timeout_s=60)
+    assert result["moved"][0] > 0  # the row moved
+    assert result["picked"] == [(0, 3), (1, 7)], result

@@ -41,7 +41,7 @@ import copy
 import functools
 import inspect
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -152,9 +152,11 @@ def _plan_signature(plan: ShardingPlan) -> list[tuple[Any, ...]]:
 
 def fused_table_shards(model: nn.Module, optimizer_state: bool = True) -> list[TableShard]:
     """Every table shard of `model`'s sharded embedding collections on this rank, in module order:
-    its rows (views into the FBGEMM kernel's weights) and, with `optimizer_state`, the kernel's
-    per-row optimizer state (row-wise Adagrad's sum, Adam's moments ...). Refuses a table whose
-    kernel is not fused: its rows or state would not be where this reads them."""
+    its rows (views into the FBGEMM kernel's weights) and the kernel's per-row optimizer state
+    (row-wise Adagrad's sum, Adam's moments ...), averaged with the rows with `optimizer_state`,
+    else left out of the rounds (`TableShard.state_left_out`), and where its kernel's training
+    forwards announce the rows they look up (`TableShard.watch`). Refuses a table whose kernel is not
+    fused: its rows or state would not be where this reads them."""
     shards = []
     for path, module in model.named_modules():
         if not isinstance(module, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
@@ -167,11 +169,58 @@ def fused_table_shards(model: nn.Module, optimizer_state: bool = True) -> list[T
                 if fbgemm is None or not hasattr(fbgemm, "get_optimizer_state"):
                     raise SetupError(f"tables {names} of {path} use {type(kernel).__name__}, not a fused kernel; a "
                                      f"2D job averages fused kernels only (compute_kernels={list(FUSED_KERNELS[:1])})")
-                states = fbgemm.get_optimizer_state() if optimizer_state else [{} for _ in names]
-                for name, weights, state in zip(names, fbgemm.split_embedding_weights(), states):
-                    rows = [value for value in state.values() if value.dim() >= 1 and value.shape[0] == weights.shape[0]]
-                    shards.append(TableShard(f"{path}.{name}", (weights, *rows)))
+                lookups = KernelLookups(kernel, f"tables {names} of {path}")
+                for table, (name, weights, state) in enumerate(
+                        zip(names, fbgemm.split_embedding_weights(), fbgemm.get_optimizer_state())):
+                    rows = tuple(value for value in state.values()
+                                 if value.dim() >= 1 and value.shape[0] == weights.shape[0])
+                    tensors, left_out = ((weights, *rows), ()) if optimizer_state else ((weights,), rows)
+                    shards.append(TableShard(f"{path}.{name}", tensors, left_out,
+                                             functools.partial(lookups.watch, table)))
     return shards
+
+
+class KernelLookups:
+    """The rows each training forward of one fused kernel looks up, by table: what its optimizer
+    updates in backward, handed to whoever watches the table (`TableShard.watch`). One forward
+    pre-hook on the kernel while anyone watches; a forward without gradients (an evaluation) updates
+    nothing and is left out."""
+
+    def __init__(self, kernel: nn.Module, what: str) -> None:
+        self.kernel = kernel
+        self.what = what
+        self.feature_tables = [table for table, config in enumerate(kernel.config.embedding_tables)
+                               for _ in config.feature_names]
+        """The table of each feature of the kernel's input, in order (FBGEMM's feature_table_map)."""
+        self.watchers: dict[int, Callable[[torch.Tensor], None]] = {}
+        self._handle: Any = None
+
+    def watch(self, table: int, looked_up: Callable[[torch.Tensor], None]) -> Callable[[], None]:
+        """Call `looked_up(ids)` with the rows of table `table` each training forward looks up;
+        returns the function that stops it."""
+        self.watchers[table] = looked_up
+        if self._handle is None:
+            self._handle = self.kernel.register_forward_pre_hook(self._looked_up)
+        return functools.partial(self._unwatch, table)
+
+    def _unwatch(self, table: int) -> None:
+        self.watchers.pop(table, None)
+        if not self.watchers and self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _looked_up(self, _: nn.Module, args: tuple[Any, ...]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        features: KeyedJaggedTensor = args[0]
+        if len(features.keys()) != len(self.feature_tables):
+            raise SetupError(f"{self.what}: the kernel's input holds features {features.keys()}, its tables "
+                             f"{len(self.feature_tables)}: which rows it updates cannot be told "
+                             "(sync.tables.touched_rows: false averages every row)")
+        for table, ids in zip(self.feature_tables, features.values().split(features.length_per_key())):
+            looked_up = self.watchers.get(table)
+            if looked_up is not None:
+                looked_up(ids)
 
 
 def _sharded_names(model: nn.Module) -> set[str]:

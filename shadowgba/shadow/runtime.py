@@ -59,7 +59,7 @@ from shadowgba.shadow.pacing import RoundPacer
 from shadowgba.shadow.table_rounds import TableRounds
 from shadowgba.shadow.tables import TableFragments
 from shadowgba.metrics import SyncMetrics
-from shadowgba.nonfinite import NonFiniteGuard, gradients, nonfinite_failure, reset_nonfinite_state
+from shadowgba.nonfinite import NonFiniteGuard, gradients, nonfinite_failure, restart_state
 from shadowgba.step_hook import StepHook
 from shadowgba.threads import renice, thread_ids
 from shadowgba.dense import DenseParams, trainable_named_parameters
@@ -135,6 +135,8 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
         self._heals = config.on_nonfinite == "skip"
         """Whether this rank's NaN / Inf weights take the healthy replicas' consensus when a round
         offers it (`RoundResult.healed`); under fail the job ends instead."""
+        self._restarts: set[int] = set()
+        """The optimizers (ids) whose state for the healed dense weights is dropped before their next step."""
         self._first_round_due = threading.Event()  # set after `first_round_after` steps or at close
         self._rounds_finished = False
         self._round_lock = threading.Lock()  # algorithm state: rounds vs load_state_dict()
@@ -242,16 +244,16 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
                 while not self._rounds_finished and self._error is None:
                     self._foreground_round()
         finally:
-            self._step_hook.remove()
-            self.guard.enabled = False
-            group, self._group, self._running = self._group, None, False
+            group = self._unhook()
         if self._survival is not None and self._error is None:
             self._survival.mark_ended()
         try:
             if self._error is None and final_sync and group is not None:
                 reduced = self.dense.average_(group, self._snapshot, self._algorithm.allreduce, heal=self._heals)
-                if reduced.heals and self._heals:
+                if reduced.heals and self._heals:  # no step comes any more: restart now
                     self._heal_optimizer()
+                    for optimizer in self._step_hook.optimizers:
+                        self._restart(optimizer)
                 self._check_flags(self._global_ranks(reduced.nonfinite_ranks, group), (), "the final average")
                 if self.tables is not None and self._error is None:
                     self._table_rounds(len(self.tables.fragments), None)
@@ -291,9 +293,7 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
             if last is not None:
                 last.join(timeout=min(self.config.timeout_s, ABORT_ROUND_S))
         finally:
-            self._step_hook.remove()
-            self.guard.enabled = False
-            group, self._group, self._running = self._group, None, False
+            group = self._unhook()
             self._error_reported = True  # the caller's exception is the one that matters
             if last is not None and last.is_alive():
                 logger.warning("shadowgba: the aborted round still waits for a peer after %gs; it is left to "
@@ -313,6 +313,15 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
                 failure.append(error)
             finally:
                 self._rounds_finished = True
+
+    def _unhook(self) -> dist.ProcessGroup | None:
+        """Leave the model and optimizers be (step hook, guard, lookup hooks); hand back the rounds' group."""
+        self._step_hook.remove()
+        self.guard.enabled = False
+        if self.tables is not None:
+            self.tables.close()
+        group, self._group, self._running = self._group, None, False
+        return group
 
     def _release(self, group: dist.ProcessGroup | None) -> None:
         self._end_report()
@@ -423,6 +432,7 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
         this step (embedding gradients, row pushes), are finite. A sum per gradient, counted in the
         step's `training_sync_s`."""
         started = time.perf_counter()
+        self._restart(optimizer)
         self.guard.check_all(gradients(optimizer), "dense gradients")
         self._check_s = time.perf_counter() - started
         return self.guard.step_finite
@@ -467,9 +477,16 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
             self._heal_optimizer()
 
     def _heal_optimizer(self) -> None:
-        """The dense weights were healed: so is their optimizer state (`reset_nonfinite_state`)."""
-        reset = sum(reset_nonfinite_state(optimizer, self.dense.params) for optimizer in self._step_hook.optimizers)
-        self._record_heal("dense weights", f"; {reset} optimizer state tensors reset" if reset else "")
+        """The dense weights were healed: their optimizer state starts afresh (`restart_state`), each
+        optimizer's just before its next step, in the thread that steps it: one may be stepping now
+        (a direct write-back heals from the shadow thread; Hogwild threads step apart)."""
+        self._restarts = {id(optimizer) for optimizer in self._step_hook.optimizers}
+        self._record_heal("dense weights", "; its optimizer state for them starts afresh at its next step")
+
+    def _restart(self, optimizer: Any) -> None:
+        if id(optimizer) in self._restarts:
+            self._restarts.discard(id(optimizer))
+            restart_state(optimizer, self.dense.params)
 
     def _record_heal(self, what: str, extra: str) -> None:
         self.metrics.record_heal()

@@ -69,4 +69,5 @@ class TableRounds:
     def _record_table_applied(self, replaced: bool) -> None:
         self.tables.mark_applied(self._step)
         if replaced:
+            self.tables.restart_state()
             self._record_heal(f"table fragment {self.tables.cursor} (rows and their optimizer state)", "")

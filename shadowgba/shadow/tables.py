@@ -28,16 +28,16 @@ apart as each group trains on its own data; this module brings them back togethe
   one replica never reaches another.
 - Touched rows only (`touched_rows`, shadow mode): a row that no partner has touched since its last
   average is already equal on every partner (up to the last add's rounding), so a cycle of the
-  shadow rounds averages only the rows some partner touched since. At a cycle's start the partners
-  sum their touched-row masks (`TouchedRows`: a row is touched when its marker value, a per-row
-  optimizer state or else its first weight, differs from what the last average left there), in the
-  fragment buffer, so the masks cost 4 bytes a row, about 1/row_numel of a full cycle. The rows
-  some partner touched are then packed into fragments in the same order on every partner, and the
-  rounds take them one at a time. Zipf-skewed ids touch few rows between two cycles, so a cycle
-  moves those rows and the masks, not every table: the cycle's length follows the rows the steps
-  touch. A row touched while its round is in flight keeps that progress (the handoff rule) and
-  differs from its marker's average, so the next cycle takes it again. The final sync, a
-  foreground round and the start's broadcast go through every row.
+  shadow rounds averages only the rows some partner touched since. A row is touched when a
+  training forward looked it up (`shadowgba.shadow.touched`: the fused optimizer updates exactly
+  those). At a cycle's start the partners sum their touched-row masks in the fragment buffer, so
+  the masks cost 4 bytes a row, about 1/row_numel of a full cycle. The rows some partner touched
+  are then packed into fragments in the same order on every partner, and the rounds take them one
+  at a time. Zipf-skewed ids touch few rows between two cycles, so a cycle moves those rows and the
+  masks, not every table: the cycle's length follows the rows the steps touch. A row touched while
+  its cycle is under way keeps that progress (the handoff rule) and is flagged for the next cycle,
+  which takes it again. The final sync, a foreground round and the start's broadcast go through
+  every row.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.errors import CheckpointError, ConfigError, SetupError
+from shadowgba.shadow.touched import TouchedRows, Watch
 from sync_algos.base import FlaggedAllReduce, Reduced
 
 
@@ -63,7 +64,7 @@ class TableSyncConfig:
     through the whole cycle. > 0."""
     optimizer_state: bool = True
     """Average the fused optimizer's per-row state with the weights (as `DMPCollection.sync()`
-    does by default); false averages the weights alone."""
+    does by default); false averages the weights alone (a healed row's state then starts afresh)."""
     touched_rows: bool = True
     """Shadow rounds average only the rows some partner touched since their last average (module
     docstring): a cycle's length follows the rows the steps touch, not the tables' size. False: every
@@ -80,6 +81,13 @@ class TableShard:
 
     name: str
     tensors: tuple[torch.Tensor, ...]
+    """What the rounds average."""
+    state_left_out: tuple[torch.Tensor, ...] = ()
+    """The per-row optimizer state the rounds do not average (`optimizer_state: false`): a heal
+    cannot take the partners' and starts it afresh (`TableFragments.restart_state`)."""
+    watch: Watch | None = None
+    """Where the training forwards that look its rows up are announced (`shadowgba.shadow.touched`);
+    None: whoever updates them flags them (`TouchedRows.mark`)."""
 
     @property
     def rows(self) -> int:
@@ -178,58 +186,6 @@ def pack_picked(shards: Sequence[TableShard], picked: Sequence[torch.Tensor], fr
     return fragments
 
 
-def marker_of(tensor: torch.Tensor, column: int | None) -> torch.Tensor:
-    return tensor if column is None else tensor[:, column]
-
-
-class TouchedRows:
-    """Which rows of this rank's shards were touched since their last average: each shard's
-    *marker* (its first per-row optimizer state, a value per row that the optimizer changes whenever
-    it updates the row, else the weights' first column) against `seen`, what the last average left
-    there. One float per row, beside the tables."""
-
-    def __init__(self, shards: Sequence[TableShard]) -> None:
-        self.where = [next(((index, None) for index, t in enumerate(shard.tensors) if index and t.dim() == 1), (0, 0))
-                      for shard in shards]
-        """Per shard: (which of its tensors holds the marker, its column; None: the tensor is the marker)."""
-        self.markers = [marker_of(shard.tensors[index], column)
-                        for shard, (index, column) in zip(shards, self.where)]
-        self.offsets = [0]
-        for marker in self.markers:
-            self.offsets.append(self.offsets[-1] + marker.numel())
-        self.seen_flat = torch.cat(self.markers)
-        """What the last average left in every marker, all shards' rows in order."""
-        self.seen = [self.seen_flat[lo:hi] for lo, hi in zip(self.offsets, self.offsets[1:])]
-
-    @property
-    def rows(self) -> int:
-        return self.offsets[-1]
-
-    def mask(self, out: torch.Tensor, start: int) -> int:
-        """Fill `out` with 1.0 for each touched row of rows `start ...` (all shards' rows in order),
-        as many as fit; the rest 0. Returns how many rows it covered."""
-        out.zero_()
-        stop = min(self.rows, start + out.numel())
-        for marker, seen, offset in zip(self.markers, self.seen, self.offsets):
-            lo, hi = max(start, offset), min(stop, offset + marker.numel())
-            if lo < hi:
-                torch.ne(marker[lo - offset:hi - offset], seen[lo - offset:hi - offset], out=out[lo - start:hi - start])
-        return stop - start
-
-    def picked(self, summed: torch.Tensor, start: int, picked: list[list[torch.Tensor]]) -> None:
-        """Add the rows `summed` (the partners' masks summed, from row `start`) marks touched to
-        `picked[shard]`."""
-        for index, (marker, offset) in enumerate(zip(self.markers, self.offsets)):
-            lo, hi = max(start, offset), min(start + summed.numel(), offset + marker.numel())
-            if lo < hi:
-                picked[index].append(torch.nonzero(summed[lo - start:hi - start]).flatten() + (lo - offset))
-
-    def refresh(self) -> None:
-        """Every marker is where an average left it (the start's broadcast, the final sync)."""
-        for marker, seen in zip(self.markers, self.seen):
-            seen.copy_(marker)
-
-
 class TableFragments:
     """This rank's table shards as a rotating fragment: `copy_to` / `add_` at step boundaries (the
     interface `shadowgba.shadow.writeback` moves), `average` on the replica group in between."""
@@ -242,13 +198,12 @@ class TableFragments:
         self.fragment_numel = max(1, int(config.fragment_mb * 2**20) // 4)
         self.fragments = plan_fragments(self.shards, self.fragment_numel)
         """The full cycle: every row, in fixed fragments."""
-        self.touched = TouchedRows(self.shards) if config.touched_rows else None
+        self.touched = TouchedRows([shard.rows for shard in self.shards], [shard.watch for shard in self.shards],
+                                   self.device) if config.touched_rows else None
         """Shadow rounds' touched-rows cycles (None: full cycles)."""
         self.queue: list[Fragment] = []
         """The rest of the touched-rows cycle under way: the next `copy_to` takes its first."""
         self._current: Fragment | None = None
-        self._marker_snapshot: dict[int, torch.Tensor] = {}
-        """Per shard of the current touched fragment: its picked rows' markers at `copy_to`."""
         self.buffer = torch.zeros(max(fragment.numel(self.shards) for fragment in self.fragments),
                                   dtype=torch.float32, device=self.device)
         """The fragment's snapshot, then its delta: one fragment's values, the tail zero."""
@@ -292,16 +247,12 @@ class TableFragments:
                 part.copy_(tensor[rows.start:rows.stop])
             used += part.numel()
         flat[used:].zero_()
-        if self.touched is not None:
-            self._marker_snapshot = {rows.shard: self.touched.markers[rows.shard][rows.index].clone()
-                                     for rows in self.current.rows if isinstance(rows, Picked)}
 
     def add_(self, flat_delta: torch.Tensor) -> None:
         """Rows of the current fragment += their part of `flat_delta`."""
         for tensor, rows, part in self._parts(flat_delta):
             if isinstance(rows, Picked):
                 tensor.index_add_(0, rows.index, part.to(tensor.dtype))
-                self._saw(rows, tensor, part, self._marker_snapshot[rows.shard])
             else:
                 tensor[rows.start:rows.stop].add_(part)
 
@@ -311,20 +262,20 @@ class TableFragments:
         for tensor, rows, part in self._parts(flat):
             if isinstance(rows, Picked):
                 tensor.index_copy_(0, rows.index, part.to(tensor.dtype))
-                self._saw(rows, tensor, part, None)
             else:
                 tensor[rows.start:rows.stop].copy_(part)
 
-    def _saw(self, rows: Picked, tensor: torch.Tensor, part: torch.Tensor, before: torch.Tensor | None) -> None:
-        """The picked `rows` of `tensor` just took `part` (added to their `before` markers, or
-        assigned: None): if `tensor` holds their marker, `seen` becomes what that left there, as
-        the add computed it, so a row nobody touched since reads as untouched."""
-        assert self.touched is not None
-        index, column = self.touched.where[rows.shard]
-        if tensor is not self.shards[rows.shard].tensors[index]:
-            return
-        value = marker_of(part, column).to(before.dtype if before is not None else tensor.dtype)
-        self.touched.seen[rows.shard][rows.index] = value if before is None else before + value
+    def restart_state(self) -> None:
+        """The current fragment's rows were healed: their optimizer state that the rounds leave out
+        (`TableShard.state_left_out`) becomes a new fused optimizer's (zero). It is what the steps
+        that diverged left there (NaN, or finite but exploded), and would turn the healed rows NaN
+        again at their next update, round after round."""
+        for rows in self.current.rows:
+            for tensor in self.shards[rows.shard].state_left_out:
+                if isinstance(rows, Picked):
+                    tensor.index_fill_(0, rows.index, 0.0)
+                else:
+                    tensor[rows.start:rows.stop].zero_()
 
     def _parts(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, Rows | Picked, torch.Tensor]]:
         """The current fragment's (tensor, rows) pieces, each with its part of `flat` (row-major)."""
@@ -340,20 +291,23 @@ class TableFragments:
     def plan_touched_cycle(self) -> Reduced | None:
         """Collective on the replica group (the shadow thread, between rounds): sum every partner's
         touched-row masks, a fragment buffer's worth of rows at a time, and queue the rows any of
-        them touched as the next cycle's fragments (the same on every partner: the sum is). Reads
-        the markers while training goes on: a row written meanwhile may read as touched or not yet,
-        and in the second case the next cycle takes it. Returns the reduction that flagged an
-        aborted partner (the planning stops there, the queue stays empty), else None."""
+        them touched as the next cycle's fragments (the same on every partner: the sum is). Rows
+        looked up meanwhile are flagged for the next cycle. Returns the reduction that flagged an
+        aborted partner (the planning stops there, the queue stays empty and the rows it took go
+        to the next planning), else None."""
         assert self.touched is not None
         picked: list[list[torch.Tensor]] = [[] for _ in self.shards]
         payload, start = self.allreduce.payload, 0
+        self.touched.take()
         while start < self.touched.rows:
             covered = self.touched.mask(payload, start)
             reduced = self.allreduce.sum(payload, stop=False, exact=True)
             if reduced.aborted_ranks:
+                self.touched.put_back()
                 return reduced
             self.touched.picked(reduced.total[:covered], start, picked)
             start += covered
+        self.touched.drop()
         rows = [torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.device) for parts in picked]
         self.queue = pack_picked(self.shards, rows, self.fragment_numel)
         return None
@@ -377,7 +331,13 @@ class TableFragments:
 
     def restart_rotation(self) -> None:
         """Start the cycle over from its first fragment, with no touched-rows cycle under way: where
-        partners that did not share a history (a replica group that rejoined) agree to stand."""
+        partners that did not share a history (a replica group that rejoined) agree to stand. The
+        rows of the cycle dropped (the fragment in flight included) go to the next one."""
+        if self.touched is not None:
+            for fragment in ([self._current] if self._current is not None else []) + self.queue:
+                for rows in fragment.rows:
+                    if isinstance(rows, Picked):
+                        self.touched.mark(rows.shard, rows.index)
         self.queue = []
         self.cursor = -1
 
@@ -408,7 +368,7 @@ class TableFragments:
             dist.broadcast(self.buffer, group_src=source, group=self.group)
             self.copy_from(self.buffer)
         if self.touched is not None:
-            self.touched.refresh()
+            self.touched.clear()
 
     def mark_applied(self, step: int) -> None:
         """The current fragment's delta reached the rows at training step `step`. A fixed fragment
@@ -464,6 +424,8 @@ class TableFragments:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()` output; `ValueError` (changing nothing) for another cycle."""
         self.check_state(state)
+        if self.touched is not None:  # the rows come from a checkpoint: partners' may differ anywhere
+            self.touched.mark_all()
         self.cursor, self.applied, self.applied_at = int(state["cursor"]), int(state["applied"]), list(state["applied_at"])
         self.cycles = int(state.get("cycles", self.applied // len(self.fragments)))
 
@@ -475,4 +437,9 @@ class TableFragments:
     def held(self) -> dict[str, torch.Tensor]:
         """The buffers this object holds of its own (`SyncMetrics.memory`)."""
         held = {"table_fragment": self.buffer, "table_allreduce": self.allreduce.buffer}
-        return held | ({"table_touched_markers": self.touched.seen_flat} if self.touched is not None else {})
+        return held | (self.touched.held() if self.touched is not None else {})
+
+    def close(self) -> None:
+        """Stop watching the tables' lookups (the runtime ended)."""
+        if self.touched is not None:
+            self.touched.close()
