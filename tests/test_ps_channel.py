@@ -23,7 +23,7 @@ from shadowgba.ps import wire
 from shadowgba.ps import lane
 from shadowgba.ps.board import Board, BoardView, StaleBoard
 from shadowgba.ps.channel import Channel, ChannelLost
-from shadowgba.ps.wire import REPLY, REQUEST, Frame, encode
+from shadowgba.ps.wire import Answer, Frame, Reply, Request, encode
 from shadowgba.ps.same_host import LOOP_NICE, loop_threads
 from tests.multiprocess import run_ranks, run_ranks_outcomes
 
@@ -67,13 +67,13 @@ def assert_same(left: Any, right: Any) -> None:
         assert left == right
 
 
-def decoded(kind: int, body: Any) -> Any:
-    """`body` through `encode` and `Frame.decode`, tensors sent apart handed over as a peer's receive would."""
-    message = encode(kind, body)
-    frame = Frame.read(message.frame)
-    header = frame.header_bytes(message.header)
+def decoded(message: Any) -> Any:
+    """`message` through `encode` and `Frame.decode`, tensors sent apart handed over as a peer's receive would."""
+    encoded = encode(message)
+    frame = Frame.read(encoded.frame, "the test")
+    header = frame.header_bytes(encoded.header)
 
-    sent = {tag: tensor for tensor, tag in message.sends}
+    sent = {tag: tensor for tensor, tag in encoded.sends}
     staged = sent.pop(wire.STAGED_TAG, None)
     buffer = torch.empty(wire.STAGED_BYTES, dtype=torch.uint8)
     if staged is not None:
@@ -89,22 +89,22 @@ def decoded(kind: int, body: Any) -> Any:
 def test_framing_round_trips_mixed_tensors_dtypes_empty_tensors_and_big_headers(
         monkeypatch: pytest.MonkeyPatch) -> None:
     small = {"ids": torch.arange(10), "rows": torch.ones(3, 4)}
-    message = encode(REPLY, (1, small))
+    message = encode(Reply((Answer(1, small),)))
     assert message.sends == [] and message.header is None  # a small message is one frame
-    assert_same(decoded(REPLY, (1, small)), (1, small))
+    assert_same(decoded(Reply((Answer(1, small),))).answers[0].value, small)
     body = mixed_body()
-    assert encode(REQUEST, (7, body)).sends == []  # it all fits in a frame
-    assert_same(decoded(REQUEST, (7, body)), (7, body))
+    assert encode(Request(7, body)).sends == []  # it all fits in a frame
+    assert_same(decoded(Request(7, body)).body, body)
     monkeypatch.setattr(wire, "FRAME_BYTES", SMALL_FRAME_BYTES)
     monkeypatch.setattr(wire, "INLINE_TENSOR_BYTES", 64)
-    tags = [tag for _, tag in encode(REQUEST, (7, body)).sends]
+    tags = [tag for _, tag in encode(Request(7, body)).sends]
     assert tags[0] == wire.STAGED_TAG and len(tags) >= 2, tags  # the first large one staged, the rest apart
-    assert_same(decoded(REQUEST, (7, body)), (7, body))
+    assert_same(decoded(Request(7, body)).body, body)
     long_header = {"names": [f"name {i} " * 5 for i in range(200)], "t": torch.ones(2)}  # over a small frame
-    assert encode(REQUEST, (0, long_header)).header is not None
-    assert_same(decoded(REQUEST, (0, long_header)), (0, long_header))
+    assert encode(Request(0, long_header)).header is not None
+    assert_same(decoded(Request(0, long_header)).body, long_header)
     with pytest.raises(TypeError, match="dense CPU tensors"):
-        encode(REQUEST, torch.ones(2).to_sparse())
+        encode(Request(0, torch.ones(2).to_sparse()))
 
 
 def test_a_lane_wraps_refuses_when_full_and_its_file_lives_only_until_mapped() -> None:
