@@ -3,7 +3,7 @@
     dcp.load(state, checkpoint_id=path, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
 
 torch.distributed.checkpoint (torch 2.13) reads a checkpoint's `.metadata` with `pickle.load` and
-every non-tensor item with `torch.load(weights_only=False)`: a crafted folder runs code on
+every non-tensor item with `torch.load` and `weights_only` off: a crafted folder runs code on
 `--resume`, and the seal in `shadowgba.json` (sizes and CRC-32s) cannot stop it, since anyone who
 can write the folder can recompute it. Here:
 - `.metadata` is read by `_MetadataUnpickler`, which builds only the classes a DCP metadata file

@@ -368,7 +368,7 @@ def _error(body: Any, tensors: list[torch.Tensor]) -> Exception:
         raise Malformed(f"an exception's attributes must map plain names, got {attributes!r:.80}")
     try:
         error = cls(*args)
-    except TypeError:  # an __init__ of other parameters than its args (pickle would not call it either)
+    except TypeError:  # an __init__ that takes other parameters than its args (ChannelLost): built without it
         error = cls.__new__(cls, *args)
         error.args = args
     vars(error).update(attributes)
