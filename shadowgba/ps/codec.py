@@ -16,7 +16,7 @@ The rules (a JSON object always has exactly one key, the rule's tag, so nothing 
   `{"bytes": base64}`; `{"dtype": "float32"}` (torch dtypes, by name); `{"size": [...]}` (torch.Size).
 - `{"data": [name, {field: value}]}`: a dataclass registered here (`LIBRARY_TYPES`, `register`),
   named `module.qualname`; decoded only if its fields are exactly the class's and each value
-  conforms to the field's annotation (`_conforms`), then built by the class's own `__init__`.
+  conforms to the field's annotation (`_checker`), then built by the class's own `__init__`.
 - `{"enum": [name, value]}`: a member of a registered enum.
 - `{"error": [name, args, attributes]}`: an exception of a class in `builtins` or in shadowgba
   (`Exception` subclasses only, never `SystemExit` and its kind), with its args and its instance
@@ -83,7 +83,7 @@ class _Registry:
         self._loaded = False
         self.by_name: dict[str, type] = {}
         self.names: dict[type, str] = {}
-        self._hints: dict[type, dict[str, Any]] = {}
+        self._schemas: dict[type, _Schema] = {}
 
     def add(self, cls: type) -> None:
         if not (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)):
@@ -91,12 +91,15 @@ class _Registry:
         with self._lock:
             self.by_name[_name(cls)], self.names[cls] = cls, _name(cls)
 
-    def hints_of(self, cls: type) -> dict[str, Any]:
-        """The annotations of dataclass `cls`'s fields, resolved once."""
-        hints = self._hints.get(cls)
-        if hints is None:
-            hints = self._hints[cls] = typing.get_type_hints(cls)
-        return hints
+    def schema(self, cls: type) -> "_Schema":
+        """Dataclass `cls`'s init fields and their checks, made once."""
+        schema = self._schemas.get(cls)
+        if schema is None:
+            hints = typing.get_type_hints(cls)
+            names = tuple(field.name for field in dataclasses.fields(cls) if field.init)
+            schema = self._schemas[cls] = _Schema(names, frozenset(names), {name: (hints[name], _checker(hints[name]))
+                                                                            for name in names})
+        return schema
 
     def load(self) -> "_Registry":
         """The registry, `LIBRARY_TYPES` imported at the first call (their modules import this one)."""
@@ -106,6 +109,17 @@ class _Registry:
                 self.add(getattr(importlib.import_module(module), qualname))
             self._loaded = True
         return self
+
+
+@dataclasses.dataclass(frozen=True)
+class _Schema:
+    """What a dataclass's values are checked against when decoded, and encoded from."""
+
+    names: tuple[str, ...]
+    """Its init fields, in order."""
+    name_set: frozenset[str]
+    checks: dict[str, tuple[Any, Callable[[Any], bool]]]
+    """Per field, its annotation and whether a value conforms to it (`_checker`)."""
 
 
 _REGISTRY = _Registry()
@@ -193,8 +207,7 @@ def encode_value(value: Any, tensors: list[torch.Tensor] | None) -> Any:
 
 def encode_fields(value: Any, tensors: list[torch.Tensor] | None) -> dict[str, Any]:
     """A dataclass's init fields, each encoded (a message's body: `shadowgba.ps.wire`)."""
-    return {field.name: encode_value(getattr(value, field.name), tensors)
-            for field in dataclasses.fields(value) if field.init}
+    return {name: encode_value(getattr(value, name), tensors) for name in _REGISTRY.schema(type(value)).names}
 
 
 def _encode_error(error: Exception, tensors: list[torch.Tensor] | None) -> list[Any]:
@@ -308,16 +321,17 @@ def _data(body: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _build(cls: type[T], fields: Any, tensors: list[torch.Tensor]) -> T:
     """`cls(**fields)`, once the fields are exactly its init fields and each conforms to its annotation."""
-    expected = [field.name for field in dataclasses.fields(cls) if field.init]
-    if type(fields) is not dict or sorted(fields) != sorted(expected):
+    schema = _REGISTRY.schema(cls)
+    if type(fields) is not dict or fields.keys() != schema.name_set:
         got = sorted(fields) if type(fields) is dict else type(fields).__name__
-        raise Malformed(f"{_name(cls)} has the fields {expected}, got {got}")
-    hints = _REGISTRY.hints_of(cls)
+        raise Malformed(f"{_name(cls)} has the fields {list(schema.names)}, got {got}")
     values = {}
     for name, data in fields.items():
         value = _decode(data, tensors)
-        if not _conforms(value, hints.get(name, Any)):
-            raise Malformed(f"{_name(cls)}.{name} must be {hints[name]}, got {type(value).__name__} {value!r:.80}")
+        hint, conforms = schema.checks[name]
+        if not conforms(value):
+            raise Malformed(f"{_name(cls)}.{name} must be {getattr(hint, '__name__', hint)}, got "
+                            f"{type(value).__name__} {value!r:.80}")
         values[name] = value
     try:
         return cls(**values)
@@ -325,35 +339,42 @@ def _build(cls: type[T], fields: Any, tensors: list[torch.Tensor]) -> T:
         raise Malformed(f"{_name(cls)} refused its fields: {error}") from None
 
 
-def _conforms(value: Any, hint: Any) -> bool:
-    """Whether `value` is of the annotated type `hint` (ints count as floats; hints without a rule
-    here, e.g. a Callable, are left to the receiver)."""
+def _anything(_: Any) -> bool:
+    return True
+
+
+def _checker(hint: Any) -> Callable[[Any], bool]:
+    """Whether a value is of the annotated type `hint`, as a function made once per field (ints
+    count as floats; hints without a rule here, e.g. a TypeVar, are left to the receiver)."""
     if hint is Any or hint is object:
-        return True
+        return _anything
     if hint is None or hint is type(None):
-        return value is None
+        return lambda value: value is None
     if hint is float:
-        return type(value) in (int, float)
+        return lambda value: type(value) is float or type(value) is int
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda value: isinstance(value, int) and not isinstance(value, bool)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is None:
-        return isinstance(value, hint) if isinstance(hint, type) else True
+        return (lambda value: isinstance(value, hint)) if isinstance(hint, type) else _anything
     if origin is typing.Union or origin is types.UnionType:
-        return any(_conforms(value, arg) for arg in args)
+        checks = [_checker(arg) for arg in args]
+        return lambda value: any(check(value) for check in checks)
     if origin is typing.Literal:
-        return value in args
+        return lambda value: value in args
     if not isinstance(origin, type):
-        return True
-    if not isinstance(value, origin):
-        return False
+        return _anything
     if origin is tuple and args and args[-1] is not Ellipsis:
-        return len(value) == len(args) and all(map(_conforms, value, args))
+        checks = [_checker(arg) for arg in args]
+        return lambda value: isinstance(value, tuple) and len(value) == len(checks) and all(
+            check(item) for check, item in zip(checks, value))
     if issubclass(origin, abc.Mapping) and len(args) == 2:
-        return all(_conforms(key, args[0]) and _conforms(item, args[1]) for key, item in value.items())
+        keys, items = _checker(args[0]), _checker(args[1])
+        return lambda value: isinstance(value, origin) and all(keys(key) and items(item) for key, item in value.items())
     if issubclass(origin, abc.Iterable) and args:
-        return all(_conforms(item, args[0]) for item in value)
-    return True
+        items = _checker(args[0])
+        return lambda value: isinstance(value, origin) and all(map(items, value))
+    return lambda value: isinstance(value, origin)
 
 
 def _error(body: Any, tensors: list[torch.Tensor]) -> Exception:

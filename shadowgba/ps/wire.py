@@ -139,6 +139,8 @@ MESSAGES: dict[int, type] = {HEARTBEAT: Heartbeat, REQUEST: Request, REPLY: Repl
                              LANE_OFFER: LaneOffer, LANE_ANSWER: LaneAnswer}
 """The message kinds that may travel, by frame kind: a frame of any other kind is refused."""
 _KINDS = {cls: kind for kind, cls in MESSAGES.items()}
+_json = json.JSONEncoder(separators=(",", ":")).encode
+"""Compact JSON, by one encoder made once (`json.dumps` with options builds one per call)."""
 
 
 @dataclasses.dataclass
@@ -170,12 +172,12 @@ def encode(message: Any, lane: OutgoingLane | None = None, released: int = 0, he
     of its frames it has decoded. `Unencodable` (nothing was written) for a value without a rule."""
     kind = _KINDS[type(message)]
     tensors: list[torch.Tensor] = []
-    fields = codec.encode_fields(message, tensors)
+    fields = _json(codec.encode_fields(message, tensors))
     header_room = FRAME_BYTES - _HEAD_BYTES
     # where each tensor goes: the frame's room is known once the header is, and the header holds
     # the places, so small tensors are placed against the room left by a header with every place
     places, positions, staged = [], [-1] * len(tensors), -1
-    room = header_room - len(_header([], [], [], fields)) - 80 * (len(tensors) + 1)
+    room = header_room - len(fields) - 80 * (len(tensors) + 1)
     held = []
     for index, tensor in enumerate(tensors):
         nbytes = _nbytes(tensor)
@@ -226,11 +228,12 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def _header(tensors: list[torch.Tensor], places: list[int], positions: list[int], fields: dict[str, Any]) -> bytes:
-    """A message's header: JSON of each tensor's dtype, shape, place and lane position, then its fields."""
+def _header(tensors: list[torch.Tensor], places: list[int], positions: list[int], fields: str) -> bytes:
+    """A message's header: JSON of each tensor's dtype, shape, place and lane position, then its
+    fields (`fields`: their JSON already)."""
     specs = [[codec.dtype_name(tensor.dtype), list(tensor.shape), place, position]
              for tensor, place, position in zip(tensors, places, positions)]
-    return json.dumps([specs, fields], separators=(",", ":")).encode()
+    return f"[{_json(specs)},{fields}]".encode()
 
 
 @dataclasses.dataclass(frozen=True)
