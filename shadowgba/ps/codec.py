@@ -269,9 +269,9 @@ def _dict(body: Any, tensors: list[torch.Tensor]) -> dict[Any, Any]:
     result = {}
     for pair in _list(body, "a dict's items"):
         key, value = _list(pair, "a dict item", 2)
-        key = _decode(key, tensors)
+        key, value = _decode(key, tensors), _decode(value, tensors)
         try:
-            result[key] = _decode(value, tensors)
+            result[key] = value
         except TypeError:  # an unhashable key (a list)
             raise Malformed(f"unhashable dict key {key!r:.80}") from None
     return result
