@@ -14,7 +14,7 @@ outstanding per trainer, as fast as the replies come back, while one watcher thr
 long-polls the shards for each new global step's parameters (`DenseShardClient.watch`), as a GBA
 trainer's does: the parameters the server sends are part of its cost. The shards run GBA as configured by
 default (Adam, global batch = trainers x 512 samples, staleness decay), so the server's whole cost
-per push is measured: receiving and unpickling the request, validation, the finiteness check, the
+per push is measured: receiving and decoding the request, validation, the finiteness check, the
 buffer add, the optimizer step once per global batch, and the reply.
 
 Every rank runs torch with `--threads` intra-op threads (default 1: the cores are the ranks'; a

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import traceback
 from typing import Callable, Iterator, Sequence
 
@@ -36,6 +37,8 @@ import torch.distributed as dist
 
 from shadowgba.errors import PeerLost, SyncError
 from shadowgba.ps.membership import NOTICE_TIMEOUT_S, NoticeBoard
+
+logger = logging.getLogger("shadowgba")
 
 CAUSE = "cause"
 """The board's kind of the job's cause (`NoticeBoard.decide`): `{"ranks": [...], "why": "..."}`."""
@@ -127,11 +130,11 @@ class Blame:
         """Post (`culprits`, `why`) as the job's cause unless one was decided: the decided one."""
         proposal = json.dumps({"ranks": list(culprits), "why": why})
         decided = self.board.decide(CAUSE, self.cause_number(), proposal)
-        return _parse(decided) if decided else (culprits, why)
+        return _parse(decided, self.cause_number()) if decided else (culprits, why)
 
     def _decided(self) -> tuple[tuple[int, ...], str] | None:
         value = self.board.decision(CAUSE, self.cause_number())
-        return _parse(value) if value else None
+        return _parse(value, self.cause_number()) if value else None
 
     def _silent(self) -> tuple[int, ...]:
         """The peers gone without a word: a stopped heartbeat, no notice of their own."""
@@ -185,6 +188,17 @@ def _text(error: BaseException) -> str:
     return str(error) if isinstance(error, SyncError) else repr(error)
 
 
-def _parse(value: str) -> tuple[tuple[int, ...], str]:
-    decided = json.loads(value)
-    return tuple(decided["ranks"]), decided["why"]
+def _parse(value: str, number: int) -> tuple[tuple[int, ...], str]:
+    """The cause decided as `value` (`_claim`'s JSON). A value shadowgba does not write (another
+    process wrote the store) is a cause of unknown culprits that says so, and is logged: `judge`
+    never raises."""
+    try:
+        decided = json.loads(value)
+        ranks, why = decided["ranks"], decided["why"]
+        if type(ranks) is list and all(type(rank) is int for rank in ranks) and type(why) is str:
+            return tuple(ranks), why
+    except (ValueError, TypeError, KeyError, RecursionError):  # not JSON, or not a mapping of these keys
+        pass
+    why = f"the job's cause on the notice board ({CAUSE} {number}) is not one shadowgba writes: {value[:80]!r}"
+    logger.warning("shadowgba: %s", why)
+    return (), why

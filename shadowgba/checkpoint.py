@@ -45,7 +45,10 @@ save is in flight: the next `save()` first waits for, and commits, the previous 
 What is refused (`CheckpointError`, naming the difference or the path): a checkpoint whose
 `shadowgba.json` names another sync algorithm, another dense layout (parameter names and sizes, in
 order), another trainer count or another server count; a checkpoint that is corrupted or truncated
-(a file missing, of another size, or failing its CRC-32; a missing or unreadable `shadowgba.json`).
+(a file missing, of another size, or failing its CRC-32; a missing or unreadable `shadowgba.json`);
+a checkpoint whose files hold anything but DCP's metadata, tensors and plain data, named file by
+file (`shadowgba.checkpoint_reader`: the seal only tells a damaged file, and anyone who can write
+the folder can recompute it, so what is loaded is restricted as well; nothing in it is run).
 `load(path)` raises on either; `load_latest` skips a corrupted checkpoint (logging why) and falls
 back to the newest good one, but raises on a setup mismatch: resuming an older checkpoint of this
 setup behind a newer one of another would silently train from the wrong state. Nor does it start
@@ -83,11 +86,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
 
+from shadowgba.checkpoint_reader import SafeLoadPlanner, SafeReader
 from shadowgba.errors import CheckpointError, ConfigError
 from shadowgba.serialized import (
     TMP_PREFIX, commit_folder, state_from_bytes, state_to_bytes, step_folders, verify_folder,
@@ -365,9 +368,12 @@ class Checkpointer:
         return verdict[0]
 
     def verify(self, path: Path) -> int:
-        """Check the files against `shadowgba.json` and the setup against this job's; its step.
-        Raises `CheckpointError` naming the path and what is wrong. No collective."""
-        return verify_folder(path, self.setup.difference)["step"]
+        """Check the files against `shadowgba.json`, the setup against this job's, and that DCP's
+        `.metadata` holds DCP's metadata only (`SafeReader`); its step. Raises `CheckpointError`
+        naming the path or file and what is wrong. No collective."""
+        step = verify_folder(path, self.setup.difference)["step"]
+        SafeReader(path).read_metadata()
+        return step
 
     # ---------------------------------------------------------------------------------- internals
     def _choose(self, allow_fresh_start: bool) -> tuple[int, str] | None:
@@ -395,17 +401,18 @@ class Checkpointer:
         return None
 
     def _load_verified(self, path: Path, state: Mapping[str, Any]) -> None:
-        failure: Exception | None = None
+        failure: Exception | CheckpointException | None = None
         try:
-            dcp.load(dict(state), checkpoint_id=str(path), process_group=self.group, planner=_LoadPlanner())
-        except Exception as error:  # a refusal by a Stateful, or a file DCP cannot read
+            dcp.load(dict(state), checkpoint_id=str(path), process_group=self.group, storage_reader=SafeReader(path),
+                     planner=SafeLoadPlanner())
+        except (Exception, CheckpointException) as error:  # a refusal by a Stateful, or a file refused or unreadable
             failure = error
         failed = [failure is not None]
         everyone: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, failed, group=self.group)
         if failure is not None:
             raise CheckpointError(f"loading checkpoint {path} failed (the state may be partly loaded): "
-                                  f"{failure}") from failure
+                                  f"{_reason(failure)}") from failure
         if any(flag[0] for flag in everyone):
             raise CheckpointError(f"loading checkpoint {path} failed on another trainer (the state may be partly "
                                   "loaded)")
@@ -431,16 +438,6 @@ class Checkpointer:
         return _ASYNC_GROUPS[key]
 
 
-class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner without its pre-2.4 fallback. Each trainer requests only its own
-    `trainer{i}` entries, so the checkpoint holds keys this rank does not ask for; the default planner
-    takes that as the sign of a torch <= 2.3 checkpoint and re-flattens the request the old way (a
-    dict without tensors as one entry), which then misses. Checkpoints written here are never that old."""
-
-    def create_local_plan(self) -> LoadPlan:
-        return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
-
-
 class _Staged(AsyncStager):
     """The state is already a CPU snapshot (`_snapshot`): DCP's default stager cannot copy a
     `ShardedTensor` (torch 2.13: `new_empty` is not implemented for it)."""
@@ -455,6 +452,14 @@ class _Staged(AsyncStager):
 
     def close(self) -> None:
         pass
+
+
+def _reason(failure: Exception | CheckpointException) -> str:
+    """What failed, in words: DCP's `CheckpointException` (a BaseException) wraps each rank's error
+    with its traceback; the errors themselves say it."""
+    if isinstance(failure, CheckpointException):
+        return "; ".join(f"on rank {rank}: {error}" for rank, (error, _) in failure.failures.items())
+    return str(failure)
 
 
 def _stateful_to_state_dict(state: dict[str, Any]) -> dict[str, Any]:

@@ -2,9 +2,10 @@
 
 Every state the library saves outside DCP's own tensors (a trainer's blobs in a checkpoint, a PS
 shard's exported state, a server's checkpoint) is written by `torch.save` and read back by torch's
-`weights_only` unpickler, which refuses every other object: loading a crafted file never runs code
-it carries. What the library saves is kept to such data (configs as plain mappings, counters as
-numbers, numpy's RNG state as a tensor).
+`weights_only` unpickler, which refuses every other object (`load_weights_only`). What the library
+saves is kept to such data (configs as plain mappings, counters as numbers, numpy's RNG state as a
+tensor). DCP's own files are read as safely by `shadowgba.checkpoint_reader` (its `.metadata` by an
+unpickler of DCP's metadata classes only), so loading a crafted checkpoint never runs code it carries.
 
 One checkpoint format, trainers' (`shadowgba.checkpoint`: DCP's files) and servers'
 (`shadowgba.ps.server_state`: one `torch.save` file) alike: a folder `step_<k>` holding the data
@@ -48,17 +49,19 @@ def state_from_bytes(blob: Any, what: str) -> Any:
     never runs code it carries (torch's `weights_only` unpickler refuses every other object)."""
     if not isinstance(blob, (bytes, bytearray)):
         raise CheckpointError(f"checkpoint entry '{what}' is not a serialized state ({type(blob).__name__})")
-    return _load_weights_only(io.BytesIO(blob), what)
+    return load_weights_only(io.BytesIO(blob), what)
 
 
 def load_state_file(path: str | os.PathLike) -> Any:
     """A file written by `torch.save` of tensors and plain containers, refused as `state_from_bytes`
     refuses a blob."""
     with open(path, "rb") as file:
-        return _load_weights_only(file, str(path))
+        return load_weights_only(file, str(path))
 
 
-def _load_weights_only(file: Any, what: str) -> Any:
+def load_weights_only(file: Any, what: str) -> Any:
+    """What `torch.save` wrote to `file`, read by torch's `weights_only` unpickler on the CPU;
+    `CheckpointError` naming `what` when it holds anything but tensors and plain containers."""
     try:
         return torch.load(file, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as error:

@@ -83,3 +83,17 @@ def test_a_server_named_by_the_transport_is_kept_and_only_transport_words_count_
     verdict = trainer.judge(refused)  # nobody on the board: the transport's own words stand
     assert verdict.replacement is None and verdict.why == str(refused) and not verdict.own
     assert is_peer_failure(gloo_error()) and not is_peer_failure(RuntimeError("my loader timed out"))
+
+
+def test_a_cause_on_the_board_that_shadowgba_did_not_write_is_named_as_such_and_judge_never_raises() -> None:
+    """A store value of another process's making (not JSON, or JSON of other keys) never makes
+    `judge` raise in place of the error it judges: the cause says what the board held."""
+    store = dist.HashStore()
+    first, second, _ = judges(store)
+    first.board.decide("cause", 0, "\x80 not json")  # what a process that reaches the store could write
+    verdict = second.judge(gloo_error())
+    assert verdict.culprits == () and not verdict.own, verdict
+    assert "the job's cause on the notice board (cause 0) is not one shadowgba writes: '\\x80 not json'" in verdict.why
+    other = judges(dist.HashStore())
+    other[0].board.decide("cause", 0, '{"ranks": "all", "why": 7}')
+    assert other[1].judge(ValueError("its own")).own  # its own failure, the crafted cause noted as earlier

@@ -8,6 +8,7 @@ the trainer end), as a trainer-server session does, over the harness's default s
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import threading
@@ -23,7 +24,7 @@ from shadowgba.ps import wire
 from shadowgba.ps import lane
 from shadowgba.ps.board import Board, BoardView, StaleBoard
 from shadowgba.ps.channel import Channel, ChannelLost
-from shadowgba.ps.wire import REPLY, REQUEST, Frame, encode
+from shadowgba.ps.wire import Answer, Frame, Reply, Request, encode
 from shadowgba.ps.same_host import LOOP_NICE, loop_threads
 from tests.multiprocess import run_ranks, run_ranks_outcomes
 
@@ -67,13 +68,13 @@ def assert_same(left: Any, right: Any) -> None:
         assert left == right
 
 
-def decoded(kind: int, body: Any) -> Any:
-    """`body` through `encode` and `Frame.decode`, tensors sent apart handed over as a peer's receive would."""
-    message = encode(kind, body)
-    frame = Frame.read(message.frame)
-    header = frame.header_bytes(message.header)
+def decoded(message: Any) -> Any:
+    """`message` through `encode` and `Frame.decode`, tensors sent apart handed over as a peer's receive would."""
+    encoded = encode(message)
+    frame = Frame.read(encoded.frame, "the test")
+    header = frame.header_bytes(encoded.header)
 
-    sent = {tag: tensor for tensor, tag in message.sends}
+    sent = {tag: tensor for tensor, tag in encoded.sends}
     staged = sent.pop(wire.STAGED_TAG, None)
     buffer = torch.empty(wire.STAGED_BYTES, dtype=torch.uint8)
     if staged is not None:
@@ -89,22 +90,63 @@ def decoded(kind: int, body: Any) -> Any:
 def test_framing_round_trips_mixed_tensors_dtypes_empty_tensors_and_big_headers(
         monkeypatch: pytest.MonkeyPatch) -> None:
     small = {"ids": torch.arange(10), "rows": torch.ones(3, 4)}
-    message = encode(REPLY, (1, small))
+    message = encode(Reply((Answer(1, small),)))
     assert message.sends == [] and message.header is None  # a small message is one frame
-    assert_same(decoded(REPLY, (1, small)), (1, small))
+    assert_same(decoded(Reply((Answer(1, small),))).answers[0].value, small)
     body = mixed_body()
-    assert encode(REQUEST, (7, body)).sends == []  # it all fits in a frame
-    assert_same(decoded(REQUEST, (7, body)), (7, body))
+    assert encode(Request(7, body)).sends == []  # it all fits in a frame
+    assert_same(decoded(Request(7, body)).body, body)
     monkeypatch.setattr(wire, "FRAME_BYTES", SMALL_FRAME_BYTES)
     monkeypatch.setattr(wire, "INLINE_TENSOR_BYTES", 64)
-    tags = [tag for _, tag in encode(REQUEST, (7, body)).sends]
+    tags = [tag for _, tag in encode(Request(7, body)).sends]
     assert tags[0] == wire.STAGED_TAG and len(tags) >= 2, tags  # the first large one staged, the rest apart
-    assert_same(decoded(REQUEST, (7, body)), (7, body))
+    assert_same(decoded(Request(7, body)).body, body)
     long_header = {"names": [f"name {i} " * 5 for i in range(200)], "t": torch.ones(2)}  # over a small frame
-    assert encode(REQUEST, (0, long_header)).header is not None
-    assert_same(decoded(REQUEST, (0, long_header)), (0, long_header))
+    assert encode(Request(0, long_header)).header is not None
+    assert_same(decoded(Request(0, long_header)).body, long_header)
     with pytest.raises(TypeError, match="dense CPU tensors"):
-        encode(REQUEST, torch.ones(2).to_sparse())
+        encode(Request(0, torch.ones(2).to_sparse()))
+
+
+def test_the_codec_round_trips_its_rules_and_refuses_what_it_did_not_write() -> None:
+    """Every value rule of `shadowgba.ps.codec` round trips (registered dataclasses, enums, exceptions
+    with their attributes and notes); a type without a rule is refused when sent, and data it did
+    not write (unknown tags or classes, fields of another type, a SystemExit) when received."""
+    from shadowgba.errors import PeerLost
+    from shadowgba.gba.mode import Mode
+    from shadowgba.gba.shards import ShardReply
+    from shadowgba.ps import codec
+
+    codec.register(Mode)
+    error = PeerLost("server 0 is gone", ranks=[2])
+    error.add_note("raised by service 'dense'")
+    value = {("k", 1): [None, True, -3, 2.5, float("inf"), "s", b"\x00token"], 7: torch.Size([2, 3]),
+             "dtype": torch.bfloat16, "mode": Mode.GBA, "reply": ShardReply(torch.ones(2), 4, "sync", 0.5),
+             "error": error, "opaque": OSError(5, "I/O")}
+    tensors: list[torch.Tensor] = []
+    decoded = codec.decode_value(json.loads(json.dumps(codec.encode_value(value, tensors))), tensors, "the test")
+    error_back = decoded.pop("error")
+    assert type(error_back) is PeerLost and error_back.ranks == (2,) and error_back.__notes__ == error.__notes__
+    assert type(decoded["opaque"]) is OSError and decoded.pop("opaque").errno == 5
+    assert decoded.pop("mode") is Mode.GBA and decoded.pop("dtype") is torch.bfloat16
+    reply = decoded.pop("reply")
+    assert type(reply) is ShardReply and torch.equal(reply.params, torch.ones(2)) and reply.requested_mode == "sync"
+    value = {key: item for key, item in value.items() if key not in ("error", "opaque", "mode", "dtype", "reply")}
+    assert_same(decoded, value)
+    with pytest.raises(codec.Unencodable, match="no rule encodes a .*MonkeyPatch"):
+        codec.encode_value(pytest.MonkeyPatch(), [])
+    foreign = codec.encode_value(type("Foreign", (Exception,), {})("x"), [])  # a class outside builtins/shadowgba
+    assert foreign == {"error": ["builtins.RuntimeError", ["tests.test_ps_channel.Foreign: x"], {"dict": []}]}
+    refused = [({"pickle": "gASV"}, "unknown value tag 'pickle'"),
+               ({"data": ["os.system", {}]}, "'os.system' is no dataclass registered"),
+               ({"data": ["shadowgba.ps.transport.Caller", {"trainer": "0", "number": 1, "settled": {"tuple": []}}]},
+                "Caller.trainer must be int, got str"),
+               ({"data": ["shadowgba.ps.transport.Caller", {"trainer": 0}]}, "has the fields"),
+               ({"error": ["builtins.SystemExit", [0], {"dict": []}]}, "no exception class of builtins or shadowgba"),
+               ({"tensor": 3}, "tensor index 3 outside"), ({"tuple": [1], "x": 2}, "a JSON dict that is no value")]
+    for data, why in refused:
+        with pytest.raises(codec.Malformed, match=f"refused data from the test: .*{why}"):
+            codec.decode_value(data, [], "the test")
 
 
 def test_a_lane_wraps_refuses_when_full_and_its_file_lives_only_until_mapped() -> None:

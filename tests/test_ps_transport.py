@@ -26,6 +26,7 @@ import torch.distributed as dist
 from shadowgba.errors import PeerLost
 from shadowgba.ps import channel, rendezvous, same_host, server_end, sessions, trainer_end
 from shadowgba.ps.start import start_transport
+from shadowgba.ps.transport import Caller
 from tests.multiprocess import run_ranks, run_ranks_outcomes, run_shared
 
 pytestmark = pytest.mark.timeout(180)
@@ -427,10 +428,10 @@ def test_a_server_runs_each_call_number_once_and_forgets_the_replies_its_trainer
         runs.append(value)
         return value
 
-    assert replies.run_once((0, 0, ()), lambda: work("first")) == "first"
-    assert replies.run_once((0, 0, ()), lambda: work("retry")) == "first"  # a retry: the first run's reply
-    assert replies.run_once((1, 0, ()), lambda: work("other trainer")) == "other trainer"
-    assert replies.run_once((0, 1, (0,)), lambda: work("next")) == "next"  # trainer 0 settled call 0
+    assert replies.run_once(Caller(0, 0), lambda: work("first")) == "first"
+    assert replies.run_once(Caller(0, 0), lambda: work("retry")) == "first"  # a retry: the first run's reply
+    assert replies.run_once(Caller(1, 0), lambda: work("other trainer")) == "other trainer"
+    assert replies.run_once(Caller(0, 1, (0,)), lambda: work("next")) == "next"  # trainer 0 settled call 0
     assert runs == ["first", "other trainer", "next"]
     assert sorted(replies._by_trainer[0]) == [1]  # call 0's reply is forgotten, call 1's kept
     calls = trainer_end._Calls()

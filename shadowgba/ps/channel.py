@@ -9,9 +9,11 @@ group carries nothing but this pair's messages, so it can be created and dropped
 while every other rank carries on. Only maintained torch.distributed primitives are used: a
 ProcessGroupGloo over a PrefixStore, and its send / recv.
 
-Framing (`shadowgba.ps.wire`): a message is one frame of at most `FRAME_BYTES` holding its header
-and small tensors; larger ones go through the same-host lane, a staged receive buffer, or sends
-of their own, and a tensor on this side's board is named by its place, not sent.
+Framing (`shadowgba.ps.wire`): a message is a typed dataclass (`wire.MESSAGES`), one frame of at
+most `FRAME_BYTES` holding its JSON header and small tensors; larger ones go through the same-host
+lane, a staged receive buffer, or sends of their own, and a tensor on this side's board is named by
+its place, not sent. Nothing is pickled: a value without a rule in `shadowgba.ps.codec` is refused
+when it is sent, and a frame this wire did not write is refused when it arrives.
 
 Invariants:
 - Ordering: gloo matches sends and receives of one tag in posting order. Each side posts the parts
@@ -35,6 +37,11 @@ Invariants:
   thread), so a receive that sees nothing for the group's timeout (`timeout_s`) means the peer is
   stopped or stuck; a killed peer's sockets close, and the receive fails at once. Either way the
   channel is dead: `on_lost` is called once and every pending future fails with `ChannelLost` naming the peer. A dead channel is never reused.
+- Refusal: a message that is not this wire's (`wire.Malformed`: a foreign frame, a header that is
+  not JSON, a spec that does not match, a value without a rule) is refused before anything in it is
+  built or run: the channel fails with a `ChannelLost` whose `refused` is set and whose message
+  names the peer and why, and tells the peer (CLOSE), whose pending requests then fail at once.
+  The receiver thread ends normally; the owner's other channels are untouched.
 - Closing: `close()` sends a CLOSE frame; the peer answers with its own and both receivers end
   (a gloo receive cannot be cancelled, only answered, failed by the peer, or timed out). A peer
   that is gone ends the receiver by failing it.
@@ -60,20 +67,23 @@ from shadowgba.ps import same_host
 from shadowgba.ps.lane import IncomingLane, OutgoingLane
 from shadowgba.ps import wire
 from shadowgba.ps.wire import (
-    CLOSE, FRAMES_POSTED, HEADER_TAG, HEARTBEAT, LANE_ANSWER, LANE_OFFER, REPLY, REQUEST, STAGED_TAG, Frame,
-    Unencodable, as_bytes, encode,
+    CLOSE, FRAMES_POSTED, HEADER_TAG, HEARTBEAT, LANE_ANSWER, LANE_OFFER, REPLY, REQUEST, STAGED_TAG, Answer, Close,
+    Frame, Heartbeat, LaneAnswer, LaneOffer, Malformed, Reply, Request, Unencodable, as_bytes, encode,
 )
 
 PING_INTERVAL_S = 1.0
 """A side that sent nothing for this long sends a heartbeat (`pulse()`), or for a quarter of the
 peer's silence limit if that is shorter (`Channel.beat_s`)."""
 class ChannelLost(PeerLost):
-    """The channel to a peer failed (its connection closed, or it sent nothing for the timeout)."""
+    """The channel to a peer failed (its connection closed, it sent nothing for the timeout, or it
+    sent a message this side refused)."""
 
-    def __init__(self, message: str, timed_out: bool) -> None:
+    def __init__(self, message: str, timed_out: bool, refused: bool = False) -> None:
         super().__init__(message)
         self.timed_out = timed_out
         """Whether the peer fell silent (stopped or stuck) rather than closed its connection (gone)."""
+        self.refused = refused
+        """Whether this side closed the channel because the peer sent a message it refused."""
 
 
 class Channel:
@@ -144,7 +154,7 @@ class Channel:
         self._receiver.start()
         if self._lane_out is not None or self._board is not None:
             try:
-                self._transmit(LANE_OFFER, same_host.offer(self._lane_out, self._board), wait=False)
+                self._transmit(same_host.offer(self._lane_out, self._board), wait=False)
             except RuntimeError as error:
                 self._fail(error)
 
@@ -174,16 +184,20 @@ class Channel:
             request_id = next(self._ids)
             self._pending[request_id] = future
         try:
-            self._send(REQUEST, (request_id, body))
+            self._send(Request(request_id, body))
         except ChannelLost as error:
             self._settle(request_id, error)
+        except Unencodable:  # nothing was sent: the caller learns why at once
+            with self._state_lock:
+                self._pending.pop(request_id, None)
+            raise
         return future
 
     def reply(self, request_id: int, value: Any, *more: tuple[int, Any]) -> None:
         """Answer request `request_id` with `value`, and each (request id, value) of `more` in the
         same message; dropped when the channel is dead (the peer retries)."""
         try:
-            self._send(REPLY, ((request_id, value), *more))
+            self._send(Reply((Answer(request_id, value), *(Answer(*answer) for answer in more))))
         except ChannelLost:
             pass
 
@@ -192,7 +206,7 @@ class Channel:
         if not self.alive or time.monotonic() - self._last_sent < self.beat_s:
             return
         try:
-            self._transmit(HEARTBEAT, None, wait=False)
+            self._transmit(Heartbeat(), wait=False)
         except RuntimeError as error:
             self._fail(error)
 
@@ -236,23 +250,23 @@ class Channel:
             return self.failure
         return ChannelLost(f"the channel to {self.peer} is closed", timed_out=False)
 
-    def _send(self, kind: int, body: Any) -> None:
+    def _send(self, message: Request | Reply) -> None:
         try:
             try:
-                self._transmit(kind, body)
-            except Unencodable as error:  # an unpicklable reply: the caller gets why, not a hang
-                if kind != REPLY:
-                    raise error.__cause__ from None
-                if len(body) > 1:  # alone, only the unpicklable one is answered with why
-                    for answer in body:
-                        self._send(kind, (answer,))
+                self._transmit(message)
+            except Unencodable as error:  # an unencodable reply: the caller gets why, not a hang
+                if not isinstance(message, Reply):
+                    raise
+                if len(message.answers) > 1:  # alone, only the unencodable one is answered with why
+                    for answer in message.answers:
+                        self._send(Reply((answer,)))
                     return
-                [(request_id, value)] = body
-                self._transmit(kind, ((request_id, RuntimeError(f"unpicklable reply {type(value).__name__!r}")),))
+                [answer] = message.answers
+                self._transmit(Reply((Answer(answer.request_id, RuntimeError(f"unencodable reply: {error}")),)))
         except RuntimeError as error:
             raise self._fail(error) from error
 
-    def _transmit(self, kind: int, body: Any, wait: bool = True) -> None:
+    def _transmit(self, message: Any, wait: bool = True) -> None:
         """Encode a message and post every part of it, under the send lock: parts of two messages
         never interleave, and lane positions are taken in posting order. Then wait until it is
         sent, or (`wait` False: a frame-only message) leave it to `_unsettled`."""
@@ -262,11 +276,8 @@ class Channel:
                 self._unsettled.popleft()[1].wait()
             lane_in = self._lane_in
             released = 0 if lane_in is None else lane_in.released
-            try:
-                encoded = encode(kind, body, self._lane_out, released, self._frames_heard,
-                                 self._board if self._board_accepted else None)
-            except Exception as error:
-                raise Unencodable() from error
+            encoded = encode(message, self._lane_out, released, self._frames_heard,
+                             self._board if self._board_accepted else None)
             self._released_told = released
             self._held.extend((self._frames_sent, tensor) for tensor in encoded.held)
             works = [self.group.send([encoded.frame], peer, 0)]
@@ -294,7 +305,7 @@ class Channel:
                 frame, work = posted.popleft()
                 work.wait()
                 self.last_heard = time.monotonic()
-                current = Frame.read(views[id(frame)])
+                current = Frame.read(views[id(frame)], self.peer)
                 if current.kind not in (REQUEST, REPLY):
                     self._frames_heard += 1
                 self._peer_heard = max(self._peer_heard, current.heard)
@@ -313,21 +324,25 @@ class Channel:
                 if current.kind == HEARTBEAT:
                     continue
                 if current.kind in (LANE_OFFER, LANE_ANSWER):
-                    self._settle_lanes(current.kind, current.decode(current.header_bytes(header), None, self._receive_apart))
+                    self._settle_lanes(current.decode(current.header_bytes(header), None, self._receive_apart))
                     continue
                 if current.staged >= 0:  # this message's first large tensor is in the staged buffer
                     staged_work.wait()
-                body = current.decode(current.header_bytes(header), staged, self._receive_apart, self._lane_in,
-                                      self._lend, self._board_in)
+                message = current.decode(current.header_bytes(header), staged, self._receive_apart, self._lane_in,
+                                         self._lend, self._board_in)
                 self._frames_heard += 1  # counted once decoded: the peer then frees what it named on its board
                 if current.staged >= 0:  # copied out: the buffer takes the next one
                     staged_work = self.group.recv([staged], peer, STAGED_TAG)
                 self.last_heard = time.monotonic()
-                self._deliver(current.kind, body)
-                body = None  # lent tensors the owner did not keep return to the lane now
+                self._deliver(message)
+                message = None  # lent tensors the owner did not keep return to the lane now
                 if self._lend and self._lane_in is not None and self._lane_in.worth_telling(self._released_told):
-                    self._transmit(HEARTBEAT, None, wait=False)
-        except Exception as error:  # noqa: BLE001 (gloo raises RuntimeError; a bad header anything)
+                    self._transmit(Heartbeat(), wait=False)
+        except Malformed as error:  # the peer's bytes, not this wire's: nothing of them was built
+            self._fail(error)
+            self._send_close()  # the peer's pending requests fail at once, not after its timeout
+            return
+        except Exception as error:  # noqa: BLE001 (gloo raises RuntimeError; a service's callback anything)
             self._fail(error)
             return
         finally:
@@ -344,18 +359,18 @@ class Channel:
     def _send_close(self) -> None:
         """Post CLOSE without waiting (a peer that is gone fails the receiver instead)."""
         try:
-            self._transmit(CLOSE, None, wait=False)
+            self._transmit(Close(), wait=False)
         except RuntimeError:
             pass
 
-    def _settle_lanes(self, kind: int, body: Any) -> None:
+    def _settle_lanes(self, message: LaneOffer | LaneAnswer) -> None:
         """The peer offered its lane and board (map them, answer whether that worked) or answered
         this side's offer."""
-        if kind == LANE_OFFER:
-            self._lane_in, self._board_in = same_host.accept(body)
-            self._transmit(LANE_ANSWER, (self._lane_in is not None, self._board_in is not None), wait=False)
+        if isinstance(message, LaneOffer):
+            self._lane_in, self._board_in = same_host.accept(message)
+            self._transmit(LaneAnswer(self._lane_in is not None, self._board_in is not None), wait=False)
         else:
-            lane_mapped, self._board_accepted = body
+            lane_mapped, self._board_accepted = message.lane, message.board
             if self._lane_out is not None and lane_mapped:
                 self._lane_out.accepted = True
             elif self._lane_out is not None:  # another host: tensors stay on gloo
@@ -370,17 +385,16 @@ class Channel:
         for work in works:
             work.wait()
 
-    def _deliver(self, kind: int, body: Any) -> None:
-        if kind == REPLY:
-            for request_id, value in body:
+    def _deliver(self, message: Request | Reply) -> None:
+        if isinstance(message, Reply):
+            for answer in message.answers:
                 with self._state_lock:
-                    future = self._pending.pop(request_id, None)
+                    future = self._pending.pop(answer.request_id, None)
                 if future is not None:
-                    future.set_result(value)
+                    future.set_result(answer.value)
             return
-        request_id, value = body
         if self._on_request is not None:
-            self._on_request(self, request_id, value)
+            self._on_request(self, message.request_id, message.body)
 
     def _settle(self, request_id: int, error: ChannelLost) -> None:
         with self._state_lock:
@@ -392,7 +406,9 @@ class Channel:
         """The link failed with `error`: mark the channel dead (once), fail every pending request, tell the owner."""
         with self._state_lock:
             first = self.failure is None and not self._closing
-            if first:
+            if first and isinstance(error, Malformed):
+                self.failure = ChannelLost(f"{first_line(error)}; the channel to {self.peer} is closed", False, True)
+            elif first:
                 timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
                 self.failure = ChannelLost(
                     f"{self.peer} {'sent nothing for ' + format(self.timeout_s, 'g') + ' s' if timed_out else 'closed its connection'}"

@@ -51,6 +51,8 @@ LANE_BYTES = 32 << 20
 """Size of one lane (one direction of one channel): the most bytes in flight in shared memory."""
 LANE_DIR = "/dev/shm"
 """Where lanes are created (tmpfs: memory, not disk)."""
+LANE_PREFIX = "shadowgba-lane-"
+"""How the name of every lane's file starts."""
 TOKEN_BYTES = 16
 DATA_START = 64
 """The ring's bytes start after the token that proves the reader mapped the writer's file."""
@@ -144,7 +146,7 @@ class OutgoingLane:
         (no /dev/shm, or no room)."""
         nbytes = LANE_BYTES if nbytes is None else nbytes
         token = secrets.token_bytes(TOKEN_BYTES)
-        path = os.path.join(LANE_DIR, f"shadowgba-lane-{os.getpid()}-{token.hex()[:12]}")
+        path = os.path.join(LANE_DIR, f"{LANE_PREFIX}{os.getpid()}-{token.hex()[:12]}")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError:
@@ -213,7 +215,10 @@ class IncomingLane:
 
     @classmethod
     def open(cls, path: str, nbytes: int, token: bytes) -> "IncomingLane | None":
-        """Map the peer's lane, or None if it is not on this host (no such file, or another token)."""
+        """Map the peer's lane, or None if it is not on this host (no such file, or another token),
+        or `path` is not a lane's (this side unlinks the file it maps: only a lane may be named)."""
+        if os.path.dirname(path) != LANE_DIR or not os.path.basename(path).startswith(LANE_PREFIX):
+            return None
         buffer = map_checked(path, nbytes, token)
         if buffer is None:
             return None

@@ -25,11 +25,12 @@ server alone").
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 from shadowgba.network import host_identity
 from shadowgba.ps.board import Board, BoardView
 from shadowgba.ps.lane import IncomingLane, OutgoingLane
+from shadowgba.ps.wire import LaneOffer
 from shadowgba.threads import renice, threads_named
 
 LOOP_NICE = 19
@@ -53,16 +54,16 @@ def loop_threads() -> set[int]:
     return threads_named(GLOO_LOOP_THREAD)
 
 
-def offer(lane: OutgoingLane | None, board: Board | None) -> tuple[str, Any, Any]:
+def offer(lane: OutgoingLane | None, board: Board | None) -> LaneOffer:
     """What a channel side offers its peer at the start: this host, its outgoing lane and its board."""
-    return host_identity(), None if lane is None else lane.offer, None if board is None else board.offer
+    return LaneOffer(host_identity(), None if lane is None else lane.offer, None if board is None else board.offer)
 
 
-def accept(offered: tuple[str, Any, Any]) -> tuple[IncomingLane | None, BoardView | None]:
+def accept(offered: LaneOffer) -> tuple[IncomingLane | None, BoardView | None]:
     """The peer's lane and board mapped, each None when not offered, not on this host, or not openable."""
-    host, lane, board = offered
-    if host != host_identity():  # another network namespace sees the same files, yet is another host
+    if offered.host != host_identity():  # another network namespace sees the same files, yet is another host
         return None, None
+    lane, board = offered.lane, offered.board
     return (None if lane is None else IncomingLane.open(*lane)), (None if board is None else BoardView.open(*board))
 
 

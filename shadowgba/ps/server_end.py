@@ -1,7 +1,13 @@
 """A parameter server's end of the transport (`shadowgba.ps.transport` states the invariants): it
 takes the trainers' sessions (`shadowgba.ps.sessions`), runs each numbered call once on the service it
 names and answers on the same channel, relays a long poll's answer when it comes, judges a silent or
-closed trainer lost (`shadowgba.ps.membership.Roster`), and in `stop()` waits for every trainer."""
+closed trainer lost (`shadowgba.ps.membership.Roster`), and in `stop()` waits for every trainer.
+
+A session whose peer sends what this side refuses (a frame that is not the wire's, a request that
+is no `Call`, a transport request of other arguments: `codec.Malformed`) is closed and logged,
+naming the trainer and the session, and is no verdict on that trainer: any process that reaches
+the job's store can open a session under a trainer's name, and the trainer itself keeps its own
+channel or opens a new one; the other sessions and the acceptor carry on."""
 
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost
 from shadowgba.ps.membership import Roster, lost_trainer
 from shadowgba.ps.rendezvous import Roles
 from shadowgba.ps.sessions import STOP_WAIT_S, Acceptor, SessionInfo, latest_ticket, session_group
-from shadowgba.ps.transport import CONTROL, ServiceFailure, Transport
+from shadowgba.ps.codec import Malformed
+from shadowgba.ps.transport import CONTROL, Call, Caller, ServiceFailure, Transport
 
 logger = logging.getLogger("shadowgba")
 
@@ -36,6 +43,9 @@ before its `stop()` raises, so that the surviving trainers read the reason rathe
 RECONNECT_GRACE_S = 3.0
 """How long a server waits, after a trainer's channel closed, for that trainer to open a new session
 before it declares the trainer lost (a killed trainer opens none)."""
+CONTROL_ARGS: dict[str, tuple[type, ...]] = {"arrive": (str, int), "missing": (str,), "met": (str,),
+                                             "abort": (int, int, str)}
+"""The transport's own requests (`_control`) and the types of their arguments (a trainer index is an int)."""
 SERVER_THREADS = 16
 """Threads a server sends the replies of answers that came later on (a watch that another trainer's
 push or its timeout answered), and runs the calls for services not served yet on."""
@@ -58,10 +68,10 @@ class _Replies:
         self._lock = threading.Lock()
         self._by_trainer: dict[int, dict[int, _Reply]] = collections.defaultdict(dict)
 
-    def run_once(self, caller: tuple[int, int, tuple[int, ...]], work: Callable[[], Any]) -> Any:
-        """`work()` for call `caller` = (trainer index, call number, numbers that trainer has settled
+    def run_once(self, caller: Caller, work: Callable[[], Any]) -> Any:
+        """`work()` for call `caller` (trainer index, call number, numbers that trainer has settled
         since its last call here), or the reply of the run of that number that came first."""
-        trainer, number, settled = caller
+        trainer, number, settled = caller.trainer, caller.number, caller.settled
         with self._lock:
             replies = self._by_trainer[trainer]
             for old in settled:
@@ -166,9 +176,16 @@ class ServerTransport(Transport):
     def _on_request(self, channel: Channel, request_id: int, body: Any) -> None:
         """Server, on the channel's receiver: answer on the same channel. A call is run right here,
         in its trainer's order (the hop to a pool thread costs more than most calls), unless its
-        service is not served yet: that one waits for it on the pool, holding up no other."""
-        _, name, _, _ = body
-        if name == CONTROL or name in self._services:
+        service is not served yet: that one waits for it on the pool, holding up no other. A body
+        that is no well-formed `Call` is refused (`Malformed`: the channel closes, naming the peer)."""
+        if not isinstance(body, Call) or (body.caller is None) != (body.service == CONTROL):
+            raise Malformed(f"refused a request from {channel.peer}: a {type(body).__name__} that is no call of a "
+                            "trainer (a Call naming its caller, or a transport request naming none)")
+        name = body.service
+        if name == CONTROL:
+            channel.reply(request_id, self._control(channel, body.method, body.args))
+            return
+        if name in self._services:
             self._answer(channel, request_id, body)
             return
         pool = self._pool
@@ -179,14 +196,10 @@ class ServerTransport(Transport):
         except RuntimeError:  # the pool is shut down: this server has ended
             pass
 
-    def _answer(self, channel: Channel, request_id: int, body: Any) -> None:
-        caller, name, method, args = body
-        if name == CONTROL:
-            channel.reply(request_id, self._control(method, *args))
-            return
+    def _answer(self, channel: Channel, request_id: int, call: Call) -> None:
         self._later.replies = later = []
         try:
-            value = self._replies.run_once(caller, lambda: self._serve_call(name, method, args))
+            value = self._replies.run_once(call.caller, lambda: self._serve_call(call.service, call.method, call.args))
         finally:
             self._later.replies = None
         if isinstance(value, concurrent.futures.Future):  # answered later (a long poll)
@@ -235,8 +248,14 @@ class ServerTransport(Transport):
         except Exception as error:
             return ServiceFailure(error, traceback.format_exc())
 
-    def _control(self, method: str, *args: Any) -> Any:
-        """The transport's own requests: barrier arrivals and polls, abort notices."""
+    def _control(self, channel: Channel, method: str, args: tuple[Any, ...]) -> Any:
+        """The transport's own requests: barrier arrivals and polls, abort notices; arguments of
+        other types than `CONTROL_ARGS` are refused (`Malformed`, naming the peer)."""
+        types = CONTROL_ARGS.get(method)
+        if types is None or len(args) != len(types) or not all(
+                isinstance(arg, kind) and not isinstance(arg, bool) for arg, kind in zip(args, types)) \
+                or (method in ("arrive", "abort") and self._unknown_trainer(args[1 if method == "arrive" else 0])):
+            raise Malformed(f"refused a transport request from {channel.peer}: {method}{args!r:.120}")
         if method == "arrive":
             self.roster.arrive(*args)
             return None
@@ -244,14 +263,18 @@ class ServerTransport(Transport):
             return self.roster.missing(*args)
         if method == "met":
             return self.roster.met(*args)
-        if method == "abort":
-            self.roster.abort(*args)
-            return None
-        raise ValueError(f"unknown transport request {method!r}")
+        self.roster.abort(*args)
+        return None
+
+    def _unknown_trainer(self, trainer: int) -> bool:
+        return not 0 <= trainer < len(self.roles.trainer_ranks)
 
     def _refusal(self, info: SessionInfo) -> str | None:
-        """Server: why `info`'s session is refused (its trainer process departed), or None: the
-        process is (again) a member (`Roster.join`), heard from now."""
+        """Server: why `info`'s session is refused (no such trainer, or its process departed), or
+        None: the process is (again) a member (`Roster.join`), heard from now."""
+        if self._unknown_trainer(info.trainer) or info.rank != self.roles.trainer_ranks[info.trainer]:
+            return (f"{self.roles.name} has no trainer {info.trainer} of rank {info.rank} (trainer ranks "
+                    f"{list(self.roles.trainer_ranks)})")
         refusal = self.roster.join(info.trainer, info.incarnation)
         if refusal is None:  # one dict store: called with and without `_lock` held
             self._admitted_at[info.trainer] = time.monotonic()
@@ -275,7 +298,12 @@ class ServerTransport(Transport):
 
     def _trainer_lost(self, info: SessionInfo, channel: Channel, error: ChannelLost) -> None:
         """Server: the channel of `info`'s session failed. Unless the trainer has left, or replaced the
-        session (within `RECONNECT_GRACE_S` when its connection closed), it is lost: the verdict."""
+        session (within `RECONNECT_GRACE_S` when its connection closed), it is lost: the verdict. A
+        session closed for a refused message is only logged (module docstring)."""
+        if error.refused:  # the peer's bytes were refused: maybe not even that trainer's (module docstring)
+            logger.warning("shadowgba: %s closed session %d of trainer %d (rank %d): %s", self.roles.name, info.ticket,
+                           info.trainer, info.rank, error)
+            return
         if self._ended.is_set() or self.roster.has_arrived("stop", info.trainer) or self.roster.failure is not None:
             return
         deadline = time.monotonic() + (0.0 if error.timed_out else RECONNECT_GRACE_S)

@@ -14,10 +14,15 @@ sessions, so a server process restarted in the elastic layout never reads its pr
 and a trainer always asks the newest one (`current_incarnation`):
 
 - `joins`: the ticket counter. A trainer takes a ticket (`store.add(joins, 1)`), writes who it is
-  under `join{t}` and `trainer{i}/latest` (its newest ticket), and waits for `accepted{t}`.
+  under `join{t}` (a `SessionInfo` as JSON, `shadowgba.ps.codec.to_json`: never a pickle) and
+  `trainer{i}/latest` (its newest ticket), and waits for `accepted{t}`.
 - The server's acceptor thread polls for the next ticket (`store.check`, so it notices its own end
-  and never leaves the shared store client out of step), sets `accepted{t}`, and builds the server end of the channel in a
-  thread of its own, so a trainer that vanishes mid-setup holds up no other session.
+  and never leaves the shared store client out of step), reads and checks `join{t}`, sets
+  `accepted{t}`, and builds the server end of the channel in a thread of its own, so a trainer
+  that vanishes mid-setup holds up no other session. A `join{t}` that is not a `SessionInfo` of
+  ticket t (anything a process that can write the store put there) is refused: logged naming the
+  key, answered with the reason, and the acceptor goes on with the next ticket; nothing in it was
+  built or run. So are the numbers under `current` and `trainer{i}/latest` when they are not numbers.
 - Both ends then build a 2-rank ProcessGroupGloo over `PrefixStore(".../session{t}", client)`,
   server rank 0, trainer rank 1, where `client` is a store client of the session's own: building
   a group blocks in `get` until the peer has written its address, and a TCPStore client runs one
@@ -35,8 +40,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
+import math
 import os
-import pickle
 import threading
 import time
 from typing import Callable
@@ -44,7 +50,10 @@ from typing import Callable
 import torch.distributed as dist
 
 from shadowgba.network import StoreUnreachable, bounded
+from shadowgba.ps.codec import Malformed, from_json, to_json
 from shadowgba.ps.same_host import loop_threads
+
+logger = logging.getLogger("shadowgba")
 
 
 SESSION_SETUP_S = 30.0
@@ -74,6 +83,11 @@ class SessionInfo:
     """Which process of this trainer index opens it (`trainer_incarnation`): a server refuses the
     sessions of a process that departed, and a newer one replaces an older one."""
 
+    def __post_init__(self) -> None:
+        if min(self.ticket, self.incarnation) < 1 or min(self.trainer, self.rank) < 0 \
+                or not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"not a session: {self}")
+
 
 class SessionRefused(RuntimeError):
     """The server refused a trainer's session; the message says why (its process left the job)."""
@@ -99,17 +113,27 @@ def _current_key(generation: int, server: int) -> str:
     return f"{_server_root(generation, server)}/current"
 
 
+def stored_count(value: bytes, key: str) -> int:
+    """The number a shadowgba process stored under `key` (`str(n)`), or `Malformed` naming the key."""
+    if not value.isdigit() or len(value) > 20:
+        raise Malformed(f"refused {key}: {value[:40]!r} is not a number shadowgba stores")
+    return int(value)
+
+
 def current_incarnation(store: dist.Store, generation: int, server: int, within_s: float,
                         newer_than: int = 0) -> int | None:
     """The incarnation of server `server` that accepts sessions, once it is newer than `newer_than`;
-    None if none is within `within_s` (or the store is gone)."""
+    None if none is within `within_s` (or the store is gone, or holds no number there: logged)."""
     key = _current_key(generation, server)
     deadline = time.monotonic() + within_s
     while True:
         try:
-            if store.check([key]) and (incarnation := int(store.get(key))) > newer_than:
+            if store.check([key]) and (incarnation := stored_count(store.get(key), key)) > newer_than:
                 return incarnation
         except RuntimeError:
+            return None
+        except Malformed as error:
+            logger.warning("shadowgba: %s", error)
             return None
         if time.monotonic() >= deadline:
             return None
@@ -152,7 +176,7 @@ def request_session(store: dist.Store, generation: int, server: int, server_inca
     ticket = store.add(key("joins"), 1)
     info = SessionInfo(ticket, trainer, rank, timeout_s, incarnation)
     store.set(key(f"trainer{trainer}/latest"), str(ticket))
-    store.set(key(f"join{ticket}"), pickle.dumps(info))
+    store.set(key(f"join{ticket}"), to_json(info))
     accepted = key(f"accepted{ticket}")
     if not await_key(store, accepted, accept_within_s, superseded=lambda: current_incarnation(
             store, generation, server, 0.0, newer_than=server_incarnation) is not None):
@@ -184,18 +208,22 @@ def await_key(store: dist.Store, key: str, within_s: float, ended: threading.Eve
 def latest_ticket(store: dist.Store, generation: int, server: int, incarnation: int, trainer: int,
                   within_s: float) -> int | None:
     """Server: the newest session ticket trainer `trainer` took here (None if the store cannot say
-    within `within_s`: its host is gone, or this one cut off from it)."""
+    within `within_s`: its host is gone, or this one cut off from it; or holds no number: logged)."""
     key = server_key(generation, server, incarnation, f"trainer{trainer}/latest")
     try:
-        return int(bounded(lambda: store.get(key), within_s))
+        return stored_count(bounded(lambda: store.get(key), within_s), key)
     except StoreUnreachable:
+        return None
+    except Malformed as error:
+        logger.warning("shadowgba: %s", error)
         return None
 
 
 class Acceptor:
     """Server: a thread that takes the trainers' session tickets in order and hands each to
     `on_session(info)` in a thread of its own (which builds the channel), until `stop()`; a
-    session for which `refusal(info)` gives a reason is answered with it instead. Its incarnation
+    session for which `refusal(info)` gives a reason is answered with it instead, and so is a
+    ticket whose join is not a `SessionInfo` of that ticket (module docstring). Its incarnation
     of the server is published as the current one when it starts."""
 
     def __init__(self, store: dist.Store, generation: int, server: int, incarnation: int,
@@ -222,8 +250,11 @@ class Acceptor:
                 self._ended.wait(POLL_S)  # the store is gone: keep looking, slowly, until the end
                 continue
             try:
-                info: SessionInfo = pickle.loads(self._store.get(key))
-                refused = self._refusal(info)
+                joined = self._store.get(key)
+            except RuntimeError:  # the store's host is gone
+                continue
+            info, refused = self._admit(ticket, key, joined)
+            try:
                 self._store.set(server_key(self._generation, self._server, self._incarnation, f"accepted{ticket}"),
                                 "1" if refused is None else REFUSED + refused)
             except RuntimeError:  # the store's host is gone
@@ -233,3 +264,15 @@ class Acceptor:
                 continue
             threading.Thread(target=self._on_session, args=(info,), name=f"shadowgba-session-{info.ticket}",
                              daemon=True).start()
+
+    def _admit(self, ticket: int, key: str, joined: bytes) -> tuple[SessionInfo | None, str | None]:
+        """The session `joined` (the value under `key`) announces, and why it is refused (None: it is
+        not); one that is not a `SessionInfo` of `ticket` is refused and logged, naming the key."""
+        try:
+            info = from_json(joined, SessionInfo, key)
+            if info.ticket != ticket:
+                raise Malformed(f"refused {key}: it names session {info.ticket}")
+        except Malformed as error:  # written by a process that is not a shadowgba trainer of this job
+            logger.warning("shadowgba: ps%d's acceptor %s; nothing in it was run", self._server, error)
+            return None, str(error)
+        return info, self._refusal(info)

@@ -20,7 +20,7 @@ from shadowgba.errors import PeerLost, ServerRestarted, SetupError, SyncError
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost, first_line
 from shadowgba.ps.rendezvous import Roles, server_name
 from shadowgba.ps.sessions import SessionRefused, current_incarnation, request_session, session_group
-from shadowgba.ps.transport import CONTROL, NO_TRAINER_GROUP, ServiceFailure, Transport
+from shadowgba.ps.transport import CONTROL, NO_TRAINER_GROUP, Call, Caller, ServiceFailure, Transport
 
 logger = logging.getLogger("shadowgba")
 
@@ -115,7 +115,7 @@ class TrainerTransport(Transport):
             raise ValueError(f"server_index must be in [0, {num_servers}), got {server_index}")
         calls = self._calls
         number, settled = calls.begin(server_index)
-        reply = self._request(server_index, ((self.roles.trainer_index, number, settled), name, method, args),
+        reply = self._request(server_index, Call(Caller(self.roles.trainer_index, number, settled), name, method, args),
                               f"failed {name}.{method}")
         result: torch.futures.Future = torch.futures.Future()
 
@@ -151,7 +151,7 @@ class TrainerTransport(Transport):
         """How many times this trainer sent a call again on a new channel after its channel failed."""
         return self._calls.retried
 
-    def _request(self, server: int, body: Any, what: str) -> torch.futures.Future:
+    def _request(self, server: int, body: Call, what: str) -> torch.futures.Future:
         """`body` to server `server`, a Future of the reply, sent again on a new channel when its
         channel fails (`_Request`); a failure names the server."""
         with self._in_flight_changed:
@@ -182,9 +182,12 @@ class TrainerTransport(Transport):
                           lanes=self._lane_bytes != 0, lane_bytes=self._lane_bytes)
         return channel, incarnation
 
-    def _server_channel_lost(self, server: int, channel: Channel, _: ChannelLost) -> None:
+    def _server_channel_lost(self, server: int, channel: Channel, error: ChannelLost) -> None:
         """Trainer: replace a failed channel at once, so a server waiting for this trainer's new
-        session (`RECONNECT_GRACE_S`) sees it even when no call is in flight."""
+        session (`RECONNECT_GRACE_S`) sees it even when no call is in flight (logged when it failed
+        on a message this side refused)."""
+        if error.refused:
+            logger.warning("shadowgba: %s: %s", self.roles.name, error)
         try:
             self._channel(server, failed=channel)
         except PeerLost:  # the next call on it raises this (or opens a session itself)
@@ -301,7 +304,7 @@ class TrainerTransport(Transport):
 
     def _control_call(self, server: int, method: str, *args: Any) -> Any:
         """A transport request (idempotent) to `server`, from a trainer in `stop()` or `barrier()`."""
-        return self._request(server, (None, CONTROL, method, args), "went away in transport.stop() or barrier()").wait()
+        return self._request(server, Call(None, CONTROL, method, args), "went away in transport.stop() or barrier()").wait()
 
     def notify_abort(self, message: str) -> None:
         """Tell every server that this trainer failed (`message`: the job's verdict, `Job.announce_failure`,
@@ -314,7 +317,7 @@ class TrainerTransport(Transport):
         self._notified = True
         with self._lock:
             channels = list(self._channels.values())
-        notice = (None, CONTROL, "abort", (self.roles.trainer_index, self.incarnation, message))
+        notice = Call(None, CONTROL, "abort", (self.roles.trainer_index, self.incarnation, message))
         notices = [channel.request(notice) for channel in channels]
         deadline = time.monotonic() + ABORT_NOTICE_S
         for notice in notices:
@@ -332,7 +335,7 @@ class _Request:
     """One `_request` in flight: its attempts and outcome. Its callbacks are bound methods, not
     closures that refer to one another, so a finished request is freed at once."""
 
-    def __init__(self, transport: Transport, server: int, body: Any, what: str) -> None:
+    def __init__(self, transport: Transport, server: int, body: Call, what: str) -> None:
         self.transport, self.server, self.body, self.what = transport, server, body, what
         self.incarnation = transport._server_incarnations.get(server)
         """The server process the call is meant for: a new one holds older state (restored), so the

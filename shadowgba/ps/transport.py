@@ -22,8 +22,12 @@ at MASTER_ADDR:MASTER_PORT; there is no process group at all (`sync_group()` ref
 so a trainer process can die and be started again while the others run.
 
 Carriage: every trainer-server pair talks over a `Channel` (`shadowgba.ps.channel`: a 2-rank gloo
-process group of its own, tensors sent as tensors, a pickled header for the rest), opened as a
-session through the job's store (`shadowgba.ps.sessions`). Only maintained torch.distributed
+process group of its own, tensors sent as tensors, the rest as JSON by `shadowgba.ps.codec`, never
+pickled), opened as a session through the job's store (`shadowgba.ps.sessions`). A call is a
+`Call` (who calls, which service and method, the arguments); its answer the service's return
+value or a `ServiceFailure`. Arguments and return values are plain data, CPU tensors, and the
+dataclasses and enums registered with the codec (`codec.LIBRARY_TYPES`; a service of the user's
+registers its own with `codec.register`): anything else is refused when it is sent. Only maintained torch.distributed
 primitives are used, and no RPC framework. All state is this object's: a process may
 run one job after another, each with a transport of its own.
 
@@ -84,7 +88,8 @@ Invariants (why a call cannot deadlock, and why no survivor hangs):
   neither arrives nor aborts within the transport's `timeout_s` (a peer that slow is stuck, e.g. in
   a collective nobody else will enter) makes them raise `PeerLost` naming it.
 - An exception raised by a service is raised by the caller's `wait()` with its own type and message
-  and the server's traceback as a note.
+  and the server's traceback as a note (one of a class outside builtins and shadowgba as a
+  `RuntimeError` naming its class: `shadowgba.ps.codec`).
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ import atexit
 import dataclasses
 import logging
 import threading
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -118,7 +124,7 @@ CONTROL = "shadowgba.transport"
 """The reserved service name of the transport's own requests (barriers, abort notices)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ServiceFailure:
     """A service's exception on its way back to the caller."""
 
@@ -126,8 +132,25 @@ class ServiceFailure:
     traceback: str
 
 
-Caller = tuple[int, int, tuple[int, ...]]
-"""(trainer index, call number, numbers that trainer settled since its last call to this server)."""
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    """Who makes a numbered call: a trainer, the call's number, and the numbers of the calls to
+    this server it has settled since its last call here (their replies can be forgotten)."""
+
+    trainer: int
+    number: int
+    settled: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One request of a trainer to a server: `service.method(*args)`, or (`service` `CONTROL`,
+    no `caller`) one of the transport's own requests (barriers, abort notices)."""
+
+    caller: Caller | None
+    service: str
+    method: str
+    args: tuple[Any, ...]
 
 
 class Transport:
