@@ -111,8 +111,8 @@ def three_ranks() -> dict[str, list]:
     return run_shared(3, {
         "never-switched": (gba_job, (1, sync_then_state, 30, {})),
         "slowed-trainer": (gba_job, (1, timed_run, 2.0, (0.004, 0.080), decay)),
-        "equal-speed": (gba_job, (1, timed_run, 3.0, (0.025, 0.025), {"fresh_wait": 0.0})),
-        "equal-speed-fresh": (gba_job, (1, timed_run, 4.0, (0.060, 0.060), {})),
+        "equal-speed": (gba_job, (1, timed_run, 3.0, (0.025, 0.025), {})),
+        "equal-speed-fresh": (gba_job, (1, timed_run, 4.0, (0.060, 0.060), {"fresh_wait": 0.5})),
         "switch-policy": (gba_job, (1, policy_run)),
         "close-and-abort": (gba_job, (2, fail_then_close_and_abort)),
     }, timeout_s=180)
@@ -204,7 +204,7 @@ def test_a_slowed_trainer_contributes_fewer_gradients_and_its_stale_ones_are_dec
 
 
 def test_equal_speed_trainers_compute_on_parameters_about_one_global_step_old(three_ranks: dict) -> None:
-    """Without `fresh_wait` (0), a gradient spans one step of its trainer, during which the other
+    """Without `fresh_wait` (the default, 0), a gradient spans one step of its trainer, during which the other
     trainer pushes once: about one global step of staleness is the floor without waiting. The watcher's long poll keeps the
     newest parameters at hand for the next step; installing only the reply to the previous push
     (fetched a whole step earlier) made it about two."""
@@ -220,7 +220,7 @@ def test_equal_speed_trainers_compute_on_parameters_about_one_global_step_old(th
 def test_with_fresh_wait_equal_speed_trainers_compute_on_the_global_step_their_last_gradient_entered(
     three_ranks: dict,
 ) -> None:
-    """`fresh_wait` (default 0.5): after each push a trainer waits (at most half its compute time,
+    """`fresh_wait` 0.5: after each push a trainer waits (at most half its compute time,
     30 ms here: long enough for a loaded machine's push, apply and watch reply) for the global step
     its gradient entered, so equal-speed trainers push fresh gradients, as sync all-reduce computes
     them: staleness 0 where the run without the wait had about one. (Waiting instead for parameters

@@ -345,9 +345,9 @@ class GBAClient:
         received = sum(reply.params.numel() * reply.params.element_size() for reply in replies if reply.params is not None)
         self._metrics.record_round(time.perf_counter() - started, gradient.numel() * gradient.element_size() + received)
         self._offer(replies)
-        self._answer(queued.seq, entered_step(replies[0]))
-        if replies[0].requested_mode == "sync":
+        if replies[0].requested_mode == "sync":  # before the answer: whoever waited for it sees the request
             self._sync_requested.set()
+        self._answer(queued.seq, entered_step(replies[0]))
 
     def _answer(self, seq: int, entered: int | None) -> None:
         """The push of gradient `seq` was answered; `entered`: the global step it entered (None: none)."""
