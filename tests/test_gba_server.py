@@ -267,7 +267,7 @@ def test_gba_defaults_are_the_measured_ones() -> None:
     staleness"): fresh_wait stays 0 (off). At 0.5, production preset, seed 0, 250K samples, it took
     AUC - sync from -0.0219 to -0.0127 without a straggler and from -0.0153 to -0.0095 under one at
     2.87x sync's speed, but in a warm-started run under the straggler it halved GBA's speed (1.77x),
-    and a sync -> GBA -> sync job in lockstep hung at close in 3 of 12 runs with it; the decay (drop
+    and a sync -> GBA -> sync job in lockstep hung at close in 6 of 13 runs with it; the decay (drop
     beyond 2 global steps) stays as measured before (docs/gba.md, "Benchmark at the learning rate
     tuned for sync")."""
     config = GBAConfig()
