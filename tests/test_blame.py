@@ -1,4 +1,4 @@
-"""`shadowgba.blame` in one process: verdicts over a notice board in a `HashStore`, ranks simulated.
+"""`shadowgba.job.blame` in one process: verdicts over a notice board in a `HashStore`, ranks simulated.
 
 The spawned-rank tests (`tests/test_two_d.py`: a rank killed, raising or stopped; `tests/test_nonfinite.py`:
 NaN under `fail`) check what every survivor raises; these check the rule itself, case by case.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from shadowgba.blame import Blame, is_peer_failure
+from shadowgba.job.blame import Blame, is_peer_failure
 from shadowgba.errors import PeerLost, SyncError
-from shadowgba.ps.membership import HEARTBEAT_LEFT, NoticeBoard
+from shadowgba.job.notices import HEARTBEAT_LEFT, NoticeBoard
 
 
 def describe(rank: int) -> str:
@@ -23,7 +23,7 @@ def judges(store: dist.Store, ranks: int = 3) -> list[Blame]:
 
 
 def beat(board: NoticeBoard, rank: int, value: str) -> None:
-    board.post("beat", rank, value)  # the key a `Heartbeat` of `rank` writes
+    board.beat(rank, value)  # what a `Heartbeat` of `rank` writes
 
 
 def gloo_error() -> RuntimeError:

@@ -14,7 +14,7 @@ import sync_algos
 from shadowgba import factory
 from shadowgba.config import SyncConfig
 from shadowgba.errors import ConfigError
-from shadowgba.ps.config import PSConfig
+from shadowgba.job.config import PSConfig
 from shadowgba.ps.start import start_transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints

@@ -17,7 +17,7 @@ from shadowgba.errors import CheckpointError, ConfigError, SetupError, SyncError
 from shadowgba.flat_optimizer import FlatOptimizer
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.runtime import GBASync
-from shadowgba.ps.rendezvous import Roles
+from shadowgba.job.roles import Roles
 from shadowgba.ps.transport import Transport
 from tests.multiprocess import run_ranks
 from tests.test_gba import BATCH, gba_job, loss_on, make_model

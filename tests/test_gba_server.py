@@ -20,9 +20,9 @@ from shadowgba.gba.fresh import FreshWaitPolicy
 from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
 from shadowgba.gba.server import WATCHERS, DenseShard
 from shadowgba.gba.shards import DenseShardClient, PushRequest
-from shadowgba.ps.membership import Roster
+from shadowgba.job.roster import Roster
 from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
-from shadowgba.ps.rendezvous import Roles
+from shadowgba.job.roles import Roles
 from sync_algos.gba import GlobalBatchAggregator
 from sync_algos.staleness import StalenessDecayConfig
 

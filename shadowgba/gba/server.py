@@ -90,7 +90,7 @@ from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.shards import DENSE_SERVICE, Decision, PushRequest, ShardReply, Void
 from shadowgba.gba.switch_policy import SwitchPolicy
 from shadowgba.nonfinite import DEFAULT_ON_NONFINITE, check_on_nonfinite, nonfinite_failure
-from shadowgba.ps.membership import Roster
+from shadowgba.job.roster import Roster
 from shadowgba.ps.server_state import OfferSchedule
 from shadowgba.ps.server_end import ServerTransport
 from sync_algos.base import is_finite

@@ -1,7 +1,7 @@
 """A parameter server's end of the transport (`shadowgba.ps.transport` states the invariants): it
 takes the trainers' sessions (`shadowgba.ps.sessions`), runs each numbered call once on the service it
 names and answers on the same channel, relays a long poll's answer when it comes, judges a silent or
-closed trainer lost (`shadowgba.ps.membership.Roster`), and in `stop()` waits for every trainer.
+closed trainer lost (`shadowgba.job.roster.Roster`), and in `stop()` waits for every trainer.
 
 A session whose peer sends what this side refuses (a frame that is not the wire's, a request that
 is no `Call`, a transport request of other arguments: `codec.Malformed`) is closed and logged,
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from shadowgba.errors import PeerLost
 from shadowgba.ps.board import Board
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost
-from shadowgba.ps.membership import Roster, lost_trainer
-from shadowgba.ps.rendezvous import Roles
+from shadowgba.job.roster import Roster, lost_trainer
+from shadowgba.job.roles import Roles
 from shadowgba.ps.sessions import STOP_WAIT_S, Acceptor, SessionInfo, latest_ticket, session_group
 from shadowgba.ps.codec import Malformed
 from shadowgba.ps.transport import CONTROL, Call, Caller, ServiceFailure, Transport
@@ -118,7 +118,7 @@ class ServerTransport(Transport):
         """Server: per receiver thread, the answers that came later which a call it is running
         completed (`_answer_later`), sent in one message with that call's own reply."""
         self.roster = Roster(len(roles.trainer_ranks), on_trainer_lost)
-        """Server: the trainers' arrivals and the first failure it knows of (`shadowgba.ps.membership`)."""
+        """Server: the trainers' arrivals and the first failure it knows of (`shadowgba.job.roster`)."""
         self._started_at = time.monotonic()
         self._admitted_at: dict[int, float] = {}
         """Server: per trainer index, when its newest session was admitted (a rejoining process has

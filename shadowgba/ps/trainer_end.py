@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from shadowgba.errors import PeerLost, ServerRestarted, SetupError, SyncError
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost, first_line
-from shadowgba.ps.rendezvous import Roles, server_name
+from shadowgba.job.roles import NO_TRAINER_GROUP, Roles, server_name
 from shadowgba.ps.sessions import SessionRefused, current_incarnation, request_session, session_group
-from shadowgba.ps.transport import CONTROL, NO_TRAINER_GROUP, Call, Caller, ServiceFailure, Transport
+from shadowgba.ps.transport import CONTROL, Call, Caller, ServiceFailure, Transport
 
 logger = logging.getLogger("shadowgba")
 
