@@ -271,7 +271,7 @@ class Job:
             f"{verdict.why} ({self.roles.describe(self.roles.rank)} ended after it)"
         self.notices.post_abort(self.roles.rank, self.failure)
         if self.transport is not None:
-            self.transport.notify_abort(self.failure)
+            self.transport.notify_abort(self.failure, verdict.culprits)
         return verdict.replacement
 
     def abort(self) -> None:

@@ -44,7 +44,7 @@ def serve(config: SyncConfig, roles: Roles, transport: ServerTransport, served: 
     if tables is not None:
         embedding = optional.ps_embedding_shard("PS-hosted tables")
         served[embedding.DEFAULT_SERVICE] = embedding.EmbeddingShard(list(tables), table_options, roles.server_index,
-                                                                     roles.num_servers)
+                                                                     roles.num_servers, transport.roster)
     writer = _restore_and_checkpoint(config, roles, served, dense_service) if config.ps.checkpoint_dir else None
     for name, service in served.items():
         transport.serve(name, service)

@@ -377,7 +377,7 @@ def test_an_aborted_trainer_ends_every_barrier_call_and_stop_at_once_naming_it(s
     aborted = "trainer 1 (rank 1) aborted: ValueError('boom')"
     message, waited = trainer0["barrier"]
     assert message == aborted and waited < 2.0, trainer0
-    assert trainer0["call"].startswith(f"ps0 refuses echo.describe: {aborted}"), trainer0["call"]
+    assert trainer0["call"].startswith(f"ps0 refuses echo.describe: the job failed: {aborted}"), trainer0["call"]
     for rank, seen in ((0, trainer0), (2, server)):
         message, ended = seen["stop"]
         assert message == aborted, (rank, message)
@@ -394,7 +394,7 @@ def test_a_trainer_frozen_for_less_than_the_timeout_carries_on_and_one_frozen_lo
     lost = re.compile(r"trainer 1 \(rank 1\) stopped answering for [23] s \(sync\.timeout_s\); it probably died "
                       r"\(ps0's channel: .*\)$")
     message, told_at = trainer0["call"]
-    assert message.startswith("ps0 refuses echo.describe: trainer 1") and lost.search(message), message
+    assert message.startswith("ps0 refuses echo.describe: the job failed: trainer 1") and lost.search(message), message
     # monotonic clocks of one machine: trainer 0 is told while trainer 1 is still frozen (its last
     # answer may precede the freeze by a few pings on a loaded machine, hence no lower bound here;
     # the message's silence is at least the timeout, and the short freeze above was not lost)

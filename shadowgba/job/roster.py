@@ -9,6 +9,12 @@ its sessions are refused from then on (a stopped process that resumes learns it 
 process of the same trainer index (a higher incarnation) joins again. Under `fail` the loss is the
 job's failure, final for the server: every later call, barrier poll and `stop()` is refused with it.
 
+One failure record per server: the services it hosts record their own failures here too (a
+non-finite push under `sync.on_nonfinite: fail`, a trainer's report of one), and every refusal
+names the ranks the failure names (`refusal`, `failed`), so that a trainer that reads it blames
+those ranks, never itself (`shadowgba.job.blame`). A trainer's index is its global rank
+(`shadowgba.job.roles`), so the roster names ranks without knowing the roles.
+
 Invariant (why no survivor hangs): a trainer that leaves the job either says so (abort notice),
 or its channels to the servers fail (killed: at once; stopped: after `sync.timeout_s`), and each
 server turns that into a departure or the failure. A departure removes the trainer from every
@@ -26,6 +32,9 @@ import collections
 import dataclasses
 import threading
 import time
+from typing import Sequence
+
+from shadowgba.errors import PeerLost
 
 @dataclasses.dataclass(frozen=True)
 class Departure:
@@ -55,7 +64,10 @@ class Roster:
     arrived: dict[str, set[int]] = dataclasses.field(default_factory=lambda: collections.defaultdict(set))
     """Per barrier key ('stop', or a `barrier()` name and use), the trainer indices that arrived."""
     failure: str | None = None
-    """The first failure: a trainer's abort notice or this server's verdict on a lost trainer."""
+    """The first failure: a trainer's abort notice, this server's verdict on a lost trainer, or a
+    service's (a non-finite push under `sync.on_nonfinite: fail`)."""
+    failed: tuple[int, ...] = ()
+    """The global ranks `failure` names (empty: it names none this server knows)."""
     departures: list[Departure] = dataclasses.field(default_factory=list)
     """Every departure, oldest first (the membership's history)."""
     incarnations: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -89,7 +101,7 @@ class Roster:
         departs (continue), or the job fails (fail). True when it departed now (it was a member)."""
         with self.changed:
             if self.on_lost == "fail":
-                self.fail(message)
+                self.fail(message, (trainer,))
                 return False
             if incarnation != self.incarnations.get(trainer, incarnation) or trainer in self.departed:
                 return False  # an older process, or one that left already
@@ -97,13 +109,14 @@ class Roster:
             self._depart(trainer, incarnation, message)
             return True
 
-    def abort(self, trainer: int, incarnation: int, message: str) -> None:
-        """Trainer `trainer`'s process `incarnation` says it failed (`message`): the job's failure,
-        whatever `on_lost` says (a failure of the user's code or data is no preemption, and would meet
-        every trainer), unless that process had departed already (then it only confirms it left)."""
+    def abort(self, trainer: int, incarnation: int, message: str, ranks: Sequence[int]) -> None:
+        """Trainer `trainer`'s process `incarnation` says it failed (`message`, naming `ranks` as the
+        cause: its own, or a peer's it ended after): the job's failure, whatever `on_lost` says (a
+        failure of the user's code or data is no preemption, and would meet every trainer), unless
+        that process had departed already (then it only confirms it left)."""
         with self.changed:
             if incarnation == self.incarnations.get(trainer, incarnation) and trainer not in self.departed:
-                self.fail(message)
+                self.fail(message, ranks)
 
     def _depart(self, trainer: int, incarnation: int, why: str) -> None:
         self.departures.append(Departure(trainer, incarnation, time.time(), why))
@@ -127,14 +140,14 @@ class Roster:
         with self.changed:
             return trainer in self.arrived[key]
 
-    def missing(self, key: str) -> tuple[list[int], str | None]:
-        """(the members not yet arrived at `key`, the failure or None): a departed trainer is
-        waited for by no barrier."""
+    def missing(self, key: str) -> tuple[list[int], str | None, tuple[int, ...]]:
+        """(the members not yet arrived at `key`, the failure or None, the ranks it names): a departed
+        trainer is waited for by no barrier."""
         with self.changed:
             missing = [i for i in range(self.num_trainers) if i not in self.arrived[key] and i not in self.departed]
             if not missing and key not in self.released:
                 self.released[key] = tuple(sorted(self.arrived[key] - self.departed))
-            return missing, self.failure
+            return missing, self.failure, self.failed
 
     def met(self, key: str) -> tuple[int, ...] | None:
         """The members that met at barrier `key` (None before it was complete): the same answer for
@@ -142,12 +155,21 @@ class Roster:
         with self.changed:
             return self.released.get(key)
 
-    def fail(self, message: str) -> None:
-        """Record a failure (a trainer's abort notice, or a verdict); only the first one counts."""
+    def fail(self, message: str, ranks: Sequence[int]) -> None:
+        """Record a failure naming `ranks` (a trainer's abort notice, a verdict, a service's refusal);
+        only the first one counts."""
         with self.changed:
             if self.failure is None:
-                self.failure = message
+                self.failure, self.failed = message, tuple(ranks)
             self.changed.notify_all()
+
+    def refusal(self, what: str) -> PeerLost | None:
+        """The error `what` (e.g. `ps0 refuses dense.push`) is refused with once the job failed, naming
+        the failure and its ranks; None while it has not."""
+        with self.changed:
+            if self.failure is None:
+                return None
+            return PeerLost(f"{what}: the job failed: {self.failure}", ranks=self.failed)
 
 
 def lost_trainer(trainer: int, rank: int, silent_s: float, why: str, observer: str, detail: str) -> str:

@@ -44,7 +44,7 @@ RECONNECT_GRACE_S = 3.0
 """How long a server waits, after a trainer's channel closed, for that trainer to open a new session
 before it declares the trainer lost (a killed trainer opens none)."""
 CONTROL_ARGS: dict[str, tuple[type, ...]] = {"arrive": (str, int), "missing": (str,), "met": (str,),
-                                             "abort": (int, int, str)}
+                                             "abort": (int, int, str, list)}
 """The transport's own requests (`_control`) and the types of their arguments (a trainer index is an int)."""
 SERVER_THREADS = 16
 """Threads a server sends the replies of answers that came later on (a watch that another trainer's
@@ -235,9 +235,9 @@ class ServerTransport(Transport):
     def _serve_call(self, name: str, method: str, args: tuple[Any, ...]) -> Any:
         """A service call's return value, or its exception as a `ServiceFailure`."""
         try:
-            failure = self.roster.failure
-            if failure is not None:
-                raise PeerLost(f"{self.roles.name} refuses {name}.{method}: {failure}")
+            refusal = self.roster.refusal(f"{self.roles.name} refuses {name}.{method}")
+            if refusal is not None:
+                raise refusal
             with self._services_changed:
                 if not self._services_changed.wait_for(lambda: name in self._services, timeout=SERVE_WAIT_S):
                     raise LookupError(f"no service '{name}' after {SERVE_WAIT_S:g}s; served: {sorted(self._services)}")
@@ -254,7 +254,8 @@ class ServerTransport(Transport):
         types = CONTROL_ARGS.get(method)
         if types is None or len(args) != len(types) or not all(
                 isinstance(arg, kind) and not isinstance(arg, bool) for arg, kind in zip(args, types)) \
-                or (method in ("arrive", "abort") and self._unknown_trainer(args[1 if method == "arrive" else 0])):
+                or (method in ("arrive", "abort") and self._unknown_trainer(args[1 if method == "arrive" else 0])) \
+                or (method == "abort" and not all(type(rank) is int for rank in args[3])):
             raise Malformed(f"refused a transport request from {channel.peer}: {method}{args!r:.120}")
         if method == "arrive":
             self.roster.arrive(*args)
@@ -326,12 +327,12 @@ class ServerTransport(Transport):
         `PeerLost` for one that aborted or was lost, or that nothing was heard from for `lost_after_s`."""
         while True:
             with self.roster.changed:
-                self.roster.changed.wait_for(lambda: self.roster.missing("stop") == ([], None),
+                self.roster.changed.wait_for(lambda: self.roster.missing("stop")[:2] == ([], None),
                                              timeout=PING_INTERVAL_S / 4)
-            missing, failure = self.roster.missing("stop")
+            missing, failure, failed = self.roster.missing("stop")
             if failure is not None:
                 time.sleep(ABORT_GRACE_S)  # let the surviving trainers' calls and polls read the failure
-                raise PeerLost(failure)
+                raise PeerLost(failure, ranks=failed)
             if not missing:
                 break
             now = time.monotonic()

@@ -98,7 +98,7 @@ import atexit
 import dataclasses
 import logging
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -264,8 +264,9 @@ class Transport:
         silent trainer)."""
         raise NotImplementedError
 
-    def notify_abort(self, message: str) -> None:
-        """Tell the servers this trainer failed (`TrainerTransport`); a server has no one to tell."""
+    def notify_abort(self, message: str, ranks: Sequence[int] | None = None) -> None:
+        """Tell the servers this trainer failed (`TrainerTransport`), `message` naming `ranks` as the
+        cause (None: this trainer's own failure); a server has no one to tell."""
 
     def _stop_accepting(self) -> None:
         """At the tear-down, before the channels close: a server takes no more sessions."""
