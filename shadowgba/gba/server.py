@@ -125,7 +125,8 @@ class DenseShard:
     def __init__(self, roster: Roster | None = None,
                  copy: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None) -> None:
         """Empty until a trainer `configure`s it: a server rank does not know the model. `roster`:
-        the server's membership, whose departures shard 0 turns into voids (None: nobody departs).
+        the server's membership, whose departures shard 0 turns into voids (None: one of its own,
+        where nobody departs).
         `copy(param, dtype)` makes the published copy of each step's parameters (the transport's
         `shared_copy`: written once for every same-host trainer; None: a plain copy). The roster is
         also the shard's failure record (a shard served alone keeps one of its own)."""
@@ -163,7 +164,6 @@ class DenseShard:
         self._configured_at = time.monotonic()
         self._on_nonfinite = DEFAULT_ON_NONFINITE
         self._nonfinite_dropped = 0
-        """Under on_nonfinite fail, why the job failed: every later push is refused with it."""
         self._decided = 0
         """Shard 0: kept decisions handed out since configure (the next `Decision.seq`)."""
         self._next_seq = 0
