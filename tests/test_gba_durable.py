@@ -20,7 +20,7 @@ from shadowgba.gba.runtime import GBASync
 from shadowgba.job.roles import Roles
 from shadowgba.ps.transport import Transport
 from tests.multiprocess import run_ranks
-from tests.test_gba import BATCH, gba_job, loss_on, make_model
+from tests.test_gba import BATCH, failing_gba_job, gba_job, loss_on, make_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -145,7 +145,10 @@ def nonfinite_rule(ps: Transport) -> dict:
 
 
 def test_a_non_finite_gradient_is_skipped_or_fails_every_trainer_but_never_spreads() -> None:
-    trainers = run_ranks(gba_job, 4, 2, nonfinite_rule, timeout_s=200)[:2]
+    ranks = run_ranks(failing_gba_job, 4, 2, nonfinite_rule, timeout_s=200)
+    for rank in ranks:  # the last phase failed the job: the servers' roster names trainer 1 to every rank
+        assert rank["ranks"] == [1] and "trainer 1 (rank 1)" in rank["stopped"], rank
+    trainers = [rank["result"] for rank in ranks[:2]]
     sync_skip = [result["sync_skip"] for result in trainers]
     assert [result["skipped"] for result in sync_skip] == [1, 1]  # every trainer counts trainer 1's
     assert [result["global_step"] for result in sync_skip] == [4, 4]  # the round still stepped

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.errors import PeerLost
-from shadowgba.ps import channel, rendezvous, same_host, server_end, sessions, trainer_end
+from shadowgba.job.roles import Roles, failure_message
+from shadowgba.ps import channel, same_host, server_end, sessions, trainer_end
 from shadowgba.ps.start import start_transport
 from shadowgba.ps.transport import Caller
 from tests.multiprocess import run_ranks, run_ranks_outcomes, run_shared
@@ -175,7 +176,7 @@ def abort_and_barriers(rank: int, world_size: int) -> dict:
     dist.barrier(group=roles.trainer_group)  # trainer 1 aborts only once trainer 0 has given up
     if roles.trainer_index == 1:
         seen["aborted_at"] = time.monotonic()
-        ps.abort(rendezvous.failure_message(roles, "ValueError('boom')"))
+        ps.abort(failure_message(roles, "ValueError('boom')"))
         return seen
     started = time.monotonic()
     with pytest.raises(PeerLost) as told:
@@ -540,7 +541,6 @@ def test_a_trainer_stopped_past_the_timeout_departs_under_continue_and_is_refuse
 
 
 def test_roles_are_assigned_before_any_group_and_bad_server_counts_are_refused() -> None:
-    Roles = rendezvous.Roles
     roles = Roles.assign(rank=1, world_size=4, num_servers=2)
     assert (roles.trainer_ranks, roles.server_ranks, roles.trainer_index) == ((0, 1), (2, 3), 1)
     assert not roles.is_server and roles.server_index is None
