@@ -146,8 +146,8 @@ def nonfinite_rule(ps: Transport) -> dict:
 
 def test_a_non_finite_gradient_is_skipped_or_fails_every_trainer_but_never_spreads() -> None:
     ranks = run_ranks(failing_gba_job, 4, 2, nonfinite_rule, timeout_s=200)
-    for rank in ranks:  # the last phase failed the job: the servers' roster names trainer 1 to every rank
-        assert rank["ranks"] == [1] and "trainer 1 (rank 1)" in rank["stopped"], rank
+    for rank in ranks[:3]:  # the last phase failed the job: ps0's roster names trainer 1 to the trainers and ps0
+        assert rank["ranks"] == [1] and "trainer 1 (rank 1)" in rank["stopped"], rank  # (trainer 1 told shard 0)
     trainers = [rank["result"] for rank in ranks[:2]]
     sync_skip = [result["sync_skip"] for result in trainers]
     assert [result["skipped"] for result in sync_skip] == [1, 1]  # every trainer counts trainer 1's
