@@ -51,8 +51,8 @@ from ctrkit.events import Events  # noqa: E402
 from ctrkit.synthetic import SyntheticConfig, SyntheticCTR  # noqa: E402
 from shadowgba.config import SyncConfig  # noqa: E402
 from shadowgba.gba.config import GBAConfig  # noqa: E402
-from shadowgba.ps.config import PSConfig  # noqa: E402
-from shadowgba.ps.rendezvous import ELASTIC_RANK  # noqa: E402
+from shadowgba.job.config import PSConfig  # noqa: E402
+from shadowgba.job.rendezvous import ELASTIC_RANK  # noqa: E402
 
 TRAINERS = 4
 KILLED = 1

@@ -120,7 +120,7 @@ class PS:
     `shadowgba.ps.dense_server`), so that one invocation compares a change with its parent."""
 
     def __init__(self, num_servers: int, lane_mb: float | None = None, without: str = "") -> None:
-        from shadowgba.ps.config import PSConfig
+        from shadowgba.job.config import PSConfig
 
         try:
             from shadowgba.ps.start import start_transport

@@ -26,8 +26,8 @@ import sync_algos
 from shadowgba.errors import ConfigError
 from shadowgba.gba.config import GBAConfig
 from shadowgba.nonfinite import DEFAULT_ON_NONFINITE
-from shadowgba.ps.config import PSConfig
-from shadowgba.shadow.survival import ReplicaJobsConfig
+from shadowgba.job.config import PSConfig
+from shadowgba.job.survivors import ReplicaJobsConfig
 from shadowgba.shadow.tables import TableSyncConfig
 from sync_algos.bmuf import BMUFConfig
 from sync_algos.easgd import EASGDConfig
@@ -160,13 +160,13 @@ class SyncConfig:
     """2D jobs: what a lost rank (killed, stopped past `timeout_s`, or its loop raised) does to the
     others. fail: every rank ends naming it. continue: its replica group drops out (its ranks end,
     naming it) and the other groups train on without a restart, their rounds rebuilt over the
-    survivors (`shadowgba.shadow.survival`); nothing they hold is rolled back. Pays off where a lost
+    survivors (`shadowgba.job.survivors`); nothing they hold is rolled back. Pays off where a lost
     group's processes end without taking the others down: a launcher per group, or the tests'
     processes; under one torchrun job for all groups, its agent restarts every group anyway."""
     replica_jobs: ReplicaJobsConfig = dataclasses.field(default_factory=ReplicaJobsConfig)
     """2D jobs launched as one torchrun job per replica group, meeting at a store that outlives
     them: a lost group's agent restarts it alone, and it rejoins the others, taking a partner's
-    replica (`shadowgba.shadow.survival`). Needs `on_group_lost: continue`."""
+    replica (`shadowgba.job.survivors`). Needs `on_group_lost: continue`."""
     registered: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Options of the algorithms registered outside this package (`sync_algos.register` in the user's
     own script), by name: each is read from the section of its name, `sync.<name>` in the YAML and

@@ -45,7 +45,7 @@ class BatchError(ShadowGBAError, ValueError):
 class SyncError(ShadowGBAError):
     """Synchronization failed while running; the cause is chained and the local weights are intact.
     `ranks`: the global ranks whose failure this is, when known (a round's NaN flags, a lost peer),
-    which every rank's report names as the cause (`shadowgba.blame`)."""
+    which every rank's report names as the cause (`shadowgba.job.blame`)."""
 
     def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
         super().__init__(message)

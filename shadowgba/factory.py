@@ -25,6 +25,11 @@ shards to average with their replicas in the other groups (`shadowgba.shadow.tab
 foreground rounds), `GBASync` for gba (GBA, sync all-reduce, plain async). Both are `DenseSync`s.
 For gba it also finds the dense torch optimizer inside TorchRec's keyed / combined optimizers and
 infers lockstep from TorchRec-sharded tables (their per-step all-to-all pairs the trainers' steps).
+
+Imports: a job without servers loads no module of the transport (`shadowgba.ps`) nor GBA's runtime.
+Membership is the job's own package (`shadowgba.job`); what only a job with servers, or gba, needs
+is imported where it is used: `start_transport` in `join`, the services in `shadowgba.serving` on a
+server rank, `GBASync` in `dense_sync`, the S-EASGD centre's client in `Job.centre`.
 """
 
 from __future__ import annotations
@@ -46,31 +51,27 @@ from torch import nn
 import sync_algos
 from shadowgba import optional, reporting
 from shadowgba.batch_size import check_first_batch
-from shadowgba.blame import Blame
 from shadowgba.config import PS_ALGOS, SyncConfig, load_config
 from shadowgba.dense import trainable_named_parameters
-from shadowgba.errors import ConfigError, PeerLost, SetupError
-from shadowgba.gba.runtime import GBASync
+from shadowgba.errors import PeerLost, SetupError
 from shadowgba.interface import DenseSync
+from shadowgba.job.blame import Blame
+from shadowgba.job.heartbeat import Heartbeat
+from shadowgba.job.notices import NoticeBoard
+from shadowgba.job.roles import NO_TRAINER_GROUP, Roles, failure_message
+from shadowgba.job.survivors import INCARNATION, SurvivingGroups
 from shadowgba.layout import ReplicaLayout
 from shadowgba.network import init_process_group
 from shadowgba.nonfinite import NonFiniteGuard
-from shadowgba.gba.server import DenseShard
-from shadowgba.gba.shards import DENSE_SERVICE
-from shadowgba.ps.membership import Heartbeat, NoticeBoard
-from shadowgba.ps.rendezvous import Roles, failure_message
-from shadowgba.ps.transport import NO_TRAINER_GROUP, Transport
-from shadowgba.ps.start import start_transport
-from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
-from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
 from shadowgba.reporting import MetricsReporter
 from shadowgba.shadow.runtime import ShadowSync
-from shadowgba.shadow.survival import INCARNATION, SurvivingGroups
 from shadowgba.shadow.tables import TableFragments
 
-if TYPE_CHECKING:  # PS-hosted tables need TorchRec: imported where used (`shadowgba.optional`)
+if TYPE_CHECKING:  # the transport and its services: imported where a job has servers (module docstring)
+    from shadowgba.ps.easgd_center import CenterClient
     from shadowgba.ps.embedding import PSEmbeddingBagCollection
     from shadowgba.ps.embedding_shard import PSEmbeddingConfig
+    from shadowgba.ps.transport import Transport
 
 logger = logging.getLogger("shadowgba")
 
@@ -183,12 +184,13 @@ class Job:
             raise SetupError(f"centre() needs a trainer of an easgd_ps job; this is a {role} of sync.algo "
                              f"'{self.config.algo}'")
         if self._centre is None:
+            from shadowgba.ps.easgd_center import CenterClient  # a job with servers (module docstring)
             self._centre = CenterClient(self.require_transport())
         return self._centre
 
     @functools.cached_property
     def notices(self) -> NoticeBoard:
-        """This job's notice board (`shadowgba.ps.membership`): who left, and why. In the elastic
+        """This job's notice board (`shadowgba.job.notices`): who left, and why. In the elastic
         layout, in the servers' store (there is no default group); with a torchrun job per replica
         group, in the replica store, one board for all of them."""
         if self.replica_store is not None:
@@ -247,7 +249,7 @@ class Job:
 
     @functools.cached_property
     def blame(self) -> Blame:
-        """This trainer's judge of failures (`shadowgba.blame`): which rank failed first, on `notices`."""
+        """This trainer's judge of failures (`shadowgba.job.blame`): which rank failed first, on `notices`."""
         roles = self.roles
         peers = [rank for rank in roles.trainer_ranks if rank != roles.rank]
         return Blame(self.notices, roles.rank, peers, roles.describe,
@@ -269,7 +271,7 @@ class Job:
             f"{verdict.why} ({self.roles.describe(self.roles.rank)} ended after it)"
         self.notices.post_abort(self.roles.rank, self.failure)
         if self.transport is not None:
-            self.transport.notify_abort(self.failure)
+            self.transport.notify_abort(self.failure, verdict.culprits)
         return verdict.replacement
 
     def abort(self) -> None:
@@ -324,8 +326,9 @@ def join(
                                              config.timeout_s)
             job.sharding_guard = torchrec_integration.ShardingGuard(job.trainer_group, 0, job.layout)
             job.sharding_guard.install()
-        job.heartbeat = job.notices.heartbeat(roles.rank)
+        job.heartbeat = Heartbeat(job.notices, roles.rank).start()
         return job
+    from shadowgba.ps.start import start_transport  # a job with servers (module docstring)
     transport = start_transport(config.ps.num_servers, backend or "gloo", timeout_s=config.timeout_s,
                                 rpc_timeout_s=config.ps.rpc_timeout_s, on_trainer_lost=config.ps.on_trainer_lost,
                                 num_trainers=config.ps.num_trainers, server_restart_s=config.ps.server_restart_s,
@@ -333,7 +336,8 @@ def join(
     roles = transport.roles
     job = Job(config, roles, transport, tables, table_options)
     if roles.is_server:
-        writer = _serve(job)
+        from shadowgba.serving import serve  # a server rank (module docstring)
+        writer = serve(config, roles, transport, job.served, tables, table_options)
         try:
             job.close()
         finally:
@@ -344,7 +348,7 @@ def join(
         torchrec_integration = optional.torchrec_integration("the sharding guard")
         job.sharding_guard = torchrec_integration.ShardingGuard(roles.trainer_group, roles.num_servers)
         job.sharding_guard.install()
-    job.heartbeat = job.notices.heartbeat(roles.rank)
+    job.heartbeat = Heartbeat(job.notices, roles.rank).start()
     return job
 
 
@@ -374,7 +378,7 @@ def _join_replica_job(config: SyncConfig, backend: str | None) -> Job:
         raise SetupError(f"sync.replica_jobs.store {jobs.store}: the replica store stopped answering")
     job.incarnation = int(counted[0])
     job.notices.clear(rank)  # a process of this rank that ran before left its notices there
-    job.heartbeat = job.notices.heartbeat(rank)
+    job.heartbeat = Heartbeat(job.notices, rank).start()
     return job
 
 
@@ -482,6 +486,7 @@ def dense_sync(
             dense_optimizer = torchrec_integration.dense_optimizer(optimizer, [param for _, param in named])
             if lockstep_every is None and torchrec_integration.has_sharded_tables(model):
                 lockstep_every = LOCKSTEP_EVERY
+        from shadowgba.gba.runtime import GBASync  # gba's runtime and its transport (module docstring)
         sync: DenseSync = GBASync(model, dense_optimizer, config.gba, job.roles, local_batch_size, named,
                                   lockstep_every=lockstep_every or 0, on_nonfinite=config.on_nonfinite,
                                   timeout_s=config.timeout_s, guard=guard, transport=job.transport)
@@ -515,46 +520,6 @@ def dense_sync(
     if end_job:
         sync.call_after_exit(job.close)
     return sync
-
-
-def _serve(job: Job) -> CheckpointWriter | None:
-    """A server rank's services for `job.config.algo` (trainers configure or initialise them), resumed
-    from and saved to the servers' own checkpoints under `sync.ps.checkpoint_dir` (the writer)."""
-    transport = job.require_transport()
-    if job.config.algo == "easgd_ps":
-        dense_service, service = CENTER_SERVICE, ElasticCenter()
-    else:
-        dense_service, service = DENSE_SERVICE, DenseShard(transport.roster, transport.shared_copy)
-    job.served[dense_service] = service
-    if job.tables is not None:
-        embedding = optional.ps_embedding_shard("PS-hosted tables")
-        job.served[embedding.DEFAULT_SERVICE] = embedding.EmbeddingShard(
-            list(job.tables), job.table_options, job.roles.server_index, job.roles.num_servers)
-    writer = _restore_and_checkpoint(job, dense_service) if job.config.ps.checkpoint_dir else None
-    for name, service in job.served.items():
-        transport.serve(name, service)
-    return writer
-
-
-def _restore_and_checkpoint(job: Job, offering: str) -> CheckpointWriter:
-    """Server: take the services' state from this server's newest checkpoint, if any (a restarted
-    process, before it serves), and save them on the schedule of service `offering`: every
-    `sync.ps.checkpoint_every` global steps of the dense shard (GBA) or exchanges of the centre
-    slice (S-EASGD)."""
-    checkpoints = ServerCheckpoints(job.config.ps.checkpoint_dir, job.roles.server_index)
-    saved = checkpoints.latest()
-    if saved is not None:
-        step, states = saved
-        if not set(states) <= set(job.served):
-            raise ConfigError(f"sync.ps.checkpoint_dir: {checkpoints.path_of(step)} holds {sorted(states)}, but this "
-                              f"{job.config.algo} server serves {sorted(job.served)} (a folder of another job?)")
-        for name, state in states.items():
-            job.served[name].restore(state)
-        logger.warning("shadowgba: %s resumed from its checkpoint %s", job.roles.name, checkpoints.path_of(step))
-    writer = CheckpointWriter(checkpoints, offering, {name: service.export_state
-                                                      for name, service in job.served.items() if name != offering})
-    job.served[offering].on_checkpoint(job.config.ps.checkpoint_every, writer.offer)
-    return writer
 
 
 def _torchrec_integration() -> Any:

@@ -1,7 +1,7 @@
 """Process groups the library makes, registered with torch or made from a store of its own.
 
 Most of the library's groups are `dist.new_group`s of the job's default group. A 2D job launched as
-one torchrun job per replica group (`shadowgba.shadow.survival`) has no default group over every
+one torchrun job per replica group (`shadowgba.job.survivors`) has no default group over every
 rank: each torchrun job's default group is its own sharding group, and the groups across them (the
 dense rounds, the replica groups) are made here from the store the jobs share, one set per epoch
 of the membership. torch does not register such a group, so `dist.get_rank(group)`,

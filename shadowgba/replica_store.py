@@ -7,7 +7,7 @@ agent can restart it alone. The groups cannot meet in any of their agents' store
 those ends with its group; they meet in this one, a TCPStore served by a process that belongs to no
 group and outlives them all. It holds the job's notice board (who was lost, who asks to join, the
 membership decisions) and the rendezvous keys of the groups across the jobs
-(`shadowgba.shadow.survival`). It holds no model state, computes nothing, and can serve several
+(`shadowgba.job.survivors`). It holds no model state, computes nothing, and can serve several
 jobs (`sync.replica_jobs.name` keeps their keys apart). Stop it with Ctrl-C or SIGTERM once every
 group has finished.
 """

@@ -25,7 +25,7 @@ rank alone (so the sum is exact): whether its contribution was left out of the r
 held NaN / Inf (`NONFINITE`), or because the rank is aborting (`ABORTED`, always with its stop
 flag). A third bit, `JOINING`, counts nothing out: the rank saw a replica group waiting to join
 the job (`FlaggedAllReduce.joining`, set by the runtime); once every rank saw one in the same round
-(`Reduced.joins_seen`), they all let it in after that round, alike (`shadowgba.shadow.survival`).
+(`Reduced.joins_seen`), they all let it in after that round, alike (`shadowgba.job.survivors`).
 The non-finite rule lives here, once: each rank checks its own contribution before it is
 sent, a bad one is sent as zeros, and the average / centre / block update uses only the counted
 ranks (`n_good` in place of `n`; no counted rank: the round changes nothing). A rank whose own

@@ -1,4 +1,4 @@
-"""`shadowgba.blame` in one process: verdicts over a notice board in a `HashStore`, ranks simulated.
+"""`shadowgba.job.blame` in one process: verdicts over a notice board in a `HashStore`, ranks simulated.
 
 The spawned-rank tests (`tests/test_two_d.py`: a rank killed, raising or stopped; `tests/test_nonfinite.py`:
 NaN under `fail`) check what every survivor raises; these check the rule itself, case by case.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from shadowgba.blame import Blame, is_peer_failure
+from shadowgba.job.blame import Blame, gone_peers, is_peer_failure
 from shadowgba.errors import PeerLost, SyncError
-from shadowgba.ps.membership import HEARTBEAT_LEFT, NoticeBoard
+from shadowgba.job.notices import HEARTBEAT_LEFT, NoticeBoard
 
 
 def describe(rank: int) -> str:
@@ -23,7 +23,7 @@ def judges(store: dist.Store, ranks: int = 3) -> list[Blame]:
 
 
 def beat(board: NoticeBoard, rank: int, value: str) -> None:
-    board.post("beat", rank, value)  # the key a `Heartbeat` of `rank` writes
+    board.beat(rank, value)  # what a `Heartbeat` of `rank` writes
 
 
 def gloo_error() -> RuntimeError:
@@ -64,6 +64,17 @@ def test_a_silent_rank_is_named_and_one_that_left_or_posted_is_not() -> None:
     unknown = survivor.judge(gloo_error())
     assert unknown.culprits == () and isinstance(unknown.replacement, PeerLost)
     assert "unknown" in unknown.why and "rank 1" not in unknown.why and "rank 2" not in unknown.why
+
+
+def test_gone_peers_is_the_one_rule_blame_and_the_survivors_share() -> None:
+    """A peer that posted why it left is gone (aborted), one silent without a notice is gone (silent),
+    one that left normally or still beats is not: the rule `Blame` and `SurvivingGroups.agree` both read."""
+    board = NoticeBoard("job", dist.HashStore(), attempt=0)
+    for rank, value in ((1, "4"), (2, "9"), (3, HEARTBEAT_LEFT)):
+        beat(board, rank, value)  # ranks 1 and 2 stopped beating, rank 3 left normally
+    board.post_abort(2, "trainer 2 (rank 2) aborted: ValueError('boom')")
+    gone = gone_peers(board, [1, 2, 3])
+    assert gone.silent == (1,) and set(gone.aborted) == {2} and gone.ranks == (1, 2)
 
 
 def test_named_culprits_are_the_cause_and_a_rank_that_named_itself_never_says_unknown() -> None:

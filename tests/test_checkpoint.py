@@ -293,7 +293,7 @@ def test_a_killed_trainer_restarts_under_torchrun_and_finishes_from_its_checkpoi
 @pytest.mark.timeout(150)
 def test_a_parameter_server_job_restarts_under_torchrun_and_finishes_from_its_checkpoint(tmp_path: Path) -> None:
     """GBA with PS-hosted tables, 2 trainers + 1 server: the restarted attempt's RPC rendezvous must not
-    read the dead attempt's addresses in torchrun's agent store (`shadowgba.ps.rendezvous.attempt_store`)."""
+    read the dead attempt's addresses in torchrun's agent store (`shadowgba.job.rendezvous.attempt_store`)."""
     fired, results, directory = _killed_and_restarted(
         tmp_path, 3, ["--config", "examples/configs/gba_ps_embeddings.yaml"], "0:15")
     assert [_kill_of(record) for record in fired] == [{"kind": "kill", "trainer": 0, "step": 15, "restart_count": 0}]

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import sync_algos
-from shadowgba import factory
 from shadowgba.config import SyncConfig
 from shadowgba.errors import ConfigError
-from shadowgba.ps.config import PSConfig
+from shadowgba.job.config import PSConfig
 from shadowgba.ps.start import start_transport
 from shadowgba.ps.easgd_center import CENTER_SERVICE, CenterClient, ElasticCenter
 from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
+from shadowgba.serving import _restore_and_checkpoint
 from tests.multiprocess import run_ranks
 from tests.test_algorithms import target_of
 
@@ -112,11 +112,10 @@ def test_a_server_refuses_a_checkpoint_folder_that_another_algorithm_wrote(tmp_p
     missing service (what the folder holds and what it serves)."""
     ServerCheckpoints(tmp_path, server_index=0).save(5, {"dense": {}})
     config = SyncConfig(algo="easgd_ps", ps=PSConfig(num_servers=1, num_trainers=2, checkpoint_dir=str(tmp_path)))
-    job = SimpleNamespace(config=config, roles=SimpleNamespace(server_index=0, name="ps0"),
-                          served={CENTER_SERVICE: ElasticCenter()})
+    roles = SimpleNamespace(server_index=0, name="ps0")
     with pytest.raises(ConfigError, match=r"step_0000000005 holds \['dense'\], but this easgd_ps server serves "
                                           r"\['easgd_center'\]"):
-        factory._restore_and_checkpoint(job, CENTER_SERVICE)
+        _restore_and_checkpoint(config, roles, {CENTER_SERVICE: ElasticCenter()}, CENTER_SERVICE)
 
 
 def shadow_job(rank: int, world_size: int, steps: list[int]) -> dict | None:

@@ -32,10 +32,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import shadowgba
 from shadowgba.config import SyncConfig
 from shadowgba.gba.config import GBAConfig
-from shadowgba.ps.config import PSConfig
+from shadowgba.job.config import PSConfig
 from shadowgba.ps.easgd_center import CENTER_SERVICE
 from shadowgba.ps.embedding_shard import DEFAULT_SERVICE
-from shadowgba.ps.rendezvous import ELASTIC_RANK
+from shadowgba.job.rendezvous import ELASTIC_RANK
 from shadowgba.ps.server_end import RECONNECT_GRACE_S
 from ctrkit.events import Events
 from tests.multiprocess import CHECKOUT, _context, free_port

@@ -12,7 +12,7 @@ from torch import nn
 
 from shadowgba.gba.config import GBAConfig
 from shadowgba.config import from_dict
-from shadowgba.errors import SyncError
+from shadowgba.errors import PeerLost, SyncError
 from shadowgba.gba.runtime import GBASync, serve_dense_shard
 from shadowgba.ps.transport import Transport
 from shadowgba.ps.start import start_transport
@@ -44,6 +44,23 @@ def gba_job(rank: int, world_size: int, num_servers: int, trainer_fn, *args) -> 
         return trainer_fn(ps, *args)
     finally:
         ps.stop()
+
+
+def failing_gba_job(rank: int, world_size: int, num_servers: int, trainer_fn, *args) -> dict:  # noqa: ANN001
+    """`gba_job` for a `trainer_fn` that fails the job (`on_nonfinite: fail`): the servers' roster
+    records the failure, so every rank's `stop()` ends with `PeerLost` naming the failed trainer.
+    Returns what `trainer_fn` returned (None on servers) and that error's message and ranks."""
+    ps = start_transport(num_servers)
+    if ps.roles.is_server:
+        serve_dense_shard(ps)
+        result = None
+    else:
+        result = trainer_fn(ps, *args)  # should it raise, the transport aborts at exit
+    try:
+        ps.stop()
+    except PeerLost as lost:
+        return {"result": result, "stopped": str(lost), "ranks": list(lost.ranks)}
+    return {"result": result, "stopped": None, "ranks": []}
 
 
 def train(ps: Transport, options: dict, schedule: list[str | None], lockstep: bool, sleep_s: float = 0.0) -> dict:
@@ -114,7 +131,8 @@ def three_ranks() -> dict[str, list]:
         "equal-speed": (gba_job, (1, timed_run, 3.0, (0.025, 0.025), {})),
         "equal-speed-fresh": (gba_job, (1, timed_run, 4.0, (0.060, 0.060), {"fresh_wait": 0.5})),
         "switch-policy": (gba_job, (1, policy_run)),
-        "close-and-abort": (gba_job, (2, fail_then_close_and_abort)),
+        "abort": (gba_job, (2, user_error_aborts)),
+        "close-after-failure": (failing_gba_job, (2, fail_then_close)),
     }, timeout_s=180)
 
 
@@ -274,10 +292,10 @@ def gba_threads() -> list[str]:
     return [thread.name for thread in threading.enumerate() if thread.name.startswith("shadowgba-gba")]
 
 
-def fail_then_close_and_abort(ps: Transport) -> dict:
+def fail_then_close(ps: Transport) -> dict:
     """One trainer in GBA over 2 shards, `on_nonfinite: fail`: a NaN gradient raises at once, and
-    shard 0 then refuses every push, so close()'s drain raises; then a second run leaves its `with`
-    block by the user's exception (abort)."""
+    shard 0's server then refuses every call (its roster holds the job's failure), so close()'s
+    drain raises, naming this trainer's rank."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     config = from_dict(GBAConfig, {"initial_mode": "gba"})
@@ -290,18 +308,29 @@ def fail_then_close_and_abort(ps: Transport) -> dict:
     optimizer.zero_grad()
     loss_on(model, 0, 1).backward()
     optimizer.step()  # queued; shard 0 refuses it: the job has failed
-    with pytest.raises(SyncError, match=r"the job failed: non-finite .* trainer 0 \(rank 0\)"):
+    with pytest.raises(SyncError, match=r"the job failed: non-finite .* trainer 0 \(rank 0\)") as refused:
         gba.close()
-    after_close = gba_threads()
+    return {"running": running, "after_close": gba_threads(), "ranks": list(refused.value.ranks)}
+
+
+def user_error_aborts(ps: Transport) -> dict:
+    """One trainer in GBA over 2 shards leaves its `with` block by the user's exception (abort)."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = from_dict(GBAConfig, {"initial_mode": "gba"})
     with pytest.raises(KeyError, match="the user's error"):
         with GBASync(model, optimizer, config, ps.roles, local_batch_size=BATCH, transport=ps):
             loss_on(model, 0, 1).backward()
             optimizer.step()
             raise KeyError("the user's error")
-    return {"running": running, "after_close": after_close, "after_abort": gba_threads()}
+    return {"after_abort": gba_threads()}
 
 
 def test_close_and_abort_stop_and_join_the_threads_whatever_raises(three_ranks: dict) -> None:
-    trainer, _, _ = three_ranks["close-and-abort"]
-    assert sorted(trainer["running"]) == ["shadowgba-gba", "shadowgba-gba-watch"], trainer
-    assert trainer["after_close"] == [] and trainer["after_abort"] == [], trainer
+    trainer = three_ranks["close-after-failure"][0]
+    assert sorted(trainer["result"]["running"]) == ["shadowgba-gba", "shadowgba-gba-watch"], trainer
+    assert trainer["result"]["after_close"] == [] and trainer["result"]["ranks"] == [0], trainer
+    trainer_and_ps0 = three_ranks["close-after-failure"][:2]  # ps1 never heard: the trainer told shard 0's
+    for rank in trainer_and_ps0:  # server alone (a job's abort notice, `Job.announce_failure`, tells every one)
+        assert rank["ranks"] == [0] and "non-finite" in rank["stopped"], rank
+    assert three_ranks["abort"][0]["after_abort"] == [], three_ranks["abort"]

@@ -17,10 +17,10 @@ from shadowgba.errors import CheckpointError, ConfigError, SetupError, SyncError
 from shadowgba.flat_optimizer import FlatOptimizer
 from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.runtime import GBASync
-from shadowgba.ps.rendezvous import Roles
+from shadowgba.job.roles import Roles
 from shadowgba.ps.transport import Transport
 from tests.multiprocess import run_ranks
-from tests.test_gba import BATCH, gba_job, loss_on, make_model
+from tests.test_gba import BATCH, failing_gba_job, gba_job, loss_on, make_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -145,7 +145,10 @@ def nonfinite_rule(ps: Transport) -> dict:
 
 
 def test_a_non_finite_gradient_is_skipped_or_fails_every_trainer_but_never_spreads() -> None:
-    trainers = run_ranks(gba_job, 4, 2, nonfinite_rule, timeout_s=200)[:2]
+    ranks = run_ranks(failing_gba_job, 4, 2, nonfinite_rule, timeout_s=200)
+    for rank in ranks[:3]:  # the last phase failed the job: ps0's roster names trainer 1 to the trainers and ps0
+        assert rank["ranks"] == [1] and "trainer 1 (rank 1)" in rank["stopped"], rank  # (trainer 1 told shard 0)
+    trainers = [rank["result"] for rank in ranks[:2]]
     sync_skip = [result["sync_skip"] for result in trainers]
     assert [result["skipped"] for result in sync_skip] == [1, 1]  # every trainer counts trainer 1's
     assert [result["global_step"] for result in sync_skip] == [4, 4]  # the round still stepped

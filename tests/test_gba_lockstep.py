@@ -18,7 +18,7 @@ import torch.distributed as dist
 from shadowgba.gba.config import GBAConfig
 from shadowgba.config import from_dict
 from shadowgba.gba.runtime import GBASync
-from shadowgba.ps.rendezvous import Roles
+from shadowgba.job.roles import Roles
 from shadowgba.ps.transport import Transport
 from tests.multiprocess import run_ranks
 from tests.test_gba import BATCH, gba_job, loss_on, make_model

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from shadowgba.errors import SyncError
+from shadowgba.errors import PeerLost, SyncError
 
 from shadowgba.flat_optimizer import (SHARD_ALIGN, FlatOptimizer, LRSchedule, OptimizerSpec, concat_exports, shard_bounds,
                                       slice_export)
@@ -20,9 +20,9 @@ from shadowgba.gba.fresh import FreshWaitPolicy
 from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
 from shadowgba.gba.server import WATCHERS, DenseShard
 from shadowgba.gba.shards import DenseShardClient, PushRequest
-from shadowgba.ps.membership import Roster
+from shadowgba.job.roster import Roster
 from shadowgba.ps.server_state import CheckpointWriter, ServerCheckpoints
-from shadowgba.ps.rendezvous import Roles
+from shadowgba.job.roles import Roles
 from sync_algos.gba import GlobalBatchAggregator
 from sync_algos.staleness import StalenessDecayConfig
 
@@ -480,12 +480,16 @@ def test_non_finite_pushes_are_dropped_and_counted_under_skip_and_end_the_job_un
         failing.push(PushRequest(1, 0, 2, nan, 0, 1, 0.0))
     with pytest.raises(SyncError, match="the job failed: trainer 1's gradient"):
         failing.push(PushRequest(0, 0, 2, torch.ones(2), 0, 1, 0.0))  # any trainer's later push
-    failing.configure(0, 2, 2, *sharded_args())  # a new GBA phase starts clean
-    failing.push(PushRequest(0, 0, 2, torch.ones(2), 0, 1, 0.0))
-    reported, _ = sharded(on_nonfinite="fail")
-    reported.fail("trainer 0 (rank 0): non-finite gradient")
-    with pytest.raises(SyncError, match=r"the job failed: trainer 0 \(rank 0\)"):
+    failing.configure(0, 2, 2, *sharded_args())  # the roster's failure is the job's: a new GBA phase keeps it
+    with pytest.raises(PeerLost, match="the job failed: trainer 1's gradient") as refused:
+        failing.push(PushRequest(0, 0, 2, torch.ones(2), 0, 1, 0.0))
+    assert refused.value.ranks == (1,)  # named by rank, so trainer 0 never blames itself
+    roster = Roster(2)
+    reported, _ = sharded(on_nonfinite="fail", roster=roster)
+    reported.fail("trainer 0 (rank 0): non-finite gradient", [0])
+    with pytest.raises(PeerLost, match=r"the job failed: trainer 0 \(rank 0\)") as refused:
         reported.push(PushRequest(1, 0, 2, torch.ones(2), 0, 1, 0.0))
+    assert refused.value.ranks == (0,) and roster.failed == (0,)  # the server's one record
 
 
 def sharded_args() -> tuple:

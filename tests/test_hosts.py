@@ -227,7 +227,7 @@ def test_a_link_down_for_less_than_the_timeout_costs_nothing(tmp_path: Path) -> 
 def test_a_link_down_past_the_timeout_ends_every_rank_naming_the_unreachable_one(tmp_path: Path) -> None:
     """Host 1 cut off for good (sync.timeout_s 6): rank 0 ends naming rank 1, rank 1 ends saying it
     is cut off, both within the timeout plus the notice board's (`NOTICE_TIMEOUT_S`) and a margin."""
-    from shadowgba.ps.membership import NOTICE_TIMEOUT_S
+    from shadowgba.job.notices import NOTICE_TIMEOUT_S
 
     timeout_s = 6.0
     with Cluster(2, rate="1gbit") as cluster:
@@ -325,7 +325,7 @@ def test_2d_a_host_cut_off_past_the_timeout_ends_every_rank_naming_the_unreachab
     host 0's ranks end too, naming ranks 2 and 3 (host 1's), within the timeout plus the notice
     board's bound and a margin. `continue`: host 0's group trains on to its last step and writes
     the result, without host 1's group."""
-    from shadowgba.ps.membership import NOTICE_TIMEOUT_S
+    from shadowgba.job.notices import NOTICE_TIMEOUT_S
 
     timeout_s, steps = 10.0, 2500
     bound_s = timeout_s + NOTICE_TIMEOUT_S + 60

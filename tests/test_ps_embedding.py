@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shadowgba.errors import SyncError
+from shadowgba.errors import PeerLost, SyncError
 import torch.distributed as dist
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -276,8 +276,9 @@ def test_non_finite_row_pushes_are_dropped_and_counted_under_skip_and_end_the_jo
     with pytest.raises(SyncError, match=r"push refused: trainer 1's row gradients have NaN or inf values "
                                          r"\(sync.on_nonfinite: fail\)"):
         failing.push(inf_rows, 1, None, 1)
-    with pytest.raises(SyncError, match="push refused: the job failed: trainer 1's row gradients"):
+    with pytest.raises(PeerLost, match="push refused: the job failed: trainer 1's row gradients") as refused:
         failing.push({"t": (torch.tensor([2]), torch.ones(1, 2))}, 1, None, 0)
+    assert refused.value.ranks == (1,)  # the refusal names the rank, so trainer 0 never blames itself
     assert failing.stats()["failure"] == "trainer 1's row gradients have NaN or inf values (sync.on_nonfinite: fail)"
     with pytest.raises(ValueError, match="load refused: table 't': rows contain NaN or infinity"):
         failing.load_rows(inf_rows)  # loading never takes them, whatever on_nonfinite says

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from shadowgba.errors import PeerLost
-from shadowgba.ps import channel, rendezvous, same_host, server_end, sessions, trainer_end
+from shadowgba.job.roles import Roles, failure_message
+from shadowgba.ps import channel, same_host, server_end, sessions, trainer_end
 from shadowgba.ps.start import start_transport
 from shadowgba.ps.transport import Caller
 from tests.multiprocess import run_ranks, run_ranks_outcomes, run_shared
@@ -175,7 +176,7 @@ def abort_and_barriers(rank: int, world_size: int) -> dict:
     dist.barrier(group=roles.trainer_group)  # trainer 1 aborts only once trainer 0 has given up
     if roles.trainer_index == 1:
         seen["aborted_at"] = time.monotonic()
-        ps.abort(rendezvous.failure_message(roles, "ValueError('boom')"))
+        ps.abort(failure_message(roles, "ValueError('boom')"))
         return seen
     started = time.monotonic()
     with pytest.raises(PeerLost) as told:
@@ -377,7 +378,7 @@ def test_an_aborted_trainer_ends_every_barrier_call_and_stop_at_once_naming_it(s
     aborted = "trainer 1 (rank 1) aborted: ValueError('boom')"
     message, waited = trainer0["barrier"]
     assert message == aborted and waited < 2.0, trainer0
-    assert trainer0["call"].startswith(f"ps0 refuses echo.describe: {aborted}"), trainer0["call"]
+    assert trainer0["call"].startswith(f"ps0 refuses echo.describe: the job failed: {aborted}"), trainer0["call"]
     for rank, seen in ((0, trainer0), (2, server)):
         message, ended = seen["stop"]
         assert message == aborted, (rank, message)
@@ -394,7 +395,7 @@ def test_a_trainer_frozen_for_less_than_the_timeout_carries_on_and_one_frozen_lo
     lost = re.compile(r"trainer 1 \(rank 1\) stopped answering for [23] s \(sync\.timeout_s\); it probably died "
                       r"\(ps0's channel: .*\)$")
     message, told_at = trainer0["call"]
-    assert message.startswith("ps0 refuses echo.describe: trainer 1") and lost.search(message), message
+    assert message.startswith("ps0 refuses echo.describe: the job failed: trainer 1") and lost.search(message), message
     # monotonic clocks of one machine: trainer 0 is told while trainer 1 is still frozen (its last
     # answer may precede the freeze by a few pings on a loaded machine, hence no lower bound here;
     # the message's silence is at least the timeout, and the short freeze above was not lost)
@@ -540,7 +541,6 @@ def test_a_trainer_stopped_past_the_timeout_departs_under_continue_and_is_refuse
 
 
 def test_roles_are_assigned_before_any_group_and_bad_server_counts_are_refused() -> None:
-    Roles = rendezvous.Roles
     roles = Roles.assign(rank=1, world_size=4, num_servers=2)
     assert (roles.trainer_ranks, roles.server_ranks, roles.trainer_index) == ((0, 1), (2, 3), 1)
     assert not roles.is_server and roles.server_index is None

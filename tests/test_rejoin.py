@@ -1,6 +1,6 @@
 """A lost replica group rejoins: a 2D job launched as one torchrun job per replica group.
 
-The membership's decisions (`shadowgba.shadow.survival`) on a store in this process: a loss, a join
+The membership's decisions (`shadowgba.job.survivors`) on a store in this process: a loss, a join
 request from the group's next process set, the members letting it in at the same point, the
 joiner replaying the history, and a stale request refused. Then the whole path under torchrun:
 the replica store (`python -m shadowgba.replica_store`), two torchrun jobs of the harness (ma, 2
@@ -19,8 +19,9 @@ import pytest
 import torch.distributed as dist
 
 from shadowgba.errors import SetupError, SyncError
-from shadowgba.ps.membership import Heartbeat, NoticeBoard
-from shadowgba.shadow.survival import INCARNATION, SurvivingGroups
+from shadowgba.job.heartbeat import Heartbeat
+from shadowgba.job.notices import NoticeBoard
+from shadowgba.job.survivors import INCARNATION, SurvivingGroups
 from tests.test_checkpoint import SMALL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ def _member(store: dist.Store, rank: int) -> SurvivingGroups:
 
 def _beating(store: dist.Store, ranks: list[int]) -> list[Heartbeat]:
     """Heartbeats of `ranks` on the job's board: the peers alive (the others read as silent)."""
-    return [NoticeBoard("job", store, attempt=0).heartbeat(rank) for rank in ranks]
+    return [Heartbeat(NoticeBoard("job", store, attempt=0), rank).start() for rank in ranks]
 
 
 def test_a_loss_then_a_join_are_decided_once_and_replayed_by_the_joiner() -> None:

@@ -55,7 +55,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shadowgba.ps.membership import restart_count  # re-exported: the harness reads it here
+from shadowgba.job.rendezvous import restart_count  # re-exported: the harness reads it here
 
 KILL_ENV = "SHADOWGBA_TEST_KILL_AT_STEP"
 FAULTS_ENV = "SHADOWGBA_TEST_FAULTS"

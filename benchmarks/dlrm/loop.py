@@ -38,7 +38,7 @@ from dlrm.progress import progress
 from ctrkit.ctr_data import CTRData
 from ctrkit.evaluation import all_gather_rows, log_loss, roc_auc
 from shadowgba.ps import transport
-from shadowgba.ps.membership import restart_count
+from shadowgba.job.rendezvous import restart_count
 from ctrkit.straggler import Straggler, StragglerConfig
 
 

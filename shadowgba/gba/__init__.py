@@ -8,8 +8,8 @@
 - `server.py`: a parameter-server rank's dense shard (`DenseShard`, `serve_dense_shard`);
 - `config.py`: the `sync.gba` section (`GBAConfig`); `switch_policy.py`: automatic switching.
 
-The package imports `shadowgba.ps` (the transport the shards are served over, membership, server
-checkpoints), never the other way round. Import the modules themselves
+The package imports `shadowgba.ps` (the transport the shards are served over, server checkpoints)
+and `shadowgba.job` (roles, the servers' roster), never the other way round. Import the modules themselves
 (`from shadowgba.gba.runtime import GBASync`): this file imports nothing, so that reading the
 `sync.gba` section (`shadowgba.config`) does not load the runtime.
 """

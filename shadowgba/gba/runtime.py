@@ -94,9 +94,8 @@ from shadowgba.metrics import GBAMetrics
 from shadowgba.nonfinite import DEFAULT_ON_NONFINITE, NonFiniteGuard, check_on_nonfinite, nonfinite_failure
 from shadowgba.gba.server import serve_dense_shard
 from shadowgba.gba.shards import DenseShardClient
-from shadowgba.ps.rendezvous import Roles
+from shadowgba.job.roles import NO_TRAINER_GROUP, Roles
 from shadowgba.ps.trainer_end import TrainerTransport
-from shadowgba.ps.transport import NO_TRAINER_GROUP
 from shadowgba.step_hook import StepHook
 
 __all__ = ["GBASync", "Mode", "serve_dense_shard"]  # serve_dense_shard: GBA's server-rank entry point

@@ -53,8 +53,9 @@ Invariants:
 - **NaN / Inf never lands.** Shard 0 keeps a push whose gradient (the trainer's whole-vector
   check, `PushRequest.finite`, or its own slice) is not finite out of every shard: under
   `on_nonfinite: skip` it is dropped and counted (`nonfinite_dropped`); under `fail` it is refused
-  with a `ValueError` naming the trainer, and every later push (any trainer's) is refused with the
-  same message, so every trainer's job ends naming the one that failed.
+  with a `SyncError` naming the trainer's rank, recorded as the job's failure in the server's roster
+  (`shadowgba.job.roster`, its one record), and every later call (any trainer's) is refused with it,
+  naming that rank, so every trainer's job ends naming the one that failed.
 - The shard also relays mode switches: a request (API or policy) is stored here and carried in
   every reply until the trainers have switched.
 - `watch(token)` is a long poll: it returns a Future that completes once k has passed `token` (or
@@ -90,7 +91,7 @@ from shadowgba.gba.config import GBAConfig
 from shadowgba.gba.shards import DENSE_SERVICE, Decision, PushRequest, ShardReply, Void
 from shadowgba.gba.switch_policy import SwitchPolicy
 from shadowgba.nonfinite import DEFAULT_ON_NONFINITE, check_on_nonfinite, nonfinite_failure
-from shadowgba.ps.membership import Roster
+from shadowgba.job.roster import Roster
 from shadowgba.ps.server_state import OfferSchedule
 from shadowgba.ps.server_end import ServerTransport
 from sync_algos.base import is_finite
@@ -124,10 +125,12 @@ class DenseShard:
     def __init__(self, roster: Roster | None = None,
                  copy: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None) -> None:
         """Empty until a trainer `configure`s it: a server rank does not know the model. `roster`:
-        the server's membership, whose departures shard 0 turns into voids (None: nobody departs).
+        the server's membership, whose departures shard 0 turns into voids (None: one of its own,
+        where nobody departs).
         `copy(param, dtype)` makes the published copy of each step's parameters (the transport's
-        `shared_copy`: written once for every same-host trainer; None: a plain copy)."""
-        self._roster = roster
+        `shared_copy`: written once for every same-host trainer; None: a plain copy). The roster is
+        also the shard's failure record (a shard served alone keeps one of its own)."""
+        self._roster = roster if roster is not None else Roster(0)
         self._copy = copy or (lambda tensor, dtype: tensor.to(dtype, copy=True))
         self.start = self.end = self.num_trainers = self.index = 0
         self._lock = threading.Lock()
@@ -161,8 +164,6 @@ class DenseShard:
         self._configured_at = time.monotonic()
         self._on_nonfinite = DEFAULT_ON_NONFINITE
         self._nonfinite_dropped = 0
-        self._failure: str | None = None
-        """Under on_nonfinite fail, why the job failed: every later push is refused with it."""
         self._decided = 0
         """Shard 0: kept decisions handed out since configure (the next `Decision.seq`)."""
         self._next_seq = 0
@@ -218,7 +219,7 @@ class DenseShard:
             self._closing = False
             self._steps_at_configure = optimizer.global_step
             self._configured_at = time.monotonic()
-            self.index, self._on_nonfinite, self._failure = index, on_nonfinite, None
+            self.index, self._on_nonfinite = index, on_nonfinite
             self._decided = self._next_seq = 0
             self._pending, self._recent, self._voided = {}, {}, []
             self._published = None
@@ -287,11 +288,10 @@ class DenseShard:
             self._requested_mode = mode
             return True
 
-    def fail(self, reason: str) -> None:
-        """A trainer's job failed (`reason` names it, e.g. a non-finite gradient under
-        on_nonfinite fail): every later push, any trainer's, is refused with it."""
-        with self._lock:
-            self._failure = reason
+    def fail(self, reason: str, ranks: Sequence[int]) -> None:
+        """A trainer's job failed (`reason` names it and `ranks`, e.g. a non-finite gradient under
+        on_nonfinite fail): the server's roster refuses every later call, any trainer's, with it."""
+        self._roster.fail(reason, ranks)
 
     def begin_close(self) -> bool:
         """A trainer wants to finish in GBA mode. True: no switch can start from now on. False: a
@@ -396,8 +396,8 @@ class DenseShard:
             finite = isinstance(request.gradient, torch.Tensor) and is_finite(request.gradient)
             with self._locked():
                 self._require_configured()
-                if self._failure is not None:
-                    raise SyncError(f"push refused by dense shard {self.index}: the job failed: {self._failure}")
+                if (refusal := self._roster.refusal(f"push refused by dense shard {self.index}")) is not None:
+                    raise refusal
                 request.check_for(self.start, self.end, self.num_trainers, self._push_dtype,
                                   self._optimizer.param.shape)
                 return self._decide(request, finite) if request.decision is None else self._follow(request, finite)
@@ -476,7 +476,7 @@ class DenseShard:
     def _current_voids(self) -> tuple[Void, ...]:
         """Shard 0: void the recent decisions of trainers that departed since the last call, and
         return the voids still carried (the lock held)."""
-        departures = self._roster.departures if self._roster is not None else []
+        departures = self._roster.departures
         for departure in departures[self._departures_seen:]:
             voids = self._recent.pop(departure.trainer, ())
             self._voided.extend(voids)
@@ -489,8 +489,8 @@ class DenseShard:
         """Shard 0 and a non-finite gradient: dropped and counted (skip) or the job fails (fail)."""
         failure = nonfinite_failure(self._on_nonfinite, f"trainer {request.trainer}'s gradient has NaN or inf values")
         if failure is not None:
-            self._failure = failure
-            raise SyncError(f"push refused by dense shard {self.index}: {self._failure}")
+            self._roster.fail(failure, (request.trainer,))  # a trainer's index is its rank (`shadowgba.job.roles`)
+            raise SyncError(f"push refused by dense shard {self.index}: {failure}", ranks=(request.trainer,))
         self._nonfinite_dropped += 1
         return self._dropped(request)
 
@@ -548,7 +548,7 @@ class DenseShard:
                 "voided_decisions" if self.index == 0 else "voids_applied": self._voids,
                 "restored_at": self._restored_at,
                 "dropped_after_restore": self._dropped_after_restore,
-                "failure": self._failure,
+                "failure": self._roster.failure,
             }
 
     # --------------------------------------------------------------------------------- internals

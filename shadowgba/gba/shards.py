@@ -217,8 +217,9 @@ class DenseShardClient:
         return self._shard0("begin_close")
 
     def fail(self, reason: str) -> None:
-        """Tell shard 0 this trainer's job failed: it refuses every later push with `reason`."""
-        self._shard0("fail", reason)
+        """Tell shard 0 this trainer's job failed: its server refuses every later call with `reason`,
+        naming this trainer's rank (none for a client without a transport)."""
+        self._shard0("fail", reason, [] if self.transport is None else [self.transport.roles.rank])
 
     def request_mode(self, mode: str) -> bool:
         """Ask shard 0 to carry a switch to `mode` to every trainer; False once a trainer is closing."""

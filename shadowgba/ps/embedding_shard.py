@@ -30,6 +30,7 @@ import torch
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, pooling_type_to_str
 
 from shadowgba.errors import CheckpointError, ConfigError, SetupError, SyncError
+from shadowgba.job.roster import Roster
 from shadowgba.nonfinite import DEFAULT_ON_NONFINITE, nonfinite_failure
 from sync_algos.base import is_finite
 from sync_algos.gba import AggregationConfig, Admission, GlobalBatchRule
@@ -108,11 +109,14 @@ class EmbeddingShard:
 
     Public methods are the service: `lookup`, `lookup_with_token`, `push`, `load_rows`, `export_state`,
     `import_state`, `stats`. Ids are global row ids;
-    each must belong to this shard (`id % num_servers == server_index`).
+    each must belong to this shard (`id % num_servers == server_index`). `roster`: the server's, the
+    one record of the job's failure, which a non-finite push under `on_nonfinite: fail` writes and
+    every later push is refused with (None: a shard served alone keeps one of its own).
     """
 
     def __init__(
-        self, tables: Sequence[EmbeddingBagConfig], config: PSEmbeddingConfig, server_index: int, num_servers: int
+        self, tables: Sequence[EmbeddingBagConfig], config: PSEmbeddingConfig, server_index: int, num_servers: int,
+        roster: Roster | None = None,
     ) -> None:
         if not 0 <= server_index < num_servers:
             raise ValueError(f"server_index must be in [0, {num_servers}), got {server_index}")
@@ -131,8 +135,7 @@ class EmbeddingShard:
         """aggregate mode: GBA's rule, owning the global step and the samples toward the global batch."""
         self._staleness = StalenessCounts()
         self._nonfinite_dropped = 0
-        self._failure: str | None = None
-        """Under on_nonfinite fail, why the job failed: every later push is refused with it."""
+        self._roster = roster if roster is not None else Roster(0)
         self._restored_at: int | None = None
         """The token (global step) this shard's process was restored at (`restore`); None: never."""
         self._dropped_after_restore = 0
@@ -161,8 +164,8 @@ class EmbeddingShard:
             raise ValueError(f"push refused: aggregate mode needs the lookup's token, an integer >= 0; got {token!r}")
         finite = finite is True and all(is_finite(values) for _, _, values in checked)  # one pass, outside the lock
         with self._lock:
-            if self._failure is not None:
-                raise SyncError(f"push refused: the job failed: {self._failure}")
+            if (refusal := self._roster.refusal("push refused")) is not None:
+                raise refusal
             if not finite:
                 self._nonfinite(trainer)
                 return
@@ -193,8 +196,9 @@ class EmbeddingShard:
         who = "a trainer" if trainer is None else f"trainer {trainer}"
         failure = nonfinite_failure(self.config.on_nonfinite, f"{who}'s row gradients have NaN or inf values")
         if failure is not None:
-            self._failure = failure
-            raise SyncError(f"push refused: {self._failure}")
+            ranks = () if trainer is None else (trainer,)  # a trainer's index is its rank (`shadowgba.job.roles`)
+            self._roster.fail(failure, ranks)
+            raise SyncError(f"push refused: {failure}", ranks=ranks)
         self._pushes += 1
         self._nonfinite_dropped += 1
 
@@ -284,7 +288,7 @@ class EmbeddingShard:
                 "nonfinite_dropped": self._nonfinite_dropped,
                 "restored_at": self._restored_at,
                 "dropped_after_restore": self._dropped_after_restore,
-                "failure": self._failure,
+                "failure": self._roster.failure,
                 **self._staleness.summary(),
             }
 

@@ -1,7 +1,7 @@
 """A parameter server's end of the transport (`shadowgba.ps.transport` states the invariants): it
 takes the trainers' sessions (`shadowgba.ps.sessions`), runs each numbered call once on the service it
 names and answers on the same channel, relays a long poll's answer when it comes, judges a silent or
-closed trainer lost (`shadowgba.ps.membership.Roster`), and in `stop()` waits for every trainer.
+closed trainer lost (`shadowgba.job.roster.Roster`), and in `stop()` waits for every trainer.
 
 A session whose peer sends what this side refuses (a frame that is not the wire's, a request that
 is no `Call`, a transport request of other arguments: `codec.Malformed`) is closed and logged,
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from shadowgba.errors import PeerLost
 from shadowgba.ps.board import Board
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost
-from shadowgba.ps.membership import Roster, lost_trainer
-from shadowgba.ps.rendezvous import Roles
+from shadowgba.job.roster import Roster, lost_trainer
+from shadowgba.job.roles import Roles
 from shadowgba.ps.sessions import STOP_WAIT_S, Acceptor, SessionInfo, latest_ticket, session_group
 from shadowgba.ps.codec import Malformed
 from shadowgba.ps.transport import CONTROL, Call, Caller, ServiceFailure, Transport
@@ -44,7 +44,7 @@ RECONNECT_GRACE_S = 3.0
 """How long a server waits, after a trainer's channel closed, for that trainer to open a new session
 before it declares the trainer lost (a killed trainer opens none)."""
 CONTROL_ARGS: dict[str, tuple[type, ...]] = {"arrive": (str, int), "missing": (str,), "met": (str,),
-                                             "abort": (int, int, str)}
+                                             "abort": (int, int, str, list)}
 """The transport's own requests (`_control`) and the types of their arguments (a trainer index is an int)."""
 SERVER_THREADS = 16
 """Threads a server sends the replies of answers that came later on (a watch that another trainer's
@@ -118,7 +118,7 @@ class ServerTransport(Transport):
         """Server: per receiver thread, the answers that came later which a call it is running
         completed (`_answer_later`), sent in one message with that call's own reply."""
         self.roster = Roster(len(roles.trainer_ranks), on_trainer_lost)
-        """Server: the trainers' arrivals and the first failure it knows of (`shadowgba.ps.membership`)."""
+        """Server: the trainers' arrivals and the first failure it knows of (`shadowgba.job.roster`)."""
         self._started_at = time.monotonic()
         self._admitted_at: dict[int, float] = {}
         """Server: per trainer index, when its newest session was admitted (a rejoining process has
@@ -235,9 +235,9 @@ class ServerTransport(Transport):
     def _serve_call(self, name: str, method: str, args: tuple[Any, ...]) -> Any:
         """A service call's return value, or its exception as a `ServiceFailure`."""
         try:
-            failure = self.roster.failure
-            if failure is not None:
-                raise PeerLost(f"{self.roles.name} refuses {name}.{method}: {failure}")
+            refusal = self.roster.refusal(f"{self.roles.name} refuses {name}.{method}")
+            if refusal is not None:
+                raise refusal
             with self._services_changed:
                 if not self._services_changed.wait_for(lambda: name in self._services, timeout=SERVE_WAIT_S):
                     raise LookupError(f"no service '{name}' after {SERVE_WAIT_S:g}s; served: {sorted(self._services)}")
@@ -254,7 +254,8 @@ class ServerTransport(Transport):
         types = CONTROL_ARGS.get(method)
         if types is None or len(args) != len(types) or not all(
                 isinstance(arg, kind) and not isinstance(arg, bool) for arg, kind in zip(args, types)) \
-                or (method in ("arrive", "abort") and self._unknown_trainer(args[1 if method == "arrive" else 0])):
+                or (method in ("arrive", "abort") and self._unknown_trainer(args[1 if method == "arrive" else 0])) \
+                or (method == "abort" and not all(type(rank) is int for rank in args[3])):
             raise Malformed(f"refused a transport request from {channel.peer}: {method}{args!r:.120}")
         if method == "arrive":
             self.roster.arrive(*args)
@@ -326,12 +327,12 @@ class ServerTransport(Transport):
         `PeerLost` for one that aborted or was lost, or that nothing was heard from for `lost_after_s`."""
         while True:
             with self.roster.changed:
-                self.roster.changed.wait_for(lambda: self.roster.missing("stop") == ([], None),
+                self.roster.changed.wait_for(lambda: self.roster.missing("stop")[:2] == ([], None),
                                              timeout=PING_INTERVAL_S / 4)
-            missing, failure = self.roster.missing("stop")
+            missing, failure, failed = self.roster.missing("stop")
             if failure is not None:
                 time.sleep(ABORT_GRACE_S)  # let the surviving trainers' calls and polls read the failure
-                raise PeerLost(failure)
+                raise PeerLost(failure, ranks=failed)
             if not missing:
                 break
             now = time.monotonic()

@@ -49,6 +49,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from shadowgba.job.rendezvous import await_key
 from shadowgba.network import StoreUnreachable, bounded
 from shadowgba.ps.codec import Malformed, from_json, to_json
 from shadowgba.ps.same_host import loop_threads
@@ -186,23 +187,6 @@ def request_session(store: dist.Store, generation: int, server: int, server_inca
     if answer.startswith(REFUSED):
         raise SessionRefused(answer[len(REFUSED):])
     return info
-
-
-def await_key(store: dist.Store, key: str, within_s: float, ended: threading.Event | None = None,
-              superseded: Callable[[], bool] | None = None) -> bool:
-    """Whether `key` appeared in `store` within `within_s` (False also once `ended` is set, once
-    `superseded()` says the wait is pointless, or when the store fails: its host is gone)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            if store.check([key]):
-                return True
-            if superseded is not None and superseded():
-                return False
-        except RuntimeError:
-            return False
-        if time.monotonic() >= deadline or (ended or threading.Event()).wait(POLL_S):
-            return False
 
 
 def latest_ticket(store: dist.Store, generation: int, server: int, incarnation: int, trainer: int,

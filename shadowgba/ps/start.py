@@ -1,6 +1,6 @@
 """Joining a job of trainers and parameter servers: `start_transport` makes this rank's end of the
 transport (`shadowgba.ps.transport`), a server's or a trainer's, from where it stands in the job
-(`shadowgba.ps.rendezvous`)."""
+(`shadowgba.job.rendezvous`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import datetime
 import torch.distributed as dist
 
 from shadowgba.network import use_interface_to_master
-from shadowgba.ps.config import PSConfig
-from shadowgba.ps.rendezvous import attempt_namespace, elastic_roles, torchrun_roles
+from shadowgba.job.config import PSConfig
+from shadowgba.job.rendezvous import attempt_namespace, elastic_roles, torchrun_roles
 from shadowgba.ps.server_end import ServerTransport
 from shadowgba.ps.sessions import server_incarnation, trainer_incarnation
 from shadowgba.ps.trainer_end import TrainerTransport

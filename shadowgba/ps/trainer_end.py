@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from shadowgba.errors import PeerLost, ServerRestarted, SetupError, SyncError
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel, ChannelLost, first_line
-from shadowgba.ps.rendezvous import Roles, server_name
+from shadowgba.job.roles import NO_TRAINER_GROUP, Roles, server_name
 from shadowgba.ps.sessions import SessionRefused, current_incarnation, request_session, session_group
-from shadowgba.ps.transport import CONTROL, NO_TRAINER_GROUP, Call, Caller, ServiceFailure, Transport
+from shadowgba.ps.transport import CONTROL, Call, Caller, ServiceFailure, Transport
 
 logger = logging.getLogger("shadowgba")
 
@@ -278,12 +278,12 @@ class TrainerTransport(Transport):
         while waiting:
             for server in list(waiting):
                 try:
-                    missing, failure = self._control_call(server, "missing", key)
+                    missing, failure, failed = self._control_call(server, "missing", key)
                 except ServerRestarted:
                     self._arrive(server, key)
                     continue
                 if failure is not None:
-                    raise PeerLost(failure)
+                    raise PeerLost(failure, ranks=failed)
                 if not missing:
                     waiting.remove(server)
                 elif deadline is not None and time.monotonic() > deadline:
@@ -306,18 +306,20 @@ class TrainerTransport(Transport):
         """A transport request (idempotent) to `server`, from a trainer in `stop()` or `barrier()`."""
         return self._request(server, Call(None, CONTROL, method, args), "went away in transport.stop() or barrier()").wait()
 
-    def notify_abort(self, message: str) -> None:
+    def notify_abort(self, message: str, ranks: Sequence[int] | None = None) -> None:
         """Tell every server that this trainer failed (`message`: the job's verdict, `Job.announce_failure`,
-        or `failure_message`), waiting for no peer: each notice waits at most `ABORT_NOTICE_S`, and a server that
+        or `failure_message`), naming `ranks` as its cause (None: this trainer's own failure; empty: a cause
+        not known), waiting for no peer: each notice waits at most `ABORT_NOTICE_S`, and a server that
         is gone is skipped. The servers refuse every later call with it and end their `stop()` with it,
-        so the other trainers end naming this one. Sent once; never raises; a no-op once the transport
-        has ended. `abort()` follows."""
+        naming those ranks, so the other trainers end naming them (`Roster.refusal`). Sent once; never
+        raises; a no-op once the transport has ended. `abort()` follows."""
         if self._notified or self._ended.is_set():
             return
         self._notified = True
         with self._lock:
             channels = list(self._channels.values())
-        notice = Call(None, CONTROL, "abort", (self.roles.trainer_index, self.incarnation, message))
+        culprits = [self.roles.rank] if ranks is None else list(ranks)
+        notice = Call(None, CONTROL, "abort", (self.roles.trainer_index, self.incarnation, message, culprits))
         notices = [channel.request(notice) for channel in channels]
         deadline = time.monotonic() + ABORT_NOTICE_S
         for notice in notices:

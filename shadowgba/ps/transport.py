@@ -31,7 +31,7 @@ registers its own with `codec.register`): anything else is refused when it is se
 primitives are used, and no RPC framework. All state is this object's: a process may
 run one job after another, each with a transport of its own.
 
-Rendezvous (roles, the attempt's store, the elastic layout's store): `shadowgba.ps.rendezvous`.
+Rendezvous (roles, the attempt's store, the elastic layout's store): `shadowgba.job.rendezvous`.
 
 Invariants (why a call cannot deadlock, and why no survivor hangs):
 - A call is one request and one reply. A service method must not issue collectives, and runs on
@@ -50,7 +50,7 @@ Invariants (why a call cannot deadlock, and why no survivor hangs):
   channel threads beat even while it trains), or whose channel closed without a new session of
   that trainer within `RECONNECT_GRACE_S` (a killed process's sockets close; a stopped one's stay
   open, so a stall shorter than `timeout_s` is no failure), has lost that trainer: it records the
-  verdict in its `Roster` (`shadowgba.ps.membership`), `trainer i (rank r) stopped answering for T
+  verdict in its `Roster` (`shadowgba.job.roster`), `trainer i (rank r) stopped answering for T
   s (...); it probably died`. Under `on_trainer_lost` continue that trainer process departs:
   its channel is closed, its replies forgotten, its later sessions refused with the reason, and
   barriers and `stop()` stop counting it; a new process of that trainer (a higher incarnation)
@@ -98,7 +98,7 @@ import atexit
 import dataclasses
 import logging
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -106,7 +106,7 @@ import torch.distributed as dist
 from shadowgba.errors import SyncError
 from shadowgba.metrics import LANE_PREFIX
 from shadowgba.ps.channel import PING_INTERVAL_S, Channel
-from shadowgba.ps.rendezvous import Roles, failure_message
+from shadowgba.job.roles import Roles, failure_message
 
 logger = logging.getLogger("shadowgba")
 
@@ -116,10 +116,6 @@ heard from before it gives up on it (`PeerLost`), unless the transport's `timeou
 `stop(trainer_timeout_s=...)` overrides it."""
 DEFAULT_RPC_TIMEOUT_S = 60.0
 """A trainer's channel silence limit when `start()` is given no `rpc_timeout_s` (capped at `timeout_s`)."""
-NO_TRAINER_GROUP = ("the elastic layout (sync.ps.num_trainers > 0) has no process group over the trainers, which "
-                    "this needs: there, only GBA mode or easgd_ps, with PS-hosted or no tables, runs (no sync mode or "
-                    "switch to it, no checkpoint load in GBA mode, no TorchRec-sharded tables)")
-"""Why a trainer collective is refused in the elastic layout."""
 CONTROL = "shadowgba.transport"
 """The reserved service name of the transport's own requests (barriers, abort notices)."""
 
@@ -268,8 +264,9 @@ class Transport:
         silent trainer)."""
         raise NotImplementedError
 
-    def notify_abort(self, message: str) -> None:
-        """Tell the servers this trainer failed (`TrainerTransport`); a server has no one to tell."""
+    def notify_abort(self, message: str, ranks: Sequence[int] | None = None) -> None:
+        """Tell the servers this trainer failed (`TrainerTransport`), `message` naming `ranks` as the
+        cause (None: this trainer's own failure); a server has no one to tell."""
 
     def _stop_accepting(self) -> None:
         """At the tear-down, before the channels close: a server takes no more sessions."""

@@ -32,7 +32,7 @@ Threads and invariants:
   per `sync.on_nonfinite`; an aborting rank (`abort()`, the user's exception) sends its last round
   with an aborted marker, and its peers leave after that round instead of waiting `timeout_s` in a
   collective it will never enter, and raise `PeerLost` naming the rank that failed first
-  (`shadowgba.blame`: the aborted rank itself may have left because of another).
+  (`shadowgba.job.blame`: the aborted rank itself may have left because of another).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from torch import nn
 import sync_algos
 from shadowgba import groups as made_groups
 from shadowgba.config import SyncConfig
-from shadowgba.errors import CheckpointError, PeerLost, SetupError, SyncError
+from shadowgba.errors import CheckpointError, SetupError, SyncError
 from shadowgba.serialized import check_count, check_entries
 from shadowgba.interface import DenseSync
 from shadowgba.shadow.control import ControlFile, LiveSettings
@@ -59,11 +59,13 @@ from shadowgba.shadow.pacing import RoundPacer
 from shadowgba.shadow.table_rounds import TableRounds
 from shadowgba.shadow.tables import TableFragments
 from shadowgba.metrics import SyncMetrics
-from shadowgba.nonfinite import NonFiniteGuard, gradients, nonfinite_failure, restart_state
+from shadowgba.nonfinite import NonFiniteGuard, gradients, restart_state
 from shadowgba.step_hook import StepHook
 from shadowgba.threads import renice, thread_ids
 from shadowgba.dense import DenseParams, trainable_named_parameters
-from shadowgba.shadow.survival import EpochRounds, PeersAborted, SurvivingGroups
+from shadowgba.job.survivors import SurvivingGroups
+from shadowgba.shadow.epoch_rounds import EpochRounds
+from shadowgba.shadow.flags import RoundFlags
 from shadowgba.shadow.writeback import DirectWriteBack, HandoffWriteBack, WriteBack, wait_for_device
 
 logger = logging.getLogger("shadowgba")
@@ -72,7 +74,7 @@ ABORT_ROUND_S = 5.0
 """Longest `abort()` waits for its last round (the one that tells the peers), whatever `timeout_s`."""
 
 
-class ShadowSync(EpochRounds, TableRounds, DenseSync):
+class ShadowSync(DenseSync):
     """Synchronizes the dense parameters of `model` across trainers, in the background or every k steps.
 
     `optimizers` are the optimizers whose `step()` marks a step boundary: usually the one dense
@@ -92,7 +94,7 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
     each dense round (`shadowgba.shadow.tables`), through the same step-boundary handoff.
     `survival` (2D jobs under `sync.on_group_lost: continue`): a round that fails because a peer
     was lost leaves that peer's replica group out and goes on over the survivors
-    (`shadowgba.shadow.survival`) instead of ending the rounds; with a torchrun job per replica
+    (`shadowgba.job.survivors`, `shadowgba.shadow.epoch_rounds`) instead of ending the rounds; with a torchrun job per replica
     group, a group that runs again is let in after a round, and healed from a member's replica.
     `own_group`: `process_group` was made for this runtime alone (a job per replica group: no user
     collective runs on it), so the rounds run on it as it is, and it is released at the end.
@@ -120,7 +122,8 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
         self.guard = guard if guard is not None else NonFiniteGuard(
             f"rank {dist.get_rank()}" if dist.is_initialized() else "this rank", config.on_nonfinite,
             config.max_skipped_steps)
-        self.metrics = SyncMetrics(self._held_tensors, self.guard, self._fragment_ages if tables is not None else None)
+        self.metrics = SyncMetrics(self._held_tensors, self.guard,
+                                   (lambda: self._table_rounds.fragment_ages()) if tables is not None else None)
         self._parent_group = process_group
         self._parent_is_own = own_group
         self._algorithm_kwargs = algorithm_kwargs or {}
@@ -131,7 +134,6 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
         self._step = 0
         self._stop_requested = threading.Event()
         self._aborting = threading.Event()  # abort(): the next round is this rank's aborted one
-        self._nonfinite_seen: tuple[int, ...] = ()  # the last round's bad ranks, to warn once per change
         self._heals = config.on_nonfinite == "skip"
         """Whether this rank's NaN / Inf weights take the healthy replicas' consensus when a round
         offers it (`RoundResult.healed`); under fail the job ends instead."""
@@ -159,6 +161,12 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
         """The threads gloo started for this runtime's own group (`sync.rounds_nice` lowers them)."""
         self._check_s = 0.0
         """The last step's gradient check (`_before_step`), part of its time in sync code."""
+        self._table_rounds = None if tables is None else TableRounds(
+            tables, self.metrics, shadow_mode=config.mode == "shadow", heals=self._heals, aborting=self._aborting,
+            check_flags=self._check_flags, global_ranks=self._global_ranks, step=lambda: self._step,
+            record_heal=self._record_heal)
+        self._flags = RoundFlags(config.on_nonfinite, survival is not None, self.metrics)
+        self._epochs: EpochRounds | None = None  # with `survival`, from `start()`: the rounds' side of its decisions
 
     # ----------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -204,7 +212,10 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
         self._writeback = (HandoffWriteBack if handoff else DirectWriteBack)(self.dense, self._record_applied)
         if self.tables is not None:
             self._table_writeback = (HandoffWriteBack if self.config.mode == "shadow" else DirectWriteBack)(
-                self.tables, self._record_table_applied)
+                self.tables, self._table_rounds.record_applied)
+        if self._survival is not None:
+            self._epochs = EpochRounds(self._survival, self.metrics, self._aborting, self._writeback, self._snapshot,
+                                       self.tables, self._table_writeback, self._regroup)
         self._step_hook.install()
         if self.config.mode == "shadow":
             self._thread = threading.Thread(target=self._shadow_loop, name="shadowgba-shadow", daemon=True)
@@ -256,7 +267,7 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
                         self._restart(optimizer)
                 self._check_flags(self._global_ranks(reduced.nonfinite_ranks, group), (), "the final average")
                 if self.tables is not None and self._error is None:
-                    self._table_rounds(len(self.tables.fragments), None)
+                    self._table_rounds.run(len(self.tables.fragments), None)
         finally:
             self._release(group)
         self._raise_unreported_error()
@@ -499,7 +510,8 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
         every rank).
         An aborting rank's round is the aborted one (no snapshot, no write-back)."""
         started = time.perf_counter()
-        self._poll_control()
+        if self._control is not None and (settings := self._control.poll()) is not None:
+            self.apply_live(settings)
         snapshot_taken = not self._aborting.is_set() and self._writeback.snapshot(self._snapshot)
         stop = self._stop_requested.is_set()
         # abort() sets _aborting before _stop_requested: a stop read above that came from an abort
@@ -523,38 +535,31 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
         )
         if self.tables is not None and not failed:  # every rank alike: the flags are the same everywhere
             whole_cycle = self.config.mode == "foreground"  # TorchRec's sync(): every table each time
-            if self._table_rounds(len(self.tables.fragments) if whole_cycle else 1, self._table_writeback):
+            if self._table_rounds.run(len(self.tables.fragments) if whole_cycle else 1, self._table_writeback):
                 return False  # aborting: the next round is this rank's aborted dense round
             failed = self._error is not None
-        if result.joins_seen and not (result.last or failed):  # every rank alike: the flags are the same
-            self._admit()
+        if result.joins_seen and not (result.last or failed) and self._epochs is not None:  # alike on every rank
+            self._epochs.admit()
         return result.last or failed
 
     def _check_flags(self, nonfinite: Sequence[int], aborted: Sequence[int], where: str) -> bool:
-        """Act on a collective's flags, as every rank does alike: a peer that aborted, or NaN / Inf
-        under `on_nonfinite: fail`, becomes `_error` (returns True: leave the rounds); NaN / Inf
-        under `skip` is counted and warned about."""
-        if aborted:
-            message = (f"rank {', '.join(map(str, aborted))} aborted: its training loop raised (see that rank's log); "
-                       f"{where} left it out")
-            if self._survival is not None:
-                raise PeersAborted(message, aborted)
-            # names no culprit: the aborted rank may have left because of another one (`shadowgba.blame`)
-            self._error = PeerLost(f"{message} and this rank's rounds ended with it")
-            return True
-        failure = nonfinite_failure(self.config.on_nonfinite, f"rank {', '.join(map(str, nonfinite))} sent NaN / Inf "
-                                    f"weights to {where}; they were left out, so no other replica took them")
-        if nonfinite and failure is not None:
-            self._error = SyncError(failure, ranks=nonfinite)
-            return True
-        if nonfinite:
-            self.metrics.record_nonfinite_skip()
-            if tuple(nonfinite) != self._nonfinite_seen:
-                logger.warning("shadowgba: %s left out rank %s: its weights hold NaN / Inf (sync.on_nonfinite: skip); "
-                               "it keeps its own weights and no other replica takes them", where,
-                               ", ".join(map(str, nonfinite)))
-        self._nonfinite_seen = tuple(nonfinite)
-        return False
+        """Act on a collective's flags as every rank does alike (`RoundFlags.verdict`): a failure becomes
+        `_error` (returns True: leave the rounds)."""
+        error = self._flags.verdict(nonfinite, aborted, where)
+        if error is not None:
+            self._error = error
+        return error is not None
+
+    def _round_surviving(self) -> bool:
+        """`_run_round`, with `survival` through the epochs (`EpochRounds.run`): they survive a lost group."""
+        return self._epochs.run(self._run_round) if self._epochs is not None else self._run_round()
+
+    def _regroup(self, dense: dist.ProcessGroup) -> dist.ProcessGroup:
+        """The rounds move to a new epoch's group `dense` (`EpochRounds`); returns the one they ran on."""
+        with self._round_lock:
+            old, self._group = self._group, dense
+            self._algorithm.regroup(dense)
+        return old
 
     def _global_ranks(self, ranks: Sequence[int], group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
         """Group ranks of the sync group as the job's (global) ranks, which the logs name."""
@@ -592,8 +597,4 @@ class ShadowSync(EpochRounds, TableRounds, DenseSync):
             self._error = error
         finally:
             self._rounds_finished = True
-
-    def _poll_control(self) -> None:
-        if self._control is not None and (settings := self._control.poll()) is not None:
-            self.apply_live(settings)
 

@@ -1,73 +1,117 @@
-"""The 2D layout's table rounds inside the shadow runtime's rounds (mixed into `ShadowSync`).
+"""The 2D layout's table rounds inside the shadow runtime's rounds (`TableRounds`, held by `ShadowSync`).
 
 After each dense round, a 2D job averages one fragment of its table shards with the same shards on
 its replica group (`TableFragments`): a round-robin cycle over every fragment, or, under
 `sync.tables.touched_rows`, over the rows that either partner touched since their last average. A
 fragment is snapshotted at a step boundary and its delta handed back there (`WriteBack`), as the
 dense replica's is; the final sync at `close()` averages every fragment once more and assigns it.
+
+Invariants:
+- Every partner runs the same table rounds after the same dense round (the caller decides from
+  flags that are equal on every rank), so the replica group's collectives pair up.
+- An aborting rank still enters the collective, with an empty contribution and its aborted marker,
+  so no partner waits for it; the next dense round tells every rank.
+- What the runtime owns (its flags' verdict, its step count, how a heal is reported) reaches these
+  rounds only through the callables given to the constructor: they touch no private state of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
+from typing import Callable, Sequence
 
+import torch.distributed as dist
+
+from shadowgba.metrics import SyncMetrics
+from shadowgba.shadow.tables import TableFragments
 from shadowgba.shadow.writeback import WriteBack
 
+CheckFlags = Callable[[Sequence[int], Sequence[int], str], bool]
+"""The runtime's verdict on a collective's flags: (NaN / Inf ranks, aborted ranks, where) -> whether
+the rounds must end (`ShadowSync._check_flags`)."""
+GlobalRanks = Callable[[Sequence[int], dist.ProcessGroup], tuple[int, ...]]
+"""A group's ranks as the job's global ranks, which the logs name."""
 
+
+@dataclasses.dataclass
 class TableRounds:
-    """`ShadowSync`'s table rounds and their counters (see the module docstring)."""
+    """A trainer's table rounds on its replica group, and their counters (see the module docstring)."""
 
-    def _table_rounds(self, count: int, writeback: WriteBack | None) -> bool:
+    tables: TableFragments
+    """This rank's table shards, in fragments."""
+    metrics: SyncMetrics
+    """The runtime's metrics, where each round is recorded."""
+    shadow_mode: bool
+    """Rounds run in the shadow thread (`sync.mode: shadow`), where a touched-rows cycle is planned."""
+    heals: bool
+    """A fragment whose rows held NaN / Inf takes the partners' consensus (`sync.on_nonfinite: skip`)."""
+    aborting: threading.Event
+    """Set while this rank aborts."""
+    check_flags: CheckFlags
+    """The runtime's verdict on flags: the same as a dense round's."""
+    global_ranks: GlobalRanks
+    """The runtime's mapping of a group's ranks to the job's."""
+    step: Callable[[], int]
+    """The training step now."""
+    record_heal: Callable[[str, str], None]
+    """How the runtime reports a heal: (what, extra)."""
+
+    def run(self, count: int, writeback: WriteBack | None) -> bool:
         """`count` table rounds on the replica group, each one fragment: snapshot it at a step
         boundary, average it with the partners, hand the delta back (`writeback`; None: the final
         sync, in the training thread after the rounds ended, assigns the average). Returns True when a snapshot
         was cancelled (this rank is aborting): it then sends an empty contribution with its aborted
         marker, which the partners leave out, so nobody waits for it in this collective; its next
         dense round tells every rank. NaN / Inf rows are left out on every partner alike and acted
-        on as in a dense round (`_check_flags`)."""
-        buffer = self.tables.buffer
+        on as in a dense round (`check_flags`)."""
+        tables = self.tables
+        buffer = tables.buffer
         if writeback is None:
-            self.tables.start_full_cycle()
-        elif self.config.mode == "shadow" and self.tables.touched is not None and not self.tables.queue:
-            if self._aborting.is_set():
-                self.tables.allreduce.sum(None, stop=False, aborted=True)
+            tables.start_full_cycle()
+        elif self.shadow_mode and tables.touched is not None and not tables.queue:
+            if self.aborting.is_set():
+                tables.allreduce.sum(None, stop=False, aborted=True)
                 return True
             started = time.perf_counter()
-            if self.tables.plan_touched_cycle() is not None:
+            if tables.plan_touched_cycle() is not None:
                 return False  # a partner is aborting: the next dense round tells every rank
-            self.metrics.record_table_round(time.perf_counter() - started, self.tables.mask_bytes, fragment=False)
-            if not self.tables.queue:
+            self.metrics.record_table_round(time.perf_counter() - started, tables.mask_bytes, fragment=False)
+            if not tables.queue:
                 return False  # no partner touched a row since the last cycle
         for _ in range(count):
             started = time.perf_counter()
             if writeback is None:
-                self.tables.copy_to(buffer)
-            elif self._aborting.is_set() or not writeback.snapshot(buffer):
-                self.tables.allreduce.sum(None, stop=False, aborted=True)
+                tables.copy_to(buffer)
+            elif self.aborting.is_set() or not writeback.snapshot(buffer):
+                tables.allreduce.sum(None, stop=False, aborted=True)
                 return True
-            reduced = self.tables.average(buffer, delta=writeback is not None)
-            self.metrics.record_table_round(time.perf_counter() - started, self.tables.allreduce.bytes_per_call)
-            replace = not reduced.own_counted and reduced.heals and self._heals
+            reduced = tables.average(buffer, delta=writeback is not None)
+            self.metrics.record_table_round(time.perf_counter() - started, tables.allreduce.bytes_per_call)
+            replace = not reduced.own_counted and reduced.heals and self.heals
             if (reduced.own_counted or replace) and writeback is None:
-                self.tables.copy_from(buffer)
-                self._record_table_applied(replace)
+                tables.copy_from(buffer)
+                self.record_applied(replace)
             elif reduced.own_counted or replace:
                 writeback.apply(buffer, replace)
-            if self._check_flags(self._global_ranks(reduced.nonfinite_ranks, self.tables.group), (), "a table round"):
+            if self.check_flags(self.global_ranks(reduced.nonfinite_ranks, tables.group), (), "a table round"):
                 return False
         return False
 
-    def _fragment_ages(self) -> dict[str, float]:
+    def record_applied(self, replaced: bool) -> None:
+        """A fragment's average reached the table shards (at a step boundary, or in the final sync);
+        `replaced`: they were healed, so is their optimizer state."""
+        self.tables.mark_applied(self.step())
+        if replaced:
+            self.tables.restart_state()
+            self.record_heal(f"table fragment {self.tables.cursor} (rows and their optimizer state)", "")
+
+    def fragment_ages(self) -> dict[str, float]:
         """The tables' counters for `metrics`: cycles done, the age of the fragments now in steps,
         and over the run how many steps a fragment had gone unaveraged when it was refreshed."""
         tables = self.tables
-        oldest, mean = tables.ages(self._step)
+        oldest, mean = tables.ages(self.step())
         return {"table_cycles": tables.cycles, "fragment_age_steps_max": oldest, "fragment_age_steps_mean": mean,
                 "fragment_refresh_age_steps_max": tables.refresh_age_max,
                 "fragment_refresh_age_steps_mean": tables.refresh_age_total / max(tables.refreshed, 1)}
-
-    def _record_table_applied(self, replaced: bool) -> None:
-        self.tables.mark_applied(self._step)
-        if replaced:
-            self.tables.restart_state()
-            self._record_heal(f"table fragment {self.tables.cursor} (rows and their optimizer state)", "")

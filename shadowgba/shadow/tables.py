@@ -325,7 +325,7 @@ class TableFragments:
         self.queue = []
 
     def regroup(self, group: dist.ProcessGroup) -> None:
-        """Average over `group` from now on: the replica group's survivors (`shadowgba.shadow.survival`)."""
+        """Average over `group` from now on: the replica group's survivors (`shadowgba.job.survivors`)."""
         self.group = group
         self.allreduce = FlaggedAllReduce(group, self.buffer)
 

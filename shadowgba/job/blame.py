@@ -1,4 +1,5 @@
-"""Blame: which rank's failure ended the job, decided once and read alike by every trainer.
+"""Blame: which rank's failure ended the job, decided once and read alike by every trainer, and the
+one rule by which any rank finds its lost peers on the notice board (`gone_peers`).
 
 A trainer whose `with` block ends by an exception asks `Blame.judge` what to tell the job and the
 user. The error is one of three kinds:
@@ -8,7 +9,7 @@ user. The error is one of three kinds:
 - **A peer's failure that names nobody**: a collective or channel failed (gloo / NCCL's own error,
   somewhere in its chain), or a round saw a peer abort. The peer that failed first is looked up on
   the job's notice board: the cause a peer already decided, else the peers whose heartbeat stopped
-  without a word (killed, stuck, cut off). Only when neither exists is the cause unknown.
+  without a word (killed, stuck, cut off: `gone_peers`). Only when neither exists is the cause unknown.
 - **This rank's own failure** (the user's code or data, a config error, the library's own check):
   this rank is the cause.
 
@@ -23,6 +24,10 @@ Invariants (why a healthy rank is never named):
 - A rank that leaves after it learned of a failure posts a notice and marks its heartbeat left; one
   that leaves normally marks it left. Neither is ever silent, so neither is ever named: only a rank
   that went away without a word (killed, stopped, cut off) is.
+- Every lookup of lost peers on the board goes through `gone_peers`: the trainers' verdict here and
+  the surviving replica groups' decisions (`shadowgba.job.survivors`) name the same ranks.
+
+Imports: `shadowgba.errors` and this package only.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from typing import Callable, Iterator, Sequence
 import torch.distributed as dist
 
 from shadowgba.errors import PeerLost, SyncError
-from shadowgba.ps.membership import NOTICE_TIMEOUT_S, NoticeBoard
+from shadowgba.job.notices import NOTICE_TIMEOUT_S, NoticeBoard
 
 logger = logging.getLogger("shadowgba")
 
@@ -138,11 +143,32 @@ class Blame:
 
     def _silent(self) -> tuple[int, ...]:
         """The peers gone without a word: a stopped heartbeat, no notice of their own."""
-        silent = self.board.silent_peers(self.peers)
-        if not silent:
-            return ()
-        posted = self.board.aborted_peers(silent)
-        return tuple(rank for rank in silent if rank not in posted)
+        return gone_peers(self.board, self.peers).silent
+
+
+@dataclasses.dataclass(frozen=True)
+class Gone:
+    """The peers gone from the job as the notice board shows them (`gone_peers`)."""
+
+    aborted: dict[int, str]
+    """The peers that posted why they left (`NoticeBoard.post_abort`), with their reasons."""
+    silent: tuple[int, ...]
+    """The peers whose heartbeat stopped and that posted nothing: killed, stuck, or cut off."""
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every peer gone, either way, in rank order."""
+        return tuple(sorted({*self.aborted, *self.silent}))
+
+
+def gone_peers(board: NoticeBoard, peers: Sequence[int]) -> Gone:
+    """The one rule for which of `peers` are gone: those that posted an abort, and those whose heartbeat
+    stopped without a notice. A peer that left normally (its heartbeat marked left) is neither. Waits
+    about `BEAT_INTERVAL_S` with live peers, at most `HEARTBEAT_SILENT_S` plus the board's
+    `NOTICE_TIMEOUT_S` per access; an unreachable board shows what was read before it stopped answering."""
+    silent = board.silent_peers(peers)
+    aborted = board.aborted_peers(peers)
+    return Gone(aborted, tuple(rank for rank in silent if rank not in aborted))
 
 
 def is_peer_failure(error: BaseException) -> bool:

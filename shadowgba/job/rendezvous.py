@@ -1,22 +1,27 @@
-"""Who is who in a job of trainers and parameter servers, and where they meet.
+"""Where the ranks of a job with parameter servers meet, and which attempt of the job this is.
 
-Roles: the last `num_servers` ranks are servers ("ps0", "ps1", ...), the others trainers
-("trainer0", ...). In a torchrun job (`torchrun_roles`) every rank knows its place from RANK /
-WORLD_SIZE, and the transport builds the trainers' groups once every rank has arrived; in the
-elastic layout (`elastic_roles`, `sync.ps.num_trainers`) every process is started on its own, names
-its rank in `SHADOWGBA_RANK`, and meets the others in the TCPStore server 0 hosts at
-MASTER_ADDR:MASTER_PORT, with no process group at all.
+This rank's place (`shadowgba.job.roles.Roles`) is found here. In a torchrun job (`torchrun_roles`)
+every rank knows its place from RANK / WORLD_SIZE, and the trainers' groups are built once every
+rank has arrived; in the elastic layout (`elastic_roles`, `sync.ps.num_trainers`) every process is
+started on its own, names its rank in `SHADOWGBA_RANK`, and meets the others in the TCPStore
+server 0 hosts at MASTER_ADDR:MASTER_PORT, with no process group at all. A job without servers
+needs none of this: its roles are `Roles.assign(rank, world_size, 0)` on the default group.
 
-Rendezvous and listening:
-- Sessions meet in the store that MASTER_ADDR:MASTER_PORT already names (`env://`): under torchrun
+Invariants:
+- Ranks meet in the store that MASTER_ADDR:MASTER_PORT already names (`env://`): under torchrun
   (TORCHELASTIC_USE_AGENT_STORE) a client of the agent's store; without an agent, rank 0's
   default-group TCPStore is multi-tenant and shared. No second port is taken.
 - Restarts (`torchrun --max-restarts`): the agent's store outlives an attempt, so every key of the
-  transport (its sessions', and the default group's when `start()` creates it) lives under
-  `attempt_{TORCHELASTIC_RESTART_COUNT}/` (`attempt_store()`): a restarted attempt never reads a
-  dead attempt's addresses.
-- gloo listens on ephemeral ports of the interface that reaches MASTER_ADDR (`start()` sets
-  GLOO_SOCKET_IFNAME unless the user has: `shadowgba.network`).
+  transport (its sessions', and the default group's when `torchrun_roles` creates it) lives under
+  `attempt_{TORCHELASTIC_RESTART_COUNT}/` (`attempt_store`, `restart_count`): a restarted attempt
+  never reads a dead attempt's addresses, nor its notices (`shadowgba.job.notices`).
+- No group is built before every rank arrived (`await_every_rank`): a group's own timeout is meant
+  for a dead peer, not for a peer still building its model.
+- gloo listens on ephemeral ports of the interface that reaches MASTER_ADDR (the PS transport's
+  `start_transport` sets GLOO_SOCKET_IFNAME unless the user has: `shadowgba.network`).
+
+Imports: torch and `shadowgba.errors` and this package only, never the transport (`shadowgba.ps`),
+which imports this module.
 """
 
 from __future__ import annotations
@@ -24,93 +29,44 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import threading
+import time
+from typing import Callable
 
 import torch.distributed as dist
 
-from shadowgba.errors import ConfigError, SetupError, SyncError
-from shadowgba.ps.membership import restart_count
-from shadowgba.ps.sessions import await_key
+from shadowgba.errors import SetupError, SyncError
+from shadowgba.job.roles import Roles
 
 ELASTIC_RANK = "SHADOWGBA_RANK"
 """Elastic layout: the environment variable that names this process's place in the job (trainers
 0 .. num_trainers - 1, then the servers, as in one torchrun job)."""
 ELASTIC_NAMESPACE = "elastic"
 """The key prefix of an elastic job in its servers' store (one job per set of servers)."""
+STORE_POLL_S = 0.01
+"""How often `await_key` looks for its key: a store access takes well under a millisecond on one host."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Roles:
-    """This rank's place in a job of trainers and parameter servers."""
-
-    rank: int
-    """Global rank of this process."""
-    world_size: int
-    """Number of ranks, servers included."""
-    num_servers: int
-    """Number of parameter-server ranks (the last ones)."""
-    server_ranks: tuple[int, ...]
-    """Global ranks of the servers; server i is `server_ranks[i]`, named `ps{i}`."""
-    trainer_ranks: tuple[int, ...]
-    """Global ranks of the trainers; trainer i is `trainer_ranks[i]`, named `trainer{i}`."""
-    trainer_index: int | None
-    """Index of this rank among the trainers; None on servers."""
-    server_index: int | None
-    """Index of this rank among the servers; None on trainers."""
-    trainer_group: dist.ProcessGroup | None = dataclasses.field(default=None, compare=False, repr=False)
-    """Process group of the trainers (set by `start()` on trainers; None on servers and in the elastic
-    layout): TorchRec's and the user's; the library's own collectives run on `sync_group()`."""
-    elastic: bool = False
-    """The elastic layout (`sync.ps.num_trainers` > 0): every process started on its own, trainers
-    come and go, and there is no process group over the trainers (module docstring)."""
-
-    @classmethod
-    def assign(cls, rank: int, world_size: int, num_servers: int) -> "Roles":
-        """The roles of `rank`, without any group; refuses a server count that leaves no trainer."""
-        if isinstance(num_servers, bool) or not isinstance(num_servers, int) or not 0 <= num_servers < world_size:
-            raise ConfigError(
-                f"num_servers must be an integer in [0, world_size) so that at least one trainer remains; "
-                f"got {num_servers!r} with world_size {world_size}"
-            )
-        first_server = world_size - num_servers
-        is_server = rank >= first_server
-        return cls(
-            rank=rank,
-            world_size=world_size,
-            num_servers=num_servers,
-            server_ranks=tuple(range(first_server, world_size)),
-            trainer_ranks=tuple(range(first_server)),
-            trainer_index=None if is_server else rank,
-            server_index=rank - first_server if is_server else None,
-        )
-
-    @property
-    def is_server(self) -> bool:
-        """Whether this rank is a parameter server."""
-        return self.server_index is not None
-
-    @property
-    def name(self) -> str:
-        """This rank's name in messages: `ps{i}` or `trainer{i}`."""
-        return server_name(self.server_index) if self.is_server else f"trainer{self.trainer_index}"
-
-    def describe(self, rank: int) -> str:
-        """Global rank `rank` as failures name it: `trainer {i} (rank r)` or `server {i} (ps{i}, rank r)`."""
-        if rank in self.trainer_ranks:
-            return f"trainer {self.trainer_ranks.index(rank)} (rank {rank})"
-        if rank in self.server_ranks:
-            index = self.server_ranks.index(rank)
-            return f"server {index} ({server_name(index)}, rank {rank})"
-        return f"rank {rank}"
+def restart_count() -> int:
+    """Which attempt of a torchrun job this is (0: the first; 0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def server_name(server_index: int) -> str:
-    """The name of server `server_index` in messages: `ps{i}`."""
-    return f"ps{server_index}"
-
-
-def failure_message(roles: Roles, reason: str) -> str:
-    """How a failed trainer is named to its peers and servers: `trainer {i} (rank r) aborted: reason`."""
-    return f"{roles.describe(roles.rank)} aborted: {reason}"
+def await_key(store: dist.Store, key: str, within_s: float, ended: threading.Event | None = None,
+              superseded: Callable[[], bool] | None = None) -> bool:
+    """Whether `key` appeared in `store` within `within_s` (False also once `ended` is set, once
+    `superseded()` says the wait is pointless, or when the store fails: its host is gone)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if store.check([key]):
+                return True
+            if superseded is not None and superseded():
+                return False
+        except RuntimeError:
+            return False
+        if time.monotonic() >= deadline or (ended or threading.Event()).wait(STORE_POLL_S):
+            return False
 
 
 def torchrun_roles(num_servers: int, backend: str, timeout: datetime.timedelta | None

@@ -1,4 +1,6 @@
-"""Replica groups that survive each other and rejoin (the 2D layout under `sync.on_group_lost: continue`).
+"""The survivors' decisions: which replica groups of a 2D job are in it (`sync.on_group_lost:
+continue`), as every member agrees, and which rejoin. Membership only: the shadow rounds that act on
+these decisions (regroup, heal a joining group) are `shadowgba.shadow.epoch_rounds`.
 
 A 2D job's replica groups depend on each other only through the shadow rounds: a group's training
 step (TorchRec's all-to-all) pairs its own k ranks and no others, and every group holds a full
@@ -8,13 +10,14 @@ that group can come back, take a partner's replica, and train on. `SurvivingGrou
 consults around the rounds, and what it knows:
 
 - **Epochs.** The job's membership (which replica groups are in) changes by numbered *decisions*
-  on the job's notice board (`shadowgba.ps.membership`), each the first proposal made for its
+  on the job's notice board (`shadowgba.job.notices`), each the first proposal made for its
   number (a compare-and-set in the store), so every rank reads the same history and applies it in
   order. Epoch e is the membership after e decisions; epoch 0 is every group.
 - **Who is lost** (`agree`, after a round failed). A round fails on every rank whose collective
   includes the lost one: at once if its process died, after `sync.timeout_s` if it is stopped, or
   through the round's aborted flag if its loop raised (`sync_algos.base`). The evidence is the
-  notice board: ranks that posted an abort, and ranks whose heartbeat stopped. A group with a lost
+  notice board, read by the one rule every rank uses (`shadowgba.job.blame.gone_peers`): ranks
+  that posted an abort, and ranks whose heartbeat stopped. A group with a lost
   rank is lost as a whole: its all-to-all is broken, so its surviving ranks end too (they raise,
   naming the lost rank). A round that failed without evidence of a lost peer (within a bounded
   search) is no group loss: the original error ends the rank, as under `fail`.
@@ -35,6 +38,12 @@ consults around the rounds, and what it knows:
 
 Nothing a survivor holds is rolled back, and its training thread never waits for any of this: the
 rounds are the shadow thread's (foreground mode: the round in the training thread waits).
+
+Invariant: every member applies the same decisions in the same order (`_apply` runs only on a
+decision read from the board, never on a proposal of its own that lost), so the members' epochs,
+groups and incarnations agree whatever rank proposed what.
+
+Imports: `shadowgba.groups`, `shadowgba.errors` and this package only.
 """
 
 from __future__ import annotations
@@ -42,21 +51,16 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import logging
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from shadowgba import groups as made_groups
 from shadowgba.errors import ConfigError, SetupError, SyncError
-from shadowgba.shadow.writeback import wait_for_device
-
-if TYPE_CHECKING:
-    from shadowgba.ps.membership import NoticeBoard
-
-logger = logging.getLogger("shadowgba")
+from shadowgba.job.blame import gone_peers
+from shadowgba.job.notices import NoticeBoard
 
 DECISION = "replica_epoch"
 """The notice board's kind of decision: `{"groups": [...], "lost_ranks": [...], "joined": {...},
@@ -175,7 +179,7 @@ class SurvivingGroups:
         peers = [rank for rank in self.survivors() if rank != self.rank]
         deadline = time.monotonic() + self.timeout_s
         while (decided := self.notices.decision(DECISION, self.epoch)) is None:
-            lost = set(flagged) | set(self.notices.aborted_peers(peers)) | set(self.notices.silent_peers(peers))
+            lost = set(flagged) | set(gone_peers(self.notices, peers).ranks)
             lost |= {rank for rank in peers if self.group_of(rank) in self._renewed()}
             if not lost and time.monotonic() > deadline and self.joined:
                 lost = {rank for rank in peers if self.group_of(rank) in self.joined}
@@ -317,109 +321,3 @@ class SurvivingGroups:
         self.joins_handled = max(self.joins_handled, decision["joins"])
         self.epoch += 1
         self._made = 0
-
-
-class PeersAborted(SyncError):
-    """A round's flags named aborted peers (`ranks`, global), where the rounds may survive them."""
-
-    def __init__(self, message: str, ranks: Sequence[int]) -> None:
-        super().__init__(message)
-        self.ranks = tuple(ranks)
-
-
-class EpochRounds:
-    """The shadow runtime's side of the epochs (`ShadowSync` mixes it in): after a failed round, the
-    job's decision on who is lost and the rounds rebuilt over the survivors; after a round in which
-    every rank saw a group waiting to join, the decision that lets it in and the heal. Runs on the
-    thread that runs the rounds; uses the runtime's rounds, groups, write-backs and metrics."""
-
-    def _admit(self) -> None:
-        """After a round in which every rank saw a replica group waiting to join: take the job's
-        next decision (`SurvivingGroups.admit`) and meet in its epoch (`_enter_epoch`)."""
-        assert self._survival is not None
-        before = self._survival.members
-        self._survival.admit()
-        self._enter_epoch(before)
-
-    def _round_surviving(self) -> bool:
-        """`_run_round`; with `survival`, a round that failed (a collective's error, or peers' aborted
-        flags: `PeersAborted`) is followed by the job's decision on which replica groups are lost and
-        the rounds rebuilt over the survivors (False: they go on), unless this rank's group is lost or
-        no lost peer is found: then the error is raised, as without `survival`. Meeting in the new
-        epoch can fail too (a decision read here may have let in a group that does not come, or
-        another rank was lost meanwhile): each failure takes the next decision, one per group at most."""
-        try:
-            return self._run_round()
-        except Exception as error:
-            if self._survival is None or self._aborting.is_set():
-                raise
-            failure: BaseException = error
-            flagged = error.ranks if isinstance(error, PeersAborted) else ()
-        for _ in range(len(self._survival.trainer_ranks) // self._survival.group_size):
-            before = self._survival.members
-            self._survival.agree(failure, flagged)
-            try:
-                self._enter_epoch(before)
-                return False
-            except Exception as error:  # noqa: BLE001 - the next decision's evidence decides
-                failure, flagged = error, ()
-        raise SyncError(f"the rounds could not meet in a new epoch after {failure!r}") from failure
-
-    def _enter_epoch(self, before: tuple[int, ...]) -> None:
-        """After the job's next decision changed the member groups from `before`: meet in the new
-        epoch's groups (`SurvivingGroups.groups`) and restart the rounds there at the members'
-        average (`regroup`: the consensus start; a failed round may have left the algorithm's state
-        unequal, and EASGD's and BMUF's constants follow the rank count). Groups let in take a
-        replica first, on each position's replica group (`_heal`). The old groups are released."""
-        survival = self._survival
-        assert survival is not None
-        if survival.members == before:
-            return  # a decision that changed nobody (a join request counted, nobody waiting)
-        started = time.perf_counter()
-        dense, replica = survival.groups()
-        old_groups = [self._group]
-        if self.tables is not None:
-            old_groups.append(self.tables.group)
-            self.tables.regroup(replica)
-        if survival.joined:
-            self._heal(replica, survival.heal_source())
-        with self._round_lock:
-            self._group = dense
-            self._algorithm.regroup(dense)
-        for group in old_groups:
-            made_groups.release(group)
-        lost = [group for group in before if group not in survival.members]
-        self.metrics.record_groups_lost(len(lost))
-        self.metrics.record_groups_joined(len(survival.joined))
-        if lost:
-            logger.warning("shadowgba: %s; the rounds go on over ranks %s, from their average", survival.describe(),
-                           ", ".join(map(str, survival.survivors())))
-        if survival.joined:
-            logger.warning("shadowgba: replica group %s rejoined (epoch %d) and took the replica of group %s in %.1f s; "
-                           "the rounds go on over ranks %s, from their average", ", ".join(map(str, survival.joined)),
-                           survival.epoch, survival.members[survival.heal_source()], time.perf_counter() - started,
-                           ", ".join(map(str, survival.survivors())))
-
-    def _heal(self, replica: dist.ProcessGroup, source: int) -> None:
-        """A member's side of a joining group's heal, collective on this rank's new replica group
-        (the joining rank's side is `start()`): the replica group's rank `source` broadcasts its dense
-        weights, then its table shards with their optimizer state a fragment at a time, every
-        partner having checked that all hold the same cycle and started the rotation over. Members
-        snapshot at step boundaries, as a round does (a pending delta is applied first), and keep
-        their own. `SyncError` if this rank is aborting meanwhile (its partners' next round learns
-        why)."""
-        if not self._writeback.snapshot(self._snapshot):
-            raise SyncError("this rank is aborting: it leaves the heal of a joining replica group")
-        dist.broadcast(self._snapshot, group_src=source, group=replica)
-        wait_for_device(self.dense.device)  # the buffer is the next round's: the broadcast must be done
-        if self.tables is None or self._table_writeback is None:
-            return
-        self.tables.check_partners()
-        if not self._table_writeback.snapshot(self.tables.buffer):  # a pending delta lands, at its fragment
-            raise SyncError("this rank is aborting: it leaves the heal of a joining replica group")
-        self.tables.restart_rotation()
-        for _ in self.tables.fragments:
-            if not self._table_writeback.snapshot(self.tables.buffer):
-                raise SyncError("this rank is aborting: it leaves the heal of a joining replica group")
-            dist.broadcast(self.tables.buffer, group_src=source, group=replica)
-            wait_for_device(self.tables.device)
