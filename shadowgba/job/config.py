@@ -3,7 +3,7 @@
 It lives with the job, not with the transport (`shadowgba.ps`), because every job reads it, a job
 without servers included (`num_servers: 0`), before it knows whether it has a transport at all:
 the roles (`shadowgba.job.roles`) follow from `num_servers` and `num_trainers`. So reading a config
-loads no module of `shadowgba.ps`. `shadowgba.ps.config` hands it on under its documented path.
+loads no module of `shadowgba.ps`.
 
 Imports: `shadowgba.errors` only.
 """
