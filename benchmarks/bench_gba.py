@@ -227,6 +227,7 @@ def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
     config = run["config"]
     batch = config["data"][config["data"]["source"]]["batch_size"]
     per_global_step = batch if config["sync"]["gba"]["aggregation"] == "none" else batch * run["trainers"]
+    waits = max(run["sync"].get("fresh_waits", 0), 1)  # trainer 0's (`sync.gba.fresh_wait`)
     return {
         "samples_per_s": run["samples_per_s_total"],
         "applied_samples_per_s": run["gba"]["global_steps_per_s"] * per_global_step,
@@ -243,8 +244,8 @@ def run_metrics(run: dict[str, Any], slow_trainer: int) -> dict[str, float]:
             merged_histogram(table["staleness_histogram"] for table in tables))["staleness_mean"],
         "rows_dropped": sum(table["dropped"] for table in tables),
         "queue_dropped": run["sync"]["queue_dropped"],
-        "fresh_wait_ms": 1e3 * run["sync"].get("fresh_wait_s", 0.0) / max(run["sync"].get("fresh_waits", 0), 1),
-        "fresh_timeouts": run["sync"].get("fresh_timeouts", 0) / max(run["sync"].get("fresh_waits", 0), 1),
+        "fresh_wait_ms": 1e3 * run["sync"].get("fresh_wait_s", 0.0) / waits,
+        "fresh_timeouts": run["sync"].get("fresh_timeouts", 0) / waits,
         "global_steps_per_s": run["gba"]["global_steps_per_s"],
         "queue_depth": max(shard["queue_depth_max"] for shard in shards),
         "switches": run["gba"]["mode_switches"],
@@ -385,8 +386,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--global-samples", type=int,
                         help=f"every run stops at this many samples applied (default per preset: {GLOBAL_SAMPLES})")
     parser.add_argument("--warmup-steps", type=int, default=20, help="steps before the timed window")
-    parser.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help=f"comma-separated subset of {list(ALGOS)}, each optionally "
-                             "followed by @dotted.key=value overrides (gba@sync.gba.fresh_wait=0.5)")
+    parser.add_argument("--algos", default=",".join(DEFAULT_ALGOS),
+                        help=f"comma-separated subset of {list(ALGOS)}, each optionally followed by "
+                             "@dotted.key=value overrides (gba@sync.gba.fresh_wait=0.5)")
     parser.add_argument("--tables", choices=sorted(TABLES), default="ps",
                         help="where every run's tables live: ps (default), or torchrec (rows synchronous, "
                              "GBA on the dense parameters only; every step paired, so no speed-up)")

@@ -244,8 +244,9 @@ def evaluate(
 
 class DeadUnits:
     """While entered, the hidden units of the model's MLPs (TorchRec `Perceptron`s, ReLU) that never
-    fire: a unit whose output is 0 on every held-out sample this trainer scores is dead, and a
-    model whose units died learns nothing more through them (the collapse of a too-large step)."""
+    fire: a unit whose output is 0 on every held-out sample this trainer scores is dead, and nothing
+    more is learnt through it. Reported beside the AUC to tell a collapsed run from one whose units
+    died; healthy runs have dead units too (docs/gba.md, "A stable baseline")."""
 
     def __init__(self, model: nn.Module) -> None:
         self._layers = [module for module in model.modules() if isinstance(module, Perceptron)]
