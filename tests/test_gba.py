@@ -86,11 +86,11 @@ SCHEDULE = {"warmup_steps": 12, "decay_every": 8, "decay_gamma": 0.5}
 """A learning-rate schedule whose warm-up and decays both fall inside the switch test's GBA phase."""
 
 
-def sync_then_state(ps: Transport, steps: int, switches: dict[int, str]) -> dict:
+def sync_then_state(ps: Transport, steps: int, switches: dict[int, str], options: dict | None = None) -> dict:
     """Train `steps` lockstep steps with switches at given steps; end in sync mode, return the state."""
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    config = from_dict(GBAConfig, {"initial_mode": "sync", "schedule": SCHEDULE})
+    config = from_dict(GBAConfig, {"initial_mode": "sync", "schedule": SCHEDULE, **(options or {})})
     gba = GBASync(model, optimizer, config, ps.roles, local_batch_size=BATCH, transport=ps)
     gba.start()
     for step in range(steps):
@@ -116,7 +116,7 @@ def four_ranks() -> dict[str, list]:
         "gba-lockstep-bf16": (gba_job, (2, train, {"initial_mode": "gba", "push_dtype": "bfloat16",
                                                    "params_dtype": "bfloat16"}, steps, True)),
         "sync": (gba_job, (2, train, {"initial_mode": "sync"}, steps, False)),
-        "switched": (gba_job, (2, sync_then_state, 30, {9: "gba", 19: "sync"})),
+        "switched": (gba_job, (2, sync_then_state, 30, {9: "gba", 19: "sync"}, {"fresh_wait": 0.5})),
     }, timeout_s=180)
 
 
@@ -173,7 +173,10 @@ def test_switching_sync_gba_sync_with_zero_staleness_stays_bit_equal_to_sync_all
     job ends that never left sync: parameters, Adam's moments and step count (its bias corrections),
     the global step, and the learning-rate schedule, whose warm-up and two decays fall in the GBA
     phase (steps 10-19). Bit-equal because with 2 trainers and a power-of-two batch the shard's
-    sample-weighted mean rounds as the all-reduce's mean does."""
+    sample-weighted mean rounds as the all-reduce's mean does. The GBA phase waits for fresh
+    parameters (`fresh_wait`): a wait may bring the switch request back sooner on one trainer than
+    on the other, and it must not make that one leave GBA a step earlier (it did, in about half
+    the runs: the two then took unequal counts of sync steps and the job hung at close)."""
     switched, reference = four_ranks["switched"], three_ranks["never-switched"]
     for trainer in (0, 1):
         got, want = switched[trainer]["state"], reference[trainer]["state"]

@@ -405,6 +405,10 @@ class GBASync(ModeSwitches, DenseSync):
         self._apply(gradient)
 
     def _gba_step(self, gradient: torch.Tensor, compute_s: float, finite: bool) -> None:
+        # A switch request seen before this step, not one its own push or fresh wait brings: how
+        # long a trainer waits must not change at which step it leaves, or lockstep trainers (which
+        # see every request before their next step) would leave at different steps.
+        requested = self._client.sync_requested
         if not finite:
             self._nonfinite([self.roles.trainer_index], self._shards.fail)
         self._client.submit(gradient, compute_s, finite)
@@ -416,11 +420,11 @@ class GBASync(ModeSwitches, DenseSync):
             self.metrics.record_fresh_wait(time.perf_counter() - started, fresh)
         self._client.install_fresh()
         self._gba_steps += 1
-        if self._leave_gba_due():
+        if self._leave_gba_due(requested):
             self._leave_gba()
 
-    def _leave_gba_due(self) -> bool:
-        """Whether this step ends GBA mode.
+    def _leave_gba_due(self, requested: bool) -> bool:
+        """Whether this step ends GBA mode; `requested`: the switch request was seen before it.
 
         The request reaches each trainer in a push reply, so trainers see it after different local
         steps. Independent trainers act on it at once: each waits for the others in `_leave_gba`'s
@@ -428,7 +432,6 @@ class GBASync(ModeSwitches, DenseSync):
         the barrier would meet a peer's next embedding all-to-all on the same group and both would
         hang. They agree instead, at the same step (every `lockstep_every` GBA steps, a count equal
         on all of them), in a MAX all-reduce of "I have seen the request"."""
-        requested = self._client.sync_requested
         if not self.lockstep_every:
             return requested
         if self._gba_steps % self.lockstep_every:
