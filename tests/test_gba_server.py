@@ -16,7 +16,9 @@ from shadowgba.flat_optimizer import (SHARD_ALIGN, FlatOptimizer, LRSchedule, Op
 from shadowgba.config import from_dict
 from shadowgba.gba.client import entered_step
 from shadowgba.gba.config import GBAConfig
+from shadowgba.dense import DenseParams
 from shadowgba.gba.fresh import FreshWaitPolicy
+from shadowgba.gba.lookahead import LONGEST_GAP, Lookahead
 from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
 from shadowgba.gba.server import WATCHERS, DenseShard
 from shadowgba.gba.shards import DenseShardClient, PushRequest
@@ -260,6 +262,42 @@ def test_fresh_waits_are_bounded_by_a_share_of_compute_and_stop_while_they_time_
         policy.record(fresh=True)
     assert policy.bound_s(0.120) is not None  # step 21: waiting again
     assert FreshWaitPolicy(0.0).bound_s(0.100) is None
+
+
+def test_lookahead_computes_on_the_parameters_extrapolated_by_the_staleness_at_their_velocity() -> None:
+    """`Lookahead`, by hand, over 2 shards of a 4-element vector: live = received + scale x
+    staleness (moving average, weights 0.8 / 0.2) x velocity per global step between the last two
+    installs of each slice; an exact install, a slice not installed, a gap past LONGEST_GAP and
+    `forget` each as documented; scale 0 installs the received values."""
+    param = torch.nn.Parameter(torch.zeros(4))
+    dense = DenseParams([("w", param)])
+    bounds = [(0, 2), (2, 4)]
+    lookahead = Lookahead(dense, scale=1.0)
+    lookahead.install([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])], [10, 10], bounds, exact=True)
+    assert param.tolist() == [1.0, 2.0, 3.0, 4.0]
+    lookahead.observe(1)
+    lookahead.observe(2)  # staleness: 0 -> 0.2 -> 0.56
+    assert lookahead.staleness == pytest.approx(0.56)
+    # shard 0 two global steps on (velocity [1, -1] per step), shard 1 one step on (velocity [2, 0])
+    lookahead.install([torch.tensor([3.0, 0.0]), torch.tensor([5.0, 4.0])], [12, 11], bounds, exact=False)
+    assert param.tolist() == pytest.approx([3.56, -0.56, 6.12, 4.0])
+    # only shard 1 new (velocity [-1, 1]); shard 0 keeps its received values and velocity
+    lookahead.install([None, torch.tensor([4.0, 5.0])], [12, 12], bounds, exact=False)
+    assert param.tolist() == pytest.approx([3.56, -0.56, 3.44, 5.56])
+    lookahead.install([torch.tensor([9.0, 9.0]), None], [12 + LONGEST_GAP + 1, 12], bounds, exact=False)
+    assert param.tolist() == pytest.approx([9.0, 9.0, 3.44, 5.56])  # too far apart: no velocity for shard 0
+    lookahead.install([torch.tensor([1.0, 1.0]), torch.tensor([2.0, 2.0])], [30, 30], bounds, exact=True)
+    assert param.tolist() == [1.0, 1.0, 2.0, 2.0]  # a pull: exact, velocity forgotten
+    lookahead.install([torch.tensor([2.0, 1.0]), None], [31, 30], bounds, exact=False)
+    assert param.tolist() == pytest.approx([2.56, 1.0, 2.0, 2.0])
+    lookahead.forget()
+    assert lookahead.staleness == 0.0
+    lookahead.install([torch.tensor([5.0, 5.0]), torch.tensor([5.0, 5.0])], [32, 31], bounds, exact=False)
+    assert param.tolist() == [5.0, 5.0, 5.0, 5.0]  # after a switch: as received
+    off = Lookahead(dense, scale=0.0)
+    off.observe(3)
+    off.install([torch.tensor([7.0, 7.0]), torch.tensor([8.0, 8.0])], [40, 40], bounds, exact=False)
+    assert param.tolist() == [7.0, 7.0, 8.0, 8.0]
 
 
 def test_gba_defaults_are_the_measured_ones() -> None:

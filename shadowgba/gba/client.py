@@ -46,6 +46,7 @@ import torch
 from shadowgba.dense import DenseParams
 from shadowgba.errors import ServerRestarted, SyncError
 from shadowgba.metrics import GBAMetrics
+from shadowgba.gba.lookahead import Lookahead
 from shadowgba.gba.shards import DenseShardClient, ShardReply
 
 logger = logging.getLogger("shadowgba")
@@ -83,9 +84,11 @@ class GBAClient:
     """One trainer's asynchronous traffic with the dense shards in GBA mode (see the module docstring)."""
 
     def __init__(self, shards: DenseShardClient, dense: DenseParams, trainer_index: int, local_batch_size: int,
-                 queue_size: int, watch: bool, metrics: GBAMetrics, push_dtype: torch.dtype | None = None) -> None:
+                 queue_size: int, watch: bool, metrics: GBAMetrics, push_dtype: torch.dtype | None = None,
+                 lookahead: float = 0.0) -> None:
         """`watch`: run the watcher's long polls while in GBA mode (global-batch aggregation only);
-        `push_dtype`: the dtype gradients are queued and pushed in (default: the parameters')."""
+        `push_dtype`: the dtype gradients are queued and pushed in (default: the parameters');
+        `lookahead`: compute on predicted parameters (`shadowgba.gba.lookahead`; 0: off)."""
         self._shards = shards
         self._dense = dense
         self._push_dtype = push_dtype or dense.dtype
@@ -94,6 +97,7 @@ class GBAClient:
         self._queue_size = queue_size
         self._watch = watch
         self._metrics = metrics
+        self._lookahead = Lookahead(dense, lookahead)
         self.tokens: list[int] = []
         """Per shard, the token of the installed parameters (training thread only)."""
         self._sync_requested = threading.Event()
@@ -171,6 +175,7 @@ class GBAClient:
             self._fresh = [None] * len(self._shards.bounds)
             self._epoch += 1
         self._sync_requested.clear()
+        self._lookahead.forget()
 
     @property
     def sync_requested(self) -> bool:
@@ -224,7 +229,7 @@ class GBAClient:
             return
         slices = [reply.params if new else None for reply, new in zip(fresh, newer)]
         tokens = [reply.token if new else token for reply, new, token in zip(fresh, newer, self.tokens)]
-        self._install(slices, tokens)
+        self._install(slices, tokens, exact=rebased)
 
     def wait_fresh(self, timeout_s: float) -> bool:
         """Wait at most `timeout_s` until the last submitted gradient's push is answered and, if it
@@ -288,14 +293,13 @@ class GBAClient:
             raise SyncError(f"GBA shadow thread failed: {error!r}") from error
 
     def _install_replies(self, replies: list[ShardReply]) -> None:
-        self._install([reply.params for reply in replies], [reply.token for reply in replies])
+        self._install([reply.params for reply in replies], [reply.token for reply in replies], exact=True)
 
-    def _install(self, slices: list[torch.Tensor | None], tokens: list[int]) -> None:
+    def _install(self, slices: list[torch.Tensor | None], tokens: list[int], exact: bool) -> None:
         """Make these parameters the live ones (GBA trainers make no local dense updates), each
-        shard's slice in place; None: that shard's slice is live already."""
-        for piece, (start, _) in zip(slices, self._shards.bounds):
-            if piece is not None:
-                self._dense.copy_from(piece, start)
+        shard's slice; None: that shard's slice is installed already. `exact`: the values
+        themselves (pulls); else, with lookahead, the prediction from them."""
+        self._lookahead.install(slices, tokens, self._shards.bounds, exact)
         self.tokens = tokens
         with self._replies_lock:
             self._live_tokens = list(tokens)
@@ -347,7 +351,10 @@ class GBAClient:
         self._offer(replies)
         if replies[0].requested_mode == "sync":  # before the answer: whoever waited for it sees the request
             self._sync_requested.set()
-        self._answer(queued.seq, entered_step(replies[0]))
+        entered = entered_step(replies[0])
+        if entered is not None:
+            self._lookahead.observe(entered - 1 - queued.token)
+        self._answer(queued.seq, entered)
 
     def _answer(self, seq: int, entered: int | None) -> None:
         """The push of gradient `seq` was answered; `entered`: the global step it entered (None: none)."""

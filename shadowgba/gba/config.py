@@ -48,6 +48,13 @@ class GBAConfig(AggregationConfig):
     waits that succeed slowly still cost a straggler's peers speed, and a sync -> GBA -> sync job in
     lockstep with it has hung at close (docs/gba.md, "Fresh gradients where nothing forces
     staleness"); do not enable it in production jobs until that is fixed."""
+    lookahead: float = 0.0
+    """Weight prediction: each trainer computes its gradients on the parameters extrapolated by
+    this multiple of its recent staleness (global steps) at their velocity over the last global
+    steps, so that a gradient applied s steps late was computed about where it is applied
+    (`shadowgba.gba.lookahead`). 0: on the parameters received. >= 0; GBA's global-batch
+    aggregation only (plain async keeps the parameters it received). Costs three extra copies of
+    the dense parameters on each trainer and a few vector operations per install."""
     lockstep_every: int | None = None
     """When the trainers take every step together anyway (TorchRec-sharded tables: each step's
     all-to-all pairs them), they agree on leaving GBA every this many GBA steps, else one trainer's
@@ -68,6 +75,8 @@ class GBAConfig(AggregationConfig):
             raise ConfigError(f"queue_size must be >= 1, got {self.queue_size}")
         if not self.fresh_wait >= 0:
             raise ConfigError(f"fresh_wait must be >= 0 (a share of the step's compute time), got {self.fresh_wait}")
+        if not self.lookahead >= 0:
+            raise ConfigError(f"lookahead must be >= 0 (a multiple of the staleness), got {self.lookahead}")
         if self.lockstep_every is not None and self.lockstep_every < 0:
             raise ConfigError(f"lockstep_every must be >= 0 or null, got {self.lockstep_every}")
 

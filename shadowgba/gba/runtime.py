@@ -180,12 +180,14 @@ class GBASync(ModeSwitches, DenseSync):
         self._allreduce = SyncAllReduce(self.dense.numel, self.num_trainers, roles.trainer_index,
                                         self.dense.dtype, self.dense.device)
         self._shards = DenseShardClient(self.dense.numel, self.transport)
+        global_batch_aggregation = config.aggregation == "global_batch"  # plain async waits for and predicts nothing
         self._client = GBAClient(self._shards, self.dense, roles.trainer_index, local_batch_size, config.queue_size,
-                                 watch=config.aggregation == "global_batch", metrics=self.metrics,
-                                 push_dtype=config.push_torch_dtype(self.dense.dtype))
+                                 watch=global_batch_aggregation, metrics=self.metrics,
+                                 push_dtype=config.push_torch_dtype(self.dense.dtype),
+                                 lookahead=config.lookahead if global_batch_aggregation else 0.0)
         self._last_step_end = time.perf_counter()
-        self._fresh = FreshWaitPolicy(config.fresh_wait if config.aggregation == "global_batch" else 0.0)
-        """Whether and how long a GBA step waits for fresh parameters (plain async has no global batch)."""
+        self._fresh = FreshWaitPolicy(config.fresh_wait if global_batch_aggregation else 0.0)
+        """Whether and how long a GBA step waits for fresh parameters."""
 
     # ----------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
