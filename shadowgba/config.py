@@ -77,18 +77,19 @@ class SyncConfig:
     the steps' slowdown while it is in flight, or the CPU its threads took from cores that had none
     idle, whichever is larger; after rounds that cost c seconds (the median of the last few), the
     next starts no sooner than c / max_step_cost after the last one started. On a CPU-bound host
-    the rounds then come about as often as a foreground round every 10 steps; where a round is
-    nearly free (a GPU's host cores idle, a fast link) as often as `interval_ms` lets them. 1: no
-    such limit. Ignored by gba."""
-    max_gap_steps: int = 20
+    the rounds then space out by the CPU they take from the steps (the floor, `max_gap_steps`,
+    keeps them coming); where a round is nearly free (a GPU's host cores idle, a fast link) they
+    come as often as `interval_ms` lets them. 1: no such limit. Ignored by gba."""
+    max_gap_steps: int = 10
     """The floor on the shadow round rate: a round starts at most this many steps of the fastest rank
-    after the last one started, whatever the cost limits (`max_round_share`, `max_step_cost`) and
-    `interval_ms` say, and never sooner than `interval_steps` asks. A round still in flight half
+    after the last one started, however dear the cost limits (`max_round_share`, `max_step_cost`)
+    find the rounds; `interval_ms` and `interval_steps`, the user's, stand. 10: never rarer than PMA's
+    every 10 steps, whose AUC matched DDP's (docs/benchmarks.md). A round still in flight half
     this many steps after it started gets the training threads' CPU priority back
     (`rounds_nice`). A round slower than this many steps makes the gap larger (`warn_gap_steps`).
     0: no floor. Ignored by gba and in foreground mode."""
     warn_gap_steps: int = 100
-    """A rank that goes this many steps without a round reaching its dense weights logs a warning
+    """A rank that goes more than this many steps without a round reaching its dense weights logs a warning
     naming what held the rounds back (the replicas drift apart meanwhile), once until a round
     arrives again; `metrics` reports the gap (`sync_gap_steps`) and the rounds per step either way.
     0: no warning. Ignored by gba and in foreground mode."""

@@ -175,3 +175,30 @@ def test_a_gap_past_warn_gap_steps_is_warned_about_once_until_a_round_arrives(ca
     assert len(caplog.records) == 1  # 5 steps since the round at step 8: not over 5 yet
     schedule.step_ended(14)
     assert len(caplog.records) == 2 and "for 6 steps" in caplog.records[1].getMessage()
+
+
+def test_a_table_cycle_ends_within_its_bound_in_steps_within_the_links_byte_budget() -> None:
+    """Fragments of 1 MiB, a bound of 100 steps, dense rounds every 10 steps of the fastest rank: a
+    cycle of 50 fragments is spread over the 10 dense rounds before its deadline (5 a round); one of
+    1,000 fragments is held to the budget (4 MiB a step: 40 a round) and takes 250 steps, its bytes
+    over the budget; `cycle_steps` 0 takes one a round."""
+    from shadowgba.shadow.cycle_budget import CycleBudget
+
+    def cycle(budget: CycleBudget, fragments: int, every: int = 10) -> tuple[list[int], int]:
+        counts, left = [budget.fragments_now(every, fragments, started=True)], fragments
+        while (left := left - counts[-1]) > 0:
+            counts.append(budget.fragments_now(every, left))
+        return counts, budget.last_cycle_steps
+
+    fragment_numel = 2**20 // 4
+    counts, steps = cycle(CycleBudget(100, 4.0, fragment_numel), 50)
+    assert counts == [5] * 10 and steps == 90, (counts, steps)
+    counts, steps = cycle(CycleBudget(100, 4.0, fragment_numel), 1000)
+    assert max(counts) == 40 and steps == pytest.approx(1000 / 4, abs=10), (counts, steps)
+    counts, steps = cycle(CycleBudget(0, 4.0, fragment_numel), 7)
+    assert counts == [1] * 7 and steps == 60
+    budget = CycleBudget(100, 4.0, fragment_numel)
+    for fragments in (50, 30, 80):  # cycle after cycle, at a pace that changes: every one within its bound
+        for every in (3, 17):
+            assert cycle(budget, fragments, every)[1] <= 100 + every, (fragments, every)
+    assert budget.longest_cycle_steps <= 117

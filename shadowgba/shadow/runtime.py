@@ -533,8 +533,7 @@ class ShadowSync(DenseSync):
             self._global_ranks(result.nonfinite_ranks), self._global_ranks(result.aborted_ranks), "a round"
         )
         if self.tables is not None and not failed:  # every rank alike: the flags are the same everywhere
-            whole_cycle = self.config.mode == "foreground"  # TorchRec's sync(): every table each time
-            if self._table_rounds.run(len(self.tables.fragments) if whole_cycle else 1, self._table_writeback):
+            if self._table_rounds.run(None, self._table_writeback, result.fastest_steps):
                 return False  # aborting: the next round is this rank's aborted dense round
             failed = self._error is not None
         if result.joins_seen and not (result.last or failed) and self._epochs is not None:  # alike on every rank

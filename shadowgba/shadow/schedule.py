@@ -58,7 +58,7 @@ class RoundSchedule:
         self._restore_at: float = NEVER
         self._due_at: float = NEVER
         self._applied_step = 0
-        self._warn_at: float = NEVER if not config.warn_gap_steps else config.warn_gap_steps + config.first_round_after + 1
+        self._warn_at: float = config.first_round_after + config.warn_gap_steps + 1 if config.warn_gap_steps else NEVER
         self._next_check: float = self._warn_at
         self._span_start = 0.0
         self._cpu_start = 0.0
@@ -155,7 +155,8 @@ class RoundSchedule:
         logger.warning(
             "shadowgba: %s: no round reached the dense weights for %d steps (over sync.warn_gap_steps: %d), held back by "
             "%s; the replicas drift apart meanwhile. Rounds per step %.3f, a round costs the training threads "
-            "%.1f ms and takes %.1f ms (sync.max_step_cost %g, max_round_share %g, max_gap_steps %d, interval_ms %g)",
+            "%.1f ms and takes %.1f ms (sync.max_step_cost %g, max_round_share %g, max_gap_steps %d, "
+            "interval_ms %g)",
             self.name, step - self._applied_step, self.warn_gap_steps, held, summary["rounds_per_step"],
             summary["round_cost_ms_mean"], summary["round_latency_ms_mean"], pacer.max_step_cost,
             pacer.max_round_share, pacer.max_gap_steps, pacer.interval_s * 1e3)
