@@ -44,7 +44,8 @@ straggler is the fast group at full speed and the slow one at its own pace again
 the slow pace (printed). Per variant also: the fast group's steps over the slow group's in the
 window (decoupled groups: `factor`), the sync's rounds per second, table rounds and cycles and how many
 steps a fragment had gone unaveraged when it was refreshed, mean and max over the run (trainer 0's
-`sync` metrics, so steps of the slow group; 2D shadowgba variants only), every run's resources (CPU ms per
+`sync` metrics, so steps of the slow group; 2D shadowgba variants only), the longest table cycle
+finished while training in steps of the fastest rank (its bound: docs/two_d.md), every run's resources (CPU ms per
 sample of all ranks, peak memory, a trainer's extra memory, `bench_summary`), and a trainer's extra
 memory in MiB, alone and over none-2d's of the same repetition (the same table layout and the same
 end-of-run checks, so what the sync holds beyond them; ddp's tables are sharded over 4 ranks, not
@@ -233,7 +234,7 @@ def throughput_metrics(result: dict[str, Any], slow_trainer: int, group_size: in
         "overrun_fast_group": fast_group_overrun(result, slow_trainer, group_size),
         "sync_rounds_per_s": sync.get("rounds_per_s"),
         **{key: sync.get(key) for key in ("table_rounds", "table_cycles", "fragment_refresh_age_steps_mean",
-                                          "fragment_refresh_age_steps_max")},
+                                          "fragment_refresh_age_steps_max", "table_cycle_steps_max")},
         "extra_mib": result["resources"]["trainer_extra_rss_mib_max"],
         "stopped_together": result["samples_computed_total"] == result["trainers"] * result["steps"] * batch,
         "wire_kb_per_sample": (result["wire_bytes_sent"] / 1e3 / result["samples_computed_total"]
@@ -243,7 +244,7 @@ def throughput_metrics(result: dict[str, Any], slow_trainer: int, group_size: in
 
 THROUGHPUT_FIGURES = ("samples_per_s", "window_s", "group_step_ratio", "overrun_fast_group", "sync_rounds_per_s",
                       "table_rounds", "table_cycles", "fragment_refresh_age_steps_mean",
-                      "fragment_refresh_age_steps_max", "extra_mib", "wire_kb_per_sample")
+                      "fragment_refresh_age_steps_max", "table_cycle_steps_max", "extra_mib", "wire_kb_per_sample")
 """The `throughput_metrics` summarized as median and min-max over repetitions."""
 
 
@@ -306,6 +307,8 @@ THROUGHPUT_COLUMNS: list[Column] = [
     ("fragment age at refresh, mean / max (steps)",
      lambda row: f"{optional(median(row['fragment_refresh_age_steps_mean']), '.1f')} / "
                  f"{optional(median(row['fragment_refresh_age_steps_max']), '.0f')}"),
+    ("longest table cycle (steps of the fastest rank)",
+     lambda row: optional(median(row["table_cycle_steps_max"]), ".0f")),
     *RESOURCE_COLUMNS,
     ("extra MiB per trainer", lambda row: spread_cell(row["extra_mib"], ",.0f")),
     ("wire KB/sample", lambda row: spread_cell(row["wire_kb_per_sample"], ".1f")),

@@ -57,34 +57,51 @@ class SyncConfig:
     shadow thread reads and writes `.data` itself, lock-free and racy (ShadowSync's semantics).
     Ignored by gba."""
     interval_ms: float = 200.0
-    """Shadow mode pacing: minimum time between the starts of two rounds. On few CPU cores an
-    unpaced loop steals the trainers' CPU (docs/benchmarks.md); 0 runs flat out. Can be changed
-    while the job runs. Ignored by gba."""
+    """Shadow mode pacing: the least time between the starts of two rounds, unless the floor on the
+    round rate (`max_gap_steps`) needs one sooner; 0 runs them as often as the other limits let
+    them. Can be changed while the job runs. Ignored by gba."""
     interval_steps: int = 0
     """Shadow mode pacing in steps: when > 0, a round also waits until the fastest rank has taken
     about this many training steps since the last one started (its step time is carried in the
     rounds), so the round rate follows the steps whatever a step costs, as TorchRec's sync every N
-    batches does; `interval_ms` stays the floor. 0: time alone. Can be changed while the job runs.
-    Ignored by gba."""
+    batches does. 0: the other limits alone. Can be changed while the job runs. Ignored by gba."""
     max_round_share: float = 0.1
-    """Shadow mode pacing by cost: the most of the wall time the rounds may take. After rounds that
-    took d seconds (the median of the last few), the next starts no sooner than d / max_round_share
-    after the last one started. A round's duration is what it costs the steps, in link time (a
-    step's embedding all-to-all crosses the same link) and in CPU (its copies and reduction), so
-    rounds space out where they are dear (a slow link, busy cores) and run as often as the other
-    limits allow where they are cheap. Across a link of 1 Gbit/s or less, 0.05 averages a dense net
-    of millions of parameters about as often as a foreground round every 10 steps, at less cost to
-    the steps (docs/benchmarks.md, "Across hosts"); in a 2D job it also halves the table rounds,
-    which follow the dense ones. 1: no such limit. Can be changed while the job runs. Ignored by gba."""
-    rounds_nice: int = 0
-    """Shadow mode: the niceness (0-19) of the shadow thread and of the gloo threads of the process
-    group it makes for its rounds (flat layout; in a 2D job the shadow thread only; Linux). Where
-    the training threads keep every core busy (CPU training), 19 leaves the rounds the CPU that
-    training does not use instead of taking it from the steps; where training waits (a GPU, a
-    straggler, a link) the rounds run as at 0. On cores kept busy by other work too, the rounds
-    slow down, and the share pacing spaces them out (the sync gap in `metrics` grows): with 2D ranks
-    or simulated hosts sharing 2 busy cores, rounds at 19 all but stopped, so the default is 0, the
-    training thread's priority. Ignored by gba and in foreground mode."""
+    """Shadow mode pacing by the link: the most of the wall time the rounds may take. After rounds
+    that took d seconds (the median of the last few), the next starts no sooner than d /
+    max_round_share after the last one started. A round's duration is long where the link is slow
+    (a step's embedding all-to-all crosses the same link), so the rounds space out there by
+    themselves. 1: no such limit. Can be changed while the job runs. Ignored by gba."""
+    max_step_cost: float = 0.02
+    """Shadow mode pacing by what the rounds cost the training threads: the most share of their time
+    the rounds may take from them. A round's cost is measured, not set (`shadowgba.shadow.round_cost`):
+    the steps' slowdown while it is in flight, or the CPU its threads took from cores that had none
+    idle, whichever is larger; after rounds that cost c seconds (the median of the last few), the
+    next starts no sooner than c / max_step_cost after the last one started. On a CPU-bound host
+    the rounds then space out by the CPU they take from the steps (the floor, `max_gap_steps`,
+    keeps them coming); where a round is nearly free (a GPU's host cores idle, a fast link) they
+    come as often as `interval_ms` lets them. 1: no such limit. Ignored by gba."""
+    max_gap_steps: int = 10
+    """The floor on the shadow round rate: a round starts at most this many steps of the fastest rank
+    after the last one started, however dear the cost limits (`max_round_share`, `max_step_cost`)
+    find the rounds; `interval_ms` and `interval_steps`, the user's, stand. 10: never rarer than PMA's
+    every 10 steps, whose AUC matched DDP's (docs/benchmarks.md). A round still in flight half
+    this many steps after it started gets the training threads' CPU priority back
+    (`rounds_nice`). A round slower than this many steps makes the gap larger (`warn_gap_steps`).
+    0: no floor. Ignored by gba and in foreground mode."""
+    warn_gap_steps: int = 100
+    """A rank that goes more than this many steps without a round reaching its dense weights logs a warning
+    naming what held the rounds back (the replicas drift apart meanwhile), once until a round
+    arrives again; `metrics` reports the gap (`sync_gap_steps`) and the rounds per step either way.
+    0: no warning. Ignored by gba and in foreground mode."""
+    rounds_nice: int | None = None
+    """Shadow mode: the CPU priority of the shadow thread and of the gloo threads of the process
+    group it makes for its rounds (flat layout; in a 2D job the shadow thread only; Linux). null
+    (default): adaptive (`shadowgba.shadow.priority`): a round runs at niceness 19, taking only the
+    CPU the training threads leave, and gets the training threads' priority back when it is late
+    for the floor (`max_gap_steps`), as does the round after it; where this process may not raise a
+    thread's priority again (no CAP_SYS_NICE, RLIMIT_NICE), the rounds keep the training threads'
+    priority. 0-19: that niceness throughout (0: the training threads' priority, never lowered).
+    Ignored by gba and in foreground mode."""
     foreground_every: int = 10
     """Foreground mode: training steps between two synchronous rounds. Ignored by gba."""
     first_round_after: int = 50
@@ -202,8 +219,14 @@ class SyncConfig:
             raise ConfigError(f"interval_steps must be >= 0, got {self.interval_steps}")
         if not 0 < self.max_round_share <= 1:
             raise ConfigError(f"max_round_share must be in (0, 1], got {self.max_round_share}")
-        if not 0 <= self.rounds_nice <= 19:
-            raise ConfigError(f"rounds_nice must be in [0, 19], got {self.rounds_nice}")
+        if not 0 < self.max_step_cost <= 1:
+            raise ConfigError(f"max_step_cost must be in (0, 1], got {self.max_step_cost}")
+        if self.max_gap_steps < 0:
+            raise ConfigError(f"max_gap_steps must be >= 0 (0: no floor), got {self.max_gap_steps}")
+        if self.warn_gap_steps < 0:
+            raise ConfigError(f"warn_gap_steps must be >= 0 (0: no warning), got {self.warn_gap_steps}")
+        if self.rounds_nice is not None and not 0 <= self.rounds_nice <= 19:
+            raise ConfigError(f"rounds_nice must be in [0, 19], got {self.rounds_nice} (null: adaptive)")
         if self.first_round_after < 0:
             raise ConfigError(f"first_round_after must be >= 0, got {self.first_round_after}")
         if self.foreground_every < 1:

@@ -41,7 +41,9 @@ def held_bytes(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
 
 
 class SyncMetrics:
-    """Rounds, round latency, sync gap, bytes moved and the training thread's cost of syncing."""
+    """Rounds, rounds per step, round latency, sync gap (steps between two rounds reaching the dense
+    weights, and since the last one now), bytes moved, the shadow rounds' cost to the training
+    threads and the training thread's own time in sync code."""
 
     def __init__(self, held: HeldTensors | None = None, guard: NonFiniteGuard | None = None,
                  tables: TableCounters | None = None) -> None:
@@ -77,6 +79,12 @@ class SyncMetrics:
         """Times this rank's NaN / Inf weights (dense, or a table fragment) were replaced by the
         healthy replicas' consensus (`sync.on_nonfinite: skip`); counted on the healed rank."""
         self._last_applied_step = 0
+        self._last_step = 0
+        self.round_cost_total_s = 0.0
+        """Shadow rounds: what they cost the training threads, summed (`shadowgba.shadow.round_cost`)."""
+        self.round_cpu_total_s = 0.0
+        """Shadow rounds: the CPU time of their threads, summed."""
+        self.costed_rounds = 0
 
     def record_round(self, seconds: float, bytes_moved: int) -> None:
         """One round finished its communication."""
@@ -103,6 +111,13 @@ class SyncMetrics:
             self.sync_gap_total_steps += gap
             self.sync_gap_max_steps = max(self.sync_gap_max_steps, gap)
 
+    def record_round_cost(self, cost_s: float, cpu_s: float) -> None:
+        """A shadow round cost the training threads `cost_s` of their time; its threads ran `cpu_s`."""
+        with self._lock:
+            self.costed_rounds += 1
+            self.round_cost_total_s += cost_s
+            self.round_cpu_total_s += cpu_s
+
     def record_nonfinite_skip(self) -> None:
         """A round or final average left a rank's NaN / Inf contribution out."""
         with self._lock:
@@ -123,10 +138,12 @@ class SyncMetrics:
         with self._lock:
             self.nonfinite_replicas_healed += 1
 
-    def record_step(self, sync_seconds: float) -> None:
-        """A training step ended; `sync_seconds` of it were spent in shadowgba code."""
+    def record_step(self, sync_seconds: float, step: int | None = None) -> None:
+        """A training step ended; `sync_seconds` of it were spent in shadowgba code; `step`: the
+        runtime's step count now, which `record_applied` counts in (default: the steps recorded)."""
         with self._lock:
             self.steps += 1
+            self._last_step = self.steps if step is None else step
             self.training_sync_s += sync_seconds
 
     def memory(self) -> dict[str, int]:
@@ -157,6 +174,10 @@ class SyncMetrics:
                 "applied_rounds": self.applied_rounds,
                 "sync_gap_steps_mean": self.sync_gap_total_steps / max(self.applied_rounds, 1),
                 "sync_gap_steps_max": self.sync_gap_max_steps,
+                "sync_gap_steps": max(0, self._last_step - self._last_applied_step),
+                "rounds_per_step": self.rounds / max(self.steps, 1),
+                "round_cost_ms_mean": 1e3 * self.round_cost_total_s / max(self.costed_rounds, 1),
+                "round_cpu_ms_mean": 1e3 * self.round_cpu_total_s / max(self.costed_rounds, 1),
                 "training_sync_s": self.training_sync_s,
                 "nonfinite_rounds_skipped": self.nonfinite_rounds_skipped,
                 "nonfinite_replicas_healed": self.nonfinite_replicas_healed,
@@ -174,9 +195,12 @@ class SyncMetrics:
         return (
             f"rounds={s['rounds']} ({s['rounds_per_s']:.1f}/s, {s['round_latency_ms_mean']:.1f} ms mean, "
             f"{s['round_latency_ms_max']:.1f} ms max) steps={s['steps']} "
-            f"sync_gap={s['sync_gap_steps_mean']:.1f} steps (max {s['sync_gap_steps_max']}) "
+            f"rounds_per_step={s['rounds_per_step']:.3f} sync_gap={s['sync_gap_steps_mean']:.1f} steps "
+            f"(max {s['sync_gap_steps_max']}, now {s['sync_gap_steps']}) "
             f"moved={s['bytes_moved'] / 2**20:.1f} MiB training_sync={s['training_sync_s']:.3f}s "
             f"held={s['memory_bytes'] / 2**20:.1f} MiB"
+            + (f" round_cost={s['round_cost_ms_mean']:.1f} ms (cpu {s['round_cpu_ms_mean']:.1f} ms)"
+               if s["round_cost_ms_mean"] or s["round_cpu_ms_mean"] else "")
             + (f" nonfinite_skipped={s['nonfinite_rounds_skipped']}" if s["nonfinite_rounds_skipped"] else "")
             + (f" own_steps_skipped={s['nonfinite_steps_skipped']}" if s["nonfinite_steps_skipped"] else "")
             + (f" healed={s['nonfinite_replicas_healed']}" if s["nonfinite_replicas_healed"] else "")

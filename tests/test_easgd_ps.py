@@ -130,7 +130,8 @@ def shadow_job(rank: int, world_size: int, steps: list[int]) -> dict | None:
             return None
         model = vector_model(roles.trainer_index)
         optimizer = ConstantStep(list(model.parameters()), increment=1.0)
-        config = SyncConfig(algo="easgd_ps", interval_ms=1.0, max_round_share=1.0, first_round_after=5, ps=PSConfig(num_servers=1))
+        config = SyncConfig(algo="easgd_ps", interval_ms=1.0, max_round_share=1.0, max_step_cost=1.0, first_round_after=5,
+                            ps=PSConfig(num_servers=1))
         centre = CenterClient(ps)
         with ShadowSync(model, optimizer, config, process_group=roles.trainer_group,
                         algorithm_kwargs={"centre": centre}) as sync:

@@ -62,8 +62,8 @@ both servers are one torchrun job, which restarts them together."""
 EASGD_FAULTS = ("easgd", "easgd_server")
 """The faults run under S-EASGD (`easgd_ps`); the others under GBA."""
 EASGD_INTERVAL_MS = 20.0
-"""The `easgd` faults (S-EASGD): the shadow thread's pacing, by time alone (`max_round_share` 1):
-the assertions count exchanges in windows of a few seconds."""
+"""The `easgd` faults (S-EASGD): the shadow thread's pacing, by time alone (`max_round_share` and
+`max_step_cost` 1): the assertions count exchanges in windows of a few seconds."""
 SERVER_CHECKPOINT_EVERY = 5
 """The `server` faults: global steps (exchanges with a centre slice) between a server's own checkpoints."""
 SERVER_KILL_AT = 20
@@ -88,7 +88,7 @@ def config(fault: str, checkpoint_dir: str | None = None) -> SyncConfig:
     restart = dict(checkpoint_dir=checkpoint_dir, checkpoint_every=SERVER_CHECKPOINT_EVERY,
                    server_restart_s=30.0) if fault in ("server", "easgd_server") else {}
     return SyncConfig(algo="easgd_ps" if fault in EASGD_FAULTS else "gba", timeout_s=TIMEOUT_S[fault],
-                      interval_ms=EASGD_INTERVAL_MS, max_round_share=1.0, ps=PSConfig(
+                      interval_ms=EASGD_INTERVAL_MS, max_round_share=1.0, max_step_cost=1.0, ps=PSConfig(
         num_servers=SERVERS[fault], num_trainers=TRAINERS, rpc_timeout_s=TIMEOUT_S[fault], on_trainer_lost="continue",
         **restart), gba=GBAConfig(initial_mode="gba"))
 

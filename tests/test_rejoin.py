@@ -90,7 +90,7 @@ def test_a_group_restarted_by_its_own_agent_rejoins_and_the_replicas_end_identic
 
     fault_log = tmp_path / "faults.jsonl"
     arguments = ["--config", "examples/configs/ma_2d.yaml", *SMALL, "--data.synthetic.eval_batches", "4", "--sync.timeout_s", "20",
-                 "--sync.on_group_lost", "continue", "--sync.max_round_share", "1"]
+                 "--sync.on_group_lost", "continue", "--sync.max_round_share", "1", "--sync.max_step_cost", "1"]
     # group 0 trains for 30 s, long enough for group 1's agent to restart it (Python, torch and
     # TorchRec imported again, the model built); group 1 trains to step 60 each time, saving a
     # checkpoint every 10 steps, and its restart resumes its position from the last one (its weights

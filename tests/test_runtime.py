@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from shadowgba import SyncConfig, SyncError
-from shadowgba.shadow import pacing
 from shadowgba.shadow.runtime import ShadowSync
 from sync_algos.bmuf import BMUFConfig
 from tests.multiprocess import run_ranks, run_shared
@@ -51,7 +50,8 @@ def train_constant_steps(rank: int, world_size: int, steps: list[int], options: 
     """Rank r takes steps[r] steps of +(r+1); returns its weights before and after the final sync."""
     model = vector_model(rank)
     optimizer = ConstantStep(list(model.parameters()), increment=float(rank + 1))
-    config = SyncConfig(**{"interval_ms": 1.0, "max_round_share": 1.0, "log_interval_s": 0.0, **options})
+    config = SyncConfig(**{"interval_ms": 1.0, "max_round_share": 1.0, "max_step_cost": 1.0, "log_interval_s": 0.0,
+                           **options})
     sync = ShadowSync(model, optimizer, config)
     with sync:
         initial = flat(model).clone()
@@ -229,11 +229,11 @@ def test_pacing_bounds_the_round_rate_and_can_change_while_running(two_ranks: di
 
 
 def niced_rounds(rank: int, world_size: int) -> dict:
-    """`sync.rounds_nice` 15: the niceness of the training thread, the shadow thread and the gloo
-    threads of the rounds' group while the job runs, and the rounds made."""
+    """`sync.rounds_nice` 19, fixed: the niceness of the training thread, the shadow thread and the
+    gloo threads of the rounds' group while the job runs, and the rounds made."""
     model = vector_model(rank)
     optimizer = ConstantStep(list(model.parameters()), increment=1.0)
-    config = SyncConfig(algo="ma", interval_ms=5.0, first_round_after=0, rounds_nice=15)
+    config = SyncConfig(algo="ma", interval_ms=5.0, first_round_after=0, rounds_nice=19)
     with ShadowSync(model, optimizer, config) as sync:
         started = time.monotonic()
         while time.monotonic() - started < 0.5:
@@ -247,16 +247,56 @@ def niced_rounds(rank: int, world_size: int) -> dict:
 
 def test_rounds_nice_lowers_the_shadow_thread_and_its_groups_threads_and_rounds_go_on(two_ranks: dict) -> None:
     for seen in two_ranks["rounds-nice"]:
-        assert seen["training"] == 0 and seen["shadow"] == 15, seen
-        assert seen["group"] and set(seen["group"]) == {15}, seen  # gloo's loop and workers of its group
+        assert seen["training"] < 19 and seen["shadow"] == 19, seen  # the suite may run niced itself
+        assert seen["group"] and set(seen["group"]) == {19}, seen  # gloo's loop and workers of its group
         assert seen["rounds"] >= 5, seen
+
+
+def rounds_under_contention(rank: int, world_size: int) -> dict:
+    """The default priority (adaptive) on cores kept busy by two more processes per rank, each step
+    3 ms of the training thread's CPU, and rounds made dear (`max_step_cost` 0.001: their cost
+    alone would space them hundreds of steps apart), so that the floor is what starts them: the
+    round rate, and the steps, under contention."""
+    import subprocess
+    import sys
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        model = vector_model(rank)
+        optimizer = ConstantStep(list(model.parameters()), increment=1.0)
+        config = SyncConfig(algo="ma", interval_ms=20.0, max_step_cost=0.001, first_round_after=0, log_interval_s=0.0)
+        with ShadowSync(model, optimizer, config) as sync:
+            started = time.monotonic()
+            while time.monotonic() - started < 4.0:
+                busy = time.thread_time()
+                while time.thread_time() - busy < 0.003:
+                    pass
+                optimizer.step()
+            metrics = sync.metrics.summary()
+            restored = sync._schedule.priority.restored
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    return {"steps": metrics["steps"], "rounds": metrics["rounds"], "gap_max": metrics["sync_gap_steps_max"],
+            "restored": restored}
+
+
+def test_the_round_rate_never_drops_below_the_floor_under_cpu_contention(two_ranks: dict) -> None:
+    """At least one round per 20 steps (the floor, `max_gap_steps`, is 10), however dear the rounds
+    and busy the cores; no two rounds reach the weights more than 40 steps apart."""
+    for result in two_ranks["contention"]:
+        assert result["steps"] >= 60, result  # enough steps for the floor to matter
+        assert result["rounds"] * 20 >= result["steps"] - 20, result
+        assert result["gap_max"] <= 40, result
 
 
 def step_paced_rounds(rank: int, world_size: int) -> dict:
     """Rank 0 steps every 2 ms, rank 1 five times slower; rounds every 10 steps of the fastest rank."""
     model = vector_model(rank)
     optimizer = ConstantStep(list(model.parameters()), increment=1.0)
-    config = SyncConfig(algo="ma", interval_ms=0.0, interval_steps=10, max_round_share=1.0, first_round_after=0)
+    config = SyncConfig(algo="ma", interval_ms=0.0, interval_steps=10, max_round_share=1.0, max_step_cost=1.0,
+                        first_round_after=0)
     steps = 0
     with ShadowSync(model, optimizer, config) as sync:
         started = time.monotonic()
@@ -296,63 +336,6 @@ def test_a_round_carries_its_previous_cost_without_the_ranks_waits(two_ranks: di
     assert two_ranks["round-costs"] == [[41.0, 40.0], [41.0, 40.0]]
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_the_pacer_waits_for_the_later_of_interval_ms_and_the_fastest_ranks_steps(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = FakeClock()
-    monkeypatch.setattr(pacing.time, "monotonic", clock)
-    pacer = pacing.RoundPacer(interval_ms=50.0, interval_steps=10)
-    assert pacer.round_started(step=7) == 7  # this rank's steps since its previous round
-    pacer.round_ended(fastest_steps=7)  # one round: no step time yet
-    clock.now += 0.02
-    assert pacer.pause_s() == pytest.approx(0.03)  # interval_ms alone
-    clock.now += 0.08
-    assert pacer.round_started(step=12) == 5
-    pacer.round_ended(fastest_steps=20)  # the fastest rank took 20 steps in 0.1 s: 5 ms per step
-    assert pacer.fastest_step_s == pytest.approx(0.005)
-    clock.now += 0.01
-    assert pacer.pause_s() == pytest.approx(0.04)  # 10 steps of 5 ms, 10 ms of them gone
-    pacer.interval_s = 0.2  # a live change: interval_ms is the floor
-    assert pacer.pause_s() == pytest.approx(0.19)
-    pacer.interval_steps = 0
-    pacer.interval_s = 0.0
-    assert pacer.pause_s() == 0.0
-
-
-def test_the_pacer_keeps_the_rounds_within_their_share_of_the_wall_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The costs are what the rounds carry (each round: the least of the ranks' times for the round
-    before it), not this rank's own time, which includes its wait for the others."""
-    clock = FakeClock()
-    monkeypatch.setattr(pacing.time, "monotonic", clock)
-    pacer = pacing.RoundPacer(interval_ms=50.0, interval_steps=0, max_round_share=0.25)
-    assert pacer.pause_s() == pytest.approx(0.05)  # no round yet: interval_ms alone
-
-    def round_(own_s: float, previous_cost_s: float) -> None:
-        pacer.round_started(step=0)
-        clock.now += own_s
-        pacer.round_ended(fastest_steps=0, previous_cost_s=previous_cost_s)
-
-    round_(2.0, 0.0)  # this rank waited 2 s for a peer: that is no cost of the round
-    assert pacer.own_last_s == 2.0 and pacer.pause_s() == 0.0  # interval_ms alone: 2 s of it gone
-    for cost in (0.1, 0.1, 3.0):  # a slow link's rounds, one of them stalled
-        round_(0.1, cost)
-    # the median cost (0.1 s) may take a quarter of the time: 0.4 s start to start, 0.1 s of it gone
-    assert pacer.pause_s() == pytest.approx(0.3)
-    pacer.max_round_share = 1.0  # a live change: no share limit, interval_ms alone
-    assert pacer.pause_s() == 0.0
-    for _ in range(pacing.RoundPacer.RECENT_ROUNDS):  # rounds of a fast link: the floor is what paces them
-        round_(0.001, 0.001)
-    pacer.max_round_share = 0.25
-    assert pacer.pause_s() == pytest.approx(0.049)
-
-
 def control_file_changes_pacing(rank: int, world_size: int, control: str) -> dict:
     from pathlib import Path
 
@@ -366,7 +349,7 @@ def control_file_changes_pacing(rank: int, world_size: int, control: str) -> dic
             time.sleep(0.002)
         return sync.metrics.rounds - rounds
 
-    config = SyncConfig(algo="ma", interval_ms=1.0, max_round_share=1.0, control_file=control)
+    config = SyncConfig(algo="ma", interval_ms=1.0, max_round_share=1.0, max_step_cost=1.0, control_file=control)
     with ShadowSync(model, optimizer, config) as sync:
         fast = train_for(1.0)
         Path(control).write_text("interval_ms: 400\ninterval_steps: 3\nmax_round_share: 0.5\n")
@@ -456,6 +439,7 @@ def two_ranks() -> dict[str, list]:
         ),
         "pacing": (paced_rounds, ()),
         "step-pacing": (step_paced_rounds, ()),
+        "contention": (rounds_under_contention, ()),
         "checkpoint-often": (checkpoint_often, ()),
         "bmuf-close-after-round": (close_right_after_a_round, ()),
         "round-costs": (round_costs_carried, ()),

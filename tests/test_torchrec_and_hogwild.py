@@ -70,7 +70,8 @@ def train_dmp_under_every_shadow_algorithm(rank: int, world_size: int) -> dict:
     results = {}
     for label, fields, steps, use_pipeline in SHADOW_CASES:
         model, optimizer = tiny_dmp.build(golden_optimizer=True)
-        config = SyncConfig(**{"interval_ms": 2.0, "max_round_share": 1.0, "foreground_every": 5, **fields})
+        config = SyncConfig(**{"interval_ms": 2.0, "max_round_share": 1.0, "max_step_cost": 1.0, "foreground_every": 5,
+                               **fields})
         with shadowgba.dense_sync(model, optimizer, config) as sync:
             train_loop(model, optimizer, rank, steps, use_pipeline)
         results[label] = {"metrics": sync.metrics.summary(), "spread": dense_spread(model), "steps": steps}

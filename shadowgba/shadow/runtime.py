@@ -13,8 +13,8 @@ Threads and invariants:
   (`shadowgba.step_hook`) so the loop needs no change. After each step it serves the write-back (handoff), runs a
   foreground round every `foreground_every` steps from `first_round_after` on (foreground mode), and re-raises a failure of the
   shadow thread with its cause.
-- The *shadow thread* (shadow mode) loops snapshot -> round -> write back, paced by `interval_ms`
-  and `interval_steps` (`shadowgba.shadow.pacing`).
+- The *shadow thread* (shadow mode) loops snapshot -> round -> write back, paced by what the rounds
+  cost, with a floor on their rate that the training thread enforces (`shadowgba.shadow.schedule`).
 - All shadow traffic runs on a process group of its own, created at `start()`. The training thread
   never issues a collective on it while the shadow thread is alive (the only training-thread
   collectives on it are the initial broadcast, before the thread starts, as is a 2D job's tables'
@@ -55,13 +55,13 @@ from shadowgba.errors import CheckpointError, SetupError, SyncError
 from shadowgba.serialized import check_count, check_entries
 from shadowgba.interface import DenseSync
 from shadowgba.shadow.control import ControlFile, LiveSettings
-from shadowgba.shadow.pacing import RoundPacer
+from shadowgba.shadow.schedule import RoundSchedule
 from shadowgba.shadow.table_rounds import TableRounds
 from shadowgba.shadow.tables import TableFragments
 from shadowgba.metrics import SyncMetrics
 from shadowgba.nonfinite import NonFiniteGuard, gradients, restart_state
 from shadowgba.step_hook import StepHook
-from shadowgba.threads import renice, thread_ids
+from shadowgba.threads import thread_ids
 from shadowgba.dense import DenseParams, trainable_named_parameters
 from shadowgba.job.survivors import SurvivingGroups
 from shadowgba.shadow.epoch_rounds import EpochRounds
@@ -127,7 +127,7 @@ class ShadowSync(DenseSync):
         self._parent_group = process_group
         self._parent_is_own = own_group
         self._algorithm_kwargs = algorithm_kwargs or {}
-        self._pacer = RoundPacer(config.interval_ms, config.interval_steps, config.max_round_share)
+        self._schedule = RoundSchedule(config, self.metrics, self.guard.name)
         self._foreground_every = config.foreground_every
         self._control = ControlFile(config.control_file) if config.control_file else None
         self._step_counter = itertools.count(1)
@@ -158,7 +158,7 @@ class ShadowSync(DenseSync):
         self._table_writeback: WriteBack | None = None
         self._snapshot = self.dense.empty()
         self._round_threads: set[int] = set()
-        """The threads gloo started for this runtime's own group (`sync.rounds_nice` lowers them)."""
+        """The threads gloo started for this runtime's own group (their priority: `RoundSchedule`)."""
         self._check_s = 0.0
         """The last step's gradient check (`_before_step`), part of its time in sync code."""
         self._table_rounds = None if tables is None else TableRounds(
@@ -182,7 +182,7 @@ class ShadowSync(DenseSync):
             backend = "nccl" if self.dense.device.type == "cuda" else "gloo"
             before = thread_ids()
             self._group = made_groups.duplicate(self._parent_group, self.config.timeout_s, backend)
-            self._round_threads = thread_ids() - before  # its gloo loop and workers (`sync.rounds_nice`)
+            self._round_threads = thread_ids() - before  # its gloo loop and workers (their priority)
             self._owns_group = True
         else:  # rounds talk to a parameter server: a group only carries the broadcast and final average
             self._group = self._parent_group
@@ -244,6 +244,7 @@ class ShadowSync(DenseSync):
             return
         final_sync = self.config.final_sync if final_sync is None else final_sync
         self._stop_requested.set()
+        self._schedule.wake()
         self._first_round_due.set()
         try:
             if self._thread is not None:
@@ -288,6 +289,7 @@ class ShadowSync(DenseSync):
             return
         self._aborting.set()  # before _stop_requested: see _run_round
         self._stop_requested.set()
+        self._schedule.wake()
         self._first_round_due.set()
         last: threading.Thread | None = None
         failure: list[BaseException] = []
@@ -343,17 +345,17 @@ class ShadowSync(DenseSync):
     @property
     def interval_ms(self) -> float:
         """Current shadow-mode pacing (the least time between two round starts)."""
-        return self._pacer.interval_s * 1e3
+        return self._schedule.pacer.interval_s * 1e3
 
     @property
     def interval_steps(self) -> int:
-        """Current shadow-mode pacing in the fastest rank's steps (0: time alone)."""
-        return self._pacer.interval_steps
+        """Current shadow-mode pacing in the fastest rank's steps (0: the other limits alone)."""
+        return self._schedule.pacer.interval_steps
 
     @property
     def max_round_share(self) -> float:
-        """Current shadow-mode pacing by cost (the most of the wall time rounds may take)."""
-        return self._pacer.max_round_share
+        """Current shadow-mode pacing by the link (the most of the wall time rounds may take)."""
+        return self._schedule.pacer.max_round_share
 
     def set_interval_ms(self, interval_ms: float) -> None:
         """Change the pacing while the job runs (local to this rank; takes effect at the next round)."""
@@ -361,12 +363,7 @@ class ShadowSync(DenseSync):
 
     def apply_live(self, settings: LiveSettings) -> None:
         """Apply live settings (what a control file carries); unset fields are left alone."""
-        if settings.interval_ms is not None:
-            self._pacer.interval_s = settings.interval_ms / 1e3
-        if settings.interval_steps is not None:
-            self._pacer.interval_steps = settings.interval_steps
-        if settings.max_round_share is not None:
-            self._pacer.max_round_share = settings.max_round_share
+        self._schedule.apply_live(settings)
         if settings.foreground_every is not None:
             self._foreground_every = settings.foreground_every
 
@@ -458,11 +455,12 @@ class ShadowSync(DenseSync):
             if self._step >= self.config.first_round_after:
                 self._first_round_due.set()
             self._on_step_boundary()
+            self._schedule.step_ended(self._step)
         elif not self._rounds_finished and self._step >= self.config.first_round_after \
                 and self._step % self._foreground_every == 0:
             self._foreground_round()
             self._raise_unreported_error()
-        self.metrics.record_step(time.perf_counter() - started + self._check_s)
+        self.metrics.record_step(time.perf_counter() - started + self._check_s, self._step)
         self._report_step()
 
     def _raise_unreported_error(self) -> None:
@@ -484,6 +482,7 @@ class ShadowSync(DenseSync):
         """A round's result reached the dense weights (at a step boundary, or in the round with
         direct write-back); `replaced`: they were healed, so is the optimizer state."""
         self.metrics.record_applied(self._step)
+        self._schedule.applied(self._step)
         if replaced:
             self._heal_optimizer()
 
@@ -521,12 +520,12 @@ class ShadowSync(DenseSync):
             with self._round_lock:
                 self._algorithm.abort_round()
             return True
-        self._algorithm.allreduce.previous_ms = 1e3 * self._pacer.own_last_s
-        self._algorithm.allreduce.steps = self._pacer.round_started(self._step)
+        self._algorithm.allreduce.previous_ms = 1e3 * self._schedule.pacer.own_last_s
+        self._algorithm.allreduce.steps = self._schedule.snapshot_taken(self._step)
         self._algorithm.allreduce.joining = self._survival is not None and self._survival.joins_waiting()
         with self._round_lock:
             result = self._algorithm.sync(self._snapshot, stop)  # leaves the delta t - s in the snapshot's buffer
-        self._pacer.round_ended(result.fastest_steps, result.previous_cost_ms / 1e3)
+        self._schedule.pacer.round_ended(result.fastest_steps, result.previous_cost_ms / 1e3)
         self.metrics.record_round(time.perf_counter() - started, result.bytes_moved)
         if not result.kept_local or (result.healed and self._heals):  # else a rank left out keeps its own weights
             self._writeback.apply(self._snapshot, replace=result.healed)
@@ -534,8 +533,7 @@ class ShadowSync(DenseSync):
             self._global_ranks(result.nonfinite_ranks), self._global_ranks(result.aborted_ranks), "a round"
         )
         if self.tables is not None and not failed:  # every rank alike: the flags are the same everywhere
-            whole_cycle = self.config.mode == "foreground"  # TorchRec's sync(): every table each time
-            if self._table_rounds.run(len(self.tables.fragments) if whole_cycle else 1, self._table_writeback):
+            if self._table_rounds.run(None, self._table_writeback, result.fastest_steps):
                 return False  # aborting: the next round is this rank's aborted dense round
             failed = self._error is not None
         if result.joins_seen and not (result.last or failed) and self._epochs is not None:  # alike on every rank
@@ -583,14 +581,15 @@ class ShadowSync(DenseSync):
 
     def _shadow_loop(self) -> None:
         stream = torch.cuda.Stream(self.dense.device) if self.dense.device.type == "cuda" else None
-        if self.config.rounds_nice:
-            renice({threading.get_native_id(), *self._round_threads}, self.config.rounds_nice)
+        self._schedule.start(self._round_threads)
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if self.config.first_round_after:
                     self._first_round_due.wait()
+                self._schedule.round_begins()
                 while not self._round_surviving():
-                    self._stop_requested.wait(self._pacer.pause_s())
+                    self._schedule.round_finished()
+                    self._schedule.wait(self._stop_requested)  # then the next round begins
                 wait_for_device(self.dense.device)
         except BaseException as error:  # surfaced in the training thread at its next step
             logger.exception("shadowgba shadow thread failed")

@@ -1,8 +1,10 @@
 """The 2D layout's table rounds inside the shadow runtime's rounds (`TableRounds`, held by `ShadowSync`).
 
-After each dense round, a 2D job averages one fragment of its table shards with the same shards on
+After each dense round, a 2D job averages fragments of its table shards with the same shards on
 its replica group (`TableFragments`): a round-robin cycle over every fragment, or, under
-`sync.tables.touched_rows`, over the rows that either partner touched since their last average. A
+`sync.tables.touched_rows`, over the rows that either partner touched since their last average; in
+shadow mode as many fragments as the cycle's bound in steps and the link's byte budget ask for
+(`shadowgba.shadow.cycle_budget`), in foreground mode a whole cycle. A
 fragment is snapshotted at a step boundary and its delta handed back there (`WriteBack`), as the
 dense replica's is; the final sync at `close()` averages every fragment once more and assigns it.
 
@@ -25,6 +27,7 @@ from typing import Callable, Sequence
 import torch.distributed as dist
 
 from shadowgba.metrics import SyncMetrics
+from shadowgba.shadow.cycle_budget import CycleBudget
 from shadowgba.shadow.tables import TableFragments
 from shadowgba.shadow.writeback import WriteBack
 
@@ -58,16 +61,25 @@ class TableRounds:
     record_heal: Callable[[str, str], None]
     """How the runtime reports a heal: (what, extra)."""
 
-    def run(self, count: int, writeback: WriteBack | None) -> bool:
+    def __post_init__(self) -> None:
+        config = self.tables.config
+        self.budget = CycleBudget(config.cycle_steps, config.link_mb_per_step, self.tables.fragment_numel)
+        """How many fragments the shadow rounds take after a dense round."""
+
+    def run(self, count: int | None, writeback: WriteBack | None, steps: int = 0) -> bool:
         """`count` table rounds on the replica group, each one fragment: snapshot it at a step
         boundary, average it with the partners, hand the delta back (`writeback`; None: the final
-        sync, in the training thread after the rounds ended, assigns the average). Returns True when a snapshot
+        sync, in the training thread after the rounds ended, assigns the average). `count` None: after
+        a dense round, in shadow mode as many as `budget` asks for (the dense round came `steps`
+        steps of the fastest rank after the one before), in foreground mode a whole cycle (TorchRec's
+        `sync()`: every table each time). Returns True when a snapshot
         was cancelled (this rank is aborting): it then sends an empty contribution with its aborted
         marker, which the partners leave out, so nobody waits for it in this collective; its next
         dense round tells every rank. NaN / Inf rows are left out on every partner alike and acted
         on as in a dense round (`check_flags`)."""
         tables = self.tables
         buffer = tables.buffer
+        planned = False
         if writeback is None:
             tables.start_full_cycle()
         elif self.shadow_mode and tables.touched is not None and not tables.queue:
@@ -80,6 +92,16 @@ class TableRounds:
             self.metrics.record_table_round(time.perf_counter() - started, tables.mask_bytes, fragment=False)
             if not tables.queue:
                 return False  # no partner touched a row since the last cycle
+            planned = True
+        if count is None and not self.shadow_mode:
+            count = len(tables.fragments)
+        elif count is None:
+            if tables.touched is not None:  # the touched-rows cycle under way (planned above when new)
+                left, starts = len(tables.queue), planned
+            else:  # the rest of the full rotation, or a new one
+                left = (len(tables.fragments) - 1 - tables.cursor) or len(tables.fragments)
+                starts = left == len(tables.fragments)
+            count = self.budget.fragments_now(steps, left, started=starts)
         for _ in range(count):
             started = time.perf_counter()
             if writeback is None:
@@ -109,9 +131,12 @@ class TableRounds:
 
     def fragment_ages(self) -> dict[str, float]:
         """The tables' counters for `metrics`: cycles done, the age of the fragments now in steps,
-        and over the run how many steps a fragment had gone unaveraged when it was refreshed."""
+        over the run how many steps a fragment had gone unaveraged when it was refreshed, and the
+        shadow cycles' length in steps of the fastest rank (the last and the longest, `CycleBudget`)."""
         tables = self.tables
         oldest, mean = tables.ages(self.step())
         return {"table_cycles": tables.cycles, "fragment_age_steps_max": oldest, "fragment_age_steps_mean": mean,
+                "table_cycle_steps_last": self.budget.last_cycle_steps or 0,
+                "table_cycle_steps_max": self.budget.longest_cycle_steps,
                 "fragment_refresh_age_steps_max": tables.refresh_age_max,
                 "fragment_refresh_age_steps_mean": tables.refresh_age_total / max(tables.refreshed, 1)}

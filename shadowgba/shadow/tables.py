@@ -69,10 +69,24 @@ class TableSyncConfig:
     """Shadow rounds average only the rows some partner touched since their last average (module
     docstring): a cycle's length follows the rows the steps touch, not the tables' size. False: every
     cycle goes through every row, as TorchRec's `DMPCollection.sync()` does."""
+    cycle_steps: int = 100
+    """Shadow rounds: the bound on a cycle's length, in steps of the fastest rank. After each dense
+    round the table rounds average as many fragments as the cycle's rest needs to end within this
+    many steps of its start, within `link_mb_per_step` (`shadowgba.shadow.cycle_budget`); a cycle
+    that moves B MiB ends within max(cycle_steps, B / link_mb_per_step) steps plus one dense round's
+    spacing. 0: one fragment after each dense round, however long the cycle."""
+    link_mb_per_step: float = 4.0
+    """Shadow rounds: the byte budget of a rank's replica-group link, in MiB of table fragments per
+    step of the fastest rank (a round takes at least one fragment). Caps what `cycle_steps` asks for
+    where a cycle is larger than the link should carry in that time. > 0."""
 
     def __post_init__(self) -> None:
         if self.fragment_mb <= 0:
             raise ConfigError(f"fragment_mb must be > 0, got {self.fragment_mb}")
+        if self.cycle_steps < 0:
+            raise ConfigError(f"cycle_steps must be >= 0 (0: one fragment a dense round), got {self.cycle_steps}")
+        if self.link_mb_per_step <= 0:
+            raise ConfigError(f"link_mb_per_step must be > 0, got {self.link_mb_per_step}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +209,7 @@ class TableFragments:
             raise SetupError("no table shards to keep in sync")
         self.shards = list(shards)
         self.device = self.shards[0].tensors[0].device
+        self.config = config
         self.fragment_numel = max(1, int(config.fragment_mb * 2**20) // 4)
         self.fragments = plan_fragments(self.shards, self.fragment_numel)
         """The full cycle: every row, in fixed fragments."""

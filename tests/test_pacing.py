@@ -1,0 +1,204 @@
+"""The shadow rounds' pacing, on a fake clock: the pause's limits and floor (`RoundPacer`), what a
+round costs the training threads (`RoundCost`), the floor and the gap warning enforced in steps
+(`RoundSchedule`). The floor under real CPU contention: tests/test_runtime.py."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from shadowgba import SyncConfig
+from shadowgba.metrics import SyncMetrics
+from shadowgba.shadow.pacing import RoundPacer
+from shadowgba.shadow.round_cost import RoundCost
+from shadowgba.shadow.schedule import RoundSchedule
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_pacer_waits_for_the_later_of_interval_ms_and_the_fastest_ranks_steps() -> None:
+    clock = FakeClock()
+    pacer = RoundPacer(interval_ms=40.0, interval_steps=10, clock=clock)
+    assert pacer.round_started(step=7) == 7  # this rank's steps since its previous round
+    pacer.round_ended(fastest_steps=7)  # one round: no step time yet
+    clock.now += 0.02
+    assert pacer.pause_s() == pytest.approx(0.02)  # interval_ms alone
+    clock.now += 0.08
+    assert pacer.round_started(step=12) == 5
+    pacer.round_ended(fastest_steps=20)  # the fastest rank took 20 steps in 0.1 s: 5 ms per step
+    assert pacer.fastest_step_s == pytest.approx(0.005)
+    clock.now += 0.01
+    assert pacer.pause_s() == pytest.approx(0.04) and pacer.limit == "interval_steps"  # 10 steps of 5 ms, 10 gone
+    pacer.interval_s = 0.2  # a live change
+    assert pacer.pause_s() == pytest.approx(0.19) and pacer.limit == "interval_ms"
+    pacer.interval_steps = 0
+    pacer.interval_s = 0.0
+    assert pacer.pause_s() == 0.0
+
+
+def test_the_pacer_keeps_the_rounds_within_their_share_of_the_wall_time() -> None:
+    """The durations are what the rounds carry (each round: the least of the ranks' times for the
+    round before it), not this rank's own time, which includes its wait for the others."""
+    clock = FakeClock()
+    pacer = RoundPacer(interval_ms=50.0, interval_steps=0, max_round_share=0.25, clock=clock)
+    assert pacer.pause_s() == pytest.approx(0.05)  # no round yet: interval_ms alone
+
+    def round_(own_s: float, previous_cost_s: float) -> None:
+        pacer.round_started(step=0)
+        clock.now += own_s
+        pacer.round_ended(fastest_steps=0, previous_cost_s=previous_cost_s)
+
+    round_(2.0, 0.0)  # this rank waited 2 s for a peer: that is no cost of the round
+    assert pacer.own_last_s == 2.0 and pacer.pause_s() == 0.0  # interval_ms alone: 2 s of it gone
+    for cost in (0.1, 0.1, 3.0):  # a slow link's rounds, one of them stalled
+        round_(0.1, cost)
+    # the median duration (0.1 s) may take a quarter of the time: 0.4 s start to start, 0.1 s of it gone
+    assert pacer.pause_s() == pytest.approx(0.3) and pacer.limit == "max_round_share"
+    pacer.max_round_share = 1.0  # a live change: no share limit, interval_ms alone
+    assert pacer.pause_s() == 0.0
+    for _ in range(RoundPacer.RECENT_ROUNDS):  # rounds of a fast link: interval_ms is what paces them
+        round_(0.001, 0.001)
+    pacer.max_round_share = 0.25
+    assert pacer.pause_s() == pytest.approx(0.049)
+
+
+def test_the_pacer_keeps_the_rounds_cost_within_its_share_of_the_steps_and_the_floor_caps_it() -> None:
+    """Rounds 2 s apart in which the fastest rank took 10 steps: 0.2 s a step, a floor of 20 steps
+    is 4 s. A round that costs the training threads 30 ms at a 2% share: 1.5 s start to start. The
+    floor caps the share limits, which the pacing sets by itself, not the user's interval_ms and
+    interval_steps."""
+    clock = FakeClock()
+    pacer = RoundPacer(interval_ms=200.0, interval_steps=0, max_round_share=0.1, max_step_cost=0.02,
+                       max_gap_steps=20, clock=clock)
+    for _ in range(2):
+        pacer.round_started(step=0)
+        clock.now += 0.05
+        pacer.round_ended(fastest_steps=10, previous_cost_s=0.05)  # 50 ms without waiting: 0.5 s at 10%
+        pacer.cost_measured(0.03)
+        clock.now += 1.95
+    assert pacer.fastest_step_s == pytest.approx(0.2)
+    assert pacer.start_to_start_s() == pytest.approx(1.5) and pacer.limit == "max_step_cost"
+    for cost in (0.2, 0.2, 0.2):  # dearer rounds: 10 s by their cost, but 20 steps are 4 s
+        pacer.cost_measured(cost)
+    assert pacer.start_to_start_s() == pytest.approx(4.0) and pacer.limit == "max_gap_steps"
+    pacer.interval_steps = 30  # the user's limits stand: the floor caps the cost limits alone
+    assert pacer.start_to_start_s() == pytest.approx(6.0) and pacer.limit == "interval_steps"
+    pacer.interval_steps, pacer.interval_s = 0, 5.0
+    assert pacer.start_to_start_s() == pytest.approx(5.0) and pacer.limit == "interval_ms"
+    clock.now = 1000.0
+    assert pacer.least_pause_s() == 0.0
+    pacer.interval_s, pacer.max_gap_steps = 0.2, 0  # no floor: the dearest limit
+    assert pacer.start_to_start_s() == pytest.approx(10.0) and pacer.limit == "max_step_cost"
+
+
+def test_a_rounds_cost_is_the_steps_slowdown_while_it_is_in_flight() -> None:
+    """Steps of 100 ms, 150 ms while a round is in flight; each round spans two steps: 100 ms of the
+    training threads' time a round. Before enough steps of both kinds, the CPU it took from busy
+    cores alone."""
+    cost = RoundCost()
+    now = 0.0
+    cost.step_ended(now)
+    assert cost.round_ran(-1.0, -0.5, cpu_s=0.02, idle_s=0.005) == pytest.approx(0.015)  # no steps seen yet
+    for _ in range(6):
+        for _ in range(4):  # off
+            now += 0.1
+            cost.step_ended(now)
+        start = now + 0.01
+        for _ in range(2):  # on
+            now += 0.15
+            cost.step_ended(now)
+        assert cost.round_ran(start, now - 0.01, cpu_s=0.01, idle_s=0.1) is not None
+    assert cost.slowdown_s() == pytest.approx(0.1)
+    assert cost.round_ran(now + 0.01, now + 0.02, cpu_s=0.5, idle_s=0.1) == pytest.approx(0.4)  # busy cores: its CPU
+    now += 9.0  # a step stalled (an evaluation) while the last round ran: it counts as 3 medians, 0.3 s
+    cost.step_ended(now)
+    assert cost.slowdown_s() == pytest.approx((12 * 0.15 + 0.3 - 13 * 0.1) / 7)
+
+
+def test_no_slowdown_means_a_free_round() -> None:
+    cost = RoundCost()
+    now = 0.0
+    for index in range(40):
+        now += 0.1
+        cost.step_ended(now)
+        if index % 4 == 3:
+            assert cost.round_ran(now - 0.05, now + 0.05) >= 0.0
+    assert cost.slowdown_s() == 0.0
+
+
+def schedule_for(**fields: object) -> RoundSchedule:
+    return RoundSchedule(SyncConfig(**{"first_round_after": 0, **fields}), SyncMetrics(), "rank 0")
+
+
+def test_the_training_thread_wakes_a_paused_round_at_the_floor_in_its_own_steps() -> None:
+    schedule = schedule_for(interval_ms=0.0, max_gap_steps=20, warn_gap_steps=0)
+    stop = threading.Event()
+    schedule.round_begins()
+    schedule.snapshot_taken(step=10)
+    schedule.round_finished()
+    for _ in range(RoundPacer.RECENT_ROUNDS):  # rounds that cost a minute each: an hour's pause at 2%
+        schedule.pacer.cost_measured(60.0)
+    for step in range(11, 29):
+        schedule.step_ended(step)
+    waiter = threading.Thread(target=schedule.wait, args=(stop,))
+    waiter.start()
+    waiter.join(timeout=0.3)
+    assert waiter.is_alive()  # 18 steps in: nothing due yet
+    started = time.monotonic()
+    schedule.step_ended(29)  # the next snapshot, at step 30, is the floor's
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and time.monotonic() - started < 5
+
+
+def test_a_gap_past_warn_gap_steps_is_warned_about_once_until_a_round_arrives(caplog: pytest.LogCaptureFixture) -> None:
+    schedule = schedule_for(warn_gap_steps=5, max_gap_steps=0)
+    caplog.set_level(logging.WARNING, logger="shadowgba")
+    for step in range(1, 9):
+        schedule.step_ended(step)
+        schedule.metrics.record_step(0.0, step)
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and "for 6 steps" in warnings[0] and "interval_ms limit" in warnings[0], warnings
+    assert schedule.metrics.summary()["sync_gap_steps"] == 8
+    schedule.metrics.record_applied(8)
+    schedule.applied(8)
+    for step in range(9, 14):
+        schedule.step_ended(step)
+    assert len(caplog.records) == 1  # 5 steps since the round at step 8: not over 5 yet
+    schedule.step_ended(14)
+    assert len(caplog.records) == 2 and "for 6 steps" in caplog.records[1].getMessage()
+
+
+def test_a_table_cycle_ends_within_its_bound_in_steps_within_the_links_byte_budget() -> None:
+    """Fragments of 1 MiB, a bound of 100 steps, dense rounds every 10 steps of the fastest rank: a
+    cycle of 50 fragments is spread over the 10 dense rounds before its deadline (5 a round); one of
+    1,000 fragments is held to the budget (4 MiB a step: 40 a round) and takes 250 steps, its bytes
+    over the budget; `cycle_steps` 0 takes one a round."""
+    from shadowgba.shadow.cycle_budget import CycleBudget
+
+    def cycle(budget: CycleBudget, fragments: int, every: int = 10) -> tuple[list[int], int]:
+        counts, left = [budget.fragments_now(every, fragments, started=True)], fragments
+        while (left := left - counts[-1]) > 0:
+            counts.append(budget.fragments_now(every, left))
+        return counts, budget.last_cycle_steps
+
+    fragment_numel = 2**20 // 4
+    counts, steps = cycle(CycleBudget(100, 4.0, fragment_numel), 50)
+    assert counts == [5] * 10 and steps == 90, (counts, steps)
+    counts, steps = cycle(CycleBudget(100, 4.0, fragment_numel), 1000)
+    assert max(counts) == 40 and steps == pytest.approx(1000 / 4, abs=10), (counts, steps)
+    counts, steps = cycle(CycleBudget(0, 4.0, fragment_numel), 7)
+    assert counts == [1] * 7 and steps == 60
+    budget = CycleBudget(100, 4.0, fragment_numel)
+    for fragments in (50, 30, 80):  # cycle after cycle, at a pace that changes: every one within its bound
+        for every in (3, 17):
+            assert cycle(budget, fragments, every)[1] <= 100 + every, (fragments, every)
+    assert budget.longest_cycle_steps <= 117
