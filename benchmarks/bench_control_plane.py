@@ -184,10 +184,21 @@ def _flat_model() -> tuple[nn.Module, torch.optim.Optimizer, Callable[[int], tup
 
 
 def _2d_model(job: Any, rank: int) -> tuple[nn.Module, Any, Callable[[int], tuple[Any, ...]]]:
+    """TorchRec's tiny model (`tests/tiny_dmp.py`) sharded within this rank's group, as a 2D job builds it
+    (`job.dmp_kwargs()`: the sharding guard plans for the group)."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from shadowgba.integrations.torchrec import dense_named_parameters
     from tests import tiny_dmp
 
-    model, optimizer = tiny_dmp.build(dmp_kwargs=job.dmp_kwargs())
-    return model, optimizer, lambda step: (tiny_dmp.batch(rank, step),)
+    model = tiny_dmp.TinyRec()
+    apply_optimizer_in_backward(RowWiseAdagrad, model.ebc.parameters(), {"lr": 0.1})
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), **job.dmp_kwargs())
+    optimizer = KeyedOptimizerWrapper(dict(dense_named_parameters(dmp)), tiny_dmp.dense_optimizer)
+    return dmp, optimizer, lambda step: (tiny_dmp.batch(rank, step),)
 
 
 def job_rank(rank: int, world_size: int, spec: JobSpec) -> dict[str, Any]:
@@ -241,14 +252,44 @@ def run_job(ranks: int, layout: str, args: argparse.Namespace) -> dict[str, Any]
                        kill_rank=args.kill_rank, kill_step=args.kill_step, timeout_s=args.timeout_s,
                        launched_at=time.time(), log=str(log))
         cpu_before = _cpu_s(resource.RUSAGE_SELF)
-        outcomes = run_ranks_outcomes(job_rank, ranks, spec, timeout_s=args.deadline_s)
+        with MemoryUse() as memory:
+            outcomes = run_ranks_outcomes(job_rank, ranks, spec, timeout_s=args.deadline_s)
         store_cpu = _cpu_s(resource.RUSAGE_SELF) - cpu_before
         killed_at = [json.loads(line)["at"] for line in log.read_text().splitlines()] if log.exists() else []
     records = [outcome.value for outcome in outcomes if outcome.returned]
     broken = {rank: outcome.traceback or ("killed" if outcome.killed else "hung") for rank, outcome in
               enumerate(outcomes) if not outcome.returned and rank != args.kill_rank}
-    return {"ranks": ranks, "layout": layout, **summarise(spec, records, killed_at, store_cpu), "broken": broken,
-            "records": records}
+    return {"ranks": ranks, "layout": layout, **summarise(spec, records, killed_at, store_cpu),
+            "job_memory_mib": memory.peak_mib, "broken": broken, "records": records}
+
+
+class MemoryUse:
+    """The machine's memory taken while the block runs: the largest drop of MemAvailable
+    (/proc/meminfo) below its value at the start, sampled every half second. Forked ranks share
+    the preloaded process's pages, which each rank's RSS counts again; this counts them once."""
+
+    def __init__(self) -> None:
+        self.peak_mib = 0.0
+        self._ended = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> MemoryUse:
+        self._start = self._available_mib()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ended.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._ended.wait(0.5):
+            self.peak_mib = max(self.peak_mib, self._start - self._available_mib())
+
+    @staticmethod
+    def _available_mib() -> float:
+        line = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable"))
+        return int(line.split()[1]) / 1024
 
 
 def summarise(spec: JobSpec, records: Sequence[dict[str, Any]], killed_at: Sequence[float],
@@ -268,7 +309,8 @@ def summarise(spec: JobSpec, records: Sequence[dict[str, Any]], killed_at: Seque
         "steady_ops_per_s_per_rank": _median(steady),
         "survivors": len(records), "named_by": len(named),
         "named_s_median": _median(named), "named_s_max": max(named, default=None),
-        "blame_ops_per_survivor": _median(blame_ops), "round_ms_median": _median(rounds),
+        "blame_ops_per_survivor": _median(blame_ops), "blame_ops_max": max(blame_ops, default=None),
+        "round_ms_median": _median(rounds),
         "rounds_median": _median([record["rounds"] for record in records]),
         "rank_cpu_s": sum(record["cpu_s"] for record in records), "store_process_cpu_s": store_cpu_s,
         "max_rss_mib_median": _median([record["max_rss_mib"] for record in records]),
@@ -307,8 +349,8 @@ def store_table(rows: Sequence[dict[str, Any]]) -> str:
 def jobs_table(jobs: Sequence[dict[str, Any]]) -> str:
     """One line per (layout, ranks): median (min-max) over the repetitions."""
     lines = ["| layout | ranks | reps | start s (slowest rank) | store ops at start per rank | steady store ops/s per rank "
-             "| survivors naming the lost rank | naming s (slowest) | ops per survivor to name | round ms "
-             "| rank CPU s | store process CPU s | peak RSS MiB per rank |",
+             "| survivors naming the lost rank | naming s (slowest) | ops per survivor to name (most) | round ms "
+             "| rank CPU s | store process CPU s | job memory MiB |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for key in sorted({(job["layout"], job["ranks"]) for job in jobs}):
         same = [job for job in jobs if (job["layout"], job["ranks"]) == key]
@@ -317,8 +359,9 @@ def jobs_table(jobs: Sequence[dict[str, Any]]) -> str:
         lines.append(f"| {key[0]} | {key[1]} | {len(same)} | {column('start_s_median')} ({column('start_s_max')}) "
                      f"| {column('ops_at_start_per_rank', 0)} | {column('steady_ops_per_s_per_rank', 2)} | {naming} "
                      f"| {column('named_s_median')} ({column('named_s_max')}) | {column('blame_ops_per_survivor', 0)} "
+                     f"({column('blame_ops_max', 0)}) "
                      f"| {column('round_ms_median')} | {column('rank_cpu_s', 0)} | {column('store_process_cpu_s')} "
-                     f"| {column('max_rss_mib_median', 0)} |")
+                     f"| {column('job_memory_mib', 0)} |")
     return "\n".join(lines)
 
 
@@ -353,8 +396,10 @@ def main() -> None:
             for layout in args.layouts.split(","):
                 result = run_job(ranks, layout, args)
                 results.append({**result, "rep": rep})
-                print(f"rep {rep} {layout} {ranks} ranks: " + json.dumps(
-                    {key: value for key, value in result.items() if key != "records"}, default=str), flush=True)
+                shown = {key: value for key, value in result.items() if key not in ("records", "broken")}
+                print(f"rep {rep} {layout} {ranks} ranks: {json.dumps(shown)}", flush=True)
+                for rank, why in sorted(result["broken"].items())[:2]:
+                    print(f"  rank {rank} did not return as a survivor: {why[-600:]}", flush=True)
                 args.output.write_text(json.dumps({"jobs": results}, indent=1, default=str))
     print(jobs_table(results), flush=True)
 
