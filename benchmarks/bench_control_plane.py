@@ -62,20 +62,22 @@ STORE_METHODS = ("set", "get", "check", "add", "compare_set", "wait", "delete_ke
 
 
 class StoreOps:
-    """Counts this process's store operations by kind: every Python call of `STORE_METHODS` on any
-    store (a `TCPStore`, a `PrefixStore` over it, their clones), from any thread."""
+    """Counts this process's store operations by kind while it is entered: every Python call of
+    `STORE_METHODS` on any store (a `TCPStore`, a `PrefixStore` over it, their clones), from any thread."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = dict.fromkeys(STORE_METHODS, 0)
         self._lock = threading.Lock()
+        self._originals = {name: getattr(dist.Store, name) for name in STORE_METHODS}
 
-    @classmethod
-    def install(cls) -> StoreOps:
-        """Wrap `torch.distributed.Store`'s methods in this process so that each call counts."""
-        ops = cls()
-        for name in STORE_METHODS:
-            setattr(dist.Store, name, ops._counting(name, getattr(dist.Store, name)))
-        return ops
+    def __enter__(self) -> StoreOps:
+        for name, method in self._originals.items():
+            setattr(dist.Store, name, self._counting(name, method))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, method in self._originals.items():
+            setattr(dist.Store, name, method)
 
     def total(self) -> int:
         """Operations so far, every kind."""
@@ -209,37 +211,37 @@ def job_rank(rank: int, world_size: int, spec: JobSpec) -> dict[str, Any]:
     from shadowgba.config import SyncConfig, from_dict
 
     entered = time.time()
-    ops = StoreOps.install()
-    config = from_dict(SyncConfig, {"algo": "ma", "sharding_group_size": spec.group_size, "timeout_s": spec.timeout_s,
-                                    "first_round_after": 2, "log_interval_s": 0.0})
-    job = shadowgba.join(config)
-    record: dict[str, Any] = {"rank": rank, "entered": entered, "joined": time.time(), "ops_at_join": ops.total()}
-    model, optimizer, inputs = _2d_model(job, rank) if spec.group_size else _flat_model()
-    faults = FaultInjector(rank, log=spec.log)
-    if spec.kill_rank is not None:
-        faults.kill_at(spec.kill_rank, spec.kill_step)
-    sync = shadowgba.dense_sync(model, optimizer, job)
-    try:
-        with sync:
-            for step in range(spec.steps):
-                begun = time.perf_counter()
-                output = model(*inputs(step))
-                (output[0] if isinstance(output, tuple) else output).sum().backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                time.sleep(max(0.0, spec.step_s - (time.perf_counter() - begun)))
-                if step == 0:
-                    record.update(first_step=time.time(), ops_at_first_step=ops.total())
-                record.update(last_step=time.time(), ops_at_last_step=ops.total(), steps=step + 1)
-                faults.after_step(step)
-    except Exception as error:  # the lost rank's peers: what they name, and when
-        record.update(failed=time.time(), named=list(getattr(error, "ranks", ()) or ()), error=repr(error)[:300])
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    summary = sync.metrics.summary()
-    record.update(ops_at_end=ops.total(), ops=dict(ops.counts), cpu_s=usage.ru_utime + usage.ru_stime,
-                  max_rss_mib=usage.ru_maxrss / 1024, rounds=summary["rounds"],
-                  round_ms=summary["round_latency_ms_mean"])
-    return record
+    with StoreOps() as ops:
+        config = from_dict(SyncConfig, {"algo": "ma", "sharding_group_size": spec.group_size, "timeout_s": spec.timeout_s,
+                                        "first_round_after": 2, "log_interval_s": 0.0})
+        job = shadowgba.join(config)
+        record: dict[str, Any] = {"rank": rank, "entered": entered, "joined": time.time(), "ops_at_join": ops.total()}
+        model, optimizer, inputs = _2d_model(job, rank) if spec.group_size else _flat_model()
+        faults = FaultInjector(rank, log=spec.log)
+        if spec.kill_rank is not None:
+            faults.kill_at(spec.kill_rank, spec.kill_step)
+        sync = shadowgba.dense_sync(model, optimizer, job)
+        try:
+            with sync:
+                for step in range(spec.steps):
+                    begun = time.perf_counter()
+                    output = model(*inputs(step))
+                    (output[0] if isinstance(output, tuple) else output).sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    time.sleep(max(0.0, spec.step_s - (time.perf_counter() - begun)))
+                    if step == 0:
+                        record.update(first_step=time.time(), ops_at_first_step=ops.total())
+                    record.update(last_step=time.time(), ops_at_last_step=ops.total(), steps=step + 1)
+                    faults.after_step(step)
+        except Exception as error:  # the lost rank's peers: what they name, and when
+            record.update(failed=time.time(), named=list(getattr(error, "ranks", ()) or ()), error=repr(error)[:300])
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        summary = sync.metrics.summary()
+        record.update(ops_at_end=ops.total(), ops=dict(ops.counts), cpu_s=usage.ru_utime + usage.ru_stime,
+                      max_rss_mib=usage.ru_maxrss / 1024, rounds=summary["rounds"],
+                      round_ms=summary["round_latency_ms_mean"])
+        return record
 
 
 def run_job(ranks: int, layout: str, args: argparse.Namespace) -> dict[str, Any]:
