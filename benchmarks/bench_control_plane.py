@@ -129,8 +129,8 @@ PHASE_GAP_S = 2.0
 
 def measure_store(clients: int, keys: int, seconds: float) -> list[dict[str, Any]]:
     """Each kind of `STORE_KINDS` from `clients` processes at once against one libuv TCPStore server
-    here; the server's CPU seconds are this process's over the kind's phase (its loop thread's, and
-    this thread's waiting on the results)."""
+    here; the server's CPU seconds are this process's over the kind's phase and the gap after it
+    (its loop thread's: this thread sleeps)."""
     context = multiprocessing.get_context("spawn")
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
     for index in range(keys):
@@ -141,18 +141,22 @@ def measure_store(clients: int, keys: int, seconds: float) -> list[dict[str, Any
                  for client in range(clients)]
     for process in processes:
         process.start()
-    rows = []
-    for phase, kind in enumerate(STORE_KINDS):
+    cpu = {}
+    for phase, kind in enumerate(STORE_KINDS):  # a kind's phase ends when the next one starts: its drain included
         time.sleep(max(0.0, start_at + phase * (seconds + PHASE_GAP_S) - time.time()))
         cpu_before = _cpu_s(resource.RUSAGE_SELF)
-        counts = [results.get(timeout=seconds + 60) for _ in processes]
-        cpu = _cpu_s(resource.RUSAGE_SELF) - cpu_before
-        operations, keys_read = sum(count[1] for count in counts), sum(count[2] for count in counts)
-        elapsed = max(count[3] for count in counts)
+        time.sleep(max(0.0, start_at + (phase + 1) * (seconds + PHASE_GAP_S) - time.time()))
+        cpu[kind] = _cpu_s(resource.RUSAGE_SELF) - cpu_before
+    counts = [results.get(timeout=60) for _ in range(clients * len(STORE_KINDS))]
+    rows = []
+    for kind in STORE_KINDS:
+        mine = [count for count in counts if count[0] == kind]
+        operations, keys_read = sum(count[1] for count in mine), sum(count[2] for count in mine)
+        elapsed = max(count[3] for count in mine)
         rows.append({"kind": kind, "clients": clients, "keys": keys if kind == "multi_get" else 1,
                      "ops_per_s": operations / elapsed, "keys_per_s": keys_read / elapsed,
-                     "server_cpu_s": cpu, "server_us_per_op": 1e6 * cpu / max(operations, 1),
-                     "server_us_per_key": 1e6 * cpu / max(keys_read, 1)})
+                     "server_cpu_s": cpu[kind], "server_us_per_op": 1e6 * cpu[kind] / max(operations, 1),
+                     "server_us_per_key": 1e6 * cpu[kind] / max(keys_read, 1)})
     for process in processes:
         process.join()
     return rows
@@ -367,6 +371,45 @@ def jobs_table(jobs: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+PROJECTED_RANKS = (1024, 4096)
+
+
+def projection(store: Sequence[dict[str, Any]], jobs: Sequence[dict[str, Any]], before_ops_per_peer: float,
+               silent_s: float) -> list[dict[str, Any]]:
+    """The store's load at `PROJECTED_RANKS` from the measured figures: its CPU per round trip (the
+    `read` rows: a check or a get) and per key of a `multi_get`; a rank's steady operations per
+    second and the most requests a survivor made to name the lost rank (the largest job measured).
+    The look-up is priced for every survivor at once (a flat job whose all-to-all pairs every rank
+    with the lost one every step): read one key at a time, `before_ops_per_peer` round trips per
+    peer; batched, the requests measured, each reading at most every peer's key. `silent_s`: how
+    long a heartbeat may wait (`HEARTBEAT_SILENT_S`) before a live rank reads as silent."""
+    per_op = next(row["server_us_per_op"] for row in store if row["kind"] == "read") / 1e6
+    per_key = next(row["server_us_per_key"] for row in store if row["kind"] == "multi_get") / 1e6
+    largest = max(job["ranks"] for job in jobs)
+    measured = [job for job in jobs if job["ranks"] == largest]
+    steady = statistics.median(job["steady_ops_per_s_per_rank"] for job in measured)
+    requests = statistics.median(job["blame_ops_max"] for job in measured)
+    rows = []
+    for ranks in PROJECTED_RANKS:
+        before = (ranks - 1) * before_ops_per_peer * (ranks - 1) * per_op
+        after = (ranks - 1) * (requests * per_op + requests * (ranks - 1) * per_key)
+        rows.append({"ranks": ranks, "steady_ops_per_s": ranks * steady, "steady_core_share": ranks * steady * per_op,
+                     "lookup_store_s_before": before, "lookup_store_s_after": after,
+                     "heartbeats_starved_before": before > silent_s, "heartbeats_starved_after": after > silent_s})
+    return rows
+
+
+def projection_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["| ranks | heartbeats: store ops/s | share of the store's core | every survivor's look-up at once, "
+             "store CPU s: one key at a time | batched | longer than a heartbeat may wait? (before / after) |",
+             "| ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines += [f"| {row['ranks']:,} | {row['steady_ops_per_s']:,.0f} | {row['steady_core_share']:.1%} "
+              f"| {row['lookup_store_s_before']:,.0f} | {row['lookup_store_s_after']:,.1f} "
+              f"| {'yes' if row['heartbeats_starved_before'] else 'no'} / "
+              f"{'yes' if row['heartbeats_starved_after'] else 'no'} |" for row in rows]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -384,9 +427,22 @@ def main() -> None:
     jobs.add_argument("--kill-step", type=int, default=30)
     jobs.add_argument("--timeout-s", type=float, default=30.0, help="sync.timeout_s")
     jobs.add_argument("--deadline-s", type=float, default=300.0, help="a job still running after this is killed")
+    project = commands.add_parser("project", help=f"the store's load at {PROJECTED_RANKS} ranks from the JSON of "
+                                                  "store and jobs")
+    project.add_argument("--store", type=Path, required=True, help="the JSON of `store`")
+    project.add_argument("--jobs", type=Path, required=True, help="the JSON of `jobs`")
+    project.add_argument("--before-ops-per-peer", type=float, required=True,
+                         help="round trips per peer of a look-up that reads one key at a time (measured)")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_control_plane.json")
     args = parser.parse_args()
     args.output.parent.mkdir(parents=True, exist_ok=True)
+    if args.command == "project":
+        from shadowgba.job.notices import HEARTBEAT_SILENT_S
+
+        rows = projection(json.loads(args.store.read_text())["store"], json.loads(args.jobs.read_text())["jobs"],
+                          args.before_ops_per_peer, HEARTBEAT_SILENT_S)
+        print(projection_table(rows), flush=True)
+        return
     if args.command == "store":
         rows = measure_store(args.clients, args.keys, args.seconds)
         print(store_table(rows), flush=True)
