@@ -98,12 +98,15 @@ class StoreOps:
 STORE_KINDS = ("set", "read", "add", "multi_get")
 
 
-def _store_client(port: int, client: int, keys: int, seconds: float, start_at: float, results: Any) -> None:
-    """One client process: each kind of `STORE_KINDS` back to back for `seconds`, the kinds `PHASE_S`
-    apart from `start_at`; puts (kind, operations, keys read, seconds) after each, its last operation
+def _store_client(port: int, client: int, keys: int, seconds: float, results: Any) -> None:
+    """One client process: once every client is connected, each kind of `STORE_KINDS` back to back
+    for `seconds`, the kinds `PHASE_GAP_S` apart from the start the launcher set; puts (kind, operations, keys read, seconds) after each, its last operation
     answered (a `set` is not: a `check` after it waits until the server has taken every one)."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+                          timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    store.add("connected", 1)
+    store.wait(["start_at"])
+    start_at = float(store.get("start_at"))
     names = [f"beat/{index}" for index in range(keys)]
     own = names[client % keys]
     operations: dict[str, Callable[[], int]] = {
@@ -125,6 +128,8 @@ def _store_client(port: int, client: int, keys: int, seconds: float, start_at: f
 
 PHASE_GAP_S = 2.0
 """Between two kinds of `measure_store`: every client's last operation answered before the next kind."""
+START_TIMEOUT_S = 900.0
+"""How long `measure_store` waits for its clients to start (each imports torch) and connect."""
 
 
 def measure_store(clients: int, keys: int, seconds: float) -> list[dict[str, Any]]:
@@ -136,11 +141,17 @@ def measure_store(clients: int, keys: int, seconds: float) -> list[dict[str, Any
     for index in range(keys):
         server.set(f"beat/{index}", "0")
     results = context.Queue()
-    start_at = time.time() + 5.0 + 0.5 * clients  # every client started and connected before the clock starts
-    processes = [context.Process(target=_store_client, args=(server.port, client, keys, seconds, start_at, results))
+    processes = [context.Process(target=_store_client, args=(server.port, client, keys, seconds, results))
                  for client in range(clients)]
     for process in processes:
         process.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while server.add("connected", 0) < clients:  # every client connected before the clock starts
+        if time.monotonic() > deadline:
+            raise SystemExit(f"only {server.add('connected', 0)} of {clients} store clients connected")
+        time.sleep(0.2)
+    start_at = time.time() + 1.0
+    server.set("start_at", str(start_at))
     cpu = {}
     for phase, kind in enumerate(STORE_KINDS):  # a kind's phase ends when the next one starts: its drain included
         time.sleep(max(0.0, start_at + phase * (seconds + PHASE_GAP_S) - time.time()))
