@@ -10,7 +10,7 @@ NPROC ?= 2
 CONFIG ?= examples/configs/bmuf.yaml
 PRESET ?=
 
-.PHONY: setup run test test-hosts test-newer bench bench-quick bench-quality bench-scaling bench-sync bench-gba bench-2d bench-ps bench-elastic bench-rejoin bench-heal bench-hosts bench-host-faults bench-memory calibrate soak clean
+.PHONY: setup run test test-hosts test-newer bench bench-quick bench-quality bench-scaling bench-sync bench-gba bench-2d readme-figure bench-control-plane bench-ps bench-elastic bench-rejoin bench-heal bench-hosts bench-host-faults bench-memory calibrate soak clean
 
 setup: $(STAMP)
 
@@ -90,6 +90,20 @@ bench-gba: $(STAMP)
 # (benchmarks/bench_2d.py; runs/bench_2d.json)
 bench-2d: $(STAMP)
 	$(PY) benchmarks/bench_2d.py
+
+# The README's figure (docs/images/speedup_2d.png): the 2D variants over TorchRec's 2D recipe, without and with
+# the straggler, from make bench-2d's runs/bench_2d.json (benchmarks/bench_plots.py; needs the bench extra)
+readme-figure: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_plots.py --bench-2d runs/bench_2d.json --output docs/images/speedup_2d.png
+
+# The control plane at scale (benchmarks/bench_control_plane.py; docs/scaling.md, "The control plane"): one
+# store's capacity, ma jobs of 16, 32 and 64 ranks (flat and 2D, one rank killed), and the store's load
+# projected to 1,024 and 4,096 ranks; JSON under runs/
+bench-control-plane: $(STAMP)
+	$(PY) benchmarks/bench_control_plane.py --output runs/bench_control_plane_store.json store --clients 32
+	$(PY) benchmarks/bench_control_plane.py --output runs/bench_control_plane_jobs.json jobs --reps 3
+	$(PY) benchmarks/bench_control_plane.py project --store runs/bench_control_plane_store.json \
+		--jobs runs/bench_control_plane_jobs.json --before-ops-per-peer 9.1
 
 # The parameter server alone: dense ingest per server rank vs push size, shards and pushes in flight,
 # and embedding lookups / row pushes (benchmarks/bench_ps.py; runs/bench_ps.json)

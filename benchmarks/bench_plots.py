@@ -42,11 +42,17 @@ def save(figure: Figure, path: Path) -> Path:
     return path
 
 
-def grouped_bars(axes: Axes, labels: Sequence[str], series: dict[str, list[float]], ylabel: str) -> None:
-    """One group of bars per label, one bar per series in each group (NaN: no bar)."""
+def grouped_bars(axes: Axes, labels: Sequence[str], series: dict[str, list[float]], ylabel: str,
+                 ranges: dict[str, list[tuple[float, float]]] | None = None) -> None:
+    """One group of bars per label, one bar per series in each group (NaN: no bar); `ranges`: per
+    series, each bar's (min, max), drawn as an error bar."""
     width = 0.8 / len(series)
     for index, (name, values) in enumerate(series.items()):
-        axes.bar([position + index * width for position in range(len(labels))], values, width, label=name)
+        spans = (ranges or {}).get(name)
+        errors = None if spans is None else [[value - low for value, (low, _) in zip(values, spans)],
+                                             [high - value for value, (_, high) in zip(values, spans)]]
+        axes.bar([position + index * width for position in range(len(labels))], values, width, label=name,
+                 yerr=errors, capsize=3)
     axes.set_xticks([position + 0.4 - width / 2 for position in range(len(labels))], labels, rotation=30, ha="right")
     axes.set_ylabel(ylabel)
     axes.legend()
@@ -138,3 +144,35 @@ def scaling_plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     panel.set_ylabel("samples/s, all trainers (median)")
     panel.legend()
     return save(figure, path)
+
+
+def speedup_2d_plot(report: dict[str, Any], path: Path) -> Path:
+    """The README's figure, from `benchmarks/bench_2d.py`'s JSON: each variant's samples/s over
+    TorchRec's 2D recipe in the same repetition, without and with the straggler (median, min-max as
+    error bars), one panel per compute mode, beside the ideal ratio under the straggler."""
+    rows = [row for row in report["throughput"] if row["variant"] != "torchrec_2d" and row["ratio_to_torchrec_2d"]]
+    computes = distinct(row["compute"] for row in rows)
+    figure, axes = panels(len(computes), "2 replica groups x 2 trainers: samples/s over TorchRec's 2D recipe")
+    for panel, compute in zip(axes, computes):
+        mine = select(rows, compute=compute)
+        variants = distinct(row["variant"] for row in mine)
+        figures = {straggler: {row["variant"]: row["ratio_to_torchrec_2d"] for row in select(mine, straggler=straggler)}
+                   for straggler in distinct(row["straggler"] for row in mine)}
+        grouped_bars(panel, variants, {straggler: [by[variant][0] if variant in by else float("nan") for variant in variants]
+                                       for straggler, by in figures.items()}, f"x TorchRec's 2D recipe ({compute} compute)",
+                     {straggler: [by[variant][1:] if variant in by else (float("nan"),) * 2 for variant in variants]
+                      for straggler, by in figures.items()})
+        panel.axhline(1.0, color="grey", linewidth=0.8)
+        panel.axhline(report["ideal_ratio"], color="grey", linestyle="--", linewidth=0.8, label="ideal, straggler")
+    return save(figure, path)
+
+
+if __name__ == "__main__":  # make readme-figure
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="The README's figure from benchmarks/bench_2d.py's JSON")
+    parser.add_argument("--bench-2d", type=Path, default=Path("runs/bench_2d.json"))
+    parser.add_argument("--output", type=Path, default=Path("docs/images/speedup_2d.png"))
+    arguments = parser.parse_args()
+    print(speedup_2d_plot(json.loads(arguments.bench_2d.read_text()), arguments.output))

@@ -4,7 +4,10 @@ with or without servers.
 `NoticeBoard` holds keys in the job's store. A failed rank posts why it left (`post_abort`), so a
 peer whose collective fails once that rank is gone can name it (`aborted_peers`). A rank killed or
 stuck posts nothing, so every trainer also beats there (`shadowgba.job.heartbeat.Heartbeat`), and
-`silent_peers` names the ranks whose beat stopped. The job's decisions are compare-and-set entries
+`silent_peers` names the ranks whose beat stopped. Reading every peer costs the store a few
+requests, not a few per peer: the beats come in one `multi_get`, and the ranks that posted an abort
+are listed under one key, so that a thousand survivors looking up a lost rank at once do not bury
+the store (and the heartbeats queued behind them) under a million reads. The job's decisions are compare-and-set entries
 (`decide`): the first proposal for a number wins and every rank reads the same one (the cause of
 a failure, `shadowgba.job.blame`; the surviving replica groups, `shadowgba.job.survivors`). The
 store is the default group's (torchrun's agent store under torchrun, which outlives every rank), the
@@ -35,6 +38,8 @@ BEAT_INTERVAL_S = 1.0
 """How often a `Heartbeat` beats (`shadowgba.job.heartbeat`), and about how often `silent_peers` reads the beats."""
 HEARTBEAT_LEFT = "left"
 """The heartbeat of a rank that left the job normally (`Heartbeat.stop`)."""
+ABORTED_LIST = "aborted_ranks"
+"""The board's kind of the list of ranks that posted an abort (`post_abort`), one key for all of them."""
 HEARTBEAT_SILENT_S = 3 * BEAT_INTERVAL_S
 """How long `silent_peers` waits for a heartbeat to advance before it names that rank: a few beats."""
 NOTICE_TIMEOUT_S = 5.0
@@ -62,14 +67,19 @@ class NoticeBoard:
         """Whether the last read or write reached the store (False: it failed or timed out)."""
 
     def post_abort(self, rank: int, reason: str) -> None:
-        """Put `reason` on the board as rank `rank`'s: why it left."""
+        """Put `reason` on the board as rank `rank`'s: why it left; then add `rank` to the list of
+        ranks that posted (`ABORTED_LIST`), after the reason, so that a reader finds the reason of
+        every rank listed."""
         self._set(self._key(rank), reason)
+        self._access(lambda store: store.append(self._key(0, ABORTED_LIST), f"{rank},"))
 
     def aborted_peers(self, ranks: Sequence[int]) -> dict[int, str]:
         """The ranks among `ranks` that posted an abort, with their reasons (those read before the
-        store stopped answering, if it did)."""
+        store stopped answering, if it did): one read of the list, then one per rank listed."""
+        listed = self._read(self._key(0, ABORTED_LIST))
+        posted = {int(rank) for rank in (listed or "").split(",") if rank}
         reasons = {}
-        for rank in ranks:
+        for rank in (rank for rank in ranks if rank in posted):
             reason = self._read(self._key(rank))
             if not self.reachable:
                 break
@@ -85,14 +95,29 @@ class NoticeBoard:
         """The ranks among `ranks` whose heartbeat did not advance for `within_s`, left ones excepted:
         dead or stuck. Returns as soon as every other one has beaten, so with live peers it waits
         about `BEAT_INTERVAL_S`. Empty when the board cannot be read (then `reachable` is False)."""
-        keys = {rank: self._key(rank, "beat") for rank in ranks}
-        first = {rank: self._read(key) for rank, key in keys.items() if self.reachable}
+        first = self._beats(ranks)
         waiting = {rank for rank, beat in first.items() if beat != HEARTBEAT_LEFT}
         deadline = time.monotonic() + within_s
         while waiting and self.reachable and time.monotonic() < deadline:
             time.sleep(BEAT_INTERVAL_S / 4)
-            waiting = {rank for rank in waiting if self._read(keys[rank]) in (first[rank], None)}
+            now = self._beats(sorted(waiting))
+            waiting = {rank for rank in waiting if now.get(rank) in (first[rank], None)}
         return sorted(waiting) if self.reachable else []
+
+    def _beats(self, ranks: Sequence[int]) -> dict[int, str | None]:
+        """The heartbeats of `ranks` (None: none posted), empty when the store cannot be reached. One
+        `check` and one `multi_get` for all when every rank has beaten (a `multi_get` would wait
+        for a missing key), else a read per rank."""
+        keys = [self._key(rank, "beat") for rank in ranks]
+
+        def read(store: dist.Store) -> dict[int, str | None]:
+            if not keys:
+                return {}
+            if store.check(keys):
+                return {rank: value.decode() for rank, value in zip(ranks, store.multi_get(keys))}
+            return {rank: store.get(key).decode() if store.check([key]) else None for rank, key in zip(ranks, keys)}
+
+        return self._access(read) or {}
 
     def decide(self, kind: str, number: int, proposal: str) -> str | None:
         """The job's decision number `number` of `kind`: `proposal` if this rank's is the first one
