@@ -124,11 +124,11 @@ def four_ranks() -> dict[str, list]:
 def three_ranks() -> dict[str, list]:
     """The jobs of 2 trainers and 1 server, then the one of 1 trainer and 2 servers whose job fails
     (last), in one spawned group; the timed jobs run one after another as they did alone."""
-    decay = {"decay": {"kind": "exponential", "threshold": 1}}
+    decay = {"decay": {"kind": "exponential", "threshold": 1}, "fresh_wait": 0}
     return run_shared(3, {
         "never-switched": (gba_job, (1, sync_then_state, 30, {})),
         "slowed-trainer": (gba_job, (1, timed_run, 2.0, (0.004, 0.080), decay)),
-        "equal-speed": (gba_job, (1, timed_run, 3.0, (0.025, 0.025), {})),
+        "equal-speed": (gba_job, (1, timed_run, 3.0, (0.025, 0.025), {"fresh_wait": 0})),
         "equal-speed-fresh": (gba_job, (1, timed_run, 4.0, (0.060, 0.060), {"fresh_wait": 0.5})),
         "switch-policy": (gba_job, (1, policy_run)),
         "abort": (gba_job, (2, user_error_aborts)),
@@ -225,7 +225,7 @@ def test_a_slowed_trainer_contributes_fewer_gradients_and_its_stale_ones_are_dec
 
 
 def test_equal_speed_trainers_compute_on_parameters_about_one_global_step_old(three_ranks: dict) -> None:
-    """Without `fresh_wait` (the default, 0), a gradient spans one step of its trainer, during which the other
+    """Without `fresh_wait` (set to 0: the default waits), a gradient spans one step of its trainer, during which the other
     trainer pushes once: about one global step of staleness is the floor without waiting. The watcher's long poll keeps the
     newest parameters at hand for the next step; installing only the reply to the previous push
     (fetched a whole step earlier) made it about two."""

@@ -212,12 +212,14 @@ class GBAClient:
 
     def held_tensors(self) -> dict[str, torch.Tensor]:
         """For `metrics.memory()`: the gradient buffers allocated so far (queued, in flight or
-        spare) and the received parameters not yet installed (at most one per shard)."""
+        spare), the received parameters not yet installed (at most one per shard) and the
+        lookahead's vectors."""
         with self._queue_ready:
             buffers = [queued.gradient for queued in self._queue] + self._spare + list(self._in_flight)
         with self._replies_lock:
             fresh = {f"fresh_{index}": reply.params for index, reply in enumerate(self._fresh) if reply is not None}
-        return {**{f"queue_{index}": buffer for index, buffer in enumerate(buffers)}, **fresh}
+        return {**{f"queue_{index}": buffer for index, buffer in enumerate(buffers)}, **fresh,
+                **self._lookahead.held_tensors()}
 
     def install_fresh(self) -> None:
         """Install, shard by shard, the newest parameters received since the last install."""

@@ -37,18 +37,15 @@ class GBAConfig(AggregationConfig):
     and push replies): None, their own. bfloat16 halves that traffic, and the trainers then compute
     their gradients on the parameters rounded to bf16 (the shards keep and step their own); the
     pulls that start and end a GBA phase stay exact, so every replica ends at the shards' values."""
-    fresh_wait: float = 0.0
+    fresh_wait: float = 1.0
     """After pushing a gradient, a trainer waits at most this share of its own compute time per step
     for the global step that gradient entered to be applied, so that its next gradient is computed
     on fresh parameters (staleness 0) whenever its peers complete the global batch within that time.
-    Equal-speed trainers then train as sync does. Once most waits time out (a straggler holds the
-    batch) the trainer stops waiting and probes one step in 10 (`shadowgba.gba.fresh`). 0: never
-    wait (every gradient about one global step stale); >= 0. Plain async (`aggregation: none`) never
-    waits. Experimental and off by default: it narrowed GBA's AUC gap at the production preset, but
-    waits that succeed slowly still cost a straggler's peers speed, and a sync -> GBA -> sync job in
-    lockstep with it has hung at close (docs/gba.md, "Fresh gradients where nothing forces
-    staleness"); do not enable it in production jobs until that is fixed."""
-    lookahead: float = 0.0
+    Equal-speed trainers then train as sync does; under a straggler the fast trainers' batches
+    often complete among themselves. Once most waits time out the trainer stops waiting and probes
+    one step in 10 (`shadowgba.gba.fresh`). 0: never wait (every gradient about one global step
+    stale); >= 0. Plain async (`aggregation: none`) never waits. Measured: docs/gba.md, "Quality"."""
+    lookahead: float = 1.0
     """Weight prediction: each trainer computes its gradients on the parameters extrapolated by
     this multiple of its recent staleness (global steps) at their velocity over the last global
     steps, so that a gradient applied s steps late was computed about where it is applied

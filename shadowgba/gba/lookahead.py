@@ -55,6 +55,11 @@ class Lookahead:
         self._tokens: list[int | None] = []
         """Per shard, the global step of the received slice; None: unknown (velocity invalid)."""
 
+    def held_tensors(self) -> dict[str, torch.Tensor]:
+        """For `metrics.memory()`: the received parameters, their velocity and the prediction."""
+        buffers = {"received": self._received, "velocity": self._velocity, "prediction": self._live}
+        return {f"lookahead_{name}": buffer for name, buffer in buffers.items() if buffer is not None}
+
     def observe(self, staleness: int) -> None:
         """A push was answered: its gradient was applied `staleness` global steps after the step of
         the parameters it was computed on."""
