@@ -108,3 +108,28 @@ def test_the_survivors_of_any_2d_groups_loss_write_the_result_when_rank_0_hosted
     # but the table rounds ran with the lost group until it was lost
     assert first["table_replica_max_abs_diff"] is None and first["sync"]["table_rounds"] > 0, first
     assert [rank["rank"] for rank in first["resources"]["by_rank"]] == survivors, first["resources"]
+
+
+def test_continue_under_a_torchrun_agent_of_several_groups_is_warned_about_once_per_agent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's agent ends every rank it started once one fails, so `continue` keeps no group
+    going where one agent started ranks of several groups (one torchrun job for all of them): its
+    first worker says so at `join`. One agent per group (`--nnodes 2 --nproc-per-node 2`), or no
+    torchrun, is not warned about."""
+    from shadowgba.job.survivors import launch_warning
+
+    def torchrun(rank: int, local_rank: int, local_world_size: int) -> None:
+        for name, value in (("TORCHELASTIC_RUN_ID", "job"), ("RANK", rank), ("LOCAL_RANK", local_rank),
+                            ("LOCAL_WORLD_SIZE", local_world_size)):
+            monkeypatch.setenv(name, str(value))
+
+    torchrun(0, 0, 4)  # torchrun --standalone --nproc-per-node 4, groups of 2
+    warning = launch_warning(0, 2)
+    assert warning is not None and "this torchrun agent started ranks 0-3, of replica groups 0-1" in warning
+    assert "one torchrun agent per replica group" in warning
+    torchrun(1, 1, 4)
+    assert launch_warning(1, 2) is None  # said once, by the agent's first worker
+    torchrun(2, 0, 2)  # the second of two agents, one a group
+    assert launch_warning(2, 2) is None
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert launch_warning(0, 2) is None
