@@ -340,7 +340,8 @@ def join(
                                              config.timeout_s)
             job.sharding_guard = torchrec_integration.ShardingGuard(job.trainer_group, 0, job.layout)
             job.sharding_guard.install()
-            if config.on_group_lost == "continue" and (warning := launch_warning(roles.rank, config.sharding_group_size)):
+            warning = launch_warning(roles.rank, config.sharding_group_size)
+            if config.on_group_lost == "continue" and warning is not None:
                 logger.warning("shadowgba: %s", warning)
         job.own_store = job_store(roles.rank, roles.world_size, job.name, config.timeout_s)
         job.heartbeat = Heartbeat(job.notices, roles.rank).start()

@@ -130,8 +130,8 @@ def launch_warning(rank: int, group_size: int) -> str | None:
     if ranks is None or rank != ranks[0] or ranks[0] // group_size == ranks[-1] // group_size:
         return None
     return (f"sync.on_group_lost: continue, but this torchrun agent started ranks {ranks[0]}-{ranks[-1]}, of "
-            f"replica groups {ranks[0] // group_size}-{ranks[-1] // group_size}: when one of its ranks fails, the agent "
-            "ends every rank it started, the other groups' too, so none trains on. Launch one torchrun agent per "
+            f"replica groups {ranks[0] // group_size}-{ranks[-1] // group_size}: when one of its ranks fails, the "
+            "agent ends every rank it started, the other groups' too, so none trains on. Launch one torchrun agent per "
             "replica group (torchrun --nnodes R --node-rank g --nproc-per-node k) or a torchrun job per group "
             "(sync.replica_jobs)")
 
