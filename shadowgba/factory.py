@@ -59,7 +59,8 @@ from shadowgba.job.blame import Blame
 from shadowgba.job.heartbeat import Heartbeat
 from shadowgba.job.notices import NoticeBoard
 from shadowgba.job.roles import NO_TRAINER_GROUP, Roles, failure_message
-from shadowgba.job.survivors import INCARNATION, SurvivingGroups
+from shadowgba.job.store import job_store
+from shadowgba.job.survivors import INCARNATION, SurvivingGroups, launch_warning
 from shadowgba.layout import ReplicaLayout
 from shadowgba.network import init_process_group
 from shadowgba.nonfinite import NonFiniteGuard
@@ -131,6 +132,10 @@ class Job:
     replica_store: dist.Store | None = None
     """With a torchrun job per replica group (`sync.replica_jobs`): the store the jobs share, where
     the notice board and the groups across the jobs live."""
+    own_store: dist.Store | None = None
+    """Where the default group's store goes with one process (ranks started by hand, several
+    torchrun agents): the job's own store (`shadowgba.job.store`), where the notice board and the
+    groups rebuilt after a lost replica group live, so that no exit takes them away."""
     incarnation: int = 1
     """With a torchrun job per replica group: which process set of this rank's group this is (1:
     the first; each restart counts one more, in the replica store)."""
@@ -192,10 +197,19 @@ class Job:
     def notices(self) -> NoticeBoard:
         """This job's notice board (`shadowgba.job.notices`): who left, and why. In the elastic
         layout, in the servers' store (there is no default group); with a torchrun job per replica
-        group, in the replica store, one board for all of them."""
+        group, in the replica store, one board for all of them; else in `own_store` if there is one."""
         if self.replica_store is not None:
             return NoticeBoard(self.name, self.replica_store, attempt=0)
-        return NoticeBoard(self.name, self.transport.store if self.roles.elastic else None)
+        return NoticeBoard(self.name, self.transport.store if self.roles.elastic else self.own_store)
+
+    @property
+    def store(self) -> dist.Store:
+        """A store every rank reaches until the job's last process ends, whichever left first (for
+        what runs after training, e.g. a harness's posts): the replica store, the job's own
+        (`own_store`), or the default group's, which then outlives every rank."""
+        if self.replica_store is not None:
+            return self.replica_store
+        return self.own_store if self.own_store is not None else dist.distributed_c10d._get_default_store()
 
     def require_transport(self) -> Transport:
         """The transport to the servers; `SetupError` in a job without servers."""
@@ -326,6 +340,10 @@ def join(
                                              config.timeout_s)
             job.sharding_guard = torchrec_integration.ShardingGuard(job.trainer_group, 0, job.layout)
             job.sharding_guard.install()
+            warning = launch_warning(roles.rank, config.sharding_group_size)
+            if config.on_group_lost == "continue" and warning is not None:
+                logger.warning("shadowgba: %s", warning)
+        job.own_store = job_store(roles.rank, roles.world_size, job.name, config.timeout_s)
         job.heartbeat = Heartbeat(job.notices, roles.rank).start()
         return job
     from shadowgba.ps.start import start_transport  # a job with servers (module docstring)
@@ -335,6 +353,8 @@ def join(
                                 lane_bytes=config.ps.lane_bytes)
     roles = transport.roles
     job = Job(config, roles, transport, tables, table_options)
+    if not roles.elastic:  # every rank: a server's posts after the job (a harness's) go there too
+        job.own_store = job_store(roles.rank, roles.world_size, job.name, config.timeout_s)
     if roles.is_server:
         from shadowgba.serving import serve  # a server rank (module docstring)
         writer = serve(config, roles, transport, job.served, tables, table_options)
@@ -390,9 +410,8 @@ def _meet_replica_groups(job: Job) -> None:
     of theirs (`SurvivingGroups.wait_to_join`); the runtime then takes a member's replica."""
     jobs, layout, incarnation = job.config.replica_jobs, job.layout, job.incarnation
     assert layout is not None and job.replica_store is not None
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     job.survival = SurvivingGroups(job.roles.trainer_ranks, job.roles.rank, layout.group_size, job.notices,
-                                   job.config.timeout_s, job.replica_store, device)
+                                   job.config.timeout_s, job.replica_store, _rounds_device(), rejoins=True)
     if incarnation > 1:  # this group ran before: the members let it in after a round of theirs
         logger.warning("shadowgba: replica group %d (process set %d) asks to rejoin the job", jobs.group, incarnation)
         if layout.position == 0:
@@ -400,6 +419,11 @@ def _meet_replica_groups(job: Job) -> None:
         job.survival.wait_to_join(incarnation, jobs.join_timeout_s)
     job.rounds_group, replica = job.survival.groups()
     job.layout = dataclasses.replace(layout, replica_group=replica)
+
+
+def _rounds_device() -> torch.device:
+    """Where the rounds' groups made from a store run their collectives: this rank's GPU, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _replica_store(address: tuple[str, int], timeout_s: float) -> dist.Store:
@@ -506,7 +530,7 @@ def dense_sync(
             tables = TableFragments(shards, job.layout.replica_group, config.tables)
             if config.on_group_lost == "continue" and job.survival is None:
                 job.survival = SurvivingGroups(job.roles.trainer_ranks, job.roles.rank, config.sharding_group_size,
-                                               job.notices, config.timeout_s)
+                                               job.notices, config.timeout_s, job.own_store, _rounds_device())
         sync = ShadowSync(model, optimizer, config, process_group=job.rounds_group or group, params=named,
                           algorithm_kwargs=resources, guard=guard, tables=tables, survival=job.survival,
                           own_group=job.rounds_group is not None)

@@ -86,8 +86,8 @@ def bounded(operation: Callable[[], T], timeout_s: float) -> T:
     raise StoreUnreachable(f"the store did not answer within {timeout_s:g} s", thread)
 
 
-def listen_interface(master_addr: str) -> str:
-    """Name of the network interface whose IPv4 address this host uses to reach `master_addr`."""
+def route_address(master_addr: str) -> str:
+    """The IPv4 address this host uses to reach `master_addr`: where the job's other hosts reach it."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect((master_addr, 9))  # a UDP connect sends nothing; it only picks the route
@@ -96,7 +96,12 @@ def listen_interface(master_addr: str) -> str:
                 f"no IPv4 route to MASTER_ADDR {master_addr} ({error}); set "
                 f"{SOCKET_IFNAME} to the interface this host's ranks should listen on"
             ) from None
-        local_address = probe.getsockname()[0]
+        return probe.getsockname()[0]
+
+
+def listen_interface(master_addr: str) -> str:
+    """Name of the network interface whose IPv4 address this host uses to reach `master_addr`."""
+    local_address = route_address(master_addr)
     for _, interface in socket.if_nameindex():
         if _ipv4_address(interface) == local_address:
             return interface

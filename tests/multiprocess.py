@@ -17,7 +17,9 @@ deadline) and reports it as stopped.
 
 The job's store lives in the harness's process, as under torchrun (whose agent hosts it and tells
 the ranks so with TORCHELASTIC_USE_AGENT_STORE), not in rank 0's: a rank that ends early takes no
-store away from ranks still reporting a failure.
+store away from ranks still reporting a failure. With `by_hand`, the ranks are started as a user
+starts them without torchrun: rank 0's process hosts the store (`env://`), and it ends with that
+process (`shadowgba.job.store` is what keeps the job's decisions readable then).
 """
 
 from __future__ import annotations
@@ -79,10 +81,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any,
+           by_hand: bool = False) -> None:
     try:
         torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if not by_hand:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
         encoded = io.BytesIO()
@@ -102,7 +107,7 @@ class RankOutcome:
     traceback: str | None = None
     """The formatted traceback of what `fn` raised (when it raised)."""
     killed: bool = False
-    """The process died by SIGKILL before sending a result."""
+    """The process died by SIGKILL or SIGTERM before sending a result (`exitcode` says which)."""
     stopped: bool = False
     """The process was stopped (SIGSTOP) when every other rank had sent its result; the harness killed it."""
     hung: bool = False
@@ -116,16 +121,18 @@ class RankOutcome:
 
 
 def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0,
-                       stopped_for_good: bool = False) -> list[RankOutcome]:
+                       stopped_for_good: bool = False, by_hand: bool = False) -> list[RankOutcome]:
     """Run `fn` on `world_size` ranks; every rank's `RankOutcome`, in rank order. `stopped_for_good`:
     the job stops a rank and never continues it, so a rank found stopped when every other one has
-    sent its result is killed then (without it, a stopped rank may yet be continued: it is waited for)."""
+    sent its result is killed then (without it, a stopped rank may yet be continued: it is waited for).
+    `by_hand`: rank 0's process hosts the job's store, not this one (module docstring)."""
     context = _context()
     results = context.Queue()
     port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the "agent's" store
+    # the "agent's" store, unless rank 0 hosts it
+    store = None if by_hand else dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     processes = [
-        context.Process(target=_entry, args=(fn, rank, world_size, port, args, results), daemon=True)
+        context.Process(target=_entry, args=(fn, rank, world_size, port, args, results, by_hand), daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:
@@ -165,7 +172,7 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, time
                             if ok else RankOutcome(traceback=value, exitcode=exitcode))
         elif rank in stopped:
             outcomes.append(RankOutcome(stopped=True, exitcode=exitcode))
-        elif rank not in alive_at_deadline and exitcode == -signal.SIGKILL:
+        elif rank not in alive_at_deadline and exitcode in (-signal.SIGKILL, -signal.SIGTERM):
             outcomes.append(RankOutcome(killed=True, exitcode=exitcode))
         else:
             outcomes.append(RankOutcome(hung=True, exitcode=exitcode))

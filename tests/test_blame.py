@@ -108,3 +108,26 @@ def test_a_cause_on_the_board_that_shadowgba_did_not_write_is_named_as_such_and_
     other = judges(dist.HashStore())
     other[0].board.decide("cause", 0, '{"ranks": "all", "why": 7}')
     assert other[1].judge(ValueError("its own")).own  # its own failure, the crafted cause noted as earlier
+
+
+class GoneStore(dist.Store):
+    """A store whose host is gone: every access fails, as a client's does once its server ended."""
+
+    def _gone(self, *args: object) -> None:
+        raise RuntimeError("Connection reset by peer: the store's host is gone")
+
+    set = get = check = add = compare_set = delete_key = _gone
+
+
+def test_with_the_board_unreachable_the_transports_naming_of_a_server_wins_and_only_then_the_store_is_blamed() -> None:
+    """The board cannot be read (the store's host ended after another trainer had named the server):
+    the transport's own words, naming ps0, are what this trainer says, not "could not reach the job's
+    store"; a failure that names nobody is then the store's, as that is all this rank knows."""
+    trainer = Blame(NoticeBoard("job", GoneStore(), attempt=0), 0, [1, 2], describe)
+    refused = PeerLost("server 0 (ps0, rank 3) failed dense.push for trainer0: connection closed")
+    verdict = trainer.judge(refused)
+    assert not trainer.board.reachable  # the fault fired: every access failed
+    assert verdict.replacement is None and verdict.why == str(refused) and not verdict.own, verdict
+    unknown = trainer.judge(gloo_error())
+    assert isinstance(unknown.replacement, SyncError) and unknown.culprits == ()
+    assert unknown.why.startswith("this rank (rank 0) could not reach the job's store"), unknown.why

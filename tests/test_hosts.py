@@ -383,3 +383,42 @@ def test_2d_a_host_cut_off_past_the_timeout_ends_every_rank_naming_the_unreachab
     # host 0's two ranks hold identical dense replicas; their table shards have no replica left to compare
     assert results["dense_replica_max_abs_diff"] == 0.0 and results["table_replica_max_abs_diff"] is None, results
     assert "the rounds go on over ranks 0, 1" in logs[0], logs[0][-4000:]
+
+
+@pytest.mark.parametrize(("kind", "failing"), [("kill", 0), ("fail", 1), ("term", 1), ("kill", 2), ("fail", 3),
+                                               ("term", 3)])
+def test_2d_one_torchrun_agent_per_group_the_survivors_of_either_groups_loss_write_the_result(
+        kind: str, failing: int, tmp_path: Path) -> None:
+    """2 hosts x 2 ranks, one torchrun agent a host and a replica group a host (`--nnodes 2`), ma,
+    `sync.on_group_lost: continue`; host 0's agent serves the store the ranks met at. A rank of
+    either group is killed, raises, or is SIGTERMed at step 20: its agent ends the group's other
+    rank and exits at once (host 0's with its store); the other group agrees on the loss in the
+    job's own store (`shadowgba.job.store`), trains to its last step, evaluates and writes the
+    result."""
+    steps, lost = 120, failing // 2
+    fault_log, out = tmp_path / "faults.jsonl", tmp_path / "out.json"
+    env = {**environment(), "SHADOWGBA_TEST_FAULTS": f"{kind}:{failing}:20", "SHADOWGBA_TEST_FAULT_LOG": str(fault_log)}
+    script = [str(ROOT / "benchmarks/train_dlrm.py"), "--config", str(ROOT / "examples/configs/ma_2d.yaml"),
+              "--output", str(out), *SMALL_RUN, "--train.steps", str(steps), "--sync.timeout_s", "10",
+              "--sync.on_group_lost", "continue"]
+    with Cluster(2) as cluster:
+        agents = cluster.torchrun(script, 2, env=env, log_dir=tmp_path, torchrun_args=["--tee", "3"])
+        lost_exit = agents[lost].wait(timeout=240)
+        deadline = time.monotonic() + 120  # the surviving agent then waits in torchrun's exit barrier
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        logs = [(tmp_path / f"host{host}.log").read_text() for host in range(2)]
+    fired = [json.loads(line) for line in fault_log.read_text().splitlines()]
+    assert [(event["kind"], event["trainer"], event["step"]) for event in fired] == [(kind, failing, 20)]
+    assert lost_exit == 1, logs[lost][-3000:]
+    if kind == "fail":  # the user's exception, on the rank that raised it
+        raised = [line for line in logs[lost].splitlines() if line.startswith(f"[default{failing % 2}]")]
+        assert any("InjectedFailure" in line for line in raised), logs[lost][-3000:]
+    survivor = logs[1 - lost]
+    assert f"so replica group {lost} (ranks {2 * lost}, {2 * lost + 1}) is out" in survivor, survivor[-4000:]
+    assert "could not reach the job's store" not in survivor, survivor[-4000:]
+    assert out.exists(), survivor[-4000:]
+    results = json.loads(out.read_text())
+    assert results["departed_trainers"] == [2 * lost, 2 * lost + 1], results
+    assert results["steps_by_trainer"] == [steps, steps] and results["sync"]["replica_groups_lost"] == 1, results
+    assert results["dense_replica_max_abs_diff"] == 0.0 and 0.5 < results["auc"] < 1.0, results

@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _member(store: dist.Store, rank: int) -> SurvivingGroups:
     """Rank `rank`'s view of a job of 2 groups of 2 ranks, its board in `store`."""
-    return SurvivingGroups(range(4), rank, 2, NoticeBoard("job", store, attempt=0), timeout_s=2.0, store=store)
+    return SurvivingGroups(range(4), rank, 2, NoticeBoard("job", store, attempt=0), timeout_s=2.0, store=store,
+                           rejoins=True)
 
 
 def _beating(store: dist.Store, ranks: list[int]) -> list[Heartbeat]:

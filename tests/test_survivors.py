@@ -8,10 +8,11 @@ the throughput window, the replica check, held-out evaluation, the resources) ru
 survivors (`Job.survivors`), so trainer 0 writes the result instead of waiting in a collective
 with the stopped process until it times out naming nobody.
 
-The same harness in the 2D layout (ma, 2 groups of 2) under `sync.on_group_lost: continue`: rank 2's
-loop raises at step 20 (its abort reaches the others as a round's flag); group 1 ends, group 0 trains
-to the end on rounds rebuilt without it, and writes the result. A replica check over a group of one
-member (trainer 0 alone under GBA; each table shard's replica group once group 1 is lost) has
+The same harness in the 2D layout (ma, 2 groups of 2) under `sync.on_group_lost: continue`, its
+ranks started by hand (rank 0's process hosts the store they meet at): a group is lost at step 10
+(a rank killed, raising, or SIGTERMed; the group holding the store among them); the other trains to
+the end on rounds rebuilt without it, and writes the result. A replica check over a group of one
+member (trainer 0 alone under GBA; each table shard's replica group once a group is lost) has
 nothing to compare and reports None, not a vacuous 0.0.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -72,19 +74,62 @@ def test_a_trainer_stopped_for_good_costs_the_harness_only_its_own_work(tmp_path
     assert trainer["gba"]["dense_shards"][0]["global_step"] > 0, trainer["gba"]
 
 
-def test_a_2d_group_whose_rank_raised_drops_out_and_the_other_writes_the_result(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("kind", "failing"), [("kill", 0), ("fail", 1), ("term", 1), ("fail", 2)])
+def test_the_survivors_of_any_2d_groups_loss_write_the_result_when_rank_0_hosted_the_store(
+        tmp_path: Path, kind: str, failing: int) -> None:
+    """Ranks started by hand (rank 0's process hosts the store they met at), ma in 2 groups of 2,
+    `sync.on_group_lost: continue`. The group holding the store is lost: rank 0 itself killed, rank 1
+    raising (rank 0 then ends too, its all-to-all broken), or rank 1 stopped by SIGTERM; or group 1
+    is, rank 2 raising. The other group's ranks still agree on the loss, rebuild their rounds, meet
+    after training, evaluate and write the result: the job's decisions live in a store of its own
+    (`shadowgba.job.store`), not in rank 0's process."""
     fault_log = tmp_path / "faults.jsonl"
-    outcomes = run_ranks_outcomes(_harness_with_a_fault, 4, "ma_2d.yaml", "fail:2:20", str(fault_log),
-                                  ["--sync.on_group_lost", "continue"], timeout_s=150)
-    assert fired(fault_log) == [("fail", 2, 20)]
-    assert "InjectedFailure" in outcomes[2].traceback, outcomes[2]  # the user's exception, as it was raised
-    assert outcomes[3].traceback is not None and "rank 2" in outcomes[3].traceback, outcomes[3]  # its partner names it
-    first, second = (outcomes[rank].value["results"] for rank in (0, 1))
-    assert first["writer"] and not second["writer"] and first["departed_trainers"] == [2, 3], first
+    outcomes = run_ranks_outcomes(_harness_with_a_fault, 4, "ma_2d.yaml", f"{kind}:{failing}:{STOP_AT}",
+                                  str(fault_log), ["--sync.on_group_lost", "continue"], timeout_s=150, by_hand=True)
+    assert fired(fault_log) == [(kind, failing, STOP_AT)]
+    lost_group = failing // 2
+    partner = 4 * lost_group + 1 - failing
+    survivors = [rank for rank in range(4) if rank // 2 != lost_group]
+    if kind == "fail":
+        assert "InjectedFailure" in outcomes[failing].traceback, outcomes[failing]  # the user's exception, as raised
+    else:
+        signal_number = {"kill": signal.SIGKILL, "term": signal.SIGTERM}[kind]
+        assert outcomes[failing].killed and outcomes[failing].exitcode == -signal_number, outcomes[failing]
+    assert outcomes[partner].traceback is not None and f"rank {failing}" in outcomes[partner].traceback, outcomes[partner]
+    assert "could not reach the job's store" not in outcomes[partner].traceback, outcomes[partner]
+    assert all(outcomes[rank].returned for rank in survivors), "\n".join(
+        f"rank {rank}: {outcomes[rank].traceback}" for rank in survivors)
+    first, second = (outcomes[rank].value["results"] for rank in survivors)
+    assert first["writer"] and not second["writer"] and first["departed_trainers"] == [2 * lost_group, 2 * lost_group + 1], first
     assert first["steps"] == STEPS and first["steps_by_trainer"] == [STEPS, STEPS], first
     assert first["sync"]["replica_groups_lost"] == 1, first["sync"]
-    assert first["dense_replica_max_abs_diff"] == 0.0, first  # group 0's two ranks
-    # each table shard's replica group is group 0's rank alone now: no replica to compare, but the
-    # table rounds ran with group 1 until it was lost
+    assert first["dense_replica_max_abs_diff"] == 0.0, first  # the surviving group's two ranks
+    # each table shard's replica group is the surviving group's rank alone now: no replica to compare,
+    # but the table rounds ran with the lost group until it was lost
     assert first["table_replica_max_abs_diff"] is None and first["sync"]["table_rounds"] > 0, first
-    assert [rank["rank"] for rank in first["resources"]["by_rank"]] == [0, 1], first["resources"]
+    assert [rank["rank"] for rank in first["resources"]["by_rank"]] == survivors, first["resources"]
+
+
+def test_continue_under_a_torchrun_agent_of_several_groups_is_warned_about_once_per_agent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's agent ends every rank it started once one fails, so `continue` keeps no group
+    going where one agent started ranks of several groups (one torchrun job for all of them): its
+    first worker says so at `join`. One agent per group (`--nnodes 2 --nproc-per-node 2`), or no
+    torchrun, is not warned about."""
+    from shadowgba.job.survivors import launch_warning
+
+    def torchrun(rank: int, local_rank: int, local_world_size: int) -> None:
+        for name, value in (("TORCHELASTIC_RUN_ID", "job"), ("RANK", rank), ("LOCAL_RANK", local_rank),
+                            ("LOCAL_WORLD_SIZE", local_world_size)):
+            monkeypatch.setenv(name, str(value))
+
+    torchrun(0, 0, 4)  # torchrun --standalone --nproc-per-node 4, groups of 2
+    warning = launch_warning(0, 2)
+    assert warning is not None and "this torchrun agent started ranks 0-3, of replica groups 0-1" in warning
+    assert "one torchrun agent per replica group" in warning
+    torchrun(1, 1, 4)
+    assert launch_warning(1, 2) is None  # said once, by the agent's first worker
+    torchrun(2, 0, 2)  # the second of two agents, one a group
+    assert launch_warning(2, 2) is None
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert launch_warning(0, 2) is None

@@ -302,14 +302,16 @@ STALL_TIMEOUT_S = 6.0
 @pytest.mark.parametrize(("kind", "failing"), [("fail", 2), ("kill", 3), ("stop", 1)])
 def test_a_failure_in_one_group_ends_every_rank_naming_it(kind: str, failing: int) -> None:
     """An exception in group 1's loop, a SIGKILLed rank of group 1, or a rank of group 0 stopped for
-    good (SIGSTOP, its sockets open), the ranks started by hand (no torchrun agent to end the others):
-    every other rank, in both groups, raises within the timeout, and its error is `PeerLost` naming
-    the failed rank, and no other: a rank that ended after it learned of the failure (its partner,
-    whose collective failed first) is never named."""
+    good (SIGSTOP, its sockets open), the ranks started by hand (no torchrun agent to end the others;
+    rank 0's process hosts the store they met at, and often ends first): every other rank, in both
+    groups, raises within the timeout, and its error is `PeerLost` naming the failed rank, and no
+    other, whichever rank ended first: a rank that ended after it learned of the failure (its
+    partner, whose collective failed first) is never named, and the cause stays readable in the
+    job's own store (`shadowgba.job.store`) once rank 0 is gone."""
     options = {"algo": "ma", **({"timeout_s": STALL_TIMEOUT_S} if kind == "stop" else {})}
     started = time.monotonic()
     outcomes = run_ranks_outcomes(_pipeline_job, 4, options, (kind, failing, 8), timeout_s=120,
-                                  stopped_for_good=kind == "stop")
+                                  stopped_for_good=kind == "stop", by_hand=True)
     failed = outcomes[failing]
     if kind == "stop":  # every other rank ended on its own, well before the harness's deadline
         assert failed.stopped and time.monotonic() - started < 60

@@ -7,6 +7,7 @@ rank the same way, each fired by the trainer it names, right after its training 
     faults.stall_at(1, step=20, seconds=3)       # trainer 1's training thread sleeps 3 s
     faults.stall_at(1, step=20, seconds=3, freeze=True)  # its whole process is stopped (SIGSTOP) for 3 s
     faults.stop_at(1, step=20)                   # trainer 1's process is stopped for good (never continued)
+    faults.term_at(1, step=20)                   # trainer 1 SIGTERMs itself (a scheduler or a user ends it)
     faults.kill_server_at(0, step=20, trainer=0)  # trainer 0 SIGKILLs server 0's process
     faults.nan_at(1, step=20)                    # trainer 1's dense weights turn NaN (needs params=)
     fail_round_after(sync, rounds=3)             # the shadow thread's 4th round raises InjectedFailure
@@ -33,7 +34,7 @@ attempt (`TORCHELASTIC_RESTART_COUNT`, 0 when unset): the attempt torchrun resta
 The harness arms the injector from the environment (`FaultInjector.from_env`):
 
     SHADOWGBA_TEST_KILL_AT_STEP=1:15          # trainer 1 is killed right after step 15 (and its checkpoint)
-    SHADOWGBA_TEST_FAULTS="fail:0:20,stall:1:10:2.5,freeze:1:30:4,kill:1:40,nan:1:50,stop:1:60"
+    SHADOWGBA_TEST_FAULTS="fail:0:20,stall:1:10:2.5,freeze:1:30:4,kill:1:40,nan:1:50,stop:1:60,term:1:70"
     SHADOWGBA_TEST_FAULT_LOG=faults.jsonl     # where fired faults are recorded
 
 Killing a server needs its pid, which only a collective can tell a trainer (`exchange_pids`), so
@@ -89,7 +90,7 @@ class Fault:
     """One armed fault: `trainer` fires it right after its step `step`."""
 
     kind: str
-    """fail | kill | stall | freeze | stop | kill_server | nan."""
+    """fail | kill | term | stall | freeze | stop | kill_server | nan."""
     trainer: int
     step: int
     seconds: float = 0.0
@@ -114,7 +115,7 @@ class FaultInjector:
         self.faults: list[Fault] = []
         self.fired: list[dict[str, object]] = []
         self._actions: dict[str, Callable[[Fault], None]] = {
-            "fail": self._fail, "kill": self._kill, "stall": self._stall, "freeze": self._freeze,
+            "fail": self._fail, "kill": self._kill, "term": self._term, "stall": self._stall, "freeze": self._freeze,
             "stop": self._stop, "kill_server": self._kill_server, "nan": self._nan,
         }
 
@@ -130,12 +131,12 @@ class FaultInjector:
             kind, *numbers = spec.strip().split(":")
             try:
                 trainer, step, *seconds = (float(number) for number in numbers)
-                if kind not in ("fail", "kill", "stop", "stall", "freeze", "nan") or len(seconds) != (
+                if kind not in ("fail", "kill", "term", "stop", "stall", "freeze", "nan") or len(seconds) != (
                         kind in ("stall", "freeze")):
                     raise ValueError
             except ValueError:
                 raise ValueError(f"{KILL_ENV} must be TRAINER:STEP and {FAULTS_ENV} a list of "
-                                 f"fail|kill|stop|nan:TRAINER:STEP "
+                                 f"fail|kill|term|stop|nan:TRAINER:STEP "
                                  f"or stall|freeze:TRAINER:STEP:SECONDS, got {spec!r}") from None
             if kind == "nan":
                 injector.nan_at(int(trainer), int(step))
@@ -150,6 +151,11 @@ class FaultInjector:
     def kill_at(self, trainer: int, step: int) -> "FaultInjector":
         """Trainer `trainer` SIGKILLs its own process right after step `step`."""
         return self._arm(Fault("kill", trainer, step))
+
+    def term_at(self, trainer: int, step: int) -> "FaultInjector":
+        """Trainer `trainer` SIGTERMs its own process right after step `step` (Python's default
+        action: the process ends at once, as a scheduler's or a user's stop ends it)."""
+        return self._arm(Fault("term", trainer, step))
 
     def stall_at(self, trainer: int, step: int, seconds: float, freeze: bool = False) -> "FaultInjector":
         """Trainer `trainer` stalls for `seconds` after step `step`: its training thread sleeps, or
@@ -214,6 +220,9 @@ class FaultInjector:
 
     def _kill(self, fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def _term(self, fault: Fault) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _stall(self, fault: Fault) -> None:
         time.sleep(fault.seconds)

@@ -203,10 +203,9 @@ def gather_resources(meter: ResourceMeter, job: shadowgba.Job, window: Sequence[
     member reads the posts of every member and server (None on servers). A trainer that departed
     posts nothing and is not waited for; a post missing after `RESOURCES_WAIT_S` is a `RuntimeError`."""
     meter.stop()
-    # a job run as a torchrun job per replica group meets in its replica store: each group's own
-    # store holds only its ranks
-    shared = job.replica_store if job.replica_store is not None else dist.distributed_c10d._get_default_store()
-    store = dist.PrefixStore(f"harness/{job.name}/resources", shared)
+    # not the default group's store: each torchrun job of a job per replica group holds only its own
+    # ranks there, and rank 0's process (ranks started by hand) may have gone with a lost group
+    store = dist.PrefixStore(f"harness/{job.name}/resources", job.store)
     rank = job.roles.rank
     if members and rank == members[0]:
         store.set("window", json.dumps(list(window)))

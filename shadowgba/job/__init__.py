@@ -8,6 +8,8 @@ transport (`shadowgba.ps`). One module per concept:
   layout), and which torchrun attempt this is;
 - `notices.py`: `NoticeBoard`, the job's notices (who left and why), heartbeats read, decisions;
 - `heartbeat.py`: `Heartbeat`, a rank's beat on the board (a killed or stuck rank goes silent);
+- `store.py`: the job's own store, started beside rank 0 where the store the ranks met at goes with
+  one process, so that the board and the survivors' groups outlive any rank's exit;
 - `blame.py`: `Blame`, which rank's failure ended the job, and `gone_peers`, the one rule for
   finding lost peers on the board;
 - `survivors.py`: `SurvivingGroups`, which replica groups of a 2D job are in it (losses, rejoins);

@@ -115,12 +115,12 @@ class Blame:
                 first = self._decided()  # a peer may have posted while the heartbeats were read
         if first is not None:
             return self._peer_lost(first, error)
+        if _chain_has(error, PeerLost):  # the transport's own words name the peer (a server), board or not
+            return Verdict((), False, _text(error))
         if not self.board.reachable:
             why = (f"this rank (rank {self.rank}) could not reach the job's store within {NOTICE_TIMEOUT_S:.0f} s: "
                    "it is cut off from the other hosts (a network partition), or the store's host is down")
             return Verdict((), False, why, replacement=SyncError(why))
-        if _chain_has(error, PeerLost):
-            return Verdict((), False, _text(error))  # the transport's own words name the peer (a server)
         why = ("a peer failed, but none posted a failure and every peer's heartbeat is alive: "
                f"the lost rank is unknown ({_text(error)})")
         return Verdict((), False, why, replacement=PeerLost(why))

@@ -137,6 +137,15 @@ def store_hosted_elsewhere() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
+def agent_ranks() -> range | None:
+    """The global ranks of the workers the torchrun agent of this process started (an agent's
+    workers hold consecutive ranks), or None outside torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    first = int(os.environ["RANK"]) - int(os.environ["LOCAL_RANK"])
+    return range(first, first + int(os.environ["LOCAL_WORLD_SIZE"]))
+
+
 def attempt_namespace() -> str:
     """The key prefix of this torchrun attempt, `attempt_{TORCHELASTIC_RESTART_COUNT}`."""
     return f"attempt_{restart_count()}"

@@ -61,6 +61,7 @@ from shadowgba import groups as made_groups
 from shadowgba.errors import ConfigError, SetupError, SyncError
 from shadowgba.job.blame import gone_peers
 from shadowgba.job.notices import NoticeBoard
+from shadowgba.job.rendezvous import agent_ranks
 
 DECISION = "replica_epoch"
 """The notice board's kind of decision: `{"groups": [...], "lost_ranks": [...], "joined": {...},
@@ -120,21 +121,41 @@ class ReplicaJobsConfig:
         return host, int(port)
 
 
+def launch_warning(rank: int, group_size: int) -> str | None:
+    """Why `sync.on_group_lost: continue` keeps no group going under this launch, said by the first
+    worker of each torchrun agent that started ranks of several replica groups of `group_size`
+    (one torchrun job for all groups); None otherwise. An agent ends every worker it started once
+    one of them fails, the other groups' with it."""
+    ranks = agent_ranks()
+    if ranks is None or rank != ranks[0] or ranks[0] // group_size == ranks[-1] // group_size:
+        return None
+    return (f"sync.on_group_lost: continue, but this torchrun agent started ranks {ranks[0]}-{ranks[-1]}, of "
+            f"replica groups {ranks[0] // group_size}-{ranks[-1] // group_size}: when one of its ranks fails, the "
+            "agent ends every rank it started, the other groups' too, so none trains on. Launch one torchrun agent per "
+            "replica group (torchrun --nnodes R --node-rank g --nproc-per-node k) or a torchrun job per group "
+            "(sync.replica_jobs)")
+
+
 class SurvivingGroups:
     """Which replica groups of a 2D job are in it, as every member agrees, and their groups."""
 
     def __init__(self, trainer_ranks: Sequence[int], rank: int, group_size: int, notices: NoticeBoard,
-                 timeout_s: float, store: dist.Store | None = None, device: torch.device | None = None) -> None:
+                 timeout_s: float, store: dist.Store | None = None, device: torch.device | None = None,
+                 rejoins: bool = False) -> None:
         """`trainer_ranks`: the job's trainers in order, cut into replica groups of `group_size`
         (`shadowgba.layout`); `rank`: this one's job-wide rank; `notices`: the job's notice board.
-        `store`: with a torchrun job per replica group, the store they share (the groups across
-        them are made there); None: one job for all groups (`dist.new_group`)."""
+        `store`: where the groups of an epoch are made, one that outlives every group: the store
+        a torchrun job per replica group shares, or the job's own (`shadowgba.job.store`); None:
+        the default group's (`dist.new_group`), where that one outlives every rank. `rejoins`: a
+        lost group can come back (a torchrun job per replica group), so the board is read for
+        join requests before each round."""
         self.trainer_ranks = tuple(trainer_ranks)
         self.rank = rank
         self.group_size = group_size
         self.notices = notices
         self.timeout_s = timeout_s
         self.store = store
+        self.rejoins = rejoins
         self.device = device if device is not None else torch.device("cpu")
         self.members: tuple[int, ...] = tuple(range(len(self.trainer_ranks) // group_size))
         """The replica groups in the job now (indices)."""
@@ -215,8 +236,8 @@ class SurvivingGroups:
 
     def joins_waiting(self) -> bool:
         """Whether a join request came after the last decision (a store read before each round;
-        none in one torchrun job for all groups, where a lost group's processes cannot come back)."""
-        if self.store is None:
+        none without `rejoins`, where a lost group's processes cannot come back)."""
+        if not self.rejoins:
             return False
         count = self.notices.count(JOIN_COUNT)
         return count is not None and count > self.joins_handled
@@ -250,7 +271,7 @@ class SurvivingGroups:
     def mark_ended(self) -> None:
         """The rounds ended on every member (their last round): a group asking to join from now on
         is told so at once instead of waiting for a round that never comes."""
-        if self.store is not None:
+        if self.rejoins:
             self.notices.post(ENDED, 0, str(self.epoch))
 
     def wait_to_join(self, incarnation: int, timeout_s: float) -> None:
