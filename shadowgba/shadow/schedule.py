@@ -58,8 +58,11 @@ class RoundSchedule:
         self._restore_at: float = NEVER
         self._due_at: float = NEVER
         self._applied_step = 0
-        self._warn_at: float = config.first_round_after + config.warn_gap_steps + 1 if config.warn_gap_steps else NEVER
-        self._next_check: float = self._warn_at
+        self._gap_from = config.first_round_after
+        """The step the sync gap counts from: the last round applied's, or the first round's before one."""
+        self._warn_at: float = NEVER
+        self._next_check: float = NEVER
+        self._arm_warning()
         self._span_start = 0.0
         self._cpu_start = 0.0
         self._idle_start = 0.0
@@ -126,10 +129,8 @@ class RoundSchedule:
 
     def applied(self, step: int) -> None:
         """A round's result reached the dense weights at step `step`."""
-        self._applied_step = step
-        if self.warn_gap_steps:
-            self._warn_at = step + self.warn_gap_steps + 1
-            self._update_next_check()
+        self._applied_step = self._gap_from = step
+        self._arm_warning()
 
     def _check(self, step: int) -> None:
         if step >= self._restore_at and self._in_round:
@@ -142,6 +143,12 @@ class RoundSchedule:
         if step >= self._warn_at:
             self._warn_at = NEVER
             self._warn(step)
+        self._update_next_check()
+
+    def _arm_warning(self) -> None:
+        """The gap warning falls due `warn_gap_steps` steps past the last round applied (or the first
+        round's step); 0: never."""
+        self._warn_at = self._gap_from + self.warn_gap_steps + 1 if self.warn_gap_steps else NEVER
         self._update_next_check()
 
     def _update_next_check(self) -> None:
@@ -163,11 +170,15 @@ class RoundSchedule:
 
     # ------------------------------------------------------------------------------ live settings
     def apply_live(self, settings: LiveSettings) -> None:
-        """The pacing's part of live settings (a control file, `set_interval_ms`); unset fields stay."""
+        """The pacing's part of live settings (a control file, `set_interval_ms`); unset fields stay.
+        A new floor counts from the next round's snapshot; a new gap warning from the last round that
+        reached the dense weights."""
         pacer = self.pacer
         if settings.interval_ms is not None:
             pacer.interval_s = settings.interval_ms / 1e3
-        if settings.interval_steps is not None:
-            pacer.interval_steps = settings.interval_steps
-        if settings.max_round_share is not None:
-            pacer.max_round_share = settings.max_round_share
+        for name in ("interval_steps", "max_round_share", "max_step_cost", "max_gap_steps"):
+            if (value := getattr(settings, name)) is not None:
+                setattr(pacer, name, value)
+        if settings.warn_gap_steps is not None:
+            self.warn_gap_steps = settings.warn_gap_steps
+            self._arm_warning()
