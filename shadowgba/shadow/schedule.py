@@ -50,6 +50,9 @@ class RoundSchedule:
         self.name = name
         self.warn_gap_steps = config.warn_gap_steps
         self._due = threading.Event()
+        self._steps_lock = threading.Lock()
+        """Guards the steps things fall due at (`_restore_at`, `_due_at`, `_warn_at`, `_next_check`):
+        both threads set them, and a write from one must not be lost to the other's `_next_check`."""
         self._threads: set[int] = set()
         self._in_round = False
         self._late = False
@@ -89,9 +92,10 @@ class RoundSchedule:
         self._round_step = step
         floor = self.pacer.max_gap_steps
         if floor:
-            self._restore_at = step + max(1, floor // 2)
-            self._due_at = step + max(1, floor - 1)
-            self._update_next_check()
+            with self._steps_lock:
+                self._restore_at = step + max(1, floor // 2)
+                self._due_at = step + max(1, floor - 1)
+                self._update_next_check()
         return self.pacer.round_started(step)
 
     def round_finished(self) -> None:
@@ -102,8 +106,9 @@ class RoundSchedule:
         self.pacer.cost_measured(cost_s)
         self.metrics.record_round_cost(cost_s, cpu_s)
         self._in_round = False
-        self._restore_at = NEVER
-        self._update_next_check()
+        with self._steps_lock:
+            self._restore_at = NEVER
+            self._update_next_check()
 
     def wait(self, stopping: threading.Event) -> None:
         """Pause until the next round is due (the pacer's time, the floor's step, or a stop), then
@@ -125,7 +130,8 @@ class RoundSchedule:
         """A training step ended: stamp it and enforce what falls due at step `step`."""
         self.cost.step_ended(time.perf_counter())
         if step >= self._next_check:
-            self._check(step)
+            with self._steps_lock:
+                self._check(step)
 
     def applied(self, step: int) -> None:
         """A round's result reached the dense weights at step `step`."""
@@ -133,6 +139,8 @@ class RoundSchedule:
         self._arm_warning()
 
     def _check(self, step: int) -> None:
+        """Act on what fell due by step `step`: a late round's priority, the floor's wake-up, the gap
+        warning (under `_steps_lock`)."""
         if step >= self._restore_at and self._in_round:
             self._late = True
             self.priority.restore()
@@ -148,8 +156,9 @@ class RoundSchedule:
     def _arm_warning(self) -> None:
         """The gap warning falls due `warn_gap_steps` steps past the last round applied (or the first
         round's step); 0: never."""
-        self._warn_at = self._gap_from + self.warn_gap_steps + 1 if self.warn_gap_steps else NEVER
-        self._update_next_check()
+        with self._steps_lock:
+            self._warn_at = self._gap_from + self.warn_gap_steps + 1 if self.warn_gap_steps else NEVER
+            self._update_next_check()
 
     def _update_next_check(self) -> None:
         self._next_check = min(self._restore_at, self._due_at, self._warn_at)
