@@ -146,8 +146,9 @@ class SyncConfig:
     `<dir>/trainer<i>` every `log_interval_s` and at the end. Needs `shadowgba[tensorboard]`; a
     `SummaryWriter` passed to `dense_sync(summary_writer=...)` takes its place."""
     control_file: str | None = None
-    """Optional YAML file polled while the job runs; it may change interval_ms, interval_steps and foreground_every
-    live (see shadowgba.shadow.control). Ignored by gba."""
+    """Optional YAML file polled while the job runs; it may change the pacing (interval_ms, interval_steps,
+    max_round_share, max_step_cost, max_gap_steps), warn_gap_steps and foreground_every live (see
+    shadowgba.shadow.control). Ignored by gba."""
     ma: MAConfig = dataclasses.field(default_factory=MAConfig)
     """Options of `ma` (none)."""
     easgd: EASGDConfig = dataclasses.field(default_factory=EASGDConfig)
@@ -213,24 +214,11 @@ class SyncConfig:
                                   "shadowgba must be a model algorithm (a SyncAlgorithm whose round maps a "
                                   "snapshot to a target), which the shadow runtime runs")
             self.registered.setdefault(self.section, self.open_sections()[self.section]())
-        if self.interval_ms < 0:
-            raise ConfigError(f"interval_ms must be >= 0, got {self.interval_ms}")
-        if self.interval_steps < 0:
-            raise ConfigError(f"interval_steps must be >= 0, got {self.interval_steps}")
-        if not 0 < self.max_round_share <= 1:
-            raise ConfigError(f"max_round_share must be in (0, 1], got {self.max_round_share}")
-        if not 0 < self.max_step_cost <= 1:
-            raise ConfigError(f"max_step_cost must be in (0, 1], got {self.max_step_cost}")
-        if self.max_gap_steps < 0:
-            raise ConfigError(f"max_gap_steps must be >= 0 (0: no floor), got {self.max_gap_steps}")
-        if self.warn_gap_steps < 0:
-            raise ConfigError(f"warn_gap_steps must be >= 0 (0: no warning), got {self.warn_gap_steps}")
+        check_live_fields(self, LIVE_FIELDS)
         if self.rounds_nice is not None and not 0 <= self.rounds_nice <= 19:
             raise ConfigError(f"rounds_nice must be in [0, 19], got {self.rounds_nice} (null: adaptive)")
         if self.first_round_after < 0:
             raise ConfigError(f"first_round_after must be >= 0, got {self.first_round_after}")
-        if self.foreground_every < 1:
-            raise ConfigError(f"foreground_every must be >= 1, got {self.foreground_every}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.max_skipped_steps < 1:
@@ -317,6 +305,28 @@ class SyncConfig:
         if self.section in self.registered:
             return self.registered[self.section]
         return getattr(self, self.section)
+
+
+LIVE_FIELDS: dict[str, tuple[typing.Callable[[float], bool], str]] = {
+    "interval_ms": (lambda value: value >= 0, ">= 0"),
+    "interval_steps": (lambda value: value >= 0, ">= 0"),
+    "max_round_share": (lambda value: 0 < value <= 1, "in (0, 1]"),
+    "max_step_cost": (lambda value: 0 < value <= 1, "in (0, 1]"),
+    "max_gap_steps": (lambda value: value >= 0, ">= 0 (0: no floor)"),
+    "warn_gap_steps": (lambda value: value >= 0, ">= 0 (0: no warning)"),
+    "foreground_every": (lambda value: value >= 1, ">= 1"),
+}
+"""The `SyncConfig` fields a live control file may change too (`shadowgba.shadow.control`): what each
+one must be, checked alike at start-up and on every edit of the file."""
+
+
+def check_live_fields(settings: Any, fields: Mapping[str, tuple[typing.Callable[[float], bool], str]]) -> None:
+    """Raise a `ConfigError` naming the first of `fields` (name: (allowed, wording)) that `settings`
+    holds out of range; a field it holds as None (a control file leaves it as it is) passes."""
+    for name, (allowed, wording) in fields.items():
+        value = getattr(settings, name)
+        if value is not None and not allowed(value):
+            raise ConfigError(f"{name} must be {wording}, got {value}")
 
 
 SECTION_OF = {"easgd_ps": "easgd"}

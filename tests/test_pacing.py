@@ -177,6 +177,32 @@ def test_a_gap_past_warn_gap_steps_is_warned_about_once_until_a_round_arrives(ca
     assert len(caplog.records) == 2 and "for 6 steps" in caplog.records[1].getMessage()
 
 
+def test_live_settings_change_the_cost_limit_the_floor_and_the_gap_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """What a control file carries (`LiveSettings`), as `RoundSchedule.apply_live` takes it: the floor
+    from the next snapshot on, the warning from the last round applied; a value out of range is
+    refused as at start-up."""
+    from shadowgba.config import ConfigError
+    from shadowgba.shadow.control import LiveSettings
+
+    schedule = schedule_for(warn_gap_steps=0, max_gap_steps=10)
+    caplog.set_level(logging.WARNING, logger="shadowgba")
+    schedule.apply_live(LiveSettings(max_step_cost=0.5, max_gap_steps=4, warn_gap_steps=3))
+    assert (schedule.pacer.max_step_cost, schedule.pacer.max_gap_steps) == (0.5, 4)
+    schedule.round_begins()
+    schedule.snapshot_taken(step=0)
+    for step in range(1, 4):
+        schedule.step_ended(step)
+    assert schedule._due.is_set() and not caplog.records  # the floor's step (4) is next: woken one before
+    schedule.step_ended(4)
+    assert len(caplog.records) == 1 and "for 4 steps" in caplog.records[0].getMessage()
+    schedule.apply_live(LiveSettings(warn_gap_steps=0))
+    schedule.step_ended(20)
+    assert len(caplog.records) == 1
+    for bad in ({"max_step_cost": 0.0}, {"max_gap_steps": -1}, {"warn_gap_steps": -2}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            LiveSettings(**bad)
+
+
 def test_a_table_cycle_ends_within_its_bound_in_steps_within_the_links_byte_budget() -> None:
     """Fragments of 1 MiB, a bound of 100 steps, dense rounds every 10 steps of the fastest rank: a
     cycle of 50 fragments is spread over the 10 dense rounds before its deadline (5 a round); one of

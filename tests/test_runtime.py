@@ -352,14 +352,17 @@ def control_file_changes_pacing(rank: int, world_size: int, control: str) -> dic
     config = SyncConfig(algo="ma", interval_ms=1.0, max_round_share=1.0, max_step_cost=1.0, control_file=control)
     with ShadowSync(model, optimizer, config) as sync:
         fast = train_for(1.0)
-        Path(control).write_text("interval_ms: 400\ninterval_steps: 3\nmax_round_share: 0.5\n")
+        Path(control).write_text("interval_ms: 400\ninterval_steps: 3\nmax_round_share: 0.5\nmax_step_cost: 0.25\n"
+                                 "max_gap_steps: 40\nwarn_gap_steps: 500\n")
         train_for(1.5)  # picked up within a poll interval (1 s)
         slow = train_for(1.2)
         Path(control).write_text("interval_ms: -5\n")  # invalid: logged and ignored
         train_for(1.2)
         still_slow = train_for(1.2)
+    schedule = sync._schedule
     return {"fast": fast, "slow": slow, "still_slow": still_slow, "interval_ms": sync.interval_ms,
-            "interval_steps": sync.interval_steps, "max_round_share": sync.max_round_share}
+            "interval_steps": sync.interval_steps, "max_round_share": sync.max_round_share,
+            "cost_limits": (schedule.pacer.max_step_cost, schedule.pacer.max_gap_steps, schedule.warn_gap_steps)}
 
 
 def test_control_file_changes_pacing_while_running_and_bad_edits_are_ignored(one_rank: dict) -> None:
@@ -368,6 +371,7 @@ def test_control_file_changes_pacing_while_running_and_bad_edits_are_ignored(one
     assert result["slow"] <= 1.2 / 0.4 + 2, result
     assert result["still_slow"] <= 1.2 / 0.4 + 2 and result["interval_ms"] == 400.0, result
     assert result["interval_steps"] == 3 and result["max_round_share"] == 0.5
+    assert result["cost_limits"] == (0.25, 40, 500), result
 
 
 def checkpoint_often(rank: int, world_size: int) -> dict:

@@ -4,6 +4,9 @@
     interval_ms: 200        # shadow mode pacing: the least time between two rounds
     interval_steps: 2       # and not before the fastest rank has taken this many steps
     max_round_share: 0.1    # and the rounds take at most this share of the wall time
+    max_step_cost: 0.02     # and cost the training threads at most this share of their time
+    max_gap_steps: 10       # but a round starts at most this many steps after the last one
+    warn_gap_steps: 100     # warn when a rank goes this many steps without a round
     foreground_every: 50    # foreground mode period
 
 Each rank polls the file (at most once a second) and applies a change at its next round. Ranks may
@@ -20,14 +23,15 @@ import os
 import time
 from pathlib import Path
 
-from shadowgba.config import ConfigError, load_config
+from shadowgba.config import LIVE_FIELDS, ConfigError, check_live_fields, load_config
 
 logger = logging.getLogger("shadowgba")
 
 
 @dataclasses.dataclass
 class LiveSettings:
-    """The settings a control file may change; absent keys stay as they are."""
+    """The settings a control file may change; absent keys stay as they are. Each one means what the
+    `SyncConfig` field of its name means, and must be what that one must be (`LIVE_FIELDS`)."""
 
     interval_ms: float | None = None
     """New shadow-mode pacing, >= 0."""
@@ -35,18 +39,17 @@ class LiveSettings:
     """New shadow-mode pacing in the fastest rank's steps, >= 0."""
     max_round_share: float | None = None
     """New most share of the wall time the rounds may take, in (0, 1]."""
+    max_step_cost: float | None = None
+    """New most share of the training threads' time the rounds may cost them, in (0, 1]."""
+    max_gap_steps: int | None = None
+    """New floor on the round rate: the most steps of the fastest rank between two round starts, >= 0."""
+    warn_gap_steps: int | None = None
+    """New sync gap past which a rank warns, >= 0 (0: no warning)."""
     foreground_every: int | None = None
     """New foreground-mode period in training steps, >= 1."""
 
     def __post_init__(self) -> None:
-        if self.interval_ms is not None and self.interval_ms < 0:
-            raise ConfigError(f"interval_ms must be >= 0, got {self.interval_ms}")
-        if self.interval_steps is not None and self.interval_steps < 0:
-            raise ConfigError(f"interval_steps must be >= 0, got {self.interval_steps}")
-        if self.max_round_share is not None and not 0 < self.max_round_share <= 1:
-            raise ConfigError(f"max_round_share must be in (0, 1], got {self.max_round_share}")
-        if self.foreground_every is not None and self.foreground_every < 1:
-            raise ConfigError(f"foreground_every must be >= 1, got {self.foreground_every}")
+        check_live_fields(self, LIVE_FIELDS)
 
 
 class ControlFile:

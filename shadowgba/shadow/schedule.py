@@ -50,6 +50,9 @@ class RoundSchedule:
         self.name = name
         self.warn_gap_steps = config.warn_gap_steps
         self._due = threading.Event()
+        self._steps_lock = threading.Lock()
+        """Guards the steps things fall due at (`_restore_at`, `_due_at`, `_warn_at`, `_next_check`):
+        both threads set them, and a write from one must not be lost to the other's `_next_check`."""
         self._threads: set[int] = set()
         self._in_round = False
         self._late = False
@@ -58,8 +61,11 @@ class RoundSchedule:
         self._restore_at: float = NEVER
         self._due_at: float = NEVER
         self._applied_step = 0
-        self._warn_at: float = config.first_round_after + config.warn_gap_steps + 1 if config.warn_gap_steps else NEVER
-        self._next_check: float = self._warn_at
+        self._gap_from = config.first_round_after
+        """The step the sync gap counts from: the last round applied's, or the first round's before one."""
+        self._warn_at: float = NEVER
+        self._next_check: float = NEVER
+        self._arm_warning()
         self._span_start = 0.0
         self._cpu_start = 0.0
         self._idle_start = 0.0
@@ -86,9 +92,10 @@ class RoundSchedule:
         self._round_step = step
         floor = self.pacer.max_gap_steps
         if floor:
-            self._restore_at = step + max(1, floor // 2)
-            self._due_at = step + max(1, floor - 1)
-            self._update_next_check()
+            with self._steps_lock:
+                self._restore_at = step + max(1, floor // 2)
+                self._due_at = step + max(1, floor - 1)
+                self._update_next_check()
         return self.pacer.round_started(step)
 
     def round_finished(self) -> None:
@@ -99,8 +106,9 @@ class RoundSchedule:
         self.pacer.cost_measured(cost_s)
         self.metrics.record_round_cost(cost_s, cpu_s)
         self._in_round = False
-        self._restore_at = NEVER
-        self._update_next_check()
+        with self._steps_lock:
+            self._restore_at = NEVER
+            self._update_next_check()
 
     def wait(self, stopping: threading.Event) -> None:
         """Pause until the next round is due (the pacer's time, the floor's step, or a stop), then
@@ -122,16 +130,17 @@ class RoundSchedule:
         """A training step ended: stamp it and enforce what falls due at step `step`."""
         self.cost.step_ended(time.perf_counter())
         if step >= self._next_check:
-            self._check(step)
+            with self._steps_lock:
+                self._check(step)
 
     def applied(self, step: int) -> None:
         """A round's result reached the dense weights at step `step`."""
-        self._applied_step = step
-        if self.warn_gap_steps:
-            self._warn_at = step + self.warn_gap_steps + 1
-            self._update_next_check()
+        self._applied_step = self._gap_from = step
+        self._arm_warning()
 
     def _check(self, step: int) -> None:
+        """Act on what fell due by step `step`: a late round's priority, the floor's wake-up, the gap
+        warning (under `_steps_lock`)."""
         if step >= self._restore_at and self._in_round:
             self._late = True
             self.priority.restore()
@@ -143,6 +152,13 @@ class RoundSchedule:
             self._warn_at = NEVER
             self._warn(step)
         self._update_next_check()
+
+    def _arm_warning(self) -> None:
+        """The gap warning falls due `warn_gap_steps` steps past the last round applied (or the first
+        round's step); 0: never."""
+        with self._steps_lock:
+            self._warn_at = self._gap_from + self.warn_gap_steps + 1 if self.warn_gap_steps else NEVER
+            self._update_next_check()
 
     def _update_next_check(self) -> None:
         self._next_check = min(self._restore_at, self._due_at, self._warn_at)
@@ -163,11 +179,15 @@ class RoundSchedule:
 
     # ------------------------------------------------------------------------------ live settings
     def apply_live(self, settings: LiveSettings) -> None:
-        """The pacing's part of live settings (a control file, `set_interval_ms`); unset fields stay."""
+        """The pacing's part of live settings (a control file, `set_interval_ms`); unset fields stay.
+        A new floor counts from the next round's snapshot; a new gap warning from the last round that
+        reached the dense weights."""
         pacer = self.pacer
         if settings.interval_ms is not None:
             pacer.interval_s = settings.interval_ms / 1e3
-        if settings.interval_steps is not None:
-            pacer.interval_steps = settings.interval_steps
-        if settings.max_round_share is not None:
-            pacer.max_round_share = settings.max_round_share
+        for name in ("interval_steps", "max_round_share", "max_step_cost", "max_gap_steps"):
+            if (value := getattr(settings, name)) is not None:
+                setattr(pacer, name, value)
+        if settings.warn_gap_steps is not None:
+            self.warn_gap_steps = settings.warn_gap_steps
+            self._arm_warning()
