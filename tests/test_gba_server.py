@@ -17,7 +17,7 @@ from shadowgba.config import from_dict
 from shadowgba.gba.client import entered_step
 from shadowgba.gba.config import GBAConfig
 from shadowgba.dense import DenseParams
-from shadowgba.gba.fresh import FreshWaitPolicy
+from shadowgba.gba.fresh import WAIT_BUDGET, FreshWaitPolicy
 from shadowgba.gba.lookahead import LONGEST_GAP, Lookahead
 from shadowgba.gba.switch_policy import SwitchPolicy, SwitchPolicyConfig
 from shadowgba.gba.server import WATCHERS, DenseShard
@@ -245,23 +245,42 @@ def test_the_step_a_push_entered_is_the_one_its_global_batch_advances_k_to() -> 
     assert dropped.weight == 0.0 and entered_step(dropped) is None
 
 
-def test_fresh_waits_are_bounded_by_a_share_of_compute_and_stop_while_they_time_out() -> None:
+def test_fresh_waits_are_bounded_by_a_share_of_compute_and_stop_while_they_time_out_or_cost_too_much() -> None:
     """`FreshWaitPolicy`, by hand: the bound is `share` x the moving average of the compute time
     (weights 0.8 / 0.2); after timeouts bring the share of useful waits under one half, only every
-    10th step waits (a probe); useful waits bring the waiting back."""
+    10th step waits (a probe); useful waits bring the waiting back. Waits that succeed but take
+    most of a step stop once the share of the compute time spent waiting passes WAIT_BUDGET, and
+    resume as that share decays over the steps that do not wait."""
     policy = FreshWaitPolicy(0.5)
     assert policy.bound_s(0.100) == pytest.approx(0.050)
     assert policy.bound_s(0.200) == pytest.approx(0.5 * (0.8 * 0.100 + 0.2 * 0.200))  # 0.060
     for _ in range(3):  # useful: 1 -> 0.8 -> 0.64 -> 0.512, still waiting
-        policy.record(fresh=False)
+        policy.record(fresh=False, waited_s=0.0)
     assert policy.useful == pytest.approx(0.512) and policy.bound_s(0.120) is not None  # step 3
-    policy.record(fresh=False)  # 0.41: futile
+    policy.record(fresh=False, waited_s=0.0)  # 0.41: futile
     waits = [policy.bound_s(0.120) is not None for _ in range(4, 21)]  # steps 4..20
     assert [step for step, waited in zip(range(4, 21), waits) if waited] == [10, 20]
     for _ in range(2):  # probes that found fresh parameters: 0.41 -> 0.53 -> 0.62
-        policy.record(fresh=True)
+        policy.record(fresh=True, waited_s=0.0)
     assert policy.bound_s(0.120) is not None  # step 21: waiting again
     assert FreshWaitPolicy(0.0).bound_s(0.100) is None
+
+    slow = FreshWaitPolicy(1.0)
+    assert WAIT_BUDGET == 0.25
+    waited = []
+    for _ in range(12):  # every wait fresh, but 0.9 of the 0.100 s step: spent 0.18, 0.32 -> stop
+        bound = slow.bound_s(0.100)
+        waited.append(bound is not None)
+        if bound is not None:
+            slow.record(fresh=True, waited_s=0.090)
+    # waits at steps 1, 2; 0.32 decays (x0.8 a step) to 0.26, 0.21: wait at 5 (-> 0.35), skip 6-7, wait
+    # at 8 (-> 0.36), skip 9, the probe at 10 (-> 0.41), skip 11-12: about the budget's share of the time
+    assert waited == [True, True, False, False, True, False, False, True, False, True, False, False]
+    assert slow.useful == 1.0  # the back-off here is the budget's, not the timeouts'
+    quick = FreshWaitPolicy(1.0)
+    for _ in range(20):  # peers answer within a tenth of the step: never held back
+        assert quick.bound_s(0.100) is not None
+        quick.record(fresh=True, waited_s=0.010)
 
 
 def test_lookahead_computes_on_the_parameters_extrapolated_by_the_staleness_at_their_velocity() -> None:

@@ -7,12 +7,16 @@ costs"). Waiting for that global step's apply makes the next gradient fresh, as 
 are, at the price of the wait.
 
 The wait pays only when the peers complete the global batch soon. Under a straggler the batch often
-waits for gradients nobody is about to push, and the wait runs to its bound, step after step: pure
-loss of throughput. So the policy keeps a moving average of how often a wait ended with the fresh
-parameters in time; once most waits time out it stops waiting, and it probes again every
-`PROBE_EVERY` steps, so that it resumes when the straggler is gone. The bound of a wait is a share of
-the trainer's own compute time per step (a moving average), so a wait never costs more than that
-share of a step, whatever the model's size or the machine's speed.
+waits for gradients nobody is about to push: the wait runs to its bound, or ends late, when the
+next round of the fast trainers' gradients completes it. So the policy keeps two moving averages:
+how often a wait ended with the fresh parameters in time, and the share of the compute time spent
+waiting (0 for a step that did not wait). Once most waits time out, or the waits take more than
+`WAIT_BUDGET` of the compute time, it stops waiting; it probes again every `PROBE_EVERY` steps, and
+the share spent decays with every step that does not wait, so waiting resumes by itself: under a
+straggler the waits take about the budget, and where peers answer fast (no straggler) they never
+reach it. The bound of one wait is a share of the trainer's own compute time per step (a moving
+average), so a wait never costs more than that share of a step, whatever the model's size or the
+machine's speed.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ PROBE_EVERY = 10
 """While waits are futile, one step in this many still waits, to notice when they pay again."""
 USEFUL_BELOW = 0.5
 """Waits stop when fewer than this share of recent ones brought fresh parameters in time."""
+WAIT_BUDGET = 0.25
+"""Waits stop while they take more than this share of the compute time (a moving average)."""
 SMOOTHING = 0.2
 """Weight of the newest observation in the moving averages (about the last 5 to 10 steps)."""
 
@@ -38,6 +44,8 @@ class FreshWaitPolicy:
         next step's hook), a moving average."""
         self.useful = 1.0
         """Moving average of the waits' outcomes: 1 for fresh parameters in time, 0 for a timeout."""
+        self.spent = 0.0
+        """Moving average, over the steps, of the time waited as a share of the compute time."""
         self._steps = 0
 
     def bound_s(self, compute_s: float) -> float | None:
@@ -45,10 +53,15 @@ class FreshWaitPolicy:
         this step: waiting is off, or futile and this is no probe step)."""
         self.compute_s = compute_s if self.compute_s is None else (1 - SMOOTHING) * self.compute_s + SMOOTHING * compute_s
         self._steps += 1
-        if self.share <= 0 or (self.useful < USEFUL_BELOW and self._steps % PROBE_EVERY):
+        futile = self.useful < USEFUL_BELOW or self.spent > WAIT_BUDGET
+        if self.share <= 0 or (futile and self._steps % PROBE_EVERY):
+            self.spent *= 1 - SMOOTHING  # a step that does not wait
             return None
         return self.share * self.compute_s
 
-    def record(self, fresh: bool) -> None:
-        """A wait ended: `fresh`, the parameters came within the bound; else it timed out."""
+    def record(self, fresh: bool, waited_s: float) -> None:
+        """A wait of `waited_s` seconds ended: `fresh`, the parameters came within the bound; else it
+        timed out."""
         self.useful = (1 - SMOOTHING) * self.useful + SMOOTHING * float(fresh)
+        share = waited_s / self.compute_s if self.compute_s else 0.0
+        self.spent = (1 - SMOOTHING) * self.spent + SMOOTHING * share

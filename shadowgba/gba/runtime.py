@@ -418,8 +418,9 @@ class GBASync(ModeSwitches, DenseSync):
         if bound_s is not None:
             started = time.perf_counter()
             fresh = self._client.wait_fresh(bound_s)
-            self._fresh.record(fresh)
-            self.metrics.record_fresh_wait(time.perf_counter() - started, fresh)
+            waited_s = time.perf_counter() - started
+            self._fresh.record(fresh, waited_s)
+            self.metrics.record_fresh_wait(waited_s, fresh)
         self._client.install_fresh()
         self._gba_steps += 1
         if self._leave_gba_due(requested):
