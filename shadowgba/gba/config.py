@@ -45,6 +45,11 @@ class GBAConfig(AggregationConfig):
     often complete among themselves. Once most waits time out the trainer stops waiting and probes
     one step in 10 (`shadowgba.gba.fresh`). 0: never wait (every gradient about one global step
     stale); >= 0. Plain async (`aggregation: none`) never waits. Measured: docs/gba.md, "Quality"."""
+    fresh_wait_budget: float = 0.25
+    """The fresh waits stop while they take more than this share of the trainer's compute time (a
+    moving average over the steps), and resume as it decays: the most throughput they may cost. A
+    quarter keeps GBA's speed under a 3x straggler (2.56x sync, where waits that succeed late cost
+    it 2.1x), at the price of some AUC; raise it toward `fresh_wait` for AUC over speed. In (0, 1]."""
     lookahead: float = 1.0
     """Weight prediction: each trainer computes its gradients on the parameters extrapolated by
     this multiple of its recent staleness (global steps) at their velocity over the last global
@@ -72,6 +77,9 @@ class GBAConfig(AggregationConfig):
             raise ConfigError(f"queue_size must be >= 1, got {self.queue_size}")
         if not self.fresh_wait >= 0:
             raise ConfigError(f"fresh_wait must be >= 0 (a share of the step's compute time), got {self.fresh_wait}")
+        if not 0 < self.fresh_wait_budget <= 1:
+            raise ConfigError(f"fresh_wait_budget must be in (0, 1] (a share of the compute time), got "
+                              f"{self.fresh_wait_budget}")
         if not self.lookahead >= 0:
             raise ConfigError(f"lookahead must be >= 0 (a multiple of the staleness), got {self.lookahead}")
         if self.lockstep_every is not None and self.lockstep_every < 0:

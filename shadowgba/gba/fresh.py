@@ -11,7 +11,7 @@ waits for gradients nobody is about to push: the wait runs to its bound, or ends
 next round of the fast trainers' gradients completes it. So the policy keeps two moving averages:
 how often a wait ended with the fresh parameters in time, and the share of the compute time spent
 waiting (0 for a step that did not wait). Once most waits time out, or the waits take more than
-`WAIT_BUDGET` of the compute time, it stops waiting; it probes again every `PROBE_EVERY` steps, and
+a budget (`GBAConfig.fresh_wait_budget`) of the compute time, it stops waiting; it probes again every `PROBE_EVERY` steps, and
 the share spent decays with every step that does not wait, so waiting resumes by itself: under a
 straggler the waits take about the budget, and where peers answer fast (no straggler) they never
 reach it. The bound of one wait is a share of the trainer's own compute time per step (a moving
@@ -25,8 +25,6 @@ PROBE_EVERY = 10
 """While waits are futile, one step in this many still waits, to notice when they pay again."""
 USEFUL_BELOW = 0.5
 """Waits stop when fewer than this share of recent ones brought fresh parameters in time."""
-WAIT_BUDGET = 0.25
-"""Waits stop while they take more than this share of the compute time (a moving average)."""
 SMOOTHING = 0.2
 """Weight of the newest observation in the moving averages (about the last 5 to 10 steps)."""
 
@@ -35,10 +33,12 @@ class FreshWaitPolicy:
     """One trainer's decision, each GBA step, whether to wait for fresh parameters and how long.
     Training thread only."""
 
-    def __init__(self, share: float) -> None:
+    def __init__(self, share: float, budget: float) -> None:
         """`share` (`GBAConfig.fresh_wait`): the longest wait as a share of the trainer's compute time
-        per step; 0 never waits."""
+        per step; 0 never waits. `budget` (`GBAConfig.fresh_wait_budget`): waits stop while they take
+        more than this share of the compute time (a moving average)."""
         self.share = share
+        self.budget = budget
         self.compute_s: float | None = None
         """The trainer's compute time per step (forward and backward: from one step's end to the
         next step's hook), a moving average."""
@@ -53,7 +53,7 @@ class FreshWaitPolicy:
         this step: waiting is off, or futile and this is no probe step)."""
         self.compute_s = compute_s if self.compute_s is None else (1 - SMOOTHING) * self.compute_s + SMOOTHING * compute_s
         self._steps += 1
-        futile = self.useful < USEFUL_BELOW or self.spent > WAIT_BUDGET
+        futile = self.useful < USEFUL_BELOW or self.spent > self.budget
         if self.share <= 0 or (futile and self._steps % PROBE_EVERY):
             self.spent *= 1 - SMOOTHING  # a step that does not wait
             return None

@@ -186,7 +186,7 @@ class GBASync(ModeSwitches, DenseSync):
                                  push_dtype=config.push_torch_dtype(self.dense.dtype),
                                  lookahead=config.lookahead if global_batch_aggregation else 0.0)
         self._last_step_end = time.perf_counter()
-        self._fresh = FreshWaitPolicy(config.fresh_wait if global_batch_aggregation else 0.0)
+        self._fresh = FreshWaitPolicy(config.fresh_wait if global_batch_aggregation else 0.0, config.fresh_wait_budget)
         """Whether and how long a GBA step waits for fresh parameters."""
 
     # ----------------------------------------------------------------------------------- lifecycle
