@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from shadowgba.errors import PeerLost, SyncError
+from shadowgba.errors import ConfigError, PeerLost, SyncError
 
 from shadowgba.flat_optimizer import (SHARD_ALIGN, FlatOptimizer, LRSchedule, OptimizerSpec, concat_exports, shard_bounds,
                                       slice_export)
@@ -330,6 +330,9 @@ def test_gba_defaults_are_the_measured_ones() -> None:
     "Benchmark at the learning rate tuned for sync")."""
     config = GBAConfig()
     assert (config.fresh_wait, config.fresh_wait_budget, config.lookahead) == (1.0, 0.25, 1.0)
+    for bad in ({"fresh_wait_budget": 0}, {"fresh_wait_budget": 1.5}, {"lookahead": -1}, {"fresh_wait": -0.5}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            GBAConfig(**bad)
     assert (config.decay.kind, config.decay.threshold, config.decay.max_staleness) == ("drop", 2, 32)
 
 
