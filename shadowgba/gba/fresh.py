@@ -10,11 +10,12 @@ The wait pays only when the peers complete the global batch soon. Under a stragg
 waits for gradients nobody is about to push: the wait runs to its bound, or ends late, when the
 next round of the fast trainers' gradients completes it. So the policy keeps two moving averages:
 how often a wait ended with the fresh parameters in time, and the share of the compute time spent
-waiting (0 for a step that did not wait). Once most waits time out, or the waits take more than
-a budget (`GBAConfig.fresh_wait_budget`) of the compute time, it stops waiting; it probes again every `PROBE_EVERY` steps, and
-the share spent decays with every step that does not wait, so waiting resumes by itself: under a
-straggler the waits take about the budget, and where peers answer fast (no straggler) they never
-reach it. The bound of one wait is a share of the trainer's own compute time per step (a moving
+waiting (0 for a step that did not wait). Once most waits time out, or the waits take more than a
+budget (`GBAConfig.fresh_wait_budget`) of the compute time, it stops waiting; it probes again every
+`PROBE_EVERY` steps, and the share spent decays with every step that does not wait, so waiting
+resumes by itself: under a straggler the waits take about the budget, and where peers answer
+within a sliver of the step they never reach it (on cores shared by more ranks than cores, equal
+trainers' waits can reach it too: docs/gba.md, "Quality"). The bound of one wait is a share of the trainer's own compute time per step (a moving
 average), so a wait never costs more than that share of a step, whatever the model's size or the
 machine's speed.
 """

@@ -19,10 +19,9 @@ compensation (as in pipeline-parallel training), chosen over DC-ASGD's server-si
 lambda to tune.
 
 The trainer keeps three extra flat vectors (the received parameters, the velocity and the
-prediction, so that no step allocates); the live
-parameters, which forward and backward read, are the prediction. Exact installs (entering GBA,
-lockstep waits, the closing pull, a server's restart) set the live parameters to the received
-ones and forget the velocity.
+prediction, so that no step allocates); the live parameters, which forward and backward read, are
+the prediction. Exact installs (entering GBA, lockstep waits, the closing pull, a server's restart)
+set the live parameters to the received ones and forget the velocity.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ class Lookahead:
                 continue
             received, velocity, known = self._received[start:end], self._velocity[start:end], self._tokens[index]
             gap = tokens[index] - known if known is not None else 0
-            if exact or not 0 < gap <= LONGEST_GAP:
+            if not 0 < gap <= LONGEST_GAP:  # also after an exact install, which forgot the tokens
                 velocity.zero_()
             else:
                 torch.sub(piece, received, out=velocity).div_(gap)
