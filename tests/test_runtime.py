@@ -385,7 +385,8 @@ def checkpoint_often(rank: int, world_size: int) -> dict:
     model = vector_model(rank)
     optimizer = ConstantStep(list(model.parameters()), increment=1.0)
     reads = 0
-    with ShadowSync(model, optimizer, SyncConfig(algo="easgd", interval_ms=0.0, max_round_share=1.0, first_round_after=0)) as sync:
+    with ShadowSync(model, optimizer, SyncConfig(algo="easgd", interval_ms=0.0, max_round_share=1.0, max_step_cost=1.0,
+                                               first_round_after=0)) as sync:
         for step in range(1, 301):
             optimizer.step()
             if step % 3 == 0:
