@@ -379,14 +379,16 @@ def test_control_file_changes_pacing_while_running_and_bad_edits_are_ignored(one
 
 def checkpoint_often(rank: int, world_size: int) -> dict:
     """What a checkpointer does every few steps: read the state, then meet the peers in a collective
-    of the training thread's own group, while unpaced shadow rounds run on the shadow group."""
+    of the training thread's own group, while shadow rounds run on the shadow group unpaced and at
+    the training threads' priority (steps of microseconds: niced or paced by cost, the rounds of
+    this sub-second job would be a handful, and the test is about reads meeting rounds)."""
     import torch.distributed as dist
 
     model = vector_model(rank)
     optimizer = ConstantStep(list(model.parameters()), increment=1.0)
     reads = 0
     with ShadowSync(model, optimizer, SyncConfig(algo="easgd", interval_ms=0.0, max_round_share=1.0, max_step_cost=1.0,
-                                               first_round_after=0)) as sync:
+                                               rounds_nice=0, first_round_after=0)) as sync:
         for step in range(1, 301):
             optimizer.step()
             if step % 3 == 0:
