@@ -20,18 +20,29 @@ the ranks so with TORCHELASTIC_USE_AGENT_STORE), not in rank 0's: a rank that en
 store away from ranks still reporting a failure. With `by_hand`, the ranks are started as a user
 starts them without torchrun: rank 0's process hosts the store (`env://`), and it ends with that
 process (`shadowgba.job.store` is what keeps the job's decisions readable then).
+
+`run_concurrently` runs a file's independent cases (each a job of its own: its processes, port and
+folders) in threads at once, and `run_shared_concurrently` several `run_shared` groups: most of a
+fault test's wall time is waiting (for a timeout to fire, a frozen process to be continued, a restart
+to come up), not computing, so cases that wait side by side cost about the longest one's time. A
+module fixture runs them and each test reads its own case's result; a case that failed fails only
+the tests that read it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+import functools
 import io
 import os
-import dataclasses
 import queue
 import signal
 import socket
+import threading
 import time
 import traceback
+from collections.abc import Iterator, Mapping
 from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +60,12 @@ CHECKOUT = str(Path(__file__).resolve().parents[1])
 """The checkout this file belongs to: the code every rank must run."""
 
 
+_CONTEXT_LOCK = threading.Lock()
+"""`_context` edits this process's environment while it starts the server: cases run at once
+(`run_concurrently`) call it from several threads, and one must not save another's edit as the
+environment to restore."""
+
+
 def _context() -> Any:
     """The fork-server context, its preload set and its server started (once) from this checkout.
 
@@ -59,18 +76,19 @@ def _context() -> Any:
     other's name. So the server starts with this file's checkout first on its `PYTHONPATH` and
     without the working directory (`PYTHONSAFEPATH`), in its environment alone."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(PRELOADED)
-    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "PYTHONSAFEPATH")}
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [CHECKOUT, saved["PYTHONPATH"]]))
-    os.environ["PYTHONSAFEPATH"] = "1"
-    try:
-        forkserver.ensure_running()
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
+    with _CONTEXT_LOCK:
+        context.set_forkserver_preload(PRELOADED)
+        saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "PYTHONSAFEPATH")}
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [CHECKOUT, saved["PYTHONPATH"]]))
+        os.environ["PYTHONSAFEPATH"] = "1"
+        try:
+            forkserver.ensure_running()
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name)
+                else:
+                    os.environ[name] = value
     return context
 
 
@@ -231,3 +249,49 @@ def run_shared(world_size: int, jobs: dict[str, tuple[Callable[..., Any], tuple]
     Every rank runs the jobs in the same order, so their collectives pair up job by job."""
     per_rank = run_ranks(_run_jobs, world_size, list(jobs.values()), timeout_s=timeout_s)
     return {name: [results[index] for results in per_rank] for index, name in enumerate(jobs)}
+
+
+class CaseResults(Mapping[str, Any]):
+    """The cases `run_concurrently` ran, by name: reading one returns what it returned, or raises what
+    it raised (with its traceback), so a failed case fails the tests that read it, not its neighbours."""
+
+    def __init__(self, read: dict[str, Callable[[], Any]]) -> None:
+        self._read = read
+
+    def __getitem__(self, name: str) -> Any:
+        return self._read[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read)
+
+    def __len__(self) -> int:
+        return len(self._read)
+
+
+def run_concurrently(cases: dict[str, Callable[[], Any]], at_once: int | None = None) -> CaseResults:
+    """Call every case in a thread of its own, `at_once` at a time (None: all at once), and return
+    once every one has ended. A case must be a job of its own: its processes (`run_ranks_outcomes`
+    starts a group, on a free port, per call), its folders (made beforehand, in the calling thread:
+    pytest's `tmp_path_factory` is not thread-safe), and a deadline of its own, so that one that
+    hangs or is killed ends alone. Cases whose assertions bound a time that computing side by
+    side could stretch (a timeout short enough that a starved healthy rank reads as lost) run fewer
+    at a time (`at_once`): the point is to wait side by side, not to compute side by side."""
+    with concurrent.futures.ThreadPoolExecutor(at_once or len(cases)) as pool:
+        futures = {name: pool.submit(case) for name, case in cases.items()}
+    return CaseResults({name: future.result for name, future in futures.items()})
+
+
+def run_shared_concurrently(world_size: int, groups: list[dict[str, tuple[Callable[..., Any], tuple]]],
+                            timeout_s: float = 90.0) -> CaseResults:
+    """`run_shared` for each of `groups` (jobs by name, names unique across groups), each group in a
+    spawned group of its own and all of them at once (`run_concurrently`); each job's per-rank
+    results by name. Jobs that must follow one another in the same processes (one leaves them in a
+    state the next relies on) belong to one group, in that order; a group that fails fails only the
+    readers of its own jobs."""
+    ran = run_concurrently({str(index): functools.partial(run_shared, world_size, jobs, timeout_s)
+                            for index, jobs in enumerate(groups)})
+
+    def job(group: str, name: str) -> list[Any]:
+        return ran[group][name]
+
+    return CaseResults({name: functools.partial(job, str(index), name) for index, jobs in enumerate(groups) for name in jobs})

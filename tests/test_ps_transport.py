@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
@@ -28,7 +29,7 @@ from shadowgba.job.roles import Roles, failure_message
 from shadowgba.ps import channel, same_host, server_end, sessions, trainer_end
 from shadowgba.ps.start import start_transport
 from shadowgba.ps.transport import Caller
-from tests.multiprocess import run_ranks, run_ranks_outcomes, run_shared
+from tests.multiprocess import run_ranks, run_ranks_outcomes, run_shared_concurrently
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -341,14 +342,24 @@ def late_start(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def spawned() -> dict[str, list]:
-    """The spawned-rank cases of this file, one after another in one group of 3 ranks."""
-    return run_shared(3, {"calls": (exercise_transport, ()), "abort": (abort_and_barriers, ()),
-                          "stalls": (stalls_watched, ()), "paused": (paused_calls, ()),
-                          "departs": (stall_departs, ()), "late": (late_start, ())}, timeout_s=160)
+def spawned() -> Mapping[str, list]:
+    """The spawned-rank cases of this file in three groups of 3 ranks, run at once
+    (`run_shared_concurrently`): the jobs mostly wait (freezes, stopped peers, a late start), and one
+    after another in one group they took about 35 s. Each group holds about a third of that: the
+    RPC-timeout job alone, the watched freezes after the plain calls (whose server keeps the short
+    wait for an unknown service it sets, as it always has), the abort, the departure and the late
+    start, each group in the order the jobs always ran. No job relies on another's state beyond
+    that: each starts and stops its own transport, and restores the module settings it changes.
+    (The dead-trainer tests below stay apart: their bound, under `trainer_timeout_s`, counts their
+    processes' start, which 15 ranks starting at once on shared cores stretched past it.)"""
+    return run_shared_concurrently(3, [
+        {"paused": (paused_calls, ())},
+        {"calls": (exercise_transport, ()), "stalls": (stalls_watched, ())},
+        {"abort": (abort_and_barriers, ()), "departs": (stall_departs, ()), "late": (late_start, ())},
+    ], timeout_s=160)
 
 
-def test_roles_calls_and_remote_errors_on_three_spawned_ranks(spawned: dict[str, list]) -> None:
+def test_roles_calls_and_remote_errors_on_three_spawned_ranks(spawned: Mapping[str, list]) -> None:
     results = spawned["calls"]
     assert [result["roles"].is_server for result in results] == [False, False, True]
     loopback = {("tcp", "0100007F"), ("tcp6", "00000000000000000000000001000000")}
@@ -359,7 +370,7 @@ def test_roles_calls_and_remote_errors_on_three_spawned_ranks(spawned: dict[str,
             assert result["shared_equal"] and result["lane_bytes"][0] == 0 and result["lane_bytes"][1] >= 400_000, result
 
 
-def test_a_trainer_that_starts_the_transport_later_than_its_timeout_still_joins(spawned: dict[str, list]) -> None:
+def test_a_trainer_that_starts_the_transport_later_than_its_timeout_still_joins(spawned: Mapping[str, list]) -> None:
     trainer0, trainer1, server = spawned["late"]
     assert trainer1["started"] - trainer0["started"] >= LATE_S - 0.5, (trainer0, trainer1)  # it did come late
     for seen in (trainer0, server):  # the others waited for it, past their timeout
@@ -371,7 +382,7 @@ def test_a_trainer_that_starts_the_transport_later_than_its_timeout_still_joins(
         assert trainer["loop_nice"] == [trainer["own_nice"]], (trainer0, trainer1)
 
 
-def test_an_aborted_trainer_ends_every_barrier_call_and_stop_at_once_naming_it(spawned: dict[str, list]) -> None:
+def test_an_aborted_trainer_ends_every_barrier_call_and_stop_at_once_naming_it(spawned: Mapping[str, list]) -> None:
     trainer0, trainer1, server = spawned["abort"]
     message, waited = trainer0["alone"]
     assert message == ("trainer0 gave up in barrier 'alone#1' after 1s (sync.timeout_s): trainer 1 (rank 1) "
@@ -389,7 +400,7 @@ def test_an_aborted_trainer_ends_every_barrier_call_and_stop_at_once_naming_it(s
 
 
 def test_a_trainer_frozen_for_less_than_the_timeout_carries_on_and_one_frozen_longer_is_lost(
-        spawned: dict[str, list]) -> None:
+        spawned: Mapping[str, list]) -> None:
     """The server's channel to each trainer: a freeze of half `timeout_s` passes unnoticed (the
     barrier after it meets both); one of twice `timeout_s` makes the server give up on trainer 1
     while it is still frozen, and every rank, trainer 1 once continued, ends naming it."""
@@ -408,7 +419,7 @@ def test_a_trainer_frozen_for_less_than_the_timeout_carries_on_and_one_frozen_lo
 
 
 def test_a_call_that_outlives_the_rpc_timeout_on_a_live_server_is_retried_and_applied_once(
-        spawned: dict[str, list]) -> None:
+        spawned: Mapping[str, list]) -> None:
     """Trainer 1 stopped with a push in flight, and a push slower than the RPC timeout whose channel
     failed while it ran: both return (the slow one sent again on a new session), each applied once."""
     trainer1 = spawned["paused"][1]
@@ -416,7 +427,7 @@ def test_a_call_that_outlives_the_rpc_timeout_on_a_live_server_is_retried_and_ap
     assert trainer1["retried"] >= 1, trainer1  # the slow push at least: its channel failed under it
 
 
-def test_a_call_to_a_stopped_server_fails_naming_it_within_the_rpc_timeout_and_a_ping(spawned: dict[str, list]) -> None:
+def test_a_call_to_a_stopped_server_fails_naming_it_within_the_rpc_timeout_and_a_ping(spawned: Mapping[str, list]) -> None:
     message, notes, waited = spawned["paused"][0]["silent_server"]
     assert message.startswith("server 0 (ps0, rank 2) failed counter.push for trainer0: "), message
     assert "for trainer0: ps0 sent nothing for 1 s (" in message, message
@@ -533,7 +544,7 @@ def stall_departs(rank: int, world_size: int) -> dict:
 
 
 def test_a_trainer_stopped_past_the_timeout_departs_under_continue_and_is_refused_once_continued(
-        spawned: dict[str, list]) -> None:
+        spawned: Mapping[str, list]) -> None:
     trainer0, trainer1, server = spawned["departs"]
     [(trainer, incarnation, why)] = server["departures"]
     assert (trainer, incarnation) == (1, 1) and "(sync.timeout_s)" in why, server

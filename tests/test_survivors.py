@@ -14,10 +14,14 @@ ranks started by hand (rank 0's process hosts the store they meet at): a group i
 the end on rounds rebuilt without it, and writes the result. A replica check over a group of one
 member (trainer 0 alone under GBA; each table shard's replica group once a group is lost) has
 nothing to compare and reports None, not a vacuous 0.0.
+
+Each job waits most of its time (for `sync.timeout_s` to name a stopped rank, for the survivors to
+agree on a loss), so a module fixture (`jobs`) runs them side by side, AT_ONCE at a time.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -27,12 +31,18 @@ from typing import Any
 import pytest
 import torch
 
-from tests.multiprocess import run_ranks_outcomes
+from tests.multiprocess import CaseResults, RankOutcome, run_concurrently, run_ranks_outcomes
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)  # the first test to read `jobs` waits for all of them
 
 REPO = Path(__file__).resolve().parents[1]
 STOP_AT, STEPS, TIMEOUT_S = 10, 80, 4.0
+GROUP_LOSSES = [("kill", 0), ("fail", 1), ("term", 1), ("fail", 2)]
+"""(kind, failing rank) of `test_the_survivors_of_any_2d_groups_loss_write_the_result_when_rank_0_hosted_the_store`."""
+AT_ONCE = 2
+"""Jobs of `jobs` run at a time. Every rank runs the whole harness (data, model, 80 steps,
+evaluation) under a `sync.timeout_s` of TIMEOUT_S: a healthy rank starved that long would read as
+lost. Two at a time wait side by side without computing side by side on 2 cores."""
 
 
 def _harness_with_a_fault(rank: int, world_size: int, example: str, fault: str, fault_log: str,
@@ -56,11 +66,37 @@ def fired(fault_log: Path) -> list[tuple[str, int, int]]:
     return [(event["kind"], event["trainer"], event["step"]) for event in map(json.loads, fault_log.read_text().splitlines())]
 
 
-def test_a_trainer_stopped_for_good_costs_the_harness_only_its_own_work(tmp_path: Path) -> None:
-    fault_log = tmp_path / "faults.jsonl"
+def _stopped_trainer(fault_log: Path) -> list[RankOutcome]:
+    """GBA with PS-hosted tables, 2 trainers and 1 server: trainer 1 stops for good at STOP_AT."""
     servers = [part for key in ("rpc_timeout_s", "trainer_timeout_s") for part in (f"--sync.ps.{key}", str(TIMEOUT_S))]
-    outcomes = run_ranks_outcomes(_harness_with_a_fault, 3, "gba_ps_embeddings.yaml", f"stop:1:{STOP_AT}",
-                                  str(fault_log), servers, timeout_s=150, stopped_for_good=True)
+    return run_ranks_outcomes(_harness_with_a_fault, 3, "gba_ps_embeddings.yaml", f"stop:1:{STOP_AT}",
+                              str(fault_log), servers, timeout_s=150, stopped_for_good=True)
+
+
+def _lost_group(kind: str, failing: int, fault_log: Path) -> list[RankOutcome]:
+    """ma in 2 groups of 2, `sync.on_group_lost: continue`, the ranks started by hand: rank `failing`
+    meets fault `kind` at STOP_AT."""
+    return run_ranks_outcomes(_harness_with_a_fault, 4, "ma_2d.yaml", f"{kind}:{failing}:{STOP_AT}",
+                              str(fault_log), ["--sync.on_group_lost", "continue"], timeout_s=150, by_hand=True)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
+    """Every job of this file, AT_ONCE at a time (`run_concurrently`), each with its fault log in a
+    folder of its own: (every rank's outcome, the fault log). "stopped": a trainer stopped for good;
+    "kind-rank": each of GROUP_LOSSES."""
+    runs = {"stopped": _stopped_trainer, **{f"{kind}-{failing}": functools.partial(_lost_group, kind, failing)
+                                            for kind, failing in GROUP_LOSSES}}
+    logs = {name: tmp_path_factory.mktemp(name) / "faults.jsonl" for name in runs}  # here: the factory is not thread-safe
+
+    def job(name: str) -> tuple[list[RankOutcome], Path]:
+        return runs[name](logs[name]), logs[name]
+
+    return run_concurrently({name: functools.partial(job, name) for name in runs}, at_once=AT_ONCE)
+
+
+def test_a_trainer_stopped_for_good_costs_the_harness_only_its_own_work(jobs: CaseResults) -> None:
+    outcomes, fault_log = jobs["stopped"]
     assert fired(fault_log) == [("stop", 1, STOP_AT)]
     assert outcomes[1].stopped, outcomes  # still stopped when the others had ended
     assert outcomes[2].returned and outcomes[2].value["results"] is None, outcomes  # the server: nothing to write
@@ -74,18 +110,16 @@ def test_a_trainer_stopped_for_good_costs_the_harness_only_its_own_work(tmp_path
     assert trainer["gba"]["dense_shards"][0]["global_step"] > 0, trainer["gba"]
 
 
-@pytest.mark.parametrize(("kind", "failing"), [("kill", 0), ("fail", 1), ("term", 1), ("fail", 2)])
+@pytest.mark.parametrize(("kind", "failing"), GROUP_LOSSES)
 def test_the_survivors_of_any_2d_groups_loss_write_the_result_when_rank_0_hosted_the_store(
-        tmp_path: Path, kind: str, failing: int) -> None:
+        jobs: CaseResults, kind: str, failing: int) -> None:
     """Ranks started by hand (rank 0's process hosts the store they met at), ma in 2 groups of 2,
     `sync.on_group_lost: continue`. The group holding the store is lost: rank 0 itself killed, rank 1
     raising (rank 0 then ends too, its all-to-all broken), or rank 1 stopped by SIGTERM; or group 1
     is, rank 2 raising. The other group's ranks still agree on the loss, rebuild their rounds, meet
     after training, evaluate and write the result: the job's decisions live in a store of its own
     (`shadowgba.job.store`), not in rank 0's process."""
-    fault_log = tmp_path / "faults.jsonl"
-    outcomes = run_ranks_outcomes(_harness_with_a_fault, 4, "ma_2d.yaml", f"{kind}:{failing}:{STOP_AT}",
-                                  str(fault_log), ["--sync.on_group_lost", "continue"], timeout_s=150, by_hand=True)
+    outcomes, fault_log = jobs[f"{kind}-{failing}"]
     assert fired(fault_log) == [(kind, failing, STOP_AT)]
     lost_group = failing // 2
     partner = 4 * lost_group + 1 - failing

@@ -5,12 +5,14 @@ TorchRec's `TrainPipelineSparseDist` over a tiny DMP through the one factory, in
 live control file) and in foreground mode (tables built apart made one at the start, replicas
 identical at the end, tables and dense, and the table counters); the
 harness's exact-resume case (foreground BMUF stopped and resumed == uninterrupted); and a NaN
-replica. Jobs whose ranks fail on purpose each get a group of their own.
+replica. Jobs whose ranks fail on purpose each get a group of their own; those groups mostly wait
+(for a timeout, a dead or stopped peer), so a module fixture (`failures`) runs them side by side.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -21,9 +23,9 @@ import pytest
 import torch
 
 from shadowgba.shadow.tables import Picked, TableFragments, TableShard, TableSyncConfig, plan_fragments
-from tests.multiprocess import run_ranks, run_ranks_outcomes, run_shared
+from tests.multiprocess import CaseResults, RankOutcome, run_concurrently, run_ranks, run_ranks_outcomes, run_shared
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(300)  # the first test to read `failures` waits for all of its jobs
 
 STEPS = 40
 
@@ -297,10 +299,41 @@ def _assert_healed_once(results: list[dict], averaged: str) -> None:
 
 STALL_TIMEOUT_S = 6.0
 """`sync.timeout_s` of the stalled-rank case: every collective the others wait in gives up after it."""
+FAILURES = [("fail", 2), ("kill", 3), ("stop", 1)]
+"""(kind, failing rank) of `test_a_failure_in_one_group_ends_every_rank_naming_it`."""
+GROUP_LOSSES = [("stop", 1)]
+"""(kind, failing rank) of `test_under_continue_a_lost_group_drops_out_and_the_other_trains_on`."""
+AT_ONCE = 2
+"""Jobs of `failures` run at a time. Each builds TorchRec's model on 4 ranks before its fault, and
+the stopped-rank jobs' peers must not be starved past STALL_TIMEOUT_S while healthy: two at a time
+wait side by side without computing side by side on 2 cores."""
 
 
-@pytest.mark.parametrize(("kind", "failing"), [("fail", 2), ("kill", 3), ("stop", 1)])
-def test_a_failure_in_one_group_ends_every_rank_naming_it(kind: str, failing: int) -> None:
+def _failing_job(options: dict[str, Any], fault: tuple[str, int, int], by_hand: bool) -> tuple[list[RankOutcome], float]:
+    """`_pipeline_job` with `fault` on 4 ranks: every rank's outcome, and the seconds the job took."""
+    started = time.monotonic()
+    outcomes = run_ranks_outcomes(_pipeline_job, 4, options, fault, timeout_s=120,
+                                  stopped_for_good=fault[0] == "stop", by_hand=by_hand)
+    return outcomes, time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def failures() -> CaseResults:
+    """The jobs whose ranks fail on purpose at step 8, AT_ONCE at a time (`run_concurrently`): each of
+    FAILURES by "kind-rank" (ma, `sync.timeout_s` at the configured 20 s, or STALL_TIMEOUT_S for a
+    stopped rank; the ranks started by hand), each of GROUP_LOSSES by "continue-kind-rank" (bmuf
+    under `sync.on_group_lost: continue`, `sync.timeout_s` STALL_TIMEOUT_S)."""
+    jobs = {f"{kind}-{failing}": functools.partial(
+        _failing_job, {"algo": "ma", **({"timeout_s": STALL_TIMEOUT_S} if kind == "stop" else {})}, (kind, failing, 8),
+        True) for kind, failing in FAILURES}
+    jobs |= {f"continue-{kind}-{failing}": functools.partial(
+        _failing_job, {"algo": "bmuf", "on_group_lost": "continue", "timeout_s": STALL_TIMEOUT_S}, (kind, failing, 8),
+        False) for kind, failing in GROUP_LOSSES}
+    return run_concurrently(jobs, at_once=AT_ONCE)
+
+
+@pytest.mark.parametrize(("kind", "failing"), FAILURES)
+def test_a_failure_in_one_group_ends_every_rank_naming_it(failures: CaseResults, kind: str, failing: int) -> None:
     """An exception in group 1's loop, a SIGKILLed rank of group 1, or a rank of group 0 stopped for
     good (SIGSTOP, its sockets open), the ranks started by hand (no torchrun agent to end the others;
     rank 0's process hosts the store they met at, and often ends first): every other rank, in both
@@ -308,13 +341,10 @@ def test_a_failure_in_one_group_ends_every_rank_naming_it(kind: str, failing: in
     other, whichever rank ended first: a rank that ended after it learned of the failure (its
     partner, whose collective failed first) is never named, and the cause stays readable in the
     job's own store (`shadowgba.job.store`) once rank 0 is gone."""
-    options = {"algo": "ma", **({"timeout_s": STALL_TIMEOUT_S} if kind == "stop" else {})}
-    started = time.monotonic()
-    outcomes = run_ranks_outcomes(_pipeline_job, 4, options, (kind, failing, 8), timeout_s=120,
-                                  stopped_for_good=kind == "stop", by_hand=True)
+    outcomes, took_s = failures[f"{kind}-{failing}"]
     failed = outcomes[failing]
     if kind == "stop":  # every other rank ended on its own, well before the harness's deadline
-        assert failed.stopped and time.monotonic() - started < 60
+        assert failed.stopped and took_s < 60
     elif kind == "kill":
         assert failed.killed
     else:
@@ -330,15 +360,14 @@ def test_a_failure_in_one_group_ends_every_rank_naming_it(kind: str, failing: in
         assert not [name for name in healthy if name in error], (rank, error)  # message and notes
 
 
-@pytest.mark.parametrize(("kind", "failing"), [("stop", 1)])
-def test_under_continue_a_lost_group_drops_out_and_the_other_trains_on(kind: str, failing: int) -> None:
+@pytest.mark.parametrize(("kind", "failing"), GROUP_LOSSES)
+def test_under_continue_a_lost_group_drops_out_and_the_other_trains_on(failures: CaseResults, kind: str,
+                                                                       failing: int) -> None:
     """`sync.on_group_lost: continue`: rank 1 stops for good (the others' rounds time out; its
     heartbeat has stopped). Its group ends, its partner naming it; the other group trains every
     step, drops the lost group from its rounds and ends with its two dense replicas identical and
     finite. (A rank whose loop raises, the aborted-flag path: `tests/test_survivors.py`.)"""
-    options = {"algo": "bmuf", "on_group_lost": "continue", "timeout_s": STALL_TIMEOUT_S}
-    outcomes = run_ranks_outcomes(_pipeline_job, 4, options, (kind, failing, 8), timeout_s=120,
-                                  stopped_for_good=kind == "stop")
+    outcomes, _ = failures[f"continue-{kind}-{failing}"]
     lost_group = failing // 2
     partner, survivors = (1 - failing % 2) + 2 * lost_group, [rank for rank in range(4) if rank // 2 != lost_group]
     if kind == "stop":
