@@ -45,8 +45,8 @@ spawned groups, and why, is `matrix_groups`'s docstring; the groups run PARALLEL
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import functools
 import json
 import time
 import traceback
@@ -61,7 +61,7 @@ import shadowgba
 from dlrm.faults import Fault, FaultInjector, InjectedFailure, exchange_pids
 from shadowgba.config import from_dict
 from tests import tiny_dmp
-from tests.multiprocess import RankOutcome, run_ranks_outcomes
+from tests.multiprocess import RankOutcome, run_concurrently, run_ranks_outcomes
 
 TIMEOUT_S = 30.0
 """`sync.timeout_s` (and the RPC and server timeouts) of every case but the long freeze."""
@@ -375,9 +375,8 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Ra
         outcomes = run_group(cases[0].cell, cases, deadline_s)
         return [Ran(case, outcomes) for case in cases]
 
-    with concurrent.futures.ThreadPoolExecutor(PARALLEL_GROUPS) as pool:
-        ran = [one for group in pool.map(run, groups.values()) for one in group]
-    return {(one.case.cell.name, one.case.name): one for one in ran}
+    ran = run_concurrently({name: functools.partial(run, cases) for name, cases in groups.items()}, at_once=PARALLEL_GROUPS)
+    return {(one.case.cell.name, one.case.name): one for group in ran.values() for one in group}
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=lambda cell: cell.name)
