@@ -68,8 +68,6 @@ SERVER_CHECKPOINT_EVERY = 5
 """The `server` faults: global steps (exchanges with a centre slice) between a server's own checkpoints."""
 SERVER_KILL_AT = 20
 """The `server` faults: a server is killed once a trainer reports this global step (exchanges)."""
-SERVER_DOWN_S = 1.0
-"""The `server` fault: seconds between the kill and the new server process's start."""
 
 
 JOIN_S = 8.0
