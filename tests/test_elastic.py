@@ -9,11 +9,17 @@ waits past `RECONNECT_GRACE_S`, or stops it (SIGSTOP) for twice `sync.timeout_s`
 its own that it left; then it starts trainer 1 again as a new process, and lets every trainer
 finish once the new one has trained. The last test kills the server instead: it runs as a torchrun
 job of its own, which restarts it, and resumes from its own checkpoint.
+
+Each case is a job of its own (its processes, its store's port, its folders), and most of its time
+is waiting: for a lost trainer to be declared departed, for its restart, for torchrun to bring a
+server back. So a module fixture (`outages`) runs the jobs side by side, and each test asserts on
+its own job's record.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -38,9 +44,9 @@ from shadowgba.ps.embedding_shard import DEFAULT_SERVICE
 from shadowgba.job.rendezvous import ELASTIC_RANK
 from shadowgba.ps.server_end import RECONNECT_GRACE_S
 from ctrkit.events import Events
-from tests.multiprocess import CHECKOUT, _context, free_port
+from tests.multiprocess import CHECKOUT, CaseResults, _context, free_port, run_concurrently
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(300)  # the first test to read a job waits for every job (`outages`)
 
 TRAINERS = 3
 BATCH = 4
@@ -298,12 +304,35 @@ def assert_the_fault_fired_and_the_others_carried_on(outage: Outage, fault: str,
     assert len(rejoined) >= REJOINED_STEPS, len(rejoined)
 
 
+AT_ONCE = 2
+"""Jobs of `outages` run at a time. The assertions read the job's progress against the harness's
+clock: trainer 1 lost within a step of KILL_AT_STEP (the harness must keep up with trainers
+stepping every 20 ms), the survivors' steps during the outage (at least 10 each), a server killed
+within a checkpoint interval of SERVER_KILL_AT. Each job's 4 or 5 processes step all the time, and
+torchrun's restart imports torch afresh: at 3 jobs on 2 cores shared with other work, a survivor
+took no step in a 4 s outage; at 2 the survivors kept their margin (over 100 steps each in it)."""
+
+
+@pytest.fixture(scope="module")
+def outages(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
+    """Every job of this file by fault, AT_ONCE at a time (`run_concurrently`): a server lost (`server`,
+    `easgd_server`: `ServerOutage`) or a trainer (`kill`, `stop`, `easgd`: `Outage`), in an order that
+    starts each torchrun job beside a trainer's loss rather than beside the other torchrun job (the
+    restarts' imports are the jobs' heaviest part)."""
+    return run_concurrently({
+        "server": functools.partial(kill_a_server, "server", tmp_path_factory.mktemp("server")),
+        "kill": functools.partial(lose_trainer_1, "kill"),
+        "easgd_server": functools.partial(kill_a_server, "easgd_server", tmp_path_factory.mktemp("easgd_server")),
+        "stop": functools.partial(lose_trainer_1, "stop"), "easgd": functools.partial(lose_trainer_1, "easgd"),
+    }, at_once=AT_ONCE)
+
+
 @pytest.mark.parametrize("fault", ["kill", "stop"])
-def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(fault: str) -> None:
+def test_a_lost_trainer_departs_the_others_carry_on_and_its_restart_rejoins(outages: CaseResults, fault: str) -> None:
     """`kill`: SIGKILL, the server decides after RECONNECT_GRACE_S. `stop`: SIGSTOP for twice
     `sync.timeout_s`, then SIGCONT: the server decided after `timeout_s` of silence, and the
     continued process finds itself departed and exits naming why (no hang)."""
-    outage = lose_trainer_1(fault)
+    outage = outages[fault]
     assert_the_fault_fired_and_the_others_carried_on(outage, fault)
     assert_every_push_landed_and_the_restart_trained_on(outage, fault)
 
@@ -333,11 +362,12 @@ def assert_every_push_landed_and_the_restart_trained_on(outage: Outage, fault: s
     assert 0 < global_step <= sum(pushes.values()) // TRAINERS, (global_step, pushes)  # kept samples / global batch
 
 
-def test_the_s_easgd_centre_loses_a_trainer_takes_fewer_exchanges_and_its_restart_starts_at_the_centre() -> None:
+def test_the_s_easgd_centre_loses_a_trainer_takes_fewer_exchanges_and_its_restart_starts_at_the_centre(
+        outages: CaseResults) -> None:
     """S-EASGD (`easgd_ps`) in the elastic layout: trainer 1 is SIGKILLed; the centre keeps taking the
     survivors' exchanges (nothing waits for the lost one: it holds no token, no share of a batch),
     and the restarted process starts from the centre as it is, not from its own initial weights."""
-    outage = lose_trainer_1("easgd")
+    outage = outages["easgd"]
     assert_the_fault_fired_and_the_others_carried_on(outage, "easgd")
     steps, killed_at, restarted_at = outage.steps, outage.killed_at, outage.restarted_at
     # the survivors exchanged with the centre during the outage
@@ -360,16 +390,35 @@ def test_the_s_easgd_centre_loses_a_trainer_takes_fewer_exchanges_and_its_restar
     assert min(distance[(index, 1)] for index in range(TRAINERS)) == 0.0 < distance[(1, 2)], distance
 
 
-@pytest.mark.parametrize("fault", ["server", "easgd_server"])
-def test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry_on(fault: str, tmp_path: Path) -> None:
-    """The servers (with PS-hosted tables) run as a torchrun job (`--max-restarts=1`, its agent
-    hosting the store at `--master-port`, where the 3 trainers meet them) and save their state every
-    SERVER_CHECKPOINT_EVERY global steps (`easgd_server`: exchanges with a centre slice). The first
-    worker is SIGKILLed once a trainer reports SERVER_KILL_AT; torchrun starts the worker group
-    again (`easgd_server`: both servers, restarting together), which resume from their newest
-    checkpoints, while the trainers, never restarted, wait (`sync.ps.server_restart_s`), then
-    take the restored state and train on. GBA allows one server (`server`); the centre's slices
-    need no common cut, so S-EASGD allows several."""
+@dataclasses.dataclass
+class ServerOutage:
+    """What a job whose first server worker was killed and restarted by torchrun recorded (`kill_a_server`)."""
+
+    steps: list[tuple[int, int, int, int, float]]
+    """(trainer, incarnation, step, progress, time) of every trainer step."""
+    finals: dict[int, tuple]
+    """("final", trainer, incarnation, its metrics, lost row pushes) by trainer."""
+    errors: list[tuple]
+    trainers: list[Any]
+    killed: int | None
+    """The pid of the worker killed."""
+    killed_at: float | None
+    killed_step: int | None
+    """The largest progress any trainer had reported when it was killed."""
+    server_exit: int | None
+    """torchrun's exit code."""
+    output: str
+    """torchrun's output."""
+    report: Path
+    """Each server process's report of the end of the job (`serve_under_torchrun`)."""
+    checkpoint_dir: Path
+
+
+def kill_a_server(fault: str, tmp_path: Path) -> ServerOutage:
+    """The job of `test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry_on`
+    (its docstring), its folders under `tmp_path`: start the servers under torchrun and the 3
+    trainers, kill the first worker once a trainer reports SERVER_KILL_AT, and let every trainer
+    finish once each has taken 10 steps after the kill."""
     context = _context()
     events, finish, port = Events(context), context.Event(), free_port()
     checkpoint_dir, report, servers = tmp_path / "ckpt", tmp_path / "server.jsonl", SERVERS[fault]
@@ -385,7 +434,7 @@ def test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry
     steps: list[tuple[int, int, int, int, float]] = []
     finals: dict[int, tuple] = {}
     errors: list[tuple] = []
-    killed = killed_at = None
+    killed = killed_at = killed_step = None
     deadline = time.monotonic() + 45
     try:
         while len(finals) < TRAINERS and time.monotonic() < deadline:
@@ -412,7 +461,26 @@ def test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry
         except subprocess.TimeoutExpired:
             server.kill()
             output, _ = server.communicate()
-    assert len(finals) == TRAINERS and server.returncode == 0, (sorted(finals), errors, steps[-3:], output[-3000:])
+    return ServerOutage(steps, finals, errors, trainers, killed, killed_at, killed_step, server.returncode, output,
+                        report, checkpoint_dir)
+
+
+@pytest.mark.parametrize("fault", ["server", "easgd_server"])
+def test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry_on(outages: CaseResults,
+                                                                                    fault: str) -> None:
+    """The servers (with PS-hosted tables) run as a torchrun job (`--max-restarts=1`, its agent
+    hosting the store at `--master-port`, where the 3 trainers meet them) and save their state every
+    SERVER_CHECKPOINT_EVERY global steps (`easgd_server`: exchanges with a centre slice). The first
+    worker is SIGKILLed once a trainer reports SERVER_KILL_AT; torchrun starts the worker group
+    again (`easgd_server`: both servers, restarting together), which resume from their newest
+    checkpoints, while the trainers, never restarted, wait (`sync.ps.server_restart_s`), then
+    take the restored state and train on. GBA allows one server (`server`); the centre's slices
+    need no common cut, so S-EASGD allows several."""
+    ran: ServerOutage = outages[fault]
+    steps, finals, errors, trainers, killed, killed_at, killed_step, output = (
+        ran.steps, ran.finals, ran.errors, ran.trainers, ran.killed, ran.killed_at, ran.killed_step, ran.output)
+    report, checkpoint_dir, servers = ran.report, ran.checkpoint_dir, SERVERS[fault]
+    assert len(finals) == TRAINERS and ran.server_exit == 0, (sorted(finals), errors, steps[-3:], output[-3000:])
     # the fault fired: a first worker was killed at SERVER_KILL_AT or just after, and every server
     # that reports the end of the job is a process of torchrun's restart
     assert killed is not None and SERVER_KILL_AT <= killed_step <= SERVER_KILL_AT + 3, killed_step

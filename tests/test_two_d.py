@@ -5,8 +5,9 @@ TorchRec's `TrainPipelineSparseDist` over a tiny DMP through the one factory, in
 live control file) and in foreground mode (tables built apart made one at the start, replicas
 identical at the end, tables and dense, and the table counters); the
 harness's exact-resume case (foreground BMUF stopped and resumed == uninterrupted); and a NaN
-replica. Jobs whose ranks fail on purpose each get a group of their own; those groups mostly wait
-(for a timeout, a dead or stopped peer), so a module fixture (`failures`) runs them side by side.
+replica. Jobs whose ranks fail on purpose each get a group of their own. Those groups mostly wait
+(for a timeout, a dead or stopped peer), so a module fixture (`spawned`) runs them and the shared
+group side by side.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from shadowgba.shadow.tables import Picked, TableFragments, TableShard, TableSyncConfig, plan_fragments
 from tests.multiprocess import CaseResults, RankOutcome, run_concurrently, run_ranks, run_ranks_outcomes, run_shared
 
-pytestmark = pytest.mark.timeout(300)  # the first test to read `failures` waits for all of its jobs
+pytestmark = pytest.mark.timeout(300)  # the first test to read `spawned` waits for all of its jobs
 
 STEPS = 40
 
@@ -126,18 +127,9 @@ CONTROL = "interval_ms: 7\ninterval_steps: 3\n"
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
-    control = tmp_path_factory.mktemp("two_d_control") / "control.yaml"
-    control.write_text(CONTROL)
-    return run_shared(4, {
-        "bmuf-shadow": (_pipeline_job, ({"algo": "bmuf", "tables": TableSyncConfig(fragment_mb=1e-4),
-                                         "control_file": str(control)},)),
-        "ma-foreground": (_pipeline_job, ({"algo": "ma", "mode": "foreground"},)),
-        "nan": (_pipeline_job, ({"algo": "ma", "mode": "foreground"}, ("nan", 1, 10))),
-        "nan-weights-averaged-alone": (_pipeline_job, ({"algo": "ma", "mode": "foreground",
-                                                        "tables": TableSyncConfig(optimizer_state=False)}, ("nan", 1, 10))),
-        "resume": (_resume_job, (str(tmp_path_factory.mktemp("two_d")),)),
-    }, timeout_s=200)
+def four_ranks(spawned: CaseResults) -> dict[str, list]:
+    """The jobs that end normally, by name: one after another in one group of 4 ranks (`spawned`)."""
+    return spawned["four_ranks"]
 
 
 def _max_diff(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
@@ -303,10 +295,6 @@ FAILURES = [("fail", 2), ("kill", 3), ("stop", 1)]
 """(kind, failing rank) of `test_a_failure_in_one_group_ends_every_rank_naming_it`."""
 GROUP_LOSSES = [("stop", 1)]
 """(kind, failing rank) of `test_under_continue_a_lost_group_drops_out_and_the_other_trains_on`."""
-AT_ONCE = 2
-"""Jobs of `failures` run at a time. Each builds TorchRec's model on 4 ranks before its fault, and
-the stopped-rank jobs' peers must not be starved past STALL_TIMEOUT_S while healthy: two at a time
-wait side by side without computing side by side on 2 cores."""
 
 
 def _failing_job(options: dict[str, Any], fault: tuple[str, int, int], by_hand: bool) -> tuple[list[RankOutcome], float]:
@@ -318,22 +306,40 @@ def _failing_job(options: dict[str, Any], fault: tuple[str, int, int], by_hand: 
 
 
 @pytest.fixture(scope="module")
-def failures() -> CaseResults:
-    """The jobs whose ranks fail on purpose at step 8, AT_ONCE at a time (`run_concurrently`): each of
-    FAILURES by "kind-rank" (ma, `sync.timeout_s` at the configured 20 s, or STALL_TIMEOUT_S for a
-    stopped rank; the ranks started by hand), each of GROUP_LOSSES by "continue-kind-rank" (bmuf
-    under `sync.on_group_lost: continue`, `sync.timeout_s` STALL_TIMEOUT_S)."""
-    jobs = {f"{kind}-{failing}": functools.partial(
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
+    """Every spawned job of this file, all at once (`run_concurrently`): "four_ranks", the jobs that
+    end normally, one after another in one group of 4 ranks (`run_shared`); and the jobs whose ranks
+    fail on purpose at step 8, each in a group of its own: each of FAILURES by "kind-rank" (ma,
+    `sync.timeout_s` at the configured 20 s, or STALL_TIMEOUT_S for a stopped rank; the ranks
+    started by hand), each of GROUP_LOSSES by "continue-kind-rank" (bmuf under `sync.on_group_lost:
+    continue`, `sync.timeout_s` STALL_TIMEOUT_S).
+
+    Every job builds TorchRec's model on 4 ranks before it trains, and a healthy rank starved past
+    STALL_TIMEOUT_S would read as lost; yet the failing jobs side by side kept every assertion in 11
+    runs of 11 (4 of them beside the shared group) on 2 cores shared with other work (load average
+    4 to 11): past the start, they wait, and the shared group's training fills that time."""
+    control = tmp_path_factory.mktemp("two_d_control") / "control.yaml"
+    control.write_text(CONTROL)
+    jobs = {"four_ranks": functools.partial(run_shared, 4, {
+        "bmuf-shadow": (_pipeline_job, ({"algo": "bmuf", "tables": TableSyncConfig(fragment_mb=1e-4),
+                                         "control_file": str(control)},)),
+        "ma-foreground": (_pipeline_job, ({"algo": "ma", "mode": "foreground"},)),
+        "nan": (_pipeline_job, ({"algo": "ma", "mode": "foreground"}, ("nan", 1, 10))),
+        "nan-weights-averaged-alone": (_pipeline_job, ({"algo": "ma", "mode": "foreground",
+                                                        "tables": TableSyncConfig(optimizer_state=False)}, ("nan", 1, 10))),
+        "resume": (_resume_job, (str(tmp_path_factory.mktemp("two_d")),)),
+    }, 200)}
+    jobs |= {f"{kind}-{failing}": functools.partial(
         _failing_job, {"algo": "ma", **({"timeout_s": STALL_TIMEOUT_S} if kind == "stop" else {})}, (kind, failing, 8),
         True) for kind, failing in FAILURES}
     jobs |= {f"continue-{kind}-{failing}": functools.partial(
         _failing_job, {"algo": "bmuf", "on_group_lost": "continue", "timeout_s": STALL_TIMEOUT_S}, (kind, failing, 8),
         False) for kind, failing in GROUP_LOSSES}
-    return run_concurrently(jobs, at_once=AT_ONCE)
+    return run_concurrently(jobs)
 
 
 @pytest.mark.parametrize(("kind", "failing"), FAILURES)
-def test_a_failure_in_one_group_ends_every_rank_naming_it(failures: CaseResults, kind: str, failing: int) -> None:
+def test_a_failure_in_one_group_ends_every_rank_naming_it(spawned: CaseResults, kind: str, failing: int) -> None:
     """An exception in group 1's loop, a SIGKILLed rank of group 1, or a rank of group 0 stopped for
     good (SIGSTOP, its sockets open), the ranks started by hand (no torchrun agent to end the others;
     rank 0's process hosts the store they met at, and often ends first): every other rank, in both
@@ -341,7 +347,7 @@ def test_a_failure_in_one_group_ends_every_rank_naming_it(failures: CaseResults,
     other, whichever rank ended first: a rank that ended after it learned of the failure (its
     partner, whose collective failed first) is never named, and the cause stays readable in the
     job's own store (`shadowgba.job.store`) once rank 0 is gone."""
-    outcomes, took_s = failures[f"{kind}-{failing}"]
+    outcomes, took_s = spawned[f"{kind}-{failing}"]
     failed = outcomes[failing]
     if kind == "stop":  # every other rank ended on its own, well before the harness's deadline
         assert failed.stopped and took_s < 60
@@ -361,13 +367,13 @@ def test_a_failure_in_one_group_ends_every_rank_naming_it(failures: CaseResults,
 
 
 @pytest.mark.parametrize(("kind", "failing"), GROUP_LOSSES)
-def test_under_continue_a_lost_group_drops_out_and_the_other_trains_on(failures: CaseResults, kind: str,
+def test_under_continue_a_lost_group_drops_out_and_the_other_trains_on(spawned: CaseResults, kind: str,
                                                                        failing: int) -> None:
     """`sync.on_group_lost: continue`: rank 1 stops for good (the others' rounds time out; its
     heartbeat has stopped). Its group ends, its partner naming it; the other group trains every
     step, drops the lost group from its rounds and ends with its two dense replicas identical and
     finite. (A rank whose loop raises, the aborted-flag path: `tests/test_survivors.py`.)"""
-    outcomes, _ = failures[f"continue-{kind}-{failing}"]
+    outcomes, _ = spawned[f"continue-{kind}-{failing}"]
     lost_group = failing // 2
     partner, survivors = (1 - failing % 2) + 2 * lost_group, [rank for rank in range(4) if rank // 2 != lost_group]
     if kind == "stop":
