@@ -359,8 +359,8 @@ def test_gba_rule_refuses_bad_tokens_and_closes_a_global_batch_on_the_sample_cou
         with pytest.raises(ValueError, match=message):
             rule.admit(token, 1)
     assert (rule.global_step, rule.buffered_samples) == (0, 0)
-    assert rule.admit(0, 3) == Admission(staleness=0, weight=1.0, scale=3.0, completed_samples=0)
-    assert rule.admit(0, 4) == Admission(staleness=0, weight=1.0, scale=4.0, completed_samples=7)
+    assert rule.admit(0, 3) == Admission(staleness=0, weight=1.0, scale=3.0, completed_samples=0, buffered_samples=3)
+    assert rule.admit(0, 4) == Admission(staleness=0, weight=1.0, scale=4.0, completed_samples=7, buffered_samples=0)
     assert (rule.global_step, rule.buffered_samples) == (1, 0)
     dropped = rule.admit(0, 9)  # staleness 1 > threshold 0: dropped, counts nothing
     assert dropped.dropped and (dropped.scale, dropped.completed_samples, rule.buffered_samples) == (0.0, 0, 0)

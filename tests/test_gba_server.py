@@ -3,6 +3,7 @@ the flat optimizer's exact slicing, and the switch policy's hysteresis."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -280,6 +281,39 @@ def test_fresh_waits_are_bounded_by_a_share_of_compute_and_stop_while_they_time_
     for _ in range(20):  # peers answer within a tenth of the step: never held back
         assert quick.bound_s(0.100) is not None
         quick.record(fresh=True, waited_s=0.010)
+
+
+def test_fresh_waits_are_taken_only_where_the_batch_is_predicted_to_complete_within_the_longest_wait() -> None:
+    """`FreshWaitPolicy.worth_waiting`, by hand: the pace of the global steps is the ratio of the
+    moving averages (0.8 / 0.2) of the seconds and the steps between installs that advanced it; a
+    wait is predicted at calibration x missing share x pace, and taken while that is at most
+    min(share, sqrt(2 x budget x pace / compute)) x compute; each wait's length against its
+    prediction moves the calibration (a timed-out wait's by at most 4 x; a skipped one's not)."""
+    policy = FreshWaitPolicy(1.0, budget=0.25)
+    policy.bound_s(0.100)  # compute 0.100 s
+    assert policy.worth_waiting(0.75)  # the pace unknown: wait, as without a prediction
+    policy.observe_global_step(10, now=0.0)
+    policy.observe_global_step(10, now=0.05)  # no advance: the interval runs on from 0.0
+    policy.observe_global_step(11, now=0.12)
+    assert policy.seconds_per_step == pytest.approx(0.12)
+    policy.observe_global_step(13, now=0.36)  # seconds 0.8 x 0.12 + 0.2 x 0.24, steps 0.8 x 1 + 0.2 x 2
+    assert policy.seconds_per_step == pytest.approx(0.144 / 1.2)
+    longest = math.sqrt(2 * 0.25 * 0.12 / 0.100) * 0.100  # 0.0775 s: 0.65 of the batch at this pace
+    assert policy.longest_s == pytest.approx(longest)
+    assert policy.worth_waiting(0.6) and not policy.worth_waiting(0.7)
+    policy.record(True, waited_s=0.012, missing=0.5)  # 0.2 of its 0.060 s prediction: 1 -> 0.84
+    assert policy.calibration == pytest.approx(0.84)
+    assert policy.worth_waiting(0.75)  # 0.84 x 0.75 x 0.12 = 0.0756 <= 0.0775
+    policy.record(False, waited_s=1.0, missing=0.5)  # a timeout: at most 4 x, 0.84 -> 0.84 x (0.8 + 0.8)
+    assert policy.calibration == pytest.approx(0.84 * 1.6)
+    policy.record(None, waited_s=0.001, missing=0.9)  # skipped past the answer: no calibration
+    assert policy.calibration == pytest.approx(0.84 * 1.6) and policy.useful == pytest.approx(0.8)
+    assert FreshWaitPolicy(0.1, budget=1.0).longest_s is None  # nothing seen yet
+    capped = FreshWaitPolicy(0.1, budget=1.0)
+    capped.bound_s(0.100)
+    capped.observe_global_step(0, now=0.0)
+    capped.observe_global_step(1, now=1.0)
+    assert capped.longest_s == pytest.approx(0.010)  # never past the bound, share x compute
 
 
 def test_lookahead_computes_on_the_parameters_extrapolated_by_the_staleness_at_their_velocity() -> None:

@@ -84,9 +84,10 @@ class GBAClient:
     """One trainer's asynchronous traffic with the dense shards in GBA mode (see the module docstring)."""
 
     def __init__(self, shards: DenseShardClient, dense: DenseParams, trainer_index: int, local_batch_size: int,
-                 queue_size: int, watch: bool, metrics: GBAMetrics, push_dtype: torch.dtype | None = None,
-                 lookahead: float = 0.0) -> None:
-        """`watch`: run the watcher's long polls while in GBA mode (global-batch aggregation only);
+                 global_batch: int, queue_size: int, watch: bool, metrics: GBAMetrics,
+                 push_dtype: torch.dtype | None = None, lookahead: float = 0.0) -> None:
+        """`global_batch`: the samples of one global step (`wait_answer` reports the share missing);
+        `watch`: run the watcher's long polls while in GBA mode (global-batch aggregation only);
         `push_dtype`: the dtype gradients are queued and pushed in (default: the parameters');
         `lookahead`: compute on predicted parameters (`shadowgba.gba.lookahead`; 0: off)."""
         self._shards = shards
@@ -94,6 +95,7 @@ class GBAClient:
         self._push_dtype = push_dtype or dense.dtype
         self._trainer_index = trainer_index
         self._local_batch_size = local_batch_size
+        self._global_batch = global_batch
         self._queue_size = queue_size
         self._watch = watch
         self._metrics = metrics
@@ -128,10 +130,10 @@ class GBAClient:
         """Notified by `_offer`, `_answer`, `_rebase` and a thread's failure: wakes `wait_fresh`."""
         self._submitted = 0
         """Gradients submitted so far (training thread only)."""
-        self._answered: tuple[int, int | None] = (0, None)
-        """The newest answered push: its `_Queued.seq` + 1, and the global step its gradient entered
+        self._answered: tuple[int, int | None, float] = (0, None, 0.0)
+        """The newest answered push: its `_Queued.seq` + 1, the global step its gradient entered
         (reached once the batch it joined is applied; None: dropped, or lost to a server's
-        restart); guarded by _replies_lock."""
+        restart) and the share of that global batch still missing after it; guarded by _replies_lock."""
         self._watching = threading.Event()
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
@@ -233,6 +235,19 @@ class GBAClient:
         tokens = [reply.token if new else token for reply, new, token in zip(fresh, newer, self.tokens)]
         self._install(slices, tokens, exact=rebased)
 
+    def wait_answer(self, timeout_s: float) -> float | None:
+        """Wait at most `timeout_s` until the last submitted gradient's push is answered; then the
+        share of the global batch it entered still missing (0 when it completed the batch or entered
+        none: nothing more to wait for), or None if no answer came in time."""
+        deadline = time.monotonic() + timeout_s
+        with self._replies_arrived:
+            while self._answered[0] < self._submitted:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._error is not None or not self._watching.is_set():
+                    return None
+                self._replies_arrived.wait(remaining)
+            return self._answered[2]
+
     def wait_fresh(self, timeout_s: float) -> bool:
         """Wait at most `timeout_s` until the last submitted gradient's push is answered and, if it
         was kept, until every shard has sent the parameters of the global step it entered (its
@@ -254,7 +269,7 @@ class GBAClient:
 
     def _fresh_arrived(self) -> bool:
         """`wait_fresh`'s condition; the caller holds _replies_lock."""
-        answered, target = self._answered
+        answered, target, _ = self._answered
         if answered < self._submitted:
             return False
         return target is None or all(live >= target or (reply is not None and reply.token >= target)
@@ -344,7 +359,7 @@ class GBAClient:
                                         queued.compute_s, queued.finite, reply_params=not self._watch)
         except ServerRestarted:
             self._rebase(pushes_lost=1)
-            self._answer(queued.seq, None)
+            self._answer(queued.seq, None, 0.0)
             return
         if queued.finite:
             self._metrics.record_push(replies[0].weight)  # one decision for the whole push (shard 0's)
@@ -354,14 +369,18 @@ class GBAClient:
         if replies[0].requested_mode == "sync":  # before the answer: whoever waited for it sees the request
             self._sync_requested.set()
         entered = entered_step(replies[0])
+        missing = 0.0
         if entered is not None:
             self._lookahead.observe(entered - 1 - queued.token)
-        self._answer(queued.seq, entered)
+            buffered = replies[0].decision.admission.buffered_samples if replies[0].decision is not None else 0
+            missing = max(0.0, 1.0 - buffered / self._global_batch) if buffered else 0.0
+        self._answer(queued.seq, entered, missing)
 
-    def _answer(self, seq: int, entered: int | None) -> None:
-        """The push of gradient `seq` was answered; `entered`: the global step it entered (None: none)."""
+    def _answer(self, seq: int, entered: int | None, missing: float) -> None:
+        """The push of gradient `seq` was answered; `entered`: the global step it entered (None:
+        none); `missing`: the share of that global batch still to come."""
         with self._replies_arrived:
-            self._answered = (seq + 1, entered)
+            self._answered = (seq + 1, entered, missing)
             self._replies_arrived.notify_all()
 
     def _watch_loop(self) -> None:
