@@ -354,7 +354,7 @@ def test_elastic_pull_conserves_replica_plus_centre() -> None:
 
 
 def test_gba_rule_refuses_bad_tokens_and_closes_a_global_batch_on_the_sample_count() -> None:
-    rule = GlobalBatchRule(AggregationConfig(decay=StalenessDecayConfig(threshold=0)), global_batch=5)
+    rule = GlobalBatchRule(AggregationConfig(decay=StalenessDecayConfig(kind="drop", threshold=0)), global_batch=5)
     for token, message in ((1, r"token 1 is from the future \(global step is 0\)"), (-1, "token must be >= 0")):
         with pytest.raises(ValueError, match=message):
             rule.admit(token, 1)

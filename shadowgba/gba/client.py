@@ -134,6 +134,15 @@ class GBAClient:
         """The newest answered push: its `_Queued.seq` + 1, the global step its gradient entered
         (reached once the batch it joined is applied; None: dropped, or lost to a server's
         restart) and the share of that global batch still missing after it; guarded by _replies_lock."""
+        self._batch_clock: tuple[float, int, float] | None = None
+        """For the newest answered push whose global batch was still missing gradients: that share,
+        the global step it entered and when the answer came; None once that step arrived. Guarded
+        by _replies_lock."""
+        self._batch_waits: list[tuple[float, float]] = []
+        """(missing share, seconds from the push's answer to its global step's arrival) of the
+        pushes since the last `take_batch_waits`, whether or not the training thread waited for
+        them (a push answered before its predecessor's step arrived closes that one's clock at
+        its answer: a lower bound). Guarded by _replies_lock."""
         self._watching = threading.Event()
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
@@ -176,6 +185,7 @@ class GBAClient:
         with self._replies_lock:
             self._fresh = [None] * len(self._shards.bounds)
             self._epoch += 1
+            self._batch_clock, self._batch_waits = None, []  # a batch of before the switch is never timed
         self._sync_requested.clear()
         self._lookahead.forget()
 
@@ -272,8 +282,27 @@ class GBAClient:
         answered, target, _ = self._answered
         if answered < self._submitted:
             return False
-        return target is None or all(live >= target or (reply is not None and reply.token >= target)
-                                     for live, reply in zip(self._live_tokens, self._fresh))
+        return target is None or self._arrived(target)
+
+    def _arrived(self, step: int) -> bool:
+        """Whether every shard's parameters of global step `step` (or newer) are installed or at
+        hand; the caller holds _replies_lock."""
+        return all(live >= step or (reply is not None and reply.token >= step)
+                   for live, reply in zip(self._live_tokens, self._fresh))
+
+    def take_batch_waits(self) -> list[tuple[float, float]]:
+        """The (missing share, seconds) measured since the last call (`_batch_waits`)."""
+        with self._replies_lock:
+            waits, self._batch_waits = self._batch_waits, []
+        return waits
+
+    def _time_batch(self, now: float) -> None:
+        """Stop the clock of the newest answered push if its global step has arrived; the caller
+        holds _replies_lock."""
+        if self._batch_clock is not None and self._arrived(self._batch_clock[1]):
+            missing, _, answered_at = self._batch_clock
+            self._batch_waits.append((missing, now - answered_at))
+            self._batch_clock = None
 
     def refresh(self) -> None:
         """Pull every shard's parameters now and install them."""
@@ -381,6 +410,11 @@ class GBAClient:
         none); `missing`: the share of that global batch still to come."""
         with self._replies_arrived:
             self._answered = (seq + 1, entered, missing)
+            now = time.monotonic()
+            if self._batch_clock is not None:  # its step did not arrive before this answer
+                self._batch_waits.append((self._batch_clock[0], now - self._batch_clock[2]))
+            self._batch_clock = (missing, entered, now) if entered is not None and missing > 0 else None
+            self._time_batch(now)
             self._replies_arrived.notify_all()
 
     def _watch_loop(self) -> None:
@@ -441,4 +475,5 @@ class GBAClient:
                 kept = self._fresh[index]
                 if reply.params is not None and (kept is None or reply.token > kept.token):
                     self._fresh[index] = reply
+            self._time_batch(time.monotonic())
             self._replies_arrived.notify_all()

@@ -27,9 +27,10 @@ global steps come (a moving average of the installed global step), how long the 
 to complete. It waits only when that prediction is at most `longest_s`: with pushes arriving
 evenly over a global step of `g` seconds, taking every wait up to `L` costs `L^2 / (2 g)` per step,
 which the budget (a share `b` of the compute time `c`) bounds at `L = sqrt(2 b c g)`. The prediction
-is scaled by how long the waits taken actually lasted against what was predicted for them (a moving
-average): trainers that push together (equal speeds) see their batches complete within moments of
-a prediction of most of a global step, and would otherwise skip waits that cost nothing.
+is scaled by how long the batches actually took to complete after a push's answer against that
+prediction (a moving average over every push, waited for or not): trainers that push together
+(equal speeds) see their batches complete within moments of a prediction of most of a global step,
+and would otherwise skip waits that cost nothing.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ USEFUL_BELOW = 0.5
 SMOOTHING = 0.2
 """Weight of the newest observation in the moving averages (about the last 5 to 10 steps)."""
 LONGEST_CALIBRATION = 4.0
-"""The most that one wait's length against its prediction moves the calibration (a wait that timed
-out only says that it lasted at least its bound)."""
+"""The most, as a multiple of the calibration, that one batch's time against its prediction counts:
+a batch held up once (a pause, a restart) does not stop the waits for long."""
 
 
 class FreshWaitPolicy:
@@ -65,7 +66,7 @@ class FreshWaitPolicy:
         self.spent = 0.0
         """Moving average, over the steps, of the time waited as a share of the compute time."""
         self.calibration = 1.0
-        """Moving average of the waits' length over their prediction (`worth_waiting`)."""
+        """Moving average of the batches' time to complete over its prediction (`calibrate`)."""
         self._steps = 0
         self._pace: tuple[float, float] | None = None
         """Moving averages of the seconds and the global steps between installs that advanced the
@@ -100,7 +101,7 @@ class FreshWaitPolicy:
 
     def predicted_s(self, missing: float) -> float | None:
         """How long the global batch should take to complete with `missing` of it (a share) still to
-        come, calibrated by the waits so far; None while the pace is unknown."""
+        come, calibrated by the batches timed so far; None while the pace is unknown."""
         pace = self.seconds_per_step
         return None if pace is None else self.calibration * missing * pace
 
@@ -117,15 +118,18 @@ class FreshWaitPolicy:
         predicted, longest = self.predicted_s(missing), self.longest_s
         return predicted is None or longest is None or predicted <= longest
 
-    def record(self, fresh: bool | None, waited_s: float, missing: float | None = None) -> None:
+    def calibrate(self, missing: float, seconds: float) -> None:
+        """A push's global batch, `missing` of it (a share > 0) still to come at the push's answer,
+        completed `seconds` later."""
+        predicted = self.predicted_s(missing)
+        if predicted:
+            ratio = min(LONGEST_CALIBRATION * self.calibration, seconds * self.calibration / predicted)
+            self.calibration = (1 - SMOOTHING) * self.calibration + SMOOTHING * ratio
+
+    def record(self, fresh: bool | None, waited_s: float) -> None:
         """A wait of `waited_s` seconds ended: `fresh`, the parameters came within the bound; False,
-        it timed out; None, it ended once the push was answered, the rest not worth waiting for.
-        `missing`: the share of the global batch the push's answer said was still to come."""
+        it timed out; None, it ended once the push was answered, the rest not worth waiting for."""
         if fresh is not None:
             self.useful = (1 - SMOOTHING) * self.useful + SMOOTHING * float(fresh)
-            predicted = self.predicted_s(missing) if missing else None
-            if predicted:
-                ratio = min(LONGEST_CALIBRATION * self.calibration, waited_s * self.calibration / predicted)
-                self.calibration = (1 - SMOOTHING) * self.calibration + SMOOTHING * ratio
         share = waited_s / self.compute_s if self.compute_s else 0.0
         self.spent = (1 - SMOOTHING) * self.spent + SMOOTHING * share

@@ -414,6 +414,8 @@ class GBASync(ModeSwitches, DenseSync):
         if not finite:
             self._nonfinite([self.roles.trainer_index], self._shards.fail)
         self._client.submit(gradient, compute_s, finite)
+        for missing_share, seconds in self._client.take_batch_waits():
+            self._fresh.calibrate(missing_share, seconds)
         bound_s = self._fresh.bound_s(compute_s)
         if bound_s is not None:
             started = time.perf_counter()
@@ -423,7 +425,7 @@ class GBASync(ModeSwitches, DenseSync):
                 fresh = (self._client.wait_fresh(bound_s - (time.perf_counter() - started))
                          if self._fresh.worth_waiting(missing) else None)
             waited_s = time.perf_counter() - started
-            self._fresh.record(fresh, waited_s, missing)
+            self._fresh.record(fresh, waited_s)
             self.metrics.record_fresh_wait(waited_s, fresh)
         self._client.install_fresh()
         self._fresh.observe_global_step(self._client.global_step, time.perf_counter())
