@@ -233,13 +233,18 @@ class GBAMetrics(SyncMetrics):
         """The training thread's time spent in those waits."""
         self.fresh_timeouts = 0
         """Waits that ended at their bound: the next gradient was computed on older parameters."""
+        self.fresh_skipped = 0
+        """Waits that ended with the push's answer: the rest of its global batch was predicted to take
+        longer than a wait worth taking (`shadowgba.gba.fresh`)."""
 
-    def record_fresh_wait(self, seconds: float, fresh: bool) -> None:
-        """A GBA step waited `seconds` for the global step its gradient entered; `fresh`: it came in time."""
+    def record_fresh_wait(self, seconds: float, fresh: bool | None) -> None:
+        """A GBA step waited `seconds` for the global step its gradient entered; `fresh`: it came in
+        time (False: timed out; None: not waited for past the push's answer)."""
         with self._lock:
             self.fresh_waits += 1
             self.fresh_wait_s += seconds
-            self.fresh_timeouts += int(not fresh)
+            self.fresh_timeouts += int(fresh is False)
+            self.fresh_skipped += int(fresh is None)
 
     def record_push(self, weight: float) -> None:
         """A shard answered a push with the decay weight it gave the gradient (0: dropped)."""
@@ -272,7 +277,7 @@ class GBAMetrics(SyncMetrics):
                 stale_dropped=self.push_weights.dropped, mode_switches=self.mode_switches,
                 nonfinite_skipped=self.nonfinite_skipped, server_restarts=self.server_restarts,
                 pushes_lost_to_restart=self.pushes_lost_to_restart, fresh_waits=self.fresh_waits,
-                fresh_wait_s=self.fresh_wait_s, fresh_timeouts=self.fresh_timeouts,
+                fresh_wait_s=self.fresh_wait_s, fresh_timeouts=self.fresh_timeouts, fresh_skipped=self.fresh_skipped,
             )
         return summary
 

@@ -58,6 +58,10 @@ class Admission:
     completed_samples: int
     """0, or, when this push completes a global step, the samples of that global batch: the owner
     applies `buffer / completed_samples` (the sample-weighted mean) and clears the buffer."""
+    buffered_samples: int = 0
+    """Samples counted toward the next global batch once this push is decided (0 when it completed
+    one): how much of the batch its gradient waits for, which tells a trainer whether waiting for
+    that batch's apply is short (`shadowgba.gba.fresh`)."""
 
     @property
     def dropped(self) -> bool:
@@ -95,13 +99,13 @@ class GlobalBatchRule:
         staleness = self.staleness(token)
         weight = self.config.decay.weight(staleness)
         if weight == 0.0:
-            return Admission(staleness, weight, 0.0, 0)
+            return Admission(staleness, weight, 0.0, 0, self.buffered_samples)
         self.buffered_samples += num_samples
         completed = 0
         if self.config.aggregation == "none" or self.buffered_samples >= self.global_batch:
             completed, self.buffered_samples = self.buffered_samples, 0
             self.global_step += 1
-        return Admission(staleness, weight, weight * num_samples, completed)
+        return Admission(staleness, weight, weight * num_samples, completed, self.buffered_samples)
 
     def follow(self, admission: Admission, num_samples: int) -> None:
         """Take a decision another server's rule made about the same push (`admit` there), so

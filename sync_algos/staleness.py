@@ -9,9 +9,12 @@ A pushed gradient carries the token (global step) its parameters came from; its 
     none:           w = 1 (plain asynchronous aggregation, for comparison)
 
 and anything staler than `max_staleness` is dropped whatever the kind. The GBA paper's exact
-function could not be verified from public text, so the function is pluggable. Why the default is
-drop beyond a threshold of 2, and how weakly the measurements support it: docs/gba.md (the decay
-function paragraphs under "Benchmark at the learning rate tuned for sync").
+function could not be verified from public text, so the function is pluggable. The default halves
+a gradient's weight for every global step of staleness (exponential, threshold 0, rate 0.5): with
+the trainers' fresh waits most gradients are fresh, and halving the stale ones (a fast trainer's
+that missed its wait, the straggler's) is what brought GBA within 0.002 of sync at the production
+preset under a straggler, where dropping beyond 2 steps left it 0.002-0.006 below (docs/gba.md,
+"Quality").
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from typing import Any, Literal, Mapping
 class StalenessDecayConfig:
     """The decay applied to stale gradients on the parameter server."""
 
-    kind: Literal["drop", "exponential", "inverse_power", "none"] = "drop"
+    kind: Literal["drop", "exponential", "inverse_power", "none"] = "exponential"
     """What happens beyond `threshold`: drop, exponential, inverse_power, or none (no decay)."""
-    threshold: int = 2
+    threshold: int = 0
     """Staleness (in global steps) up to which a gradient counts fully; >= 0."""
     rate: float = 0.5
     """exponential: weight multiplier per step of staleness beyond the threshold, in (0, 1]."""

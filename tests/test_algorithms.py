@@ -354,13 +354,13 @@ def test_elastic_pull_conserves_replica_plus_centre() -> None:
 
 
 def test_gba_rule_refuses_bad_tokens_and_closes_a_global_batch_on_the_sample_count() -> None:
-    rule = GlobalBatchRule(AggregationConfig(decay=StalenessDecayConfig(threshold=0)), global_batch=5)
+    rule = GlobalBatchRule(AggregationConfig(decay=StalenessDecayConfig(kind="drop", threshold=0)), global_batch=5)
     for token, message in ((1, r"token 1 is from the future \(global step is 0\)"), (-1, "token must be >= 0")):
         with pytest.raises(ValueError, match=message):
             rule.admit(token, 1)
     assert (rule.global_step, rule.buffered_samples) == (0, 0)
-    assert rule.admit(0, 3) == Admission(staleness=0, weight=1.0, scale=3.0, completed_samples=0)
-    assert rule.admit(0, 4) == Admission(staleness=0, weight=1.0, scale=4.0, completed_samples=7)
+    assert rule.admit(0, 3) == Admission(staleness=0, weight=1.0, scale=3.0, completed_samples=0, buffered_samples=3)
+    assert rule.admit(0, 4) == Admission(staleness=0, weight=1.0, scale=4.0, completed_samples=7, buffered_samples=0)
     assert (rule.global_step, rule.buffered_samples) == (1, 0)
     dropped = rule.admit(0, 9)  # staleness 1 > threshold 0: dropped, counts nothing
     assert dropped.dropped and (dropped.scale, dropped.completed_samples, rule.buffered_samples) == (0.0, 0, 0)

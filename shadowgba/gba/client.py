@@ -84,9 +84,10 @@ class GBAClient:
     """One trainer's asynchronous traffic with the dense shards in GBA mode (see the module docstring)."""
 
     def __init__(self, shards: DenseShardClient, dense: DenseParams, trainer_index: int, local_batch_size: int,
-                 queue_size: int, watch: bool, metrics: GBAMetrics, push_dtype: torch.dtype | None = None,
-                 lookahead: float = 0.0) -> None:
-        """`watch`: run the watcher's long polls while in GBA mode (global-batch aggregation only);
+                 global_batch: int, queue_size: int, watch: bool, metrics: GBAMetrics,
+                 push_dtype: torch.dtype | None = None, lookahead: float = 0.0) -> None:
+        """`global_batch`: the samples of one global step (`wait_answer` reports the share missing);
+        `watch`: run the watcher's long polls while in GBA mode (global-batch aggregation only);
         `push_dtype`: the dtype gradients are queued and pushed in (default: the parameters');
         `lookahead`: compute on predicted parameters (`shadowgba.gba.lookahead`; 0: off)."""
         self._shards = shards
@@ -94,6 +95,7 @@ class GBAClient:
         self._push_dtype = push_dtype or dense.dtype
         self._trainer_index = trainer_index
         self._local_batch_size = local_batch_size
+        self._global_batch = global_batch
         self._queue_size = queue_size
         self._watch = watch
         self._metrics = metrics
@@ -128,10 +130,19 @@ class GBAClient:
         """Notified by `_offer`, `_answer`, `_rebase` and a thread's failure: wakes `wait_fresh`."""
         self._submitted = 0
         """Gradients submitted so far (training thread only)."""
-        self._answered: tuple[int, int | None] = (0, None)
-        """The newest answered push: its `_Queued.seq` + 1, and the global step its gradient entered
+        self._answered: tuple[int, int | None, float] = (0, None, 0.0)
+        """The newest answered push: its `_Queued.seq` + 1, the global step its gradient entered
         (reached once the batch it joined is applied; None: dropped, or lost to a server's
-        restart); guarded by _replies_lock."""
+        restart) and the share of that global batch still missing after it; guarded by _replies_lock."""
+        self._batch_clock: tuple[float, int, float] | None = None
+        """For the newest answered push whose global batch was still missing gradients: that share,
+        the global step it entered and when the answer came; None once that step arrived. Guarded
+        by _replies_lock."""
+        self._batch_waits: list[tuple[float, float]] = []
+        """(missing share, seconds from the push's answer to its global step's arrival) of the
+        pushes since the last `take_batch_waits`, whether or not the training thread waited for
+        them (a push answered before its predecessor's step arrived closes that one's clock at
+        its answer: a lower bound). Guarded by _replies_lock."""
         self._watching = threading.Event()
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
@@ -174,6 +185,7 @@ class GBAClient:
         with self._replies_lock:
             self._fresh = [None] * len(self._shards.bounds)
             self._epoch += 1
+            self._batch_clock, self._batch_waits = None, []  # a batch of before the switch is never timed
         self._sync_requested.clear()
         self._lookahead.forget()
 
@@ -233,6 +245,19 @@ class GBAClient:
         tokens = [reply.token if new else token for reply, new, token in zip(fresh, newer, self.tokens)]
         self._install(slices, tokens, exact=rebased)
 
+    def wait_answer(self, timeout_s: float) -> float | None:
+        """Wait at most `timeout_s` until the last submitted gradient's push is answered; then the
+        share of the global batch it entered still missing (0 when it completed the batch or entered
+        none: nothing more to wait for), or None if no answer came in time."""
+        deadline = time.monotonic() + timeout_s
+        with self._replies_arrived:
+            while self._answered[0] < self._submitted:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._error is not None or not self._watching.is_set():
+                    return None
+                self._replies_arrived.wait(remaining)
+            return self._answered[2]
+
     def wait_fresh(self, timeout_s: float) -> bool:
         """Wait at most `timeout_s` until the last submitted gradient's push is answered and, if it
         was kept, until every shard has sent the parameters of the global step it entered (its
@@ -254,11 +279,30 @@ class GBAClient:
 
     def _fresh_arrived(self) -> bool:
         """`wait_fresh`'s condition; the caller holds _replies_lock."""
-        answered, target = self._answered
+        answered, target, _ = self._answered
         if answered < self._submitted:
             return False
-        return target is None or all(live >= target or (reply is not None and reply.token >= target)
-                                     for live, reply in zip(self._live_tokens, self._fresh))
+        return target is None or self._arrived(target)
+
+    def _arrived(self, step: int) -> bool:
+        """Whether every shard's parameters of global step `step` (or newer) are installed or at
+        hand; the caller holds _replies_lock."""
+        return all(live >= step or (reply is not None and reply.token >= step)
+                   for live, reply in zip(self._live_tokens, self._fresh))
+
+    def take_batch_waits(self) -> list[tuple[float, float]]:
+        """The (missing share, seconds) measured since the last call (`_batch_waits`)."""
+        with self._replies_lock:
+            waits, self._batch_waits = self._batch_waits, []
+        return waits
+
+    def _time_batch(self, now: float) -> None:
+        """Stop the clock of the newest answered push if its global step has arrived; the caller
+        holds _replies_lock."""
+        if self._batch_clock is not None and self._arrived(self._batch_clock[1]):
+            missing, _, answered_at = self._batch_clock
+            self._batch_waits.append((missing, now - answered_at))
+            self._batch_clock = None
 
     def refresh(self) -> None:
         """Pull every shard's parameters now and install them."""
@@ -344,7 +388,7 @@ class GBAClient:
                                         queued.compute_s, queued.finite, reply_params=not self._watch)
         except ServerRestarted:
             self._rebase(pushes_lost=1)
-            self._answer(queued.seq, None)
+            self._answer(queued.seq, None, 0.0)
             return
         if queued.finite:
             self._metrics.record_push(replies[0].weight)  # one decision for the whole push (shard 0's)
@@ -354,14 +398,23 @@ class GBAClient:
         if replies[0].requested_mode == "sync":  # before the answer: whoever waited for it sees the request
             self._sync_requested.set()
         entered = entered_step(replies[0])
+        missing = 0.0
         if entered is not None:
             self._lookahead.observe(entered - 1 - queued.token)
-        self._answer(queued.seq, entered)
+            buffered = replies[0].decision.admission.buffered_samples if replies[0].decision is not None else 0
+            missing = max(0.0, 1.0 - buffered / self._global_batch) if buffered else 0.0
+        self._answer(queued.seq, entered, missing)
 
-    def _answer(self, seq: int, entered: int | None) -> None:
-        """The push of gradient `seq` was answered; `entered`: the global step it entered (None: none)."""
+    def _answer(self, seq: int, entered: int | None, missing: float) -> None:
+        """The push of gradient `seq` was answered; `entered`: the global step it entered (None:
+        none); `missing`: the share of that global batch still to come."""
         with self._replies_arrived:
-            self._answered = (seq + 1, entered)
+            self._answered = (seq + 1, entered, missing)
+            now = time.monotonic()
+            if self._batch_clock is not None:  # its step did not arrive before this answer
+                self._batch_waits.append((self._batch_clock[0], now - self._batch_clock[2]))
+            self._batch_clock = (missing, entered, now) if entered is not None and missing > 0 else None
+            self._time_batch(now)
             self._replies_arrived.notify_all()
 
     def _watch_loop(self) -> None:
@@ -422,4 +475,5 @@ class GBAClient:
                 kept = self._fresh[index]
                 if reply.params is not None and (kept is None or reply.token > kept.token):
                     self._fresh[index] = reply
+            self._time_batch(time.monotonic())
             self._replies_arrived.notify_all()

@@ -181,8 +181,8 @@ class GBASync(ModeSwitches, DenseSync):
                                         self.dense.dtype, self.dense.device)
         self._shards = DenseShardClient(self.dense.numel, self.transport)
         global_batch_aggregation = config.aggregation == "global_batch"  # plain async waits for and predicts nothing
-        self._client = GBAClient(self._shards, self.dense, roles.trainer_index, local_batch_size, config.queue_size,
-                                 watch=global_batch_aggregation, metrics=self.metrics,
+        self._client = GBAClient(self._shards, self.dense, roles.trainer_index, local_batch_size, self.global_batch,
+                                 config.queue_size, watch=global_batch_aggregation, metrics=self.metrics,
                                  push_dtype=config.push_torch_dtype(self.dense.dtype),
                                  lookahead=config.lookahead if global_batch_aggregation else 0.0)
         self._last_step_end = time.perf_counter()
@@ -414,14 +414,21 @@ class GBASync(ModeSwitches, DenseSync):
         if not finite:
             self._nonfinite([self.roles.trainer_index], self._shards.fail)
         self._client.submit(gradient, compute_s, finite)
+        for missing_share, seconds in self._client.take_batch_waits():
+            self._fresh.calibrate(missing_share, seconds)
         bound_s = self._fresh.bound_s(compute_s)
         if bound_s is not None:
             started = time.perf_counter()
-            fresh = self._client.wait_fresh(bound_s)
+            missing = self._client.wait_answer(bound_s)
+            fresh: bool | None = False  # no answer within the bound
+            if missing is not None:
+                fresh = (self._client.wait_fresh(bound_s - (time.perf_counter() - started))
+                         if self._fresh.worth_waiting(missing) else None)
             waited_s = time.perf_counter() - started
             self._fresh.record(fresh, waited_s)
             self.metrics.record_fresh_wait(waited_s, fresh)
         self._client.install_fresh()
+        self._fresh.observe_global_step(self._client.global_step, time.perf_counter())
         self._gba_steps += 1
         if self._leave_gba_due(requested):
             self._leave_gba()
