@@ -249,13 +249,9 @@ class GBAClient:
         """Wait at most `timeout_s` until the last submitted gradient's push is answered; then the
         share of the global batch it entered still missing (0 when it completed the batch or entered
         none: nothing more to wait for), or None if no answer came in time."""
-        deadline = time.monotonic() + timeout_s
-        with self._replies_arrived:
-            while self._answered[0] < self._submitted:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._error is not None or not self._watching.is_set():
-                    return None
-                self._replies_arrived.wait(remaining)
+        if not self._wait_until(lambda: self._answered[0] >= self._submitted, timeout_s):
+            return None
+        with self._replies_lock:
             return self._answered[2]
 
     def wait_fresh(self, timeout_s: float) -> bool:
@@ -268,9 +264,14 @@ class GBAClient:
         gradient one step stale again (a stable state: measured, 2 equal trainers, 97% stale).
         Returns at once on a background thread's failure (raised by the next `raise_error`) or when
         GBA mode is not being watched (leaving it, or plain async)."""
+        return self._wait_until(self._fresh_arrived, timeout_s)
+
+    def _wait_until(self, arrived: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait at most `timeout_s` until `arrived()` (called with _replies_lock held) is true; False
+        at the timeout, on a background thread's failure or when GBA mode is not being watched."""
         deadline = time.monotonic() + timeout_s
         with self._replies_arrived:
-            while not self._fresh_arrived():
+            while not arrived():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._error is not None or not self._watching.is_set():
                     return False
@@ -399,9 +400,9 @@ class GBAClient:
             self._sync_requested.set()
         entered = entered_step(replies[0])
         missing = 0.0
-        if entered is not None:
+        if entered is not None and replies[0].decision is not None:  # a kept push (entered_step says so)
             self._lookahead.observe(entered - 1 - queued.token)
-            buffered = replies[0].decision.admission.buffered_samples if replies[0].decision is not None else 0
+            buffered = replies[0].decision.admission.buffered_samples
             missing = max(0.0, 1.0 - buffered / self._global_batch) if buffered else 0.0
         self._answer(queued.seq, entered, missing)
 
