@@ -392,32 +392,45 @@ def projection(store: Sequence[dict[str, Any]], jobs: Sequence[dict[str, Any]], 
     second and the most requests a survivor made to name the lost rank (the largest job measured).
     The look-up is priced for every survivor at once (a flat job whose all-to-all pairs every rank
     with the lost one every step): read one key at a time, `before_ops_per_peer` round trips per
-    peer; batched, the requests measured, each reading at most every peer's key. `silent_s`: how
-    long a heartbeat may wait (`HEARTBEAT_SILENT_S`) before a live rank reads as silent."""
+    peer; batched, the requests measured, each reading at most every peer's key; with lookers
+    (`shadowgba.job.blame.decided_by_lookers`), `LOOKERS` batched look-ups and, for every other
+    survivor, its ticket and a read of the decision per poll while it waits (at most
+    `LOOKERS_PATIENCE_S`). `silent_s`: how long a heartbeat may wait (`HEARTBEAT_SILENT_S`) before
+    a live rank reads as silent."""
+    from shadowgba.job.blame import DECISION_POLL_S, LOOKERS, LOOKERS_PATIENCE_S
+
     per_op = next(row["server_us_per_op"] for row in store if row["kind"] == "read") / 1e6
     per_key = next(row["server_us_per_key"] for row in store if row["kind"] == "multi_get") / 1e6
     largest = max(job["ranks"] for job in jobs)
     measured = [job for job in jobs if job["ranks"] == largest]
     steady = statistics.median(job["steady_ops_per_s_per_rank"] for job in measured)
     requests = statistics.median(job["blame_ops_max"] for job in measured)
+    waiting_requests = 2 + LOOKERS_PATIENCE_S / DECISION_POLL_S  # the decision and the ticket, then the polls
     rows = []
     for ranks in PROJECTED_RANKS:
+        look_up = requests * per_op + requests * (ranks - 1) * per_key
         before = (ranks - 1) * before_ops_per_peer * (ranks - 1) * per_op
-        after = (ranks - 1) * (requests * per_op + requests * (ranks - 1) * per_key)
+        after = (ranks - 1) * look_up
+        lookers = LOOKERS * look_up + (ranks - 1 - LOOKERS) * waiting_requests * per_op
         rows.append({"ranks": ranks, "steady_ops_per_s": ranks * steady, "steady_core_share": ranks * steady * per_op,
-                     "lookup_store_s_before": before, "lookup_store_s_after": after,
-                     "heartbeats_starved_before": before > silent_s, "heartbeats_starved_after": after > silent_s})
+                     "lookup_store_s_before": before, "lookup_store_s_after": after, "lookup_store_s_lookers": lookers,
+                     "heartbeats_starved_before": before > silent_s, "heartbeats_starved_after": after > silent_s,
+                     "heartbeats_starved_lookers": lookers > silent_s})
     return rows
 
 
 def projection_table(rows: Sequence[dict[str, Any]]) -> str:
+    def starved(row: dict[str, Any], which: str) -> str:
+        return "yes" if row[f"heartbeats_starved_{which}"] else "no"
+
     lines = ["| ranks | heartbeats: store ops/s | share of the store's core | every survivor's look-up at once, "
-             "store CPU s: one key at a time | batched | longer than a heartbeat may wait? (before / after) |",
-             "| ---: | ---: | ---: | ---: | ---: | --- |"]
+             "store CPU s: one key at a time | batched | two lookers, the others read their decision "
+             "| longer than a heartbeat may wait? (one key / batched / lookers) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     lines += [f"| {row['ranks']:,} | {row['steady_ops_per_s']:,.0f} | {row['steady_core_share']:.1%} "
               f"| {row['lookup_store_s_before']:,.0f} | {row['lookup_store_s_after']:,.1f} "
-              f"| {'yes' if row['heartbeats_starved_before'] else 'no'} / "
-              f"{'yes' if row['heartbeats_starved_after'] else 'no'} |" for row in rows]
+              f"| {row['lookup_store_s_lookers']:,.2f} "
+              f"| {starved(row, 'before')} / {starved(row, 'after')} / {starved(row, 'lookers')} |" for row in rows]
     return "\n".join(lines)
 
 

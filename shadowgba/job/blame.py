@@ -26,6 +26,13 @@ Invariants (why a healthy rank is never named):
   that went away without a word (killed, stopped, cut off) is.
 - Every lookup of lost peers on the board goes through `gone_peers`: the trainers' verdict here and
   the surviving replica groups' decisions (`shadowgba.job.survivors`) name the same ranks.
+- Only the first `LOOKERS` ranks to ask look up for one decision (`decided_by_lookers`); the others
+  read the decision they post, and look for themselves only if none comes within
+  `LOOKERS_PATIENCE_S`. When every rank fails at once (an all-to-all that pairs every rank with the
+  lost one), the store then answers two look-ups, each a few batched reads of every peer's beat,
+  and one read per rank and poll, instead of a look-up per rank (at 4,096 ranks 16.8M key reads,
+  up to minutes of one store's CPU with the heartbeats queued behind them: docs/scaling.md, "The
+  control plane").
 
 Imports: `shadowgba.errors` and this package only.
 """
@@ -35,13 +42,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 import traceback
 from typing import Callable, Iterator, Sequence
 
 import torch.distributed as dist
 
 from shadowgba.errors import PeerLost, SyncError
-from shadowgba.job.notices import NOTICE_TIMEOUT_S, NoticeBoard
+from shadowgba.job.notices import BEAT_INTERVAL_S, HEARTBEAT_SILENT_S, NOTICE_TIMEOUT_S, NoticeBoard
 
 logger = logging.getLogger("shadowgba")
 
@@ -54,6 +62,14 @@ TRANSPORT_FAILURES = (
 """Words of a failed collective or connection in a `RuntimeError`'s text, as gloo and NCCL write
 them (torch raises most of their failures as plain `RuntimeError`, not `torch.distributed.DistError`):
 specific enough that a user's own `RuntimeError` is never taken for a peer's failure."""
+LOOKERS = 2
+"""How many ranks look up the lost peers on the board for one decision (`decided_by_lookers`): two,
+so that one looker lost in the middle of its look-up does not leave every other rank waiting."""
+LOOKERS_PATIENCE_S = HEARTBEAT_SILENT_S + 2 * BEAT_INTERVAL_S
+"""How long a rank that is not a looker waits for the lookers' decision before it looks itself: the
+longest a look-up waits for a heartbeat to stop, and two beats."""
+DECISION_POLL_S = BEAT_INTERVAL_S / 2
+"""How often a rank waiting for the lookers reads the decision: one request each time."""
 COLLECTIVE_CODE = ("/torch/distributed/", "/torchrec/distributed/")
 """Where a plain `RuntimeError` raised by a collective surfaces in Python (a work's `wait()`, TorchRec's
 all-to-all awaitables), whatever gloo's words (e.g. "Timed out waiting 6000ms for recv operation")."""
@@ -93,8 +109,8 @@ class Blame:
 
     def judge(self, error: BaseException) -> Verdict:
         """The verdict on `error`, this rank's failure; claims the cause on the board when this rank
-        found one first. Never raises; waits at most about `HEARTBEAT_SILENT_S` plus the board's
-        `NOTICE_TIMEOUT_S` per access."""
+        found one first. Never raises; waits at most about `LOOKERS_PATIENCE_S` and
+        `HEARTBEAT_SILENT_S`, plus the board's `NOTICE_TIMEOUT_S` per access."""
         named = _named_ranks(error)
         if not named and not is_peer_failure(error):  # the user's code or data, a config, the library's check
             named = (self.rank,)
@@ -104,7 +120,8 @@ class Blame:
             if self.rank in named:
                 return Verdict(named, True, own, earlier=None if first[0] == named else first[1])
             return self._peer_lost(first, error)
-        first = self._decided()
+        decided = decided_by_lookers(self.board, CAUSE, self.cause_number())
+        first = None if decided is None else _parse(decided, self.cause_number())
         if first is None:
             silent = self._silent()
             if silent:
@@ -169,6 +186,27 @@ def gone_peers(board: NoticeBoard, peers: Sequence[int]) -> Gone:
     silent = board.silent_peers(peers)
     aborted = board.aborted_peers(peers)
     return Gone(aborted, tuple(rank for rank in silent if rank not in aborted))
+
+
+def decided_by_lookers(board: NoticeBoard, kind: str, number: int) -> str | None:
+    """Decision `number` of `kind` on `board` if it was made, or once it is made by the ranks that look
+    up the lost peers for it: the first `LOOKERS` ranks to ask (a counter on the board). Returns None
+    at once to a looker (it looks up itself, then decides), and to any rank after
+    `LOOKERS_PATIENCE_S` without a decision (the lookers found nothing, or were lost: it looks
+    itself) or when the board cannot be reached."""
+    decided = board.decision(kind, number)
+    if decided is not None:
+        return decided
+    ticket = board.count(f"{kind}_lookers", number, add=1)
+    if ticket is None or ticket <= LOOKERS:
+        return None
+    deadline = time.monotonic() + LOOKERS_PATIENCE_S
+    while board.reachable and time.monotonic() < deadline:
+        time.sleep(DECISION_POLL_S)
+        decided = board.decision(kind, number)
+        if decided is not None:
+            return decided
+    return None
 
 
 def is_peer_failure(error: BaseException) -> bool:

@@ -17,7 +17,8 @@ consults around the rounds, and what it knows:
   includes the lost one: at once if its process died, after `sync.timeout_s` if it is stopped, or
   through the round's aborted flag if its loop raised (`sync_algos.base`). The evidence is the
   notice board, read by the one rule every rank uses (`shadowgba.job.blame.gone_peers`): ranks
-  that posted an abort, and ranks whose heartbeat stopped. A group with a lost
+  that posted an abort, and ranks whose heartbeat stopped; the first ranks to ask read it, the
+  others their decision (`shadowgba.job.blame.decided_by_lookers`). A group with a lost
   rank is lost as a whole: its all-to-all is broken, so its surviving ranks end too (they raise,
   naming the lost rank). A round that failed without evidence of a lost peer (within a bounded
   search) is no group loss: the original error ends the rank, as under `fail`.
@@ -59,7 +60,7 @@ import torch.distributed as dist
 
 from shadowgba import groups as made_groups
 from shadowgba.errors import ConfigError, SetupError, SyncError
-from shadowgba.job.blame import gone_peers
+from shadowgba.job.blame import decided_by_lookers, gone_peers
 from shadowgba.job.notices import NoticeBoard
 from shadowgba.job.rendezvous import agent_ranks
 
@@ -199,7 +200,8 @@ class SurvivingGroups:
         were just let in: then they are taken as lost (they did not meet the members)."""
         peers = [rank for rank in self.survivors() if rank != self.rank]
         deadline = time.monotonic() + self.timeout_s
-        while (decided := self.notices.decision(DECISION, self.epoch)) is None:
+        decided = None if flagged else decided_by_lookers(self.notices, DECISION, self.epoch)
+        while decided is None and (decided := self.notices.decision(DECISION, self.epoch)) is None:
             lost = set(flagged) | set(gone_peers(self.notices, peers).ranks)
             lost |= {rank for rank in peers if self.group_of(rank) in self._renewed()}
             if not lost and time.monotonic() > deadline and self.joined:
