@@ -394,8 +394,8 @@ def projection(store: Sequence[dict[str, Any]], jobs: Sequence[dict[str, Any]], 
     with the lost one every step): read one key at a time, `before_ops_per_peer` round trips per
     peer; batched, the requests measured, each reading at most every peer's key; with lookers
     (`shadowgba.job.blame.decided_by_lookers`), `LOOKERS` batched look-ups and, for every other
-    survivor, its ticket and a read of the decision per poll while it waits (at most
-    `LOOKERS_PATIENCE_S`). `silent_s`: how long a heartbeat may wait (`HEARTBEAT_SILENT_S`) before
+    survivor, its ticket and two reads per poll (the decision, and whether a looker found nothing)
+    while it waits (at most `LOOKERS_PATIENCE_S`). `silent_s`: how long a heartbeat may wait (`HEARTBEAT_SILENT_S`) before
     a live rank reads as silent."""
     from shadowgba.job.blame import DECISION_POLL_S, LOOKERS, LOOKERS_PATIENCE_S
 
@@ -405,7 +405,7 @@ def projection(store: Sequence[dict[str, Any]], jobs: Sequence[dict[str, Any]], 
     measured = [job for job in jobs if job["ranks"] == largest]
     steady = statistics.median(job["steady_ops_per_s_per_rank"] for job in measured)
     requests = statistics.median(job["blame_ops_max"] for job in measured)
-    waiting_requests = 2 + LOOKERS_PATIENCE_S / DECISION_POLL_S  # the decision and the ticket, then the polls
+    waiting_requests = 2 + 2 * LOOKERS_PATIENCE_S / DECISION_POLL_S  # the decision and the ticket, then the polls
     rows = []
     for ranks in PROJECTED_RANKS:
         look_up = requests * per_op + requests * (ranks - 1) * per_key

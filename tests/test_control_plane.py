@@ -5,7 +5,8 @@
   one key at a time, a thousand survivors looking up a lost rank at once sent the store millions of
   requests, and the heartbeats queued behind them.)
 - When every survivor fails at once, only the first `LOOKERS` to ask look the lost rank up; the
-  others read their decision, and look for themselves only when the lookers were lost too.
+  others read their decision, and look for themselves only when the lookers found nothing or were
+  lost too.
 - A 16-rank job (`benchmarks/bench_control_plane.py`, flat ma, simulated compute) with one rank
   SIGKILLed: every survivor names it within `sync.timeout_s` + 10 s, the rounds ran before it, and a
   rank's steady load on the store is its heartbeat.
@@ -21,7 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from bench_control_plane import StoreOps, run_job
-from shadowgba.job.blame import LOOKERS, LOOKERS_PATIENCE_S, Blame
+from shadowgba.job.blame import LOOKERS, LOOKERS_PATIENCE_S, Blame, found_nothing
 from shadowgba.job.notices import BEAT_INTERVAL_S, HEARTBEAT_SILENT_S, NoticeBoard
 
 PEERS = 500
@@ -116,23 +117,28 @@ def test_survivors_failing_at_once_leave_the_look_up_to_the_first_two_and_read_t
     assert culprits == [(KILLED,)] * SURVIVORS
     polls = HEARTBEAT_SILENT_S / (BEAT_INTERVAL_S / 4) + 2
     assert 1 <= ops.counts["multi_get"] <= LOOKERS * polls, ops.counts  # per rank: >= SURVIVORS
-    assert ops.counts["add"] == SURVIVORS, ops.counts  # every survivor asked once who looks
+    assert NoticeBoard("job", store, attempt=0).count("cause_lookers", 0) == SURVIVORS  # each asked once
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_looks_for_itself_when_the_lookers_never_decide() -> None:
+@pytest.mark.parametrize("lookers", ["lost", "found_nothing"])
+def test_a_rank_looks_for_itself_when_the_lookers_were_lost_or_found_nothing(lookers: str) -> None:
     """The first two to ask were lost before they decided: the next rank waits `LOOKERS_PATIENCE_S`
-    for their decision, then looks up itself and names the silent rank."""
+    for their decision, then looks up itself and names the silent rank. When a looker says it found
+    nothing, the next rank looks at once."""
     store = dist.HashStore()
     board = NoticeBoard("job", store, attempt=0)
     assert board.count("cause_lookers", 0, add=LOOKERS) == LOOKERS  # the lookers' tickets, taken
+    if lookers == "found_nothing":
+        found_nothing(board, "cause", 0)
     blame = Blame(NoticeBoard("job", store, attempt=0), 0, [1, 2, KILLED], str)
     with Beating(store, KILLED + 1):
         started = time.monotonic()
         verdict = blame.judge(gloo_error())
         took = time.monotonic() - started
     assert verdict.culprits == (KILLED,), verdict
-    assert LOOKERS_PATIENCE_S <= took <= LOOKERS_PATIENCE_S + HEARTBEAT_SILENT_S + 2, took
+    waited = LOOKERS_PATIENCE_S if lookers == "lost" else 0.0
+    assert waited <= took <= waited + HEARTBEAT_SILENT_S + 2, took
 
 
 @pytest.mark.timeout(240)

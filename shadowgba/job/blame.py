@@ -27,8 +27,8 @@ Invariants (why a healthy rank is never named):
 - Every lookup of lost peers on the board goes through `gone_peers`: the trainers' verdict here and
   the surviving replica groups' decisions (`shadowgba.job.survivors`) name the same ranks.
 - Only the first `LOOKERS` ranks to ask look up for one decision (`decided_by_lookers`); the others
-  read the decision they post, and look for themselves only if none comes within
-  `LOOKERS_PATIENCE_S`. When every rank fails at once (an all-to-all that pairs every rank with the
+  read the decision they post, and look for themselves only when a looker found nothing or none
+  decided within `LOOKERS_PATIENCE_S`. When every rank fails at once (an all-to-all that pairs every rank with the
   lost one), the store then answers two look-ups, each a few batched reads of every peer's beat,
   and one read per rank and poll, instead of a look-up per rank (at 4,096 ranks 16.8M key reads,
   up to minutes of one store's CPU with the heartbeats queued behind them: docs/scaling.md, "The
@@ -69,7 +69,8 @@ LOOKERS_PATIENCE_S = HEARTBEAT_SILENT_S + 2 * BEAT_INTERVAL_S
 """How long a rank that is not a looker waits for the lookers' decision before it looks itself: the
 longest a look-up waits for a heartbeat to stop, and two beats."""
 DECISION_POLL_S = BEAT_INTERVAL_S / 2
-"""How often a rank waiting for the lookers reads the decision: one request each time."""
+"""How often a rank waiting for the lookers reads the decision, and whether a looker found nothing:
+two requests each time."""
 COLLECTIVE_CODE = ("/torch/distributed/", "/torchrec/distributed/")
 """Where a plain `RuntimeError` raised by a collective surfaces in Python (a work's `wait()`, TorchRec's
 all-to-all awaitables), whatever gloo's words (e.g. "Timed out waiting 6000ms for recv operation")."""
@@ -130,6 +131,8 @@ class Blame:
                     "the network" for rank in silent))
             else:
                 first = self._decided()  # a peer may have posted while the heartbeats were read
+                if first is None:
+                    found_nothing(self.board, CAUSE, self.cause_number())
         if first is not None:
             return self._peer_lost(first, error)
         if _chain_has(error, PeerLost):  # the transport's own words name the peer (a server), board or not
@@ -191,9 +194,9 @@ def gone_peers(board: NoticeBoard, peers: Sequence[int]) -> Gone:
 def decided_by_lookers(board: NoticeBoard, kind: str, number: int) -> str | None:
     """Decision `number` of `kind` on `board` if it was made, or once it is made by the ranks that look
     up the lost peers for it: the first `LOOKERS` ranks to ask (a counter on the board). Returns None
-    at once to a looker (it looks up itself, then decides), and to any rank after
-    `LOOKERS_PATIENCE_S` without a decision (the lookers found nothing, or were lost: it looks
-    itself) or when the board cannot be reached."""
+    at once to a looker (it looks up itself, then decides, or says it `found_nothing`), and to any
+    rank once a looker found nothing, after `LOOKERS_PATIENCE_S` without a decision (the lookers were
+    lost), or when the board cannot be reached: it then looks for itself."""
     decided = board.decision(kind, number)
     if decided is not None:
         return decided
@@ -204,9 +207,15 @@ def decided_by_lookers(board: NoticeBoard, kind: str, number: int) -> str | None
     while board.reachable and time.monotonic() < deadline:
         time.sleep(DECISION_POLL_S)
         decided = board.decision(kind, number)
-        if decided is not None:
+        if decided is not None or board.count(f"{kind}_found_nothing", number):
             return decided
     return None
+
+
+def found_nothing(board: NoticeBoard, kind: str, number: int) -> None:
+    """A looker's look-up for decision `number` of `kind` found no lost peer: the ranks waiting for
+    its decision (`decided_by_lookers`) stop waiting and look for themselves."""
+    board.count(f"{kind}_found_nothing", number, add=1)
 
 
 def is_peer_failure(error: BaseException) -> bool:
