@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from shadowgba import groups as made_groups
 from shadowgba.errors import ConfigError, SetupError, SyncError
-from shadowgba.job.blame import decided_by_lookers, gone_peers
+from shadowgba.job.blame import decided_by_lookers, found_nothing, gone_peers
 from shadowgba.job.notices import NoticeBoard
 from shadowgba.job.rendezvous import agent_ranks
 
@@ -211,6 +211,7 @@ class SurvivingGroups:
                 decided = self._decide([group for group in self.members if group not in out],
                                        sorted({*self.lost_ranks, *lost}), {}, self.joins_handled)
                 break
+            found_nothing(self.notices, DECISION, self.epoch)  # ranks waiting for a looker look too
             if not self.notices.reachable or time.monotonic() > deadline:
                 raise SyncError(f"a round failed and no peer is known to be lost (sync.on_group_lost: continue "
                                 f"keeps groups going only without a lost rank): {error!r}") from error
