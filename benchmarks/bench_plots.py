@@ -146,24 +146,49 @@ def scaling_plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     return save(figure, path)
 
 
-def speedup_2d_plot(report: dict[str, Any], path: Path) -> Path:
-    """The README's figure, from `benchmarks/bench_2d.py`'s JSON: each variant's samples/s over
-    TorchRec's 2D recipe in the same repetition, without and with the straggler (median, min-max as
-    error bars), one panel per compute mode, beside the ideal ratio under the straggler."""
-    rows = [row for row in report["throughput"] if row["variant"] != "torchrec_2d" and row["ratio_to_torchrec_2d"]]
-    computes = distinct(row["compute"] for row in rows)
-    figure, axes = panels(len(computes), "2 replica groups x 2 trainers: samples/s over TorchRec's 2D recipe")
-    for panel, compute in zip(axes, computes):
-        mine = select(rows, compute=compute)
-        variants = distinct(row["variant"] for row in mine)
-        figures = {straggler: {row["variant"]: row["ratio_to_torchrec_2d"] for row in select(mine, straggler=straggler)}
-                   for straggler in distinct(row["straggler"] for row in mine)}
-        grouped_bars(panel, variants, {straggler: [by[variant][0] if variant in by else float("nan") for variant in variants]
-                                       for straggler, by in figures.items()}, f"x TorchRec's 2D recipe ({compute} compute)",
-                     {straggler: [by[variant][1:] if variant in by else (float("nan"),) * 2 for variant in variants]
-                      for straggler, by in figures.items()})
-        panel.axhline(1.0, color="grey", linewidth=0.8)
-        panel.axhline(report["ideal_ratio"], color="grey", linestyle="--", linewidth=0.8, label="ideal, straggler")
+def gba_plot(report: dict[str, Any], path: Path) -> Path:
+    """The README's figure, from `benchmarks/bench_gba.py`'s JSON (one preset and shard count, run
+    with `--curve-every`): left, each algorithm's samples/s over sync's in the same repetition
+    (median, min-max as error bars) beside the ideal ratio; right, its held-out AUC minus sync's of the
+    same seed at each evaluation point, one thin line per seed and the median bold."""
+    rows = [row for row in report["summary"] if row["algo"] != "sync"]
+    settings = report["settings"]
+    figure, (speed, quality) = panels(2, f"{settings['presets']} preset, {settings['trainers']} trainers and "
+                                         f"{settings['shards']} server(s), trainer {settings['slow_trainer']} "
+                                         f"{float(settings['factor']):g}x slow")
+    algos = [row["algo"] for row in rows]
+    colours = plt.get_cmap("tab10").colors
+    ratios = [row["samples_per_s_ratio_to_sync"] for row in rows]
+    speed.bar(algos, [median for median, _, _ in ratios], color=colours[:len(algos)], capsize=4,
+              yerr=[[median - low for median, low, _ in ratios], [high - median for median, _, high in ratios]])
+    speed.axhline(1.0, color="grey", linewidth=0.8, label="sync")
+    speed.axhline(report["ideal_ratio"], color="grey", linestyle="--", linewidth=0.8,
+                  label="ideal: the fast trainers never wait")
+    speed.set_title("speed: samples/s over sync's (median, min-max)")
+    speed.set_ylabel("x sync's samples/s")
+    speed.legend()
+
+    def curve(run: dict[str, Any]) -> dict[int, float]:
+        return {point["samples_seen"]: point["auc"] for point in run["result"]["curve"]}
+
+    runs = report["runs"]
+    for colour, algo in zip(colours, algos):
+        gaps: dict[int, list[float]] = {}
+        for run in select(runs, algo=algo):
+            base = curve(select(runs, algo="sync", seed=run["seed"])[0])
+            mine = {seen: auc - base[seen] for seen, auc in curve(run).items() if seen in base}
+            quality.plot(sorted(mine), [mine[seen] for seen in sorted(mine)], color=colour, alpha=0.3, linewidth=0.8)
+            for seen, gap in mine.items():
+                gaps.setdefault(seen, []).append(gap)
+        samples = sorted(gaps)
+        quality.plot(samples, [statistics.median(gaps[seen]) for seen in samples], color=colour, marker="o",
+                     linewidth=2, label=f"{algo} (median of {len(select(runs, algo=algo))} seeds)")
+    quality.axhline(0.0, color="grey", linewidth=0.8, label="sync")
+    quality.axhspan(-0.002, 0.002, color="grey", alpha=0.15, label="within 0.002 of sync")
+    quality.set_title("quality: held-out AUC against sync's")
+    quality.set_xlabel("samples applied to the dense model")
+    quality.set_ylabel("held-out AUC - sync's (same seed)")
+    quality.legend(fontsize="small")
     return save(figure, path)
 
 
@@ -171,8 +196,8 @@ if __name__ == "__main__":  # make readme-figure
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(description="The README's figure from benchmarks/bench_2d.py's JSON")
-    parser.add_argument("--bench-2d", type=Path, default=Path("runs/bench_2d.json"))
-    parser.add_argument("--output", type=Path, default=Path("docs/images/speedup_2d.png"))
+    parser = argparse.ArgumentParser(description="The README's figure from benchmarks/bench_gba.py's JSON")
+    parser.add_argument("--bench-gba", type=Path, default=Path("runs/bench_gba_real.json"))
+    parser.add_argument("--output", type=Path, default=Path("docs/images/gba_straggler.png"))
     arguments = parser.parse_args()
-    print(speedup_2d_plot(json.loads(arguments.bench_2d.read_text()), arguments.output))
+    print(gba_plot(json.loads(arguments.bench_gba.read_text()), arguments.output))
