@@ -247,7 +247,8 @@ def niced_rounds(rank: int, world_size: int) -> dict:
 
 def test_rounds_nice_lowers_the_shadow_thread_and_its_groups_threads_and_rounds_go_on(two_ranks: dict) -> None:
     for seen in two_ranks["rounds-nice"]:
-        assert seen["training"] < 19 and seen["shadow"] == 19, seen  # the suite may run niced itself
+        suite = os.getpriority(os.PRIO_PROCESS, 0)  # the suite may run niced itself, even at 19
+        assert seen["shadow"] == 19 and seen["training"] == suite, (seen, suite)
         assert seen["group"] and set(seen["group"]) == {19}, seen  # gloo's loop and workers of its group
         assert seen["rounds"] >= 5, seen
 
