@@ -150,7 +150,7 @@ def gba_plot(report: dict[str, Any], path: Path) -> Path:
     """The README's figure, from `benchmarks/bench_gba.py`'s JSON (one preset and shard count, run
     with `--curve-every`): left, each algorithm's samples/s over sync's in the same repetition
     (median, min-max as error bars) beside the ideal ratio; right, its held-out AUC minus sync's of the
-    same seed at each evaluation point, one thin line per seed and the median bold."""
+    same seed at each evaluation point (`--curve-every`), one thin line per seed and the median bold."""
     rows = [row for row in report["summary"] if row["algo"] != "sync"]
     settings = report["settings"]
     figure, (speed, quality) = panels(2, f"{settings['presets']} preset, {settings['trainers']} trainers and "
@@ -166,10 +166,13 @@ def gba_plot(report: dict[str, Any], path: Path) -> Path:
                   label="ideal: the fast trainers never wait")
     speed.set_title("speed: samples/s over sync's (median, min-max)")
     speed.set_ylabel("x sync's samples/s")
-    speed.legend()
+    speed.set_ylim(0, 1.3 * max(high for _, _, high in ratios))  # room for the legend above the bars
+    speed.legend(loc="upper left")
 
-    def curve(run: dict[str, Any]) -> dict[int, float]:
-        return {point["samples_seen"]: point["auc"] for point in run["result"]["curve"]}
+    every = int(settings["curve_every"])
+
+    def curve(run: dict[str, Any]) -> dict[int, float]:  # at the nearest multiple of `every`, as bench_gba's table
+        return {every * round(point["samples_seen"] / every): point["auc"] for point in run["result"]["curve"]}
 
     runs = report["runs"]
     for colour, algo in zip(colours, algos):
