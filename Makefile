@@ -93,7 +93,7 @@ bench-2d: $(STAMP)
 
 # The README's figure (docs/images/gba_straggler.png): GBA and plain async against sync at the production
 # preset under a 3x straggler, speed and the AUC curve over 3 seeds (benchmarks/bench_plots.py; needs the
-# bench extra). Its JSON takes about 75 min on 2 cores; an existing runs/bench_gba_figure.json is reused.
+# bench extra). Its JSON takes about 80 min on 2 cores; an existing runs/bench_gba_figure.json is reused.
 GBA_FIGURE_RUN := --compute real --presets production --shards 1 --warmup-steps 5 --factor 3 \
 	--global-samples 2000000 --curve-every 500000 --algos sync,gba,async --seeds 0,1,2
 runs/bench_gba_figure.json: | $(STAMP)
