@@ -200,7 +200,7 @@ if __name__ == "__main__":  # make readme-figure
     import json
 
     parser = argparse.ArgumentParser(description="The README's figure from benchmarks/bench_gba.py's JSON")
-    parser.add_argument("--bench-gba", type=Path, default=Path("runs/bench_gba_real.json"))
+    parser.add_argument("--bench-gba", type=Path, default=Path("runs/bench_gba_figure.json"))
     parser.add_argument("--output", type=Path, default=Path("docs/images/gba_straggler.png"))
     arguments = parser.parse_args()
     print(gba_plot(json.loads(arguments.bench_gba.read_text()), arguments.output))

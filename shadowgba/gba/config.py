@@ -45,7 +45,8 @@ class GBAConfig(AggregationConfig):
     often complete among themselves. A trainer waits only where its batch is predicted to complete
     soon (the share of it still missing at the push's answer, at the pace of the global steps), and
     once most waits time out it stops waiting and probes one step in 10 (`shadowgba.gba.fresh`).
-    0: never wait (every gradient about one global step stale); >= 0. Plain async (`aggregation: none`) never waits. Measured: docs/gba.md, "Quality"."""
+    0: never wait (every gradient about one global step stale); >= 0. Plain async (`aggregation:
+    none`) never waits. Measured: docs/gba.md, "Quality"."""
     fresh_wait_budget: float = 0.25
     """The fresh waits stop while they take more than this share of the trainer's compute time (a
     moving average over the steps), and resume as it decays: the most throughput they may cost;

@@ -28,11 +28,11 @@ Invariants (why a healthy rank is never named):
   the surviving replica groups' decisions (`shadowgba.job.survivors`) name the same ranks.
 - Only the first `LOOKERS` ranks to ask look up for one decision (`decided_by_lookers`); the others
   read the decision they post, and look for themselves only when a looker found nothing or none
-  decided within `LOOKERS_PATIENCE_S`. When every rank fails at once (an all-to-all that pairs every rank with the
-  lost one), the store then answers two look-ups, each a few batched reads of every peer's beat,
-  and one read per rank and poll, instead of a look-up per rank (at 4,096 ranks 16.8M key reads,
-  up to minutes of one store's CPU with the heartbeats queued behind them: docs/scaling.md, "The
-  control plane").
+  decided within `LOOKERS_PATIENCE_S`. When every rank fails at once (an all-to-all that pairs
+  every rank with the lost one), the store then answers two look-ups, each a few batched reads of
+  every peer's beat, and two reads per rank and poll, instead of a look-up per rank (at 4,096
+  ranks 16.8M key reads, up to minutes of one store's CPU with the heartbeats queued behind them:
+  docs/scaling.md, "The control plane").
 
 Imports: `shadowgba.errors` and this package only.
 """
@@ -207,7 +207,7 @@ def decided_by_lookers(board: NoticeBoard, kind: str, number: int) -> str | None
     while board.reachable and time.monotonic() < deadline:
         time.sleep(DECISION_POLL_S)
         decided = board.decision(kind, number)
-        if decided is not None or board.count(f"{kind}_found_nothing", number):
+        if decided is not None or board.count(_found_nothing_kind(kind), number):
             return decided
     return None
 
@@ -215,7 +215,12 @@ def decided_by_lookers(board: NoticeBoard, kind: str, number: int) -> str | None
 def found_nothing(board: NoticeBoard, kind: str, number: int) -> None:
     """A looker's look-up for decision `number` of `kind` found no lost peer: the ranks waiting for
     its decision (`decided_by_lookers`) stop waiting and look for themselves."""
-    board.count(f"{kind}_found_nothing", number, add=1)
+    board.count(_found_nothing_kind(kind), number, add=1)
+
+
+def _found_nothing_kind(kind: str) -> str:
+    """The board's counter of the lookers of `kind`'s decisions that found nothing (`found_nothing`)."""
+    return f"{kind}_found_nothing"
 
 
 def is_peer_failure(error: BaseException) -> bool:
