@@ -12,8 +12,9 @@ Every run is a `torchrun` job of `benchmarks/train_dlrm.py` on 4 trainers (`--np
 `sync.sharding_group_size`, groups of consecutive ranks) unless the variant is flat (`VARIANTS`):
 - ma-shadow, ma-foreground, bmuf-shadow, bmuf-foreground: shadowgba 2D; every rank's table shards
   and the dense parameters are averaged with their replicas in the other group, in the background
-  (shadow: a round every `--interval-steps` steps of the fastest rank, `sync.interval_steps`, and
-  at most one per `--interval-ms`) or every `--every` steps in the step (foreground);
+  (shadow: paced by what the rounds cost, the library's default, or a round every `--interval-steps`
+  steps of the fastest rank and at most one per `--interval-ms` where given) or every `--every` steps
+  in the step (foreground);
 - torchrec_2d: TorchRec's 2D recipe (`dlrm.torchrec_2d`): dense DDP over every trainer, the table
   replicas averaged every `--every` steps in the step, as `DMPCollection.sync()` does;
 - ddp: flat model parallelism, the tables sharded over all 4 ranks, dense DDP (TorchRec's default);
@@ -204,8 +205,10 @@ def group_step_ratio(steps: Sequence[int], slow_trainer: int, group_size: int) -
 
 
 def pacing_arguments(args: argparse.Namespace) -> list[str]:
-    """The shadow variants' round pacing (ignored by foreground rounds and the baselines)."""
-    return ["--sync.interval_steps", str(args.interval_steps), "--sync.interval_ms", str(args.interval_ms)]
+    """The shadow variants' round pacing where `--interval-steps` / `--interval-ms` set it (ignored by
+    foreground rounds and the baselines); none given: the library's own pacing by cost."""
+    pacing = [("--sync.interval_steps", args.interval_steps), ("--sync.interval_ms", args.interval_ms)]
+    return [item for flag, value in pacing if value is not None for item in (flag, str(value))]
 
 
 def quality_length(args: argparse.Namespace, overrides: Sequence[str] = ()) -> list[str]:
@@ -397,10 +400,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="trainers per replica group (sync.sharding_group_size)")
     parser.add_argument("--every", type=int, default=10,
                         help="steps between foreground rounds and between torchrec_2d's table averages")
-    parser.add_argument("--interval-steps", type=int, default=2,
-                        help="shadow variants: a round every this many steps of the fastest rank (sync.interval_steps)")
-    parser.add_argument("--interval-ms", type=float, default=20.0,
-                        help="shadow variants: the least time between two rounds (sync.interval_ms)")
+    parser.add_argument("--interval-steps", type=int, default=None,
+                        help="shadow variants: a round every this many steps of the fastest rank (sync.interval_steps; "
+                             "default: the config's)")
+    parser.add_argument("--interval-ms", type=float, default=None,
+                        help="shadow variants: the least time between two rounds (sync.interval_ms; default: the "
+                             "config's)")
     parser.add_argument("--slow-trainer", type=int, default=1, help="index of the slowed trainer")
     parser.add_argument("--factor", type=float, default=3.0, help="slowdown of the slowed trainer")
     parser.add_argument("--step-ms", type=float,

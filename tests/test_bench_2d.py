@@ -147,3 +147,10 @@ def test_a_quality_run_stops_at_its_steps_times_the_batch_the_overrides_set() ->
     assert bench_2d.quality_length(args)[:2] == ["--train.job_samples", str(100 * 4 * default)]
     overridden = bench_2d.quality_length(args, ["--sync.interval_ms", "0", "--data.synthetic.batch_size", "64"])
     assert overridden[:2] == ["--train.job_samples", str(100 * 4 * 64)] and default != 64
+
+
+def test_the_shadow_rounds_run_at_the_configs_pacing_unless_the_interval_flags_are_given() -> None:
+    default = bench_2d.argparse.Namespace(interval_steps=None, interval_ms=None)
+    assert bench_2d.pacing_arguments(default) == []
+    given = bench_2d.argparse.Namespace(interval_steps=2, interval_ms=None)
+    assert bench_2d.pacing_arguments(given) == ["--sync.interval_steps", "2"]
