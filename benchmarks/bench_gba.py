@@ -77,8 +77,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from bench_summary import (
-    PRESET_COLUMN, RESOURCE_COLUMNS, Column, Run, markdown_table, merged_histogram, paired, ratio_spread,
-    resource_spreads, select, spread, spread_cell, staleness_summary,
+    PRESET_COLUMN, RESOURCE_COLUMNS, Column, Run, curve_at, markdown_table, merged_histogram, paired,
+    ratio_spread, resource_spreads, select, spread, spread_cell, staleness_summary,
 )
 from example_job import (
     CONFIGS, MODEL_PRESETS, ROOT, SYNTHETIC_HELDOUT, parse_presets, parse_variants, preset_arguments, run_example,
@@ -349,15 +349,12 @@ def curve_rows(runs: list[Run], every: int) -> tuple[list[Column], list[dict[str
     """The learning curves side by side: per run (algorithm, seed), the held-out AUC at each multiple
     of `every` samples applied (the harness's `train.eval_every_samples` points; the last is the
     final evaluation), and its difference to sync's of the same seed, preset and shard count."""
-    def points(run: Run) -> dict[int, float]:
-        return {round(point["samples_seen"] / every): point["auc"] for point in run["result"]["curve"]}
-
-    marks = sorted({mark for run in runs for mark in points(run)})
+    marks = sorted({mark for run in runs for mark in curve_at(run, every)})
     rows = []
     for run in runs:
         sync = select(runs, algo="sync", seed=run["seed"], preset=run["preset"], shards=run["shards"])
-        base = points(sync[0]) if sync else {}
-        mine = points(run)
+        base = curve_at(sync[0], every) if sync else {}
+        mine = curve_at(run, every)
         rows.append({"run": f"{run['preset']} {run['shards']} shard(s) seed {run['seed']} {run['algo']}",
                      **{mark: (mine.get(mark), base.get(mark)) for mark in marks}})
 
@@ -368,7 +365,7 @@ def curve_rows(runs: list[Run], every: int) -> tuple[list[Column], list[dict[str
         return f"{auc:.4f}" + (f" ({auc - base:+.4f})" if base is not None else "")
 
     columns: list[Column] = [("run", lambda row: row["run"])] + [
-        (f"AUC at {mark * every:,} (- sync)", lambda row, mark=mark: cell(row.get(mark, (None, None))))
+        (f"AUC at {mark:,} (- sync)", lambda row, mark=mark: cell(row.get(mark, (None, None))))
         for mark in marks]
     return columns, rows
 

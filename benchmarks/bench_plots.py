@@ -19,7 +19,7 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from bench_matrix_report import merged_staleness, throughput_rows  # noqa: E402
-from bench_summary import Run, distinct, select  # noqa: E402
+from bench_summary import Run, curve_at, distinct, select  # noqa: E402
 
 STRAGGLER_LABELS = {False: "no straggler", True: "trainer 1 3x slow"}
 
@@ -170,16 +170,12 @@ def gba_plot(report: dict[str, Any], path: Path) -> Path:
     speed.legend(loc="upper left")
 
     every = int(settings["curve_every"])
-
-    def curve(run: dict[str, Any]) -> dict[int, float]:  # at the nearest multiple of `every`, as bench_gba's table
-        return {every * round(point["samples_seen"] / every): point["auc"] for point in run["result"]["curve"]}
-
     runs = report["runs"]
     for colour, algo in zip(colours, algos):
         gaps: dict[int, list[float]] = {}
         for run in select(runs, algo=algo):
-            base = curve(select(runs, algo="sync", seed=run["seed"])[0])
-            mine = {seen: auc - base[seen] for seen, auc in curve(run).items() if seen in base}
+            base = curve_at(select(runs, algo="sync", seed=run["seed"])[0], every)
+            mine = {seen: auc - base[seen] for seen, auc in curve_at(run, every).items() if seen in base}
             quality.plot(sorted(mine), [mine[seen] for seen in sorted(mine)], color=colour, alpha=0.3, linewidth=0.8)
             for seen, gap in mine.items():
                 gaps.setdefault(seen, []).append(gap)

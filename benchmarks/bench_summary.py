@@ -61,6 +61,13 @@ def ratios_to(
     return [value(run) / value(baseline) for run, baseline in paired(runs, baselines, key) if value(baseline)]
 
 
+def curve_at(run: Run, every: int) -> dict[int, float]:
+    """A run's held-out AUC curve (`train.eval_every_samples` = `every`) by evaluation point: the
+    samples seen there rounded to the nearest multiple of `every` (a point lands a batch or so past
+    it; the last is the final evaluation), so that runs of one invocation line up."""
+    return {every * round(point["samples_seen"] / every): point["auc"] for point in run["result"]["curve"]}
+
+
 def median_or_none(values: Sequence[float]) -> float | None:
     """The median, or None for no values (a column that does not apply to a row)."""
     return statistics.median(values) if values else None
