@@ -211,9 +211,11 @@ def test_a_table_cycle_ends_within_its_bound_in_steps_within_the_links_byte_budg
     from shadowgba.shadow.cycle_budget import CycleBudget
 
     def cycle(budget: CycleBudget, fragments: int, every: int = 10) -> tuple[list[int], int]:
-        counts, left = [budget.fragments_now(every, fragments, started=True)], fragments
-        while (left := left - counts[-1]) > 0:
-            counts.append(budget.fragments_now(every, left))
+        counts, left = [], fragments
+        while left > 0:
+            counts.append(budget.fragments_now(every, left, started=left == fragments))
+            budget.averaged(counts[-1], left, counts[-1])
+            left -= counts[-1]
         return counts, budget.last_cycle_steps
 
     fragment_numel = 2**20 // 4
@@ -228,3 +230,36 @@ def test_a_table_cycle_ends_within_its_bound_in_steps_within_the_links_byte_budg
         for every in (3, 17):
             assert cycle(budget, fragments, every)[1] <= 100 + every, (fragments, every)
     assert budget.longest_cycle_steps <= 117
+
+
+def test_the_table_rounds_stop_for_the_dense_round_behind_them_so_it_keeps_its_floor() -> None:
+    """Fragments that cost the cores 2 steps of the fastest rank each (4 ranks on 2 shared cores),
+    against a budget that assumed 4 a step: without `group_steps`, a late dense round credits many
+    steps' budget, its fragments make the next one later still, and the dense rounds starve (a gap
+    past 100 steps); stopping the table rounds once a partner took 5 steps (half a floor of 10)
+    keeps every dense round within 3 + 4 fragments' 8 steps of the last, and the cycles still end."""
+    from shadowgba.shadow.cycle_budget import CycleBudget
+
+    def run(group_steps: int, dense_rounds: int = 60, fragments: int = 168, cost: int = 2) -> tuple[list[int], int]:
+        budget = CycleBudget(100, 4.0, 2**20 // 4, group_steps=group_steps)
+        gaps, left, gap, cycles = [], fragments, 3, 0
+        for _ in range(dense_rounds):
+            planned = budget.fragments_now(gap, left, started=left == fragments)
+            done = 0
+            while done < planned:
+                partner_steps = done * cost  # what this fragment's trailer carries: steps since they began
+                done += 1
+                if budget.stop(partner_steps):
+                    break
+            budget.averaged(done, left, planned)
+            left -= done
+            if not left:
+                left, cycles = fragments, cycles + 1
+            gap = 3 + done * cost  # the dense round and its pause, then these fragments
+            gaps.append(gap)
+        return gaps, cycles
+
+    starved, _ = run(group_steps=0)
+    assert max(starved) > 100, starved
+    gaps, cycles = run(group_steps=5)
+    assert max(gaps) <= 3 + 4 * 2 and cycles >= 1, (gaps, cycles)

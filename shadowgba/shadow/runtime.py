@@ -164,7 +164,8 @@ class ShadowSync(DenseSync):
         self._table_rounds = None if tables is None else TableRounds(
             tables, self.metrics, shadow_mode=config.mode == "shadow", heals=self._heals, aborting=self._aborting,
             check_flags=self._check_flags, global_ranks=self._global_ranks, step=lambda: self._step,
-            record_heal=self._record_heal)
+            record_heal=self._record_heal,
+            dense_gap_steps=max(config.max_gap_steps, config.interval_steps) if config.max_gap_steps else 0)
         self._flags = RoundFlags(config.on_nonfinite, survival is not None, self.metrics)
         self._epochs: EpochRounds | None = None  # with `survival`, from `start()`: the rounds' side of its decisions
 

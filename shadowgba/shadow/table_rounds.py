@@ -60,11 +60,17 @@ class TableRounds:
     """The training step now."""
     record_heal: Callable[[str, str], None]
     """How the runtime reports a heal: (what, extra)."""
+    dense_gap_steps: int = 0
+    """The most steps of the fastest rank the config lets pass between two dense rounds (the floor,
+    `sync.max_gap_steps`, or the user's rarer `interval_steps`), as configured at the start, not as
+    changed live: every partner must stop alike. The shadow table rounds after a dense round take
+    at most half of it (`CycleBudget.group_steps`). 0: no floor, no such stop."""
 
     def __post_init__(self) -> None:
         config = self.tables.config
-        self.budget = CycleBudget(config.cycle_steps, config.link_mb_per_step, self.tables.fragment_numel)
-        """How many fragments the shadow rounds take after a dense round."""
+        self.budget = CycleBudget(config.cycle_steps, config.link_mb_per_step, self.tables.fragment_numel,
+                                  group_steps=(self.dense_gap_steps + 1) // 2)
+        """How many fragments the shadow rounds take after a dense round, and when they stop for it."""
 
     def run(self, count: int | None, writeback: WriteBack | None, steps: int = 0) -> bool:
         """`count` table rounds on the replica group, each one fragment: snapshot it at a step
@@ -93,6 +99,7 @@ class TableRounds:
             if not tables.queue:
                 return False  # no partner touched a row since the last cycle
             planned = True
+        budgeted = count is None and self.shadow_mode
         if count is None and not self.shadow_mode:
             count = len(tables.fragments)
         elif count is None:
@@ -102,14 +109,17 @@ class TableRounds:
                 left = (len(tables.fragments) - 1 - tables.cursor) or len(tables.fragments)
                 starts = left == len(tables.fragments)
             count = self.budget.fragments_now(steps, left, started=starts)
-        for _ in range(count):
+        began, done = self.step(), 0
+        while done < count:
             started = time.perf_counter()
             if writeback is None:
                 tables.copy_to(buffer)
             elif self.aborting.is_set() or not writeback.snapshot(buffer):
                 tables.allreduce.sum(None, stop=False, aborted=True)
                 return True
+            tables.allreduce.steps = self.step() - began  # the trailer: every partner sees the most
             reduced = tables.average(buffer, delta=writeback is not None)
+            done += 1
             self.metrics.record_table_round(time.perf_counter() - started, tables.allreduce.bytes_per_call)
             replace = not reduced.own_counted and reduced.heals and self.heals
             if (reduced.own_counted or replace) and writeback is None:
@@ -119,6 +129,10 @@ class TableRounds:
                 writeback.apply(buffer, replace)
             if self.check_flags(self.global_ranks(reduced.nonfinite_ranks, tables.group), (), "a table round"):
                 return False
+            if budgeted and self.budget.stop(reduced.fastest_steps):
+                break  # the dense round behind these comes first; the cycle goes on after it
+        if budgeted:
+            self.budget.averaged(done, left, count)
         return False
 
     def record_applied(self, replaced: bool) -> None:
@@ -132,11 +146,13 @@ class TableRounds:
     def fragment_ages(self) -> dict[str, float]:
         """The tables' counters for `metrics`: cycles done, the age of the fragments now in steps,
         over the run how many steps a fragment had gone unaveraged when it was refreshed, and the
-        shadow cycles' length in steps of the fastest rank (the last and the longest, `CycleBudget`)."""
+        shadow cycles' length in steps of the fastest rank (the last and the longest, `CycleBudget`), and
+        how many times the table rounds after a dense round stopped for the dense rounds behind them."""
         tables = self.tables
         oldest, mean = tables.ages(self.step())
         return {"table_cycles": tables.cycles, "fragment_age_steps_max": oldest, "fragment_age_steps_mean": mean,
                 "table_cycle_steps_last": self.budget.last_cycle_steps or 0,
                 "table_cycle_steps_max": self.budget.longest_cycle_steps,
+                "table_groups_stopped": self.budget.stopped_early,
                 "fragment_refresh_age_steps_max": tables.refresh_age_max,
                 "fragment_refresh_age_steps_mean": tables.refresh_age_total / max(tables.refreshed, 1)}
