@@ -115,6 +115,7 @@ def test_the_codec_round_trips_its_rules_and_refuses_what_it_did_not_write() -> 
     from shadowgba.errors import PeerLost
     from shadowgba.gba.mode import Mode
     from shadowgba.gba.shards import ShardReply
+    from shadowgba.ps.transport import Caller
     from shadowgba.ps import codec
 
     codec.register(Mode)
@@ -135,13 +136,18 @@ def test_the_codec_round_trips_its_rules_and_refuses_what_it_did_not_write() -> 
     assert_same(decoded, value)
     with pytest.raises(codec.Unencodable, match="no rule encodes a .*MonkeyPatch"):
         codec.encode_value(pytest.MonkeyPatch(), [])
+    with pytest.raises(codec.Unencodable, match=r"Caller\.trainer: must be int, got str"):  # refused when sent
+        codec.encode_value(Caller("0", 1), [])
+    typed = codec.encode_value(Caller(0, 1, (2,)), [])  # fields by their annotations: no names, no tags
+    assert typed == {"data": ["shadowgba.ps.transport.Caller", [0, 1, [2]]]}, typed
     foreign = codec.encode_value(type("Foreign", (Exception,), {})("x"), [])  # a class outside builtins/shadowgba
     assert foreign == {"error": ["builtins.RuntimeError", ["tests.test_ps_channel.Foreign: x"], {"dict": []}]}
     refused = [({"pickle": "gASV"}, "unknown value tag 'pickle'"),
-               ({"data": ["os.system", {}]}, "'os.system' is no dataclass registered"),
-               ({"data": ["shadowgba.ps.transport.Caller", {"trainer": "0", "number": 1, "settled": {"tuple": []}}]},
-                "Caller.trainer must be int, got str"),
-               ({"data": ["shadowgba.ps.transport.Caller", {"trainer": 0}]}, "has the fields"),
+               ({"data": ["os.system", ["ls"]]}, "'os.system' is no dataclass registered"),
+               ({"data": ["shadowgba.ps.transport.Caller", ["0", 1, []]]}, "Caller.trainer must be int, got str"),
+               ({"data": ["shadowgba.ps.transport.Caller", [0]]}, "has the fields"),
+               ({"data": ["shadowgba.ps.transport.Caller", {"trainer": 0, "number": 1, "settled": []}]},
+                "has the fields"),  # by name: the codec before this one
                ({"error": ["builtins.SystemExit", [0], {"dict": []}]}, "no exception class of builtins or shadowgba"),
                ({"tensor": 3}, "tensor index 3 outside"), ({"tuple": [1], "x": 2}, "a JSON dict that is no value")]
     for data, why in refused:

@@ -208,8 +208,7 @@ def _crafted_wire_and_store(rank: int, world_size: int, root: str) -> dict[str, 
         pickled = pickle.dumps((0, _Touch(marker)))
         frames = [_frame(wire.REQUEST, pickled, words=6), _frame(wire.REQUEST, pickled),
                   _frame(wire.REQUEST, json.dumps([[["float32", [1 << 20], wire.INLINE, -1]], {}]).encode(), count=1),
-                  _frame(wire.REQUEST, json.dumps([[], {"request_id": 1, "body": {"data": [
-                      "posix.system", {"command": f"touch {marker}"}]}}]).encode())]
+                  _frame(wire.REQUEST, json.dumps([[], [1, {"data": ["posix.system", [f"touch {marker}"]]}]]).encode())]
         out["closed"] = [_impostor(ps, frame) for frame in frames]
         out["after"] = ps.call(0, "echo", "double", torch.ones(2)).tolist()  # on a new session
         out["ran"] = marker.exists()

@@ -14,9 +14,16 @@ The rules (a JSON object always has exactly one key, the rule's tag, so nothing 
 - `{"tuple": [...]}`; `{"dict": [[key, value], ...]}` (any keys this codec encodes, in order);
   `{"tensor": i}`: the i-th tensor sent beside the JSON (CPU, dense; `shadowgba.ps.wire` says how);
   `{"bytes": base64}`; `{"dtype": "float32"}` (torch dtypes, by name); `{"size": [...]}` (torch.Size).
-- `{"data": [name, {field: value}]}`: a dataclass registered here (`LIBRARY_TYPES`, `register`),
-  named `module.qualname`; decoded only if its fields are exactly the class's and each value
-  conforms to the field's annotation (`_checker`), then built by the class's own `__init__`.
+- `{"data": [name, [value, ...]]}`: a dataclass registered here (`LIBRARY_TYPES`, `register`),
+  named `module.qualname`, its init fields' values in their order; decoded only if there are
+  exactly as many as the class has fields and each value conforms to the field's annotation, then
+  built by the class's own `__init__`.
+- A field's value is written by its annotation (`_Field`), so that the hot messages carry no tags
+  and no names and are read without a lookup: an int, float, bool, str or `Literal` field as
+  itself; a tensor field as its index; a registered dataclass field as the list of its own fields
+  (no tag: the annotation names the class); `X | None` as None or X's form; `tuple[X, ...]` and
+  `tuple[X, Y]` as a list of their items' forms. Any other annotation (`Any`, other unions, dicts,
+  enums) takes the tagged form above, and is checked against the annotation once decoded.
 - `{"enum": [name, value]}`: a member of a registered enum.
 - `{"error": [name, args, attributes]}`: an exception of a class in `builtins` or in shadowgba
   (`Exception` subclasses only, never `SystemExit` and its kind), with its args and its instance
@@ -43,9 +50,10 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-CODEC_VERSION = 1
+CODEC_VERSION = 2
 """The version of these rules, written with every store value (`to_json`); the PS channel's frames
-carry the wire's own (`shadowgba.ps.wire.WIRE_VERSION`), which covers them."""
+carry the wire's own (`shadowgba.ps.wire.WIRE_VERSION`), which covers them. 1: dataclasses' fields
+by name, each tagged."""
 
 LIBRARY_TYPES = (
     "shadowgba.ps.wire.Answer",
@@ -92,13 +100,14 @@ class _Registry:
             self.by_name[_name(cls)], self.names[cls] = cls, _name(cls)
 
     def schema(self, cls: type) -> "_Schema":
-        """Dataclass `cls`'s init fields and their checks, made once."""
+        """Dataclass `cls`'s init fields and how each is written and read, made once."""
         schema = self._schemas.get(cls)
         if schema is None:
+            self.load()
             hints = typing.get_type_hints(cls)
-            names = tuple(field.name for field in dataclasses.fields(cls) if field.init)
-            schema = self._schemas[cls] = _Schema(names, frozenset(names), {name: (hints[name], _checker(hints[name]))
-                                                                            for name in names})
+            fields = tuple(_Field(field.name, *_typed(hints[field.name], self))
+                           for field in dataclasses.fields(cls) if field.init)
+            schema = self._schemas[cls] = _Schema(cls, fields)
         return schema
 
     def load(self) -> "_Registry":
@@ -111,15 +120,53 @@ class _Registry:
         return self
 
 
+Encoder = Callable[[Any, "list[torch.Tensor] | None"], Any]
+"""How a field's value becomes JSON-able data (tensors appended to the list); `Unencodable` if it
+does not conform to the field's annotation."""
+Decoder = Callable[[Any, "list[torch.Tensor]"], Any]
+"""How a field's data becomes its value; `Malformed` if it is not what the field's encoder writes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    """One init field of a registered dataclass, and how its value is written and read (by its annotation)."""
+
+    name: str
+    encode: Encoder
+    decode: Decoder
+
+
 @dataclasses.dataclass(frozen=True)
 class _Schema:
-    """What a dataclass's values are checked against when decoded, and encoded from."""
+    """A registered dataclass's init fields, in order: its values' positional form."""
 
-    names: tuple[str, ...]
-    """Its init fields, in order."""
-    name_set: frozenset[str]
-    checks: dict[str, tuple[Any, Callable[[Any], bool]]]
-    """Per field, its annotation and whether a value conforms to it (`_checker`)."""
+    cls: type
+    fields: tuple[_Field, ...]
+
+    def encode(self, value: Any, tensors: list[torch.Tensor] | None) -> list[Any]:
+        encoded, field = [], None
+        try:
+            for field in self.fields:
+                encoded.append(field.encode(getattr(value, field.name), tensors))
+        except Unencodable as error:
+            raise Unencodable(f"{_name(self.cls)}.{field.name}: {error}") from None
+        return encoded
+
+    def decode(self, data: Any, tensors: list[torch.Tensor]) -> Any:
+        """`cls(**fields)`, once `data` holds exactly its fields and each conforms to its annotation."""
+        if type(data) is not list or len(data) != len(self.fields):
+            got = f"{len(data)} values" if type(data) is list else type(data).__name__
+            raise Malformed(f"{_name(self.cls)} has the fields {[field.name for field in self.fields]}, got {got}")
+        values, field = {}, None
+        try:
+            for field, item in zip(self.fields, data):
+                values[field.name] = field.decode(item, tensors)
+        except Malformed as error:
+            raise Malformed(f"{_name(self.cls)}.{field.name} {error}") from None
+        try:
+            return self.cls(**values)
+        except (TypeError, ValueError) as error:  # its own checks (`__post_init__`) refused the values
+            raise Malformed(f"{_name(self.cls)} refused its fields: {error}") from None
 
 
 _REGISTRY = _Registry()
@@ -202,12 +249,13 @@ def encode_value(value: Any, tensors: list[torch.Tensor] | None) -> Any:
                           "the dataclasses and enums registered with shadowgba.ps.codec (register())")
     if isinstance(value, enum.Enum):
         return {"enum": [name, encode_value(value.value, tensors)]}
-    return {"data": [name, encode_fields(value, tensors)]}
+    return {"data": [name, registry.schema(kind).encode(value, tensors)]}
 
 
-def encode_fields(value: Any, tensors: list[torch.Tensor] | None) -> dict[str, Any]:
-    """A dataclass's init fields, each encoded (a message's body: `shadowgba.ps.wire`)."""
-    return {name: encode_value(getattr(value, name), tensors) for name in _REGISTRY.schema(type(value)).names}
+def encode_fields(value: Any, tensors: list[torch.Tensor] | None) -> list[Any]:
+    """A registered dataclass's init fields, each written by its annotation (a message's body:
+    `shadowgba.ps.wire`)."""
+    return _REGISTRY.schema(type(value)).encode(value, tensors)
 
 
 def _encode_error(error: Exception, tensors: list[torch.Tensor] | None) -> list[Any]:
@@ -229,9 +277,9 @@ def decode_value(data: Any, tensors: list[torch.Tensor], source: str) -> Any:
 
 
 def decode_fields(cls: type[T], data: Any, tensors: list[torch.Tensor], source: str) -> T:
-    """An instance of the dataclass `cls` from `encode_fields` data (a message's body), checked as
-    registered dataclasses are (`{"data": ...}` in the module docstring); `Malformed` naming `source`."""
-    return _from(source, lambda: _build(cls, data, tensors))
+    """An instance of the registered dataclass `cls` from `encode_fields` data (a message's body),
+    checked as in `{"data": ...}` (module docstring); `Malformed` naming `source`."""
+    return _from(source, lambda: _REGISTRY.schema(cls).decode(data, tensors))
 
 
 def _from(source: str, decode: Callable[[], T]) -> T:
@@ -316,27 +364,7 @@ def _enum(body: Any, tensors: list[torch.Tensor]) -> enum.Enum:
 
 def _data(body: Any, tensors: list[torch.Tensor]) -> Any:
     name, fields = _list(body, "a dataclass", 2)
-    return _build(_registered(name, "dataclass"), fields, tensors)
-
-
-def _build(cls: type[T], fields: Any, tensors: list[torch.Tensor]) -> T:
-    """`cls(**fields)`, once the fields are exactly its init fields and each conforms to its annotation."""
-    schema = _REGISTRY.schema(cls)
-    if type(fields) is not dict or fields.keys() != schema.name_set:
-        got = sorted(fields) if type(fields) is dict else type(fields).__name__
-        raise Malformed(f"{_name(cls)} has the fields {list(schema.names)}, got {got}")
-    values = {}
-    for name, data in fields.items():
-        value = _decode(data, tensors)
-        hint, conforms = schema.checks[name]
-        if not conforms(value):
-            raise Malformed(f"{_name(cls)}.{name} must be {getattr(hint, '__name__', hint)}, got "
-                            f"{type(value).__name__} {value!r:.80}")
-        values[name] = value
-    try:
-        return cls(**values)
-    except (TypeError, ValueError) as error:  # its own checks (`__post_init__`) refused the values
-        raise Malformed(f"{_name(cls)} refused its fields: {error}") from None
+    return _REGISTRY.schema(_registered(name, "dataclass")).decode(fields, tensors)
 
 
 def _anything(_: Any) -> bool:
@@ -375,6 +403,92 @@ def _checker(hint: Any) -> Callable[[Any], bool]:
         items = _checker(args[0])
         return lambda value: isinstance(value, origin) and all(map(items, value))
     return lambda value: isinstance(value, origin)
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _hint_name(hint: Any) -> str:
+    return getattr(hint, "__name__", str(hint))
+
+
+def _typed(hint: Any, registry: _Registry) -> tuple[Encoder, Decoder]:
+    """How a field annotated `hint` is written and read (module docstring): plain values as
+    themselves, tensors by index, registered dataclasses as their fields' list, `X | None`, tuples;
+    any other annotation in the tagged form, checked against it once decoded."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in _PLAIN or origin is typing.Literal and all(type(arg) in _PLAIN for arg in args):
+        return _plain(_checker(hint), _hint_name(hint))
+    if hint is torch.Tensor:
+        return _tensor_index, _tensor
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _nested(hint, registry)
+    if (origin is typing.Union or origin is types.UnionType) and len(args) == 2 and type(None) in args:
+        encode, decode = _typed(next(arg for arg in args if arg is not type(None)), registry)
+        return (lambda value, tensors: None if value is None else encode(value, tensors),
+                lambda data, tensors: None if data is None else decode(data, tensors))
+    if origin is tuple and args:
+        return _items(hint, [_typed(arg, registry) for arg in args if arg is not Ellipsis], args[-1] is Ellipsis)
+    conforms = _checker(hint)
+
+    def decode(data: Any, tensors: list[torch.Tensor]) -> Any:
+        value = _decode(data, tensors)
+        if not conforms(value):
+            raise Malformed(f"must be {_hint_name(hint)}, got {type(value).__name__} {value!r:.80}")
+        return value
+    return encode_value, decode
+
+
+def _plain(conforms: Callable[[Any], bool], what: str) -> tuple[Encoder, Decoder]:
+    def encode(value: Any, _: list[torch.Tensor] | None) -> Any:
+        if conforms(value):
+            return value
+        raise Unencodable(f"must be {what}, got {type(value).__name__} {value!r:.80}")
+
+    def decode(data: Any, _: list[torch.Tensor]) -> Any:
+        if conforms(data):
+            return data
+        raise Malformed(f"must be {what}, got {type(data).__name__} {data!r:.80}")
+    return encode, decode
+
+
+def _tensor_index(value: Any, tensors: list[torch.Tensor] | None) -> int:
+    if not isinstance(value, torch.Tensor):
+        raise Unencodable(f"must be a tensor, got {type(value).__name__}")
+    return encode_value(value, tensors)["tensor"]
+
+
+def _nested(cls: type, registry: _Registry) -> tuple[Encoder, Decoder]:
+    """A dataclass in a field annotated with it: its fields' list, if it is registered (checked at
+    each use, so the form depends on the annotation alone, not on when the class was registered)."""
+    def encode(value: Any, tensors: list[torch.Tensor] | None) -> Any:
+        if type(value) is not cls or cls not in registry.names:
+            raise Unencodable(f"must be {_name(cls)}, registered with shadowgba.ps.codec, got {type(value).__name__}")
+        return registry.schema(cls).encode(value, tensors)
+
+    def decode(data: Any, tensors: list[torch.Tensor]) -> Any:
+        if cls not in registry.names:
+            raise Malformed(f"is a {_name(cls)}, which is no dataclass registered with the codec")
+        return registry.schema(cls).decode(data, tensors)
+    return encode, decode
+
+
+def _items(hint: Any, items: list[tuple[Encoder, Decoder]], repeated: bool) -> tuple[Encoder, Decoder]:
+    """`tuple[X, ...]` (`repeated`) or `tuple[X, Y]`: a list of the items' forms."""
+    def encode(value: Any, tensors: list[torch.Tensor] | None) -> list[Any]:
+        if type(value) is not tuple or not repeated and len(value) != len(items):
+            raise Unencodable(f"must be {hint}, got {type(value).__name__} {value!r:.80}")
+        if repeated:
+            return [items[0][0](item, tensors) for item in value]
+        return [encode_item(item, tensors) for (encode_item, _), item in zip(items, value)]
+
+    def decode(data: Any, tensors: list[torch.Tensor]) -> tuple[Any, ...]:
+        if type(data) is not list or not repeated and len(data) != len(items):
+            raise Malformed(f"must be {hint}, got {type(data).__name__} {data!r:.80}")
+        if repeated:
+            return tuple(items[0][1](item, tensors) for item in data)
+        return tuple(decode_item(item, tensors) for (_, decode_item), item in zip(items, data))
+    return encode, decode
 
 
 def _error(body: Any, tensors: list[torch.Tensor]) -> Exception:

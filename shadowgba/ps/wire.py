@@ -56,9 +56,9 @@ Larger tensors are received straight into their own memory: past a few MB the co
 than the round trip (measured with benchmarks/bench_ps.py)."""
 MAGIC = int.from_bytes(b"sgbawire", "little")
 """The first word of every frame: a frame that does not start with it is not this wire's."""
-WIRE_VERSION = 2
-"""The frame layout and message fields this side speaks (1: the pickled header before it); a frame
-of another version is refused, naming both."""
+WIRE_VERSION = 3
+"""The frame layout and message fields this side speaks (2: the fields by name, each tagged; 1: a
+pickled header); a frame of another version is refused, naming both."""
 _WORDS = 8
 """int64 words at the start of a frame: `MAGIC`, `WIRE_VERSION`, kind, header length, tensor count,
 index of the staged tensor (-1: none), how far the sender has read the receiver's lane
