@@ -74,7 +74,9 @@ class TableSyncConfig:
     round the table rounds average as many fragments as the cycle's rest needs to end within this
     many steps of its start, within `link_mb_per_step` (`shadowgba.shadow.cycle_budget`); a cycle
     that moves B MiB ends within max(cycle_steps, B / link_mb_per_step) steps plus one dense round's
-    spacing. 0: one fragment after each dense round, however long the cycle."""
+    spacing, where the link and the cores move that within the table rounds' share of the steps (they
+    stop after a dense round at half the dense rounds' spacing: the dense rounds come first). 0: one
+    fragment after each dense round, however long the cycle."""
     link_mb_per_step: float = 4.0
     """Shadow rounds: the byte budget of a rank's replica-group link, in MiB of table fragments per
     step of the fastest rank (a round takes at least one fragment). Caps what `cycle_steps` asks for
