@@ -18,10 +18,11 @@ fragment (a cycle always moves on).
 The dense rounds come first: the table rounds after a dense round stop once some partner has taken
 `group_steps` steps since they began (half the most steps the config lets pass between two dense
 rounds: the floor `sync.max_gap_steps`, or a user's rarer `interval_steps`; the other half is the
-dense round's and its pause's), the rest of the cycle waiting for the next dense round. Without it, where the cores or the link move a fragment slower than the budget
-assumes (4 ranks of a 2D job on 2 shared cores), a late dense round credited many steps' budget,
-its many fragments made the next dense round late again, and the dense rounds starved: one in 150
-to 200 steps of the fastest rank against a floor of 10.
+dense round's and its pause's), the rest of the cycle waiting for the next dense round. Without
+it, where the cores or the link move a fragment slower than the budget assumes (4 ranks of a 2D job
+on 2 shared cores), a late dense round credited many steps' budget, its many fragments made the
+next dense round late again, and the dense rounds starved: one in 150 to 200 steps of the fastest
+rank against a floor of 10.
 
 Every input is the same on every partner (the fragment count left, the fastest rank's steps, which
 the dense round's trailer carries, the steps each partner took since the table rounds began, which

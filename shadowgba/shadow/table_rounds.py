@@ -77,7 +77,8 @@ class TableRounds:
         boundary, average it with the partners, hand the delta back (`writeback`; None: the final
         sync, in the training thread after the rounds ended, assigns the average). `count` None: after
         a dense round, in shadow mode as many as `budget` asks for (the dense round came `steps`
-        steps of the fastest rank after the one before), in foreground mode a whole cycle (TorchRec's
+        steps of the fastest rank after the one before), stopping early once a partner has taken
+        `budget.group_steps` steps since they began, in foreground mode a whole cycle (TorchRec's
         `sync()`: every table each time). Returns True when a snapshot
         was cancelled (this rank is aborting): it then sends an empty contribution with its aborted
         marker, which the partners leave out, so nobody waits for it in this collective; its next
