@@ -443,8 +443,8 @@ def ps_table_options(
     seed: int = 0,
 ) -> PSEmbeddingConfig:
     """How PS-hosted tables update under `config`: under GBA's global-batch aggregation their row
-    gradients are aggregated over the same global batch as the dense ones and stale ones decayed by
-    the same `sync.gba.decay`; without aggregation (plain async PS) and under S-EASGD they are applied
+    gradients are aggregated over the same global batch as the dense ones, stale ones weighed by
+    `sync.gba.row_decay`; without aggregation (plain async PS) and under S-EASGD they are applied
     on arrival (Hogwild)."""
     aggregate = config.algo == "gba" and config.gba.aggregation == "global_batch"
     PSEmbeddingConfig = optional.ps_embedding_shard("ps_table_options()").PSEmbeddingConfig
@@ -452,7 +452,7 @@ def ps_table_options(
         optimizer=optimizer, lr=lr, seed=seed, max_in_flight=config.ps.max_in_flight,
         mode="aggregate" if aggregate else "hogwild",
         global_batch=num_trainers * local_batch_size if aggregate else 0,
-        decay=config.gba.decay if aggregate else PSEmbeddingConfig().decay, on_nonfinite=config.on_nonfinite,
+        decay=config.gba.row_decay if aggregate else PSEmbeddingConfig().decay, on_nonfinite=config.on_nonfinite,
     )
 
 

@@ -8,7 +8,7 @@
   (`job.ps_embeddings()`); the servers serve `EmbeddingShard`s built from the same `tables()`
   and `shadowgba.ps_table_options`. Under
   GBA's global-batch aggregation the rows' gradients are aggregated over the same global batch as
-  the dense ones, stale ones decayed by the same `sync.gba.decay`; without aggregation (plain
+  the dense ones, stale ones weighed by `sync.gba.row_decay`; without aggregation (plain
   async PS) and under S-EASGD they are applied on arrival.
 
 Either way the dense parameters must be exactly the MLPs': `build_model` checks it.

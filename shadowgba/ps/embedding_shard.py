@@ -11,8 +11,8 @@ the problem), so a refused request leaves the shard untouched, across all its ta
 - aggregate (GBA): the dense GBA shards' rule, `sync_algos.gba.GlobalBatchRule`, on each shard's
   own global step k (its applied updates). A lookup returns k as its token, and the push of the
   gradients computed on those rows carries it back; the rule refuses a token from the future and
-  weighs the push by its staleness (`config.decay`, the dense default: halved per global step of
-  staleness). A kept push adds `weight * num_samples * grad` to a sparse buffer per table (the touched rows and their
+  weighs the push by its staleness (`config.decay`: GBA's `sync.gba.row_decay`, by default full
+  weight up to its `max_staleness`). A kept push adds `weight * num_samples * grad` to a sparse buffer per table (the touched rows and their
   sums, so memory is bounded by the rows touched in one global batch); a dropped one (weight 0)
   changes nothing but the counters. Once `global_batch` samples have arrived the buffer divided by
   those samples, the sample-weighted mean of the pushed gradients, is applied once, the buffer
@@ -62,7 +62,7 @@ class PSEmbeddingConfig:
     """aggregate: samples per global step (GBA: sync-mode trainer count x local batch); must be > 0
     there, ignored in hogwild mode."""
     decay: StalenessDecayConfig = dataclasses.field(default_factory=StalenessDecayConfig)
-    """aggregate: weight of a push by its staleness (GBA: the dense shards' `sync.options.decay`);
+    """aggregate: weight of a push by its staleness (GBA: `sync.gba.row_decay`);
     ignored in hogwild mode, where every push is applied on arrival."""
     on_nonfinite: Literal["skip", "fail"] = DEFAULT_ON_NONFINITE
     """A push with NaN / Inf row gradients (`sync.on_nonfinite`): skip: every shard drops and counts
