@@ -48,8 +48,8 @@ class AggregationConfig:
     `max_staleness` (kind none): the delay that makes a stale dense gradient dangerous acts through
     Adam's momentum (docs/gba.md, "The cause"), which the rows' row-wise Adagrad does not have, and a
     push's token overstates a row's staleness (most rows of a large table are untouched from one
-    global step to the next). Halving stale row pushes as the dense ones cost the small preset
-    about 0.01 AUC (docs/gba.md, "The rows' decay")."""
+    global step to the next). Halving stale row pushes as the dense ones cost AUC where the rows
+    learn fast (docs/gba.md, "The rows' decay")."""
 
 
 @dataclasses.dataclass(frozen=True)
