@@ -324,8 +324,7 @@ def test_gba_rows_count_fully_when_stale_by_default_and_row_decay_overrides_it()
     options = ps_table_options(config, num_trainers=2, local_batch_size=1)
     assert (options.mode, options.decay.kind, options.decay.max_staleness) == ("aggregate", "none", 32)
     assert (config.gba.decay.kind, config.gba.decay.rate, config.gba.decay.threshold) == ("exponential", 0.5, 0)
-    built = EmbeddingShard([EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=2)],
-                           dataclasses.replace(options, lr=1.0), 0, 1)
+    built = shard(dataclasses.replace(options, lr=1.0))
     gradient = torch.tensor([[4.0, 8.0]])
     built.push({"t": (torch.tensor([1]), gradient)}, 1, 0)
     built.push({"t": (torch.tensor([1]), gradient)}, 1, 0)  # k = 1
@@ -335,7 +334,8 @@ def test_gba_rows_count_fully_when_stale_by_default_and_row_decay_overrides_it()
     torch.testing.assert_close(rows(built, [3]), before - gradient)
     assert built.stats()["decayed"] == 0
     halved = from_dict(SyncConfig, {"algo": "gba", "ps": {"num_servers": 1}, "gba": {"row_decay": {"kind": "exponential"}}})
-    assert ps_table_options(halved, 2, 1).decay.rate == 0.5 and ps_table_options(halved, 2, 1).decay.kind == "exponential"
+    overridden = ps_table_options(halved, 2, 1).decay
+    assert (overridden.kind, overridden.rate) == ("exponential", 0.5)
 
 
 def test_lookups_of_foreign_or_unknown_rows_are_refused() -> None:

@@ -14,9 +14,9 @@ the problem), so a refused request leaves the shard untouched, across all its ta
   weighs the push by its staleness (`config.decay`: GBA's `sync.gba.row_decay`, by default full
   weight up to its `max_staleness`). A kept push adds `weight * num_samples * grad` to a sparse
   buffer per table (the touched rows and their sums, so memory is bounded by the rows touched in
-  one global batch); a dropped one (weight 0) changes nothing but the counters. Once `global_batch` samples have arrived the buffer divided by
-  those samples, the sample-weighted mean of the pushed gradients, is applied once, the buffer
-  cleared and k advanced.
+  one global batch); a dropped one (weight 0) changes nothing but the counters. Once `global_batch`
+  samples have arrived the buffer divided by those samples, the sample-weighted mean of the pushed
+  gradients, is applied once, the buffer cleared and k advanced.
 """
 
 from __future__ import annotations
