@@ -485,6 +485,7 @@ def _server_run(case: str, directory: Path, last: int, resume: bool) -> dict[str
             if resume:
                 out["resumed_from"] = checkpointer.load_latest(state)
                 out["at_load"] = _held_state(model, optimizer, sync, tables, centre)
+                dist.barrier(group=job.trainer_group)  # as at SERVER_STOP_AT below: nobody pushes while it is read
             for step in range(train.step, last):
                 optimizer.zero_grad()
                 loss, _ = model(tiny_dmp.batch(index, step))

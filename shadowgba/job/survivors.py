@@ -60,8 +60,8 @@ import torch.distributed as dist
 
 from shadowgba import groups as made_groups
 from shadowgba.errors import ConfigError, SetupError, SyncError
-from shadowgba.job.blame import decided_by_lookers, found_nothing, gone_peers
-from shadowgba.job.notices import NoticeBoard
+from shadowgba.job.blame import DECISION_POLL_S, LOOKERS_PATIENCE_S, decided_by_lookers, found_nothing, gone_peers
+from shadowgba.job.notices import HEARTBEAT_SILENT_S, NOTICE_TIMEOUT_S, NoticeBoard
 from shadowgba.job.rendezvous import agent_ranks
 
 DECISION = "replica_epoch"
@@ -79,6 +79,14 @@ INCARNATION = "replica_incarnation"
 One above the number the members let in means the one they know is gone: evidence of a loss."""
 JOIN_POLL_S = 0.5
 """How often a joining rank reads the board for the decision that lets it in."""
+MEETING = "replica_meeting"
+"""Board counter per set of groups an epoch makes: the member ranks come to make them so far."""
+MEETING_LAG_S = LOOKERS_PATIENCE_S + HEARTBEAT_SILENT_S + NOTICE_TIMEOUT_S
+"""How far behind another member a rank may legitimately come to a new epoch's groups, whatever
+`sync.timeout_s`: a rank that is no looker waits out the lookers (one of them may be in the lost
+group, and end before it decides), looks itself (a heartbeat's silence), and reads a busy board
+once. A shorter wait for the members would end a survivor whose partner is merely slower to learn
+the decision (seen with `sync.timeout_s` 4 on two loaded cores)."""
 
 
 @dataclasses.dataclass
@@ -319,17 +327,35 @@ class SurvivingGroups:
         replica group over the member groups)."""
         position = self.trainer_ranks.index(self.rank) % self.group_size
         replicas = [rank for rank in self.survivors() if self.trainer_ranks.index(rank) % self.group_size == position]
+        self._made += 1
+        self._meet()
         if self.store is None:
             timeout = datetime.timedelta(seconds=self.timeout_s)
             dense = dist.new_group(list(self.survivors()), timeout=timeout, use_local_synchronization=True)
             return dense, dist.new_group(replicas, timeout=timeout, use_local_synchronization=True)
-        self._made += 1
         prefix = f"shadowgba/{self.notices.job}/epoch{self.epoch}/set{self._made}"
         dense = made_groups.from_store(self.store, f"{prefix}/dense", self.survivors(), self.rank, self.timeout_s,
                                        self.device)
         replica = made_groups.from_store(self.store, f"{prefix}/replica{position}", replicas, self.rank,
                                          self.timeout_s, self.device)
         return dense, replica
+
+    def _meet(self) -> None:
+        """Wait until every member rank has come to make this epoch's next set of groups, for
+        `sync.timeout_s` or `MEETING_LAG_S`, whichever is longer; the groups' own making and
+        collectives then keep `sync.timeout_s`. `SyncError` when a member does not come (a group let
+        in that never started, or a rank lost meanwhile): the next decision's evidence decides."""
+        members, wait_s = len(self.survivors()), max(self.timeout_s, MEETING_LAG_S)
+        deadline = time.monotonic() + wait_s
+        arrived = self.notices.count(f"{MEETING}_{self.epoch}", self._made, add=1)
+        while arrived is not None and arrived < members and time.monotonic() < deadline:
+            time.sleep(DECISION_POLL_S / 5)
+            arrived = self.notices.count(f"{MEETING}_{self.epoch}", self._made)
+        if arrived is None:
+            raise SyncError(f"rank {self.rank} could not reach the job's store to meet epoch {self.epoch}'s members")
+        if arrived < members:
+            raise SyncError(f"{arrived} of the {members} member ranks came to make epoch {self.epoch}'s groups within "
+                            f"{wait_s:.0f} s")
 
     def _decide(self, members: Sequence[int], lost_ranks: Sequence[int], joined: dict[int, int],
                 joins: int) -> str | None:
