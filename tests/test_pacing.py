@@ -154,9 +154,28 @@ def test_the_training_thread_wakes_a_paused_round_at_the_floor_in_its_own_steps(
     waiter.join(timeout=0.3)
     assert waiter.is_alive()  # 18 steps in: nothing due yet
     started = time.monotonic()
+    schedule.priority = seen = PriorityCalls()
     schedule.step_ended(29)  # the next snapshot, at step 30, is the floor's
     waiter.join(timeout=10)
     assert not waiter.is_alive() and time.monotonic() - started < 5
+    assert seen.calls == ["restore"]  # the round the floor started runs at the training threads' priority
+    schedule.snapshot_taken(step=30)
+    schedule.round_finished()
+    schedule.round_begins()  # a round the pacer starts: at the low priority again
+    assert seen.calls == ["restore", "lower"]
+
+
+class PriorityCalls:
+    """Stands for `RoundPriority`: what the schedule asked of it, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def lower(self) -> None:
+        self.calls.append("lower")
+
+    def restore(self) -> None:
+        self.calls.append("restore")
 
 
 def test_a_gap_past_warn_gap_steps_is_warned_about_once_until_a_round_arrives(caplog: pytest.LogCaptureFixture) -> None:

@@ -10,9 +10,11 @@ and the rounds' priority (`shadowgba.shadow.priority`), across the two threads t
   stamps) and enforces the floor on the round rate in its own steps, with one integer comparison
   per step while nothing is due. Half the floor (`sync.max_gap_steps`) after a round started, a
   round still in flight gets the training threads' priority back (it is starved, or the cores are
-  shared with other work); one step before the floor, a paused shadow thread is woken, so the
-  next round's snapshot is taken at the floor's step at the latest (unless `interval_ms` or
-  `interval_steps`, the user's, ask for a later one).
+  shared with other work); one step before the floor, a paused shadow thread is woken at that
+  priority too, so the next round's snapshot is taken at the floor's step at the latest (unless
+  `interval_ms` or `interval_steps`, the user's, ask for a later one), and the round the floor
+  started is not starved in turn (at niceness 19 beside other busy processes, the wake-up, the
+  snapshot and the first half of the round cost it 1 round in 21.5 steps against a floor of 10).
 - The sync gap: when this rank went more than `sync.warn_gap_steps` steps without a round reaching
   its dense weights, a warning names what held the rounds back, once until a round arrives again.
 """
@@ -56,7 +58,8 @@ class RoundSchedule:
         self._threads: set[int] = set()
         self._in_round = False
         self._late = False
-        """The round in flight (or the last one) had to get its priority back: so does the next."""
+        """The round in flight (or the last one) had to get its priority back, or the floor starts the
+        next one: the next runs at the training threads' priority."""
         self._round_step = 0
         self._restore_at: float = NEVER
         self._due_at: float = NEVER
@@ -146,6 +149,9 @@ class RoundSchedule:
             self.priority.restore()
             self._restore_at = NEVER
         if step >= self._due_at:
+            if not self._in_round:  # the floor starts the next round: it runs as a late one
+                self._late = True
+                self.priority.restore()
             self._due.set()
             self._due_at = NEVER
         if step >= self._warn_at:
