@@ -32,6 +32,7 @@ a runtime composes with `torch.distributed.checkpoint`. A state that does not fi
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import types
 from typing import Any, Callable, ClassVar
@@ -65,6 +66,13 @@ class DenseSync(abc.ABC):
     """Where `metrics` go at an interval and at the end (`shadowgba.reporting`: the log, TensorBoard);
     `shadowgba.dense_sync` sets it. The runtime calls `_report_step()` at every step boundary and
     `_end_report()` when it closes or aborts."""
+
+    def evaluating(self) -> contextlib.AbstractContextManager[None]:
+        """Wrap an evaluation (or an export) in the middle of training, on the training thread between
+        steps: inside, the model's dense parameters are the synchronized ones this trainer holds.
+        Most algorithms train on those already; GBA with `sync.gba.lookahead` computes its gradients
+        on a prediction of where they are going, and shows the shards' values here instead."""
+        return contextlib.nullcontext()
 
     def __enter__(self) -> "DenseSync":
         self.start()

@@ -322,8 +322,8 @@ def test_fresh_waits_are_taken_only_where_the_batch_is_predicted_to_complete_wit
 def test_lookahead_computes_on_the_parameters_extrapolated_by_the_staleness_at_their_velocity() -> None:
     """`Lookahead`, by hand, over 2 shards of a 4-element vector: live = received + scale x
     staleness (moving average, weights 0.8 / 0.2) x velocity per global step between the last two
-    installs of each slice; an exact install, a slice not installed, a gap past LONGEST_GAP and
-    `forget` each as documented; scale 0 installs the received values."""
+    installs of each slice; an exact install, a slice not installed, a gap past LONGEST_GAP,
+    `received` (an evaluation) and `forget` each as documented; scale 0 installs the received values."""
     param = torch.nn.Parameter(torch.zeros(4))
     dense = DenseParams([("w", param)])
     bounds = [(0, 2), (2, 4)]
@@ -345,8 +345,13 @@ def test_lookahead_computes_on_the_parameters_extrapolated_by_the_staleness_at_t
     assert param.tolist() == [1.0, 1.0, 2.0, 2.0]  # a pull: exact, velocity forgotten
     lookahead.install([torch.tensor([2.0, 1.0]), None], [31, 30], bounds, exact=False)
     assert param.tolist() == pytest.approx([2.56, 1.0, 2.0, 2.0])
+    with lookahead.received():
+        assert param.tolist() == [2.0, 1.0, 2.0, 2.0]  # an evaluation mid-run: the shards' values
+    assert param.tolist() == pytest.approx([2.56, 1.0, 2.0, 2.0])  # the next gradient's: the prediction again
     lookahead.forget()
     assert lookahead.staleness == 0.0
+    with lookahead.received():  # nothing received since leaving GBA: the live values are the model
+        assert param.tolist() == pytest.approx([2.56, 1.0, 2.0, 2.0])
     lookahead.install([torch.tensor([5.0, 5.0]), torch.tensor([5.0, 5.0])], [32, 31], bounds, exact=False)
     assert param.tolist() == [5.0, 5.0, 5.0, 5.0]  # after a switch: as received
     off = Lookahead(dense, scale=0.0)

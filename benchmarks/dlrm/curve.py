@@ -9,7 +9,8 @@ one at every point, so that both end with the same steps), at the job's samples 
 `train.job_samples` counter its decider read at its last stop decision (`StopRule.job_samples_seen`).
 Without lockstep (tables on the PS) trainers step independently, so they must not meet in a
 collective: trainer 0 alone scores the whole held-out set with its replica (under GBA every
-trainer pulls the same parameters) and counts the samples applied by the GBA global step; without a
+trainer pulls the same parameters; `DenseSync.evaluating` shows the received ones, not the
+lookahead's prediction) and counts the samples applied by the GBA global step; without a
 global step (S-EASGD) it counts its own steps x batch x trainers, exact only while trainers keep
 pace. The last point is the final evaluation, so curves of different algorithms end at equal
 samples seen.
@@ -21,6 +22,7 @@ evaluating trainer pauses; without lockstep the others keep training meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable
 
@@ -31,6 +33,7 @@ from dlrm.config import ExperimentConfig
 from dlrm.job import applied_samples
 from dlrm.loop import StopRule, evaluate
 from ctrkit.ctr_data import CTRData
+from shadowgba.interface import DenseSync
 from shadowgba.ps import transport
 
 SYNC_PROGRESS = {
@@ -104,7 +107,8 @@ def heldout_curve(
     every = config.train.eval_every_samples if not alone or roles.trainer_index == 0 else 0
 
     def evaluate_now() -> dict[str, float]:
-        quality = evaluate(model, data, roles, device, alone=alone, group=stop.group)
+        with sync.evaluating() if isinstance(sync, DenseSync) else contextlib.nullcontext():  # GBA: the shards' model
+            quality = evaluate(model, data, roles, device, alone=alone, group=stop.group)
         model.train()
         return quality
 

@@ -35,6 +35,7 @@ both threads.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -232,6 +233,10 @@ class GBAClient:
             fresh = {f"fresh_{index}": reply.params for index, reply in enumerate(self._fresh) if reply is not None}
         return {**{f"queue_{index}": buffer for index, buffer in enumerate(buffers)}, **fresh,
                 **self._lookahead.held_tensors()}
+
+    def received_parameters(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, the live parameters are the shards' values as received (`Lookahead.received`)."""
+        return self._lookahead.received()
 
     def install_fresh(self) -> None:
         """Install, shard by shard, the newest parameters received since the last install."""

@@ -20,11 +20,15 @@ lambda to tune.
 
 The trainer keeps three extra flat vectors (the received parameters, the velocity and the
 prediction, so that no step allocates); the live parameters, which forward and backward read, are
-the prediction. Exact installs (entering GBA, lockstep waits, the closing pull, a server's restart)
+the prediction, except inside `received()` (an evaluation mid-run: the model is what the shards
+hold, not where it is predicted to go). Exact installs (entering GBA, lockstep waits, the closing pull, a server's restart)
 set the live parameters to the received ones and forget the velocity.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 
@@ -91,6 +95,20 @@ class Lookahead:
             self._dense.copy_from(self._received)
         else:
             self._dense.copy_from(torch.add(self._received, self._velocity, alpha=reach, out=self._live))
+
+    @contextlib.contextmanager
+    def received(self) -> Iterator[None]:
+        """Inside, the live parameters are the received ones; after, what was live before. Training
+        thread, between steps (installs happen there too)."""
+        if self._received is None or self._live is None or not self._tokens:  # off, or nothing received in GBA
+            yield
+            return
+        self._dense.copy_to(self._live)
+        self._dense.copy_from(self._received)
+        try:
+            yield
+        finally:
+            self._dense.copy_from(self._live)
 
     def forget(self) -> None:
         """Leaving GBA: the next install is treated as the first (no velocity across a switch)."""

@@ -297,6 +297,10 @@ class GBASync(ModeSwitches, DenseSync):
         slice's; the shards share one k, but a slice may be installed before another catches up)."""
         return self._client.global_step if self.mode == Mode.GBA else self._flat.global_step
 
+    def evaluating(self) -> contextlib.AbstractContextManager[None]:
+        """In GBA with `lookahead`, the received parameters (the shards' model), not the prediction."""
+        return self._client.received_parameters() if self.mode == Mode.GBA else contextlib.nullcontext()
+
     def wait_for_global_step(self, global_step: int, timeout_s: float = 60.0) -> None:
         """Block until this trainer holds parameters of global step >= `global_step` (GBA mode).
 
