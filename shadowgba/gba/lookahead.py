@@ -21,8 +21,8 @@ lambda to tune.
 The trainer keeps three extra flat vectors (the received parameters, the velocity and the
 prediction, so that no step allocates); the live parameters, which forward and backward read, are
 the prediction, except inside `received()` (an evaluation mid-run: the model is what the shards
-hold, not where it is predicted to go). Exact installs (entering GBA, lockstep waits, the closing pull, a server's restart)
-set the live parameters to the received ones and forget the velocity.
+hold, not where it is predicted to go). Exact installs (entering GBA, lockstep waits, the closing
+pull, a server's restart) set the live parameters to the received ones and forget the velocity.
 """
 
 from __future__ import annotations

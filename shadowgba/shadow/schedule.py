@@ -13,8 +13,8 @@ and the rounds' priority (`shadowgba.shadow.priority`), across the two threads t
   shared with other work); one step before the floor, a paused shadow thread is woken at that
   priority too, so the next round's snapshot is taken at the floor's step at the latest (unless
   `interval_ms` or `interval_steps`, the user's, ask for a later one), and the round the floor
-  started is not starved in turn (at niceness 19 beside other busy processes, the wake-up, the
-  snapshot and the first half of the round cost it 1 round in 21.5 steps against a floor of 10).
+  started is not starved in turn (at niceness 19 beside other busy processes its wake-up, its
+  snapshot and half of it would each wait behind them).
 - The sync gap: when this rank went more than `sync.warn_gap_steps` steps without a round reaching
   its dense weights, a warning names what held the rounds back, once until a round arrives again.
 """
