@@ -51,8 +51,8 @@ class GBAConfig(AggregationConfig):
     """The fresh waits stop while they take more than this share of the trainer's compute time (a
     moving average over the steps), and resume as it decays: the most throughput they may cost;
     within it the trainer takes the waits predicted shortest (`shadowgba.gba.fresh`). A quarter
-    keeps GBA's speed under a 3x straggler (2.71x sync, median of 5 seeds, production preset;
-    0.35 bought no AUC there and 2.53x). In (0, 1]."""
+    keeps GBA's speed under a straggler; larger budgets cost that speed and bought no AUC there
+    (docs/gba.md, "Quality"). In (0, 1]."""
     lookahead: float = 1.0
     """Weight prediction: each trainer computes its gradients on the parameters extrapolated by
     this multiple of its recent staleness (global steps) at their velocity over the last global
