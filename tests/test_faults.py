@@ -330,9 +330,10 @@ LONG_FROZEN_CELLS = [MA, GBA_TORCHREC, GBA_PS]
 STOPPED_CELLS = [MA, Cell("sync", "torchrec")]
 """A trainer stopped for good without servers: the shadow runtime and GBASync's sync all-reduce, both
 over TorchRec's all-to-all."""
-PARALLEL_GROUPS = 4
+PARALLEL_GROUPS = 6
 """Spawned groups run at once: a group spends most of its time waiting (freezes, timeouts), not
-computing, so the matrix's wall time is about a quarter of the groups' total."""
+computing, so the matrix's wall time is about a sixth of the groups' total, or the longest group's
+(`matrix_groups` lists the longest first, so none starts last)."""
 
 
 def matrix_groups(root: Path) -> dict[str, list[Case]]:
@@ -341,7 +342,9 @@ def matrix_groups(root: Path) -> dict[str, list[Case]]:
     A case that kills a rank, or leaves one waiting in TorchRec's all-to-all (a failure over
     TorchRec tables: the peer is released only when the failed process exits), must be the last of
     its group. So the PS-table cells share one group (each short freeze, then each failure) that
-    ends with gba over TorchRec tables; every other TorchRec cell gets a group of its own."""
+    ends with gba over TorchRec tables; every other TorchRec cell gets a group of its own. The
+    groups come longest first (the shared group, the long freezes and the stops that wait out a
+    timeout, then a stall and a failure each, then the kills), the order in which they start."""
     def case(name: str, cell: Cell, arm: Callable[[FaultInjector], Any], timeout_s: float = TIMEOUT_S,
              steps: int | None = None, rpc_timeout_s: float | None = None) -> Case:
         directory = root / f"{cell.name}-{name}"
@@ -355,13 +358,13 @@ def matrix_groups(root: Path) -> dict[str, list[Case]]:
 
     with_servers = [cell for cell in CELLS if cell.tables == "ps"] + [GBA_TORCHREC]
     groups = {"servers": [one for cell in with_servers for one in stall_then_fail(cell)]}
-    groups |= {cell.name: stall_then_fail(cell) for cell in CELLS if cell not in with_servers}
-    groups |= {f"kill-{cell.name}": [case("kill", cell, kill_trainer_1, KILL_TIMEOUT_S)] for cell in KILLED_CELLS}
-    groups |= {f"kill_server-{cell.name}": [case("kill_server", cell, kill_the_server, KILL_TIMEOUT_S)]
-               for cell in SERVER_KILLED_CELLS}
     groups |= {f"freeze-{cell.name}": [case("freeze", cell, long_freeze_trainer_1, LONG_TIMEOUT_S)]
                for cell in LONG_FROZEN_CELLS}
     groups |= {f"stop-{cell.name}": [case("stop", cell, stop_trainer_1, KILL_TIMEOUT_S)] for cell in STOPPED_CELLS}
+    groups |= {cell.name: stall_then_fail(cell) for cell in CELLS if cell not in with_servers}
+    groups |= {f"kill_server-{cell.name}": [case("kill_server", cell, kill_the_server, KILL_TIMEOUT_S)]
+               for cell in SERVER_KILLED_CELLS}
+    groups |= {f"kill-{cell.name}": [case("kill", cell, kill_trainer_1, KILL_TIMEOUT_S)] for cell in KILLED_CELLS}
     return groups
 
 
