@@ -30,10 +30,10 @@ from tests.test_checkpoint import SMALL
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _member(store: dist.Store, rank: int) -> SurvivingGroups:
+def _member(store: dist.Store, rank: int, timeout_s: float = 2.0, rejoins: bool = True) -> SurvivingGroups:
     """Rank `rank`'s view of a job of 2 groups of 2 ranks, its board in `store`."""
-    return SurvivingGroups(range(4), rank, 2, NoticeBoard("job", store, attempt=0), timeout_s=2.0, store=store,
-                           rejoins=True)
+    return SurvivingGroups(range(4), rank, 2, NoticeBoard("job", store, attempt=0), timeout_s=timeout_s, store=store,
+                           rejoins=rejoins)
 
 
 def _beating(store: dist.Store, ranks: list[int]) -> list[Heartbeat]:
@@ -96,8 +96,7 @@ def test_a_survivor_that_learns_the_decision_late_is_still_met_and_one_that_neve
     monkeypatch.setattr(survivors, "MEETING_LAG_S", 2.0)
     store = dist.HashStore()
     beats = _beating(store, [0, 1, 2, 3])  # every heartbeat alive: rank 2's flag alone decides
-    zero, one = (SurvivingGroups(range(4), rank, 2, NoticeBoard("job", store, attempt=0), timeout_s=0.5, store=store)
-                 for rank in (0, 1))
+    zero, one = (_member(store, rank, timeout_s=0.5, rejoins=False) for rank in (0, 1))
     zero.agree(RuntimeError("round failed"), flagged=[2])
     one.agree(RuntimeError("round failed"))
     assert zero.survivors() == one.survivors() == (0, 1)
