@@ -282,3 +282,47 @@ def test_the_table_rounds_stop_for_the_dense_round_behind_them_so_it_keeps_its_f
     assert max(starved) > 100, starved
     gaps, cycles = run(group_steps=5)
     assert max(gaps) <= 3 + 4 * 2 and cycles >= 1, (gaps, cycles)
+
+
+def test_a_cycle_is_held_to_the_bound_its_link_was_measured_to_allow_and_an_overrun_is_counted() -> None:
+    """The replay above with the stop (fragments of 2 steps each, groups stopped at 5 partner steps,
+    so 4 fragments in each dense spacing of 3 + 8 steps): the config's bound (max(100, 168 / 4) +
+    spacing) cannot hold, and the job's first cycle, stated from the config, is stated again at its
+    first group that stopped: the steps so far plus 164 fragments at the measured 4 / 11 a step plus
+    the widest spacing. Every cycle after it is stated at its start from the capacity (168 / (4 / 11)
+    + 11 = 473) and ends within it (42 groups of 11 steps). Then the cores slow to 3 steps a
+    fragment (3 in each spacing of 12): the cycle that starts then, stated from the old capacity, overruns
+    its bound and is counted; the capacity is measured over the latest 100 steps' groups, so the
+    cycles after it are stated from the slower one (168 * 12 / 3 + 12) and meet theirs."""
+    from shadowgba.shadow.cycle_budget import CycleBudget
+
+    budget = CycleBudget(100, 4.0, 2**20 // 4, group_steps=5)
+    fragments, left, gap = 168, 168, 3
+    bounds: list[tuple[int, int, int]] = []  # (cycle steps, its bound, the cost a fragment had at its end)
+
+    def dense_rounds(count: int, cost: int) -> None:
+        nonlocal left, gap
+        for _ in range(count):
+            planned = budget.fragments_now(gap, left, started=left == fragments)
+            done = 0
+            while done < planned:
+                done += 1
+                if budget.stop((done - 1) * cost):  # its trailer: the steps taken before it
+                    break
+            budget.averaged(done, left, planned)
+            left -= done
+            if not left:
+                left = fragments
+                bounds.append((budget.last_cycle_steps, budget.last_cycle_bound, cost))
+            gap = 3 + done * cost
+
+    dense_rounds(42 * 3, cost=2)
+    assert budget.capacity == pytest.approx(4 / 11, rel=0.05), budget.capacity
+    assert len(bounds) == 3 and budget.over_bound == 0, bounds
+    assert bounds[0][1] > 100 + 11 and all(steps <= bound for steps, bound, _ in bounds), bounds
+    assert bounds[1][1] == 462 + 11, bounds
+    dense_rounds(60 * 3, cost=3)
+    over = [cycle for cycle in bounds[3:] if cycle[0] > cycle[1]]
+    assert budget.over_bound == len(over) == 1 and bounds[3] == over[0], bounds
+    assert all(steps <= bound == 672 + 12 for steps, bound, _ in bounds[4:]) and len(bounds) >= 5, bounds
+    assert budget.timed_cycles == len(bounds)

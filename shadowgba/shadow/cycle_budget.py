@@ -28,23 +28,36 @@ Every input is the same on every partner (the fragment count left, the fastest r
 the dense round's trailer carries, the steps each partner took since the table rounds began, which
 each fragment's trailer carries, the config), so the partners' table collectives pair up.
 
-The bound: a cycle that moves B MiB ends within max(cycle_steps, B / link_mb_per_step) steps of the
-fastest rank after it started, plus one dense round's spacing (at most `sync.max_gap_steps`), as
-long as the link and the cores move the budget within the table rounds' share of the steps (at
-most `group_steps` after each dense round); where they cannot, the cycle stretches by that ratio
-and the dense rounds keep their floor. With touched rows, B is the rows touched in the cycle before
-(at most a full cycle plus the masks).
+The bound each cycle is held to, stated when it starts: a cycle of n fragments (B MiB) ends within
+
+    max(cycle_steps, B / link_mb_per_step, n / capacity) + spacing
+
+steps of the fastest rank after it started. `capacity` is what the link and the cores were measured
+to move: the fragments per step of the fastest rank of every table round group that stopped for the
+dense round behind it (those ran as many as the time allowed, not as many as were planned), over
+the dense round spacing they were part of, summed over the latest such groups that span
+`cycle_steps` (so a link or cores that slow down are seen within a cycle's worth of steps). `spacing` is the widest dense round
+spacing seen (a cycle starts and ends at a dense round). Until a group has stopped so, nothing has
+shown the budget too much for the link, the capacity term is left out, and the bound is the
+config's; if the cycle under way then meets its first such group, its bound is stated again from
+that dense round: the steps so far plus its rest at the measured capacity plus the spacing. A fixed
+bound from the config alone cannot hold where the cores or the link move a fragment slower than
+the budget assumes (4 ranks of a 2D job on 2 shared cores: docs/two_d.md), so the bound states what
+the job's own link and cores allow, before the cycle runs, and the metrics count the cycles that
+overran it (`over_bound`): a bound that can be missed.
+With touched rows, B is the rows touched in the cycle before (at most a full cycle plus the masks).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 
 
 class CycleBudget:
-    """The fragment count of each table round group; `fragment_numel`: one fragment's values (4 bytes
-    each). `cycle_steps` 0: one fragment after each dense round. `group_steps` 0: table rounds
-    that never stop early for the dense rounds behind them."""
+    """The fragment count of each table round group, and each cycle's bound; `fragment_numel`: one
+    fragment's values (4 bytes each). `cycle_steps` 0: one fragment after each dense round, no bound
+    stated. `group_steps` 0: table rounds that never stop early for the dense rounds behind them."""
 
     def __init__(self, cycle_steps: int, link_mb_per_step: float, fragment_numel: int, group_steps: int = 0) -> None:
         self.cycle_steps = cycle_steps
@@ -57,24 +70,76 @@ class CycleBudget:
         """Fragments' worth of budget not spent yet (negative: a round that took one on credit)."""
         self.steps = 0
         """Steps of the fastest rank since the cycle under way started."""
+        self.dense_rounds = 0
+        self.spacing = 0
+        """The widest dense round spacing seen after the first dense round (whose steps count from the
+        job's start), in steps of the fastest rank."""
+        self.capacity_window: collections.deque[tuple[int, int]] = collections.deque()
+        """(fragments, the dense round spacing they were part of) of the latest groups that stopped
+        early, spanning `cycle_steps` steps: the measured capacity is their ratio."""
+        self.stopped_group: int | None = None
+        """The fragments of the last group, if it stopped early (its spacing comes with the next dense round)."""
+        self.bound: int | None = None
+        """The bound of the cycle under way, in steps of the fastest rank after its start (None: none stated)."""
+        self.bound_measured = False
+        """The bound under way includes the measured capacity."""
         self.last_cycle_steps: int | None = None
         """The last cycle finished while training: its length in steps of the fastest rank."""
+        self.last_cycle_bound: int | None = None
+        """The bound the last finished cycle was held to."""
         self.longest_cycle_steps = 0
+        self.timed_cycles = 0
+        """Cycles finished while training, each against its bound."""
+        self.over_bound = 0
+        """Cycles that ran longer than their bound."""
         self.stopped_early = 0
         """Table round groups that stopped at `group_steps` with fragments still planned."""
+
+    @property
+    def capacity(self) -> float | None:
+        """Fragments per step of the fastest rank the link and cores moved when the time, not the
+        budget, limited them (None: never measured)."""
+        steps = sum(spacing for _, spacing in self.capacity_window)
+        return sum(count for count, _ in self.capacity_window) / steps if steps else None
+
+    def steps_at_capacity(self, fragments: int) -> int | None:
+        """Steps of the fastest rank the measured capacity takes for `fragments` (None: not measured)."""
+        done = sum(count for count, _ in self.capacity_window)
+        steps = sum(spacing for _, spacing in self.capacity_window)
+        return -(-fragments * steps // done) if done and steps else None
 
     def fragments_now(self, steps: int, left: int, started: bool = False) -> int:
         """A dense round ended, `steps` steps of the fastest rank after the one before, with `left`
         fragments of the cycle still to average (`started`: a cycle that starts now): how many to
         average now (0 when none are left). `averaged` says how many were."""
+        if self.stopped_group is not None:
+            self.capacity_window.append((self.stopped_group, steps))
+            while sum(spacing for _, spacing in self.capacity_window) - self.capacity_window[0][1] >= self.cycle_steps:
+                self.capacity_window.popleft()
+            self.stopped_group = None
+        self.dense_rounds += 1
+        if self.dense_rounds > 1:
+            self.spacing = max(self.spacing, steps)
         self.steps = 0 if started else self.steps + steps
         if left <= 0:
             return 0
         if not self.cycle_steps:
             return 1
+        self._state_bound(left, started)
         self.credit = min(self.credit + steps * self.budget_per_step, self.cycle_steps * self.budget_per_step)
         rounds_left = max(1.0, (self.cycle_steps - self.steps) / max(steps, 1))  # at the last spacing
         return min(left, max(1, min(math.ceil(left / rounds_left), math.floor(self.credit))))
+
+    def _state_bound(self, left: int, started: bool) -> None:
+        """State the bound of a cycle of `left` fragments that starts now (`started`), or state the
+        one under way again from now once the capacity is first measured (module docstring)."""
+        measured = self.steps_at_capacity(left)
+        if started:
+            bound = max(self.cycle_steps, math.ceil(left / self.budget_per_step), measured or 0)
+            self.bound, self.bound_measured = bound + self.spacing, measured is not None
+        elif self.bound is not None and not self.bound_measured and measured is not None:
+            self.bound = max(self.bound, self.steps + measured + self.spacing)
+            self.bound_measured = True
 
     def stop(self, partner_steps: int) -> bool:
         """Whether the table rounds stop before their next fragment, some partner having taken
@@ -83,11 +148,17 @@ class CycleBudget:
 
     def averaged(self, count: int, left: int, planned: int) -> None:
         """The table rounds after a dense round averaged `count` of the `left` fragments the cycle
-        had, `planned` (`fragments_now`) asked for: their budget is spent, and a cycle that ended
-        is timed."""
+        had, `planned` (`fragments_now`) asked for: their budget is spent, a group that stopped early
+        measures the capacity, and a cycle that ended is timed against its bound."""
         if self.cycle_steps:
             self.credit -= count
-        self.stopped_early += count < planned
+        if count < planned:
+            self.stopped_early += 1
+            self.stopped_group = count
         if count == left:
             self.last_cycle_steps = self.steps
             self.longest_cycle_steps = max(self.longest_cycle_steps, self.steps)
+            if self.bound is not None:
+                self.timed_cycles += 1
+                self.over_bound += self.steps > self.bound
+                self.last_cycle_bound, self.bound = self.bound, None
