@@ -36,16 +36,17 @@ steps of the fastest rank after it started. `capacity` is what the link and the 
 to move: the fragments per step of the fastest rank of every table round group that stopped for the
 dense round behind it (those ran as many as the time allowed, not as many as were planned), over
 the dense round spacing they were part of, summed over the latest such groups that span
-`cycle_steps` (so a link or cores that slow down are seen within a cycle's worth of steps). `spacing` is the widest dense round
-spacing seen (a cycle starts and ends at a dense round). Until a group has stopped so, nothing has
-shown the budget too much for the link, the capacity term is left out, and the bound is the
-config's; if the cycle under way then meets its first such group, its bound is stated again from
-that dense round: the steps so far plus its rest at the measured capacity plus the spacing. A fixed
-bound from the config alone cannot hold where the cores or the link move a fragment slower than
-the budget assumes (4 ranks of a 2D job on 2 shared cores: docs/two_d.md), so the bound states what
-the job's own link and cores allow, before the cycle runs, and the metrics count the cycles that
-overran it (`over_bound`): a bound that can be missed.
-With touched rows, B is the rows touched in the cycle before (at most a full cycle plus the masks).
+`cycle_steps` (so a link or cores that slow down are seen within a cycle's worth of steps), and
+`spacing` is the widest dense round spacing among them and now (a cycle starts and ends at a dense
+round). Until such groups span `cycle_steps`, the capacity is not taken as measured and the bound
+is the config's (where no group ever stops, nothing has shown the budget too much for the link);
+if the cycle under way was stated so and the capacity is then measured, its bound is stated again
+from that dense round: the steps so far plus its rest at the measured capacity plus the spacing. A
+fixed bound from the config alone cannot hold where the cores or the link move a fragment slower
+than the budget assumes (4 ranks of a 2D job on 2 shared cores: docs/two_d.md), so the bound states
+what the job's own link and cores allow, before the cycle runs (or, for the job's first, once they
+are measured), and the metrics count the cycles that overran it (`over_bound`): a bound that can be
+missed. With touched rows, B is the rows touched in the cycle before (at most a full cycle plus the masks).
 """
 
 from __future__ import annotations
@@ -70,13 +71,9 @@ class CycleBudget:
         """Fragments' worth of budget not spent yet (negative: a round that took one on credit)."""
         self.steps = 0
         """Steps of the fastest rank since the cycle under way started."""
-        self.dense_rounds = 0
-        self.spacing = 0
-        """The widest dense round spacing seen after the first dense round (whose steps count from the
-        job's start), in steps of the fastest rank."""
         self.capacity_window: collections.deque[tuple[int, int]] = collections.deque()
         """(fragments, the dense round spacing they were part of) of the latest groups that stopped
-        early, spanning `cycle_steps` steps: the measured capacity is their ratio."""
+        early, spanning `cycle_steps` steps once measured: the capacity is their ratio."""
         self.stopped_group: int | None = None
         """The fragments of the last group, if it stopped early (its spacing comes with the next dense round)."""
         self.bound: int | None = None
@@ -98,15 +95,13 @@ class CycleBudget:
     @property
     def capacity(self) -> float | None:
         """Fragments per step of the fastest rank the link and cores moved when the time, not the
-        budget, limited them (None: never measured)."""
-        steps = sum(spacing for _, spacing in self.capacity_window)
-        return sum(count for count, _ in self.capacity_window) / steps if steps else None
+        budget, limited them (None: not measured over `cycle_steps` steps yet)."""
+        done, span = self._window()
+        return done / span if span >= max(self.cycle_steps, 1) else None
 
-    def steps_at_capacity(self, fragments: int) -> int | None:
-        """Steps of the fastest rank the measured capacity takes for `fragments` (None: not measured)."""
-        done = sum(count for count, _ in self.capacity_window)
-        steps = sum(spacing for _, spacing in self.capacity_window)
-        return -(-fragments * steps // done) if done and steps else None
+    def _window(self) -> tuple[int, int]:
+        """The capacity window's fragments and steps."""
+        return sum(count for count, _ in self.capacity_window), sum(spacing for _, spacing in self.capacity_window)
 
     def fragments_now(self, steps: int, left: int, started: bool = False) -> int:
         """A dense round ended, `steps` steps of the fastest rank after the one before, with `left`
@@ -117,28 +112,32 @@ class CycleBudget:
             while sum(spacing for _, spacing in self.capacity_window) - self.capacity_window[0][1] >= self.cycle_steps:
                 self.capacity_window.popleft()
             self.stopped_group = None
-        self.dense_rounds += 1
-        if self.dense_rounds > 1:
-            self.spacing = max(self.spacing, steps)
         self.steps = 0 if started else self.steps + steps
         if left <= 0:
             return 0
         if not self.cycle_steps:
             return 1
-        self._state_bound(left, started)
+        self._state_bound(left, started, steps)
         self.credit = min(self.credit + steps * self.budget_per_step, self.cycle_steps * self.budget_per_step)
         rounds_left = max(1.0, (self.cycle_steps - self.steps) / max(steps, 1))  # at the last spacing
         return min(left, max(1, min(math.ceil(left / rounds_left), math.floor(self.credit))))
 
-    def _state_bound(self, left: int, started: bool) -> None:
+    def _state_bound(self, left: int, started: bool, spacing: int) -> None:
         """State the bound of a cycle of `left` fragments that starts now (`started`), or state the
-        one under way again from now once the capacity is first measured (module docstring)."""
-        measured = self.steps_at_capacity(left)
+        one under way again from now once the capacity is measured; `spacing`: the dense round
+        spacing that just ended (module docstring)."""
+        if not started and (self.bound is None or self.bound_measured):
+            return
+        measured = None
+        if self.capacity is not None:
+            done, span = self._window()
+            measured = -(-left * span // done)  # left / capacity, rounded up, in integers
+            spacing = max(spacing, *(gap for _, gap in self.capacity_window))
         if started:
-            bound = max(self.cycle_steps, math.ceil(left / self.budget_per_step), measured or 0)
-            self.bound, self.bound_measured = bound + self.spacing, measured is not None
-        elif self.bound is not None and not self.bound_measured and measured is not None:
-            self.bound = max(self.bound, self.steps + measured + self.spacing)
+            self.bound = max(self.cycle_steps, math.ceil(left / self.budget_per_step), measured or 0) + spacing
+            self.bound_measured = measured is not None
+        elif measured is not None:
+            self.bound = max(self.bound, self.steps + measured + spacing)
             self.bound_measured = True
 
     def stop(self, partner_steps: int) -> bool:

@@ -72,11 +72,12 @@ class TableSyncConfig:
     cycle_steps: int = 100
     """Shadow rounds: the bound on a cycle's length, in steps of the fastest rank. After each dense
     round the table rounds average as many fragments as the cycle's rest needs to end within this
-    many steps of its start, within `link_mb_per_step` (`shadowgba.shadow.cycle_budget`); a cycle
-    that moves B MiB ends within max(cycle_steps, B / link_mb_per_step) steps plus one dense round's
-    spacing, where the link and the cores move that within the table rounds' share of the steps (they
-    stop after a dense round at half the dense rounds' spacing: the dense rounds come first). 0: one
-    fragment after each dense round, however long the cycle."""
+    many steps of its start, within `link_mb_per_step` (`shadowgba.shadow.cycle_budget`). Each
+    cycle is held to a bound stated at its start: max(cycle_steps, B / link_mb_per_step, its
+    fragments at the capacity the link and cores were measured to move) steps plus the widest dense
+    round spacing, the table rounds stopping after a dense round at half the dense rounds' spacing
+    (the dense rounds come first); the metrics count the cycles that overran it. 0: one fragment
+    after each dense round, however long the cycle, no bound stated."""
     link_mb_per_step: float = 4.0
     """Shadow rounds: the byte budget of a rank's replica-group link, in MiB of table fragments per
     step of the fastest rank (a round takes at least one fragment). Caps what `cycle_steps` asks for
