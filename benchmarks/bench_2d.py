@@ -236,7 +236,8 @@ def throughput_metrics(result: dict[str, Any], slow_trainer: int, group_size: in
         "group_step_ratio": group_step_ratio(result["steps_in_window_by_trainer"], slow_trainer, group_size),
         "overrun_fast_group": fast_group_overrun(result, slow_trainer, group_size),
         "sync_rounds_per_s": sync.get("rounds_per_s"),
-        **{key: sync.get(key) for key in ("rounds_per_step", "sync_gap_steps_max", "table_groups_stopped",
+        **{key: sync.get(key) for key in ("rounds_per_step", "sync_gap_steps_max", "sync_gap_steps_max_between_rounds",
+                                          "table_groups_stopped",
                                           "table_rounds", "table_cycles", "fragment_refresh_age_steps_mean",
                                           "fragment_refresh_age_steps_max", "table_cycle_steps_max",
                                           "table_cycle_steps_last", "table_cycle_bound_steps_last",
@@ -249,7 +250,8 @@ def throughput_metrics(result: dict[str, Any], slow_trainer: int, group_size: in
 
 
 THROUGHPUT_FIGURES = ("samples_per_s", "window_s", "group_step_ratio", "overrun_fast_group", "sync_rounds_per_s",
-                      "rounds_per_step", "sync_gap_steps_max", "table_groups_stopped",
+                      "rounds_per_step", "sync_gap_steps_max", "sync_gap_steps_max_between_rounds",
+                      "table_groups_stopped",
                       "table_rounds", "table_cycles", "fragment_refresh_age_steps_mean",
                       "fragment_refresh_age_steps_max", "table_cycle_steps_max", "table_cycle_steps_last",
                       "table_cycle_bound_steps_last", "table_cycles_timed", "table_cycles_over_bound", "extra_mib",
@@ -311,9 +313,10 @@ THROUGHPUT_COLUMNS: list[Column] = [
     ("steps fast / slow group", lambda row: spread_cell(row["group_step_ratio"], ".2f")),
     ("fast group overrun", lambda row: spread_cell(row["overrun_fast_group"], ".0%")),
     ("sync rounds/s", lambda row: spread_cell(row["sync_rounds_per_s"], ".2f")),
-    ("dense rounds per step / longest gap (steps), trainer 0",
+    ("dense rounds per step / longest gap, from the start / between rounds (steps), trainer 0",
      lambda row: f"{optional(median(row['rounds_per_step']), '.3f')} / "
-                 f"{optional(median(row['sync_gap_steps_max']), '.0f')}"),
+                 f"{optional(median(row['sync_gap_steps_max']), '.0f')} / "
+                 f"{optional(median(row['sync_gap_steps_max_between_rounds']), '.0f')}"),
     ("table groups cut short", lambda row: optional(median(row["table_groups_stopped"]), ".0f")),
     ("table rounds / cycles", lambda row: f"{optional(median(row['table_rounds']), '.0f')} / "
                                           f"{optional(median(row['table_cycles']), '.0f')}"),

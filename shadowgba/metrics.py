@@ -66,6 +66,9 @@ class SyncMetrics:
         self.applied_rounds = 0
         self.sync_gap_total_steps = 0
         self.sync_gap_max_steps = 0
+        self.between_rounds_gap_max_steps = 0
+        """The longest gap between two applied rounds: what the pacing controls (the gap before the
+        first is `first_round_after`'s, by config)."""
         self.training_sync_s = 0.0
         self.nonfinite_rounds_skipped = 0
         """Rounds (and final averages) that left some rank's NaN / Inf contribution out
@@ -110,6 +113,8 @@ class SyncMetrics:
             self.applied_rounds += 1
             self.sync_gap_total_steps += gap
             self.sync_gap_max_steps = max(self.sync_gap_max_steps, gap)
+            if self.applied_rounds > 1:
+                self.between_rounds_gap_max_steps = max(self.between_rounds_gap_max_steps, gap)
 
     def record_round_cost(self, cost_s: float, cpu_s: float) -> None:
         """A shadow round cost the training threads `cost_s` of their time; its threads ran `cpu_s`."""
@@ -174,6 +179,7 @@ class SyncMetrics:
                 "applied_rounds": self.applied_rounds,
                 "sync_gap_steps_mean": self.sync_gap_total_steps / max(self.applied_rounds, 1),
                 "sync_gap_steps_max": self.sync_gap_max_steps,
+                "sync_gap_steps_max_between_rounds": self.between_rounds_gap_max_steps,
                 "sync_gap_steps": max(0, self._last_step - self._last_applied_step),
                 "rounds_per_step": self.rounds / max(self.steps, 1),
                 "round_cost_ms_mean": 1e3 * self.round_cost_total_s / max(self.costed_rounds, 1),

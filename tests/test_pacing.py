@@ -194,6 +194,9 @@ def test_a_gap_past_warn_gap_steps_is_warned_about_once_until_a_round_arrives(ca
     assert len(caplog.records) == 1  # 5 steps since the round at step 8: not over 5 yet
     schedule.step_ended(14)
     assert len(caplog.records) == 2 and "for 6 steps" in caplog.records[1].getMessage()
+    schedule.metrics.record_applied(15)
+    summary = schedule.metrics.summary()  # the first round came 8 steps in, the second 7 after it
+    assert (summary["sync_gap_steps_max"], summary["sync_gap_steps_max_between_rounds"]) == (8, 7), summary
 
 
 def test_live_settings_change_the_cost_limit_the_floor_and_the_gap_warning(caplog: pytest.LogCaptureFixture) -> None:
