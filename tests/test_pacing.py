@@ -291,8 +291,9 @@ def test_a_cycle_is_held_to_the_bound_its_link_was_measured_to_allow_and_an_over
     """The replay above with the stop (fragments of 2 steps each, groups stopped at 5 partner steps,
     so 4 fragments in each dense spacing of 3 + 8 steps): the config's bound (max(100, 168 / 4) +
     spacing) cannot hold, and the job's first cycle, stated from the config, is stated again once the
-    groups that stopped span 100 steps (10 of them): the steps so far plus its 128 fragments left at
-    the measured 4 / 11 a step plus the widest spacing (110 + 352 + 11). Every cycle after it is stated at its start from the capacity (168 / (4 / 11)
+    groups that stopped span 100 steps (10 of them after the job's first, which is not measured): the
+    steps so far plus its 124 fragments left at the measured 4 / 11 a step plus the widest spacing
+    (121 + 341 + 11). Every cycle after it is stated at its start from the capacity (168 / (4 / 11)
     + 11 = 473) and ends within it (42 groups of 11 steps). Then the cores slow to 3 steps a
     fragment (3 in each spacing of 12): the cycle that starts then, stated from the old capacity, overruns
     its bound and is counted; the capacity is measured over the latest 100 steps' groups, so the
@@ -322,7 +323,7 @@ def test_a_cycle_is_held_to_the_bound_its_link_was_measured_to_allow_and_an_over
     dense_rounds(42 * 3, cost=2)
     assert budget.capacity == pytest.approx(4 / 11, rel=0.05), budget.capacity
     assert len(bounds) == 3 and budget.over_bound == 0, bounds
-    assert bounds[0][1] == 110 + 352 + 11 and all(steps <= bound for steps, bound, _ in bounds), bounds
+    assert bounds[0][1] == 121 + 341 + 11 and all(steps <= bound for steps, bound, _ in bounds), bounds
     assert bounds[1][1] == 462 + 11, bounds
     dense_rounds(60 * 3, cost=3)
     over = [cycle for cycle in bounds[3:] if cycle[0] > cycle[1]]

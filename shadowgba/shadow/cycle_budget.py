@@ -38,7 +38,8 @@ dense round behind it (those ran as many as the time allowed, not as many as wer
 the dense round spacing they were part of, summed over the latest such groups that span
 `cycle_steps` (so a link or cores that slow down are seen within a cycle's worth of steps), and
 `spacing` is the widest dense round spacing among them and now (a cycle starts and ends at a dense
-round). Until such groups span `cycle_steps`, the capacity is not taken as measured and the bound
+round); the job's first group is left out, its spacing holding the job's start-up. Until such
+groups span `cycle_steps`, the capacity is not taken as measured and the bound
 is the config's (where no group ever stops, nothing has shown the budget too much for the link);
 if the cycle under way was stated so and the capacity is then measured, its bound is stated again
 from that dense round: the steps so far plus its rest at the measured capacity plus the spacing. A
@@ -76,6 +77,9 @@ class CycleBudget:
         early, spanning `cycle_steps` steps once measured: the capacity is their ratio."""
         self.stopped_group: int | None = None
         """The fragments of the last group, if it stopped early (its spacing comes with the next dense round)."""
+        self.groups = 0
+        """Table round groups so far: the job's first is not measured (its spacing holds the job's
+        start-up: the first masks, replica groups still warming up at different paces)."""
         self.bound: int | None = None
         """The bound of the cycle under way, in steps of the fastest rank after its start (None: none stated)."""
         self.bound_measured = False
@@ -151,9 +155,10 @@ class CycleBudget:
         measures the capacity, and a cycle that ended is timed against its bound."""
         if self.cycle_steps:
             self.credit -= count
+        self.groups += 1
         if count < planned:
             self.stopped_early += 1
-            self.stopped_group = count
+            self.stopped_group = count if self.groups > 1 else None
         if count == left:
             self.last_cycle_steps = self.steps
             self.longest_cycle_steps = max(self.longest_cycle_steps, self.steps)
