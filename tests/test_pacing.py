@@ -328,5 +328,6 @@ def test_a_cycle_is_held_to_the_bound_its_link_was_measured_to_allow_and_an_over
     dense_rounds(60 * 3, cost=3)
     over = [cycle for cycle in bounds[3:] if cycle[0] > cycle[1]]
     assert budget.over_bound == len(over) == 1 and bounds[3] == over[0], bounds
+    assert budget.overrun_max == over[0][0] - over[0][1] > 0, (budget.overrun_max, over)
     assert all(steps <= bound == 672 + 12 for steps, bound, _ in bounds[4:]) and len(bounds) >= 5, bounds
     assert budget.timed_cycles == len(bounds)

@@ -35,8 +35,10 @@ The bound each cycle is held to, stated when it starts: a cycle of n fragments (
 steps of the fastest rank after it started. `capacity` is what the link and the cores were measured
 to move: the fragments per step of the fastest rank of every table round group that stopped for the
 dense round behind it (those ran as many as the time allowed, not as many as were planned), over
-the dense round spacing they were part of, summed over the latest such groups that span
-`cycle_steps` (so a link or cores that slow down are seen within a cycle's worth of steps), and
+the dense round spacing they were part of, summed over the latest such groups that span the last
+cycle's length, at least `cycle_steps` (an average over as many steps as the cycle it forecasts:
+a window of a few groups moves between cycles by more than the spacing leaves as margin; and a
+link or cores that slow down are seen within a cycle), and
 `spacing` is the widest dense round spacing among them and now (a cycle starts and ends at a dense
 round); the job's first group is left out, its spacing holding the job's start-up. Until such
 groups span `cycle_steps`, the capacity is not taken as measured and the bound
@@ -74,7 +76,8 @@ class CycleBudget:
         """Steps of the fastest rank since the cycle under way started."""
         self.capacity_window: collections.deque[tuple[int, int]] = collections.deque()
         """(fragments, the dense round spacing they were part of) of the latest groups that stopped
-        early, spanning `cycle_steps` steps once measured: the capacity is their ratio."""
+        early, spanning the last cycle's length (at least `cycle_steps`) once measured: the capacity
+        is their ratio."""
         self.stopped_group: int | None = None
         """The fragments of the last group, if it stopped early (its spacing comes with the next dense round)."""
         self.groups = 0
@@ -93,6 +96,8 @@ class CycleBudget:
         """Cycles finished while training, each against its bound."""
         self.over_bound = 0
         """Cycles that ran longer than their bound."""
+        self.overrun_max = 0
+        """The most steps a cycle ran past its bound."""
         self.stopped_early = 0
         """Table round groups that stopped at `group_steps` with fragments still planned."""
 
@@ -113,7 +118,8 @@ class CycleBudget:
         average now (0 when none are left). `averaged` says how many were."""
         if self.stopped_group is not None:
             self.capacity_window.append((self.stopped_group, steps))
-            while sum(spacing for _, spacing in self.capacity_window) - self.capacity_window[0][1] >= self.cycle_steps:
+            span = max(self.cycle_steps, self.last_cycle_steps or 0)  # as long as the cycles it forecasts
+            while self._window()[1] - self.capacity_window[0][1] >= span:
                 self.capacity_window.popleft()
             self.stopped_group = None
         self.steps = 0 if started else self.steps + steps
@@ -165,4 +171,5 @@ class CycleBudget:
             if self.bound is not None:
                 self.timed_cycles += 1
                 self.over_bound += self.steps > self.bound
+                self.overrun_max = max(self.overrun_max, self.steps - self.bound)
                 self.last_cycle_bound, self.bound = self.bound, None

@@ -148,7 +148,8 @@ class TableRounds:
         """The tables' counters for `metrics`: cycles done, the age of the fragments now in steps,
         over the run how many steps a fragment had gone unaveraged when it was refreshed, and the
         shadow cycles' length in steps of the fastest rank (the last and the longest, `CycleBudget`), the
-        bound the last one was held to, how many were held to one and how many overran it, and
+        bound the last one was held to, how many were held to one, how many overran it and by at most
+        how many steps, and
         how many times the table rounds after a dense round stopped for the dense rounds behind them."""
         tables = self.tables
         oldest, mean = tables.ages(self.step())
@@ -158,6 +159,7 @@ class TableRounds:
                 "table_cycle_bound_steps_last": self.budget.last_cycle_bound or 0,
                 "table_cycles_timed": self.budget.timed_cycles,
                 "table_cycles_over_bound": self.budget.over_bound,
+                "table_cycle_overrun_steps_max": self.budget.overrun_max,
                 "table_groups_stopped": self.budget.stopped_early,
                 "fragment_refresh_age_steps_max": tables.refresh_age_max,
                 "fragment_refresh_age_steps_mean": tables.refresh_age_total / max(tables.refreshed, 1)}
