@@ -32,24 +32,29 @@ The bound each cycle is held to, stated when it starts: a cycle of n fragments (
 
     max(cycle_steps, B / link_mb_per_step, n / capacity) + spacing
 
-steps of the fastest rank after it started. `capacity` is what the link and the cores were measured
-to move: the fragments per step of the fastest rank of every table round group that stopped for the
-dense round behind it (those ran as many as the time allowed, not as many as were planned), over
-the dense round spacing they were part of, summed over the latest such groups that span the last
-cycle's length, at least `cycle_steps` (an average over as many steps as the cycle it forecasts:
-a window of a few groups moves between cycles by more than the spacing leaves as margin; and a
-link or cores that slow down are seen within a cycle), and
-`spacing` is the widest dense round spacing among them and now (a cycle starts and ends at a dense
-round); the job's first group is left out, its spacing holding the job's start-up. Until such
-groups span `cycle_steps`, the capacity is not taken as measured and the bound
-is the config's (where no group ever stops, nothing has shown the budget too much for the link);
-if the cycle under way was stated so and the capacity is then measured, its bound is stated again
-from that dense round: the steps so far plus its rest at the measured capacity plus the spacing. A
-fixed bound from the config alone cannot hold where the cores or the link move a fragment slower
+steps of the fastest rank after it started.
+
+- `capacity` is what the link and the cores were measured to move: the fragments per step of the
+  fastest rank of the table round groups that stopped for the dense round behind them (they ran
+  as many as the time allowed, not as many as were planned), over the dense round spacings they
+  were part of, summed over the latest such groups that span the last cycle's length, at least
+  `cycle_steps`. An average over as many steps as the cycle it forecasts: a window of a few groups
+  moves between cycles by more than the spacing leaves as margin, and a link or cores that slow
+  down are still seen within a cycle. The job's first group is left out: its spacing holds the
+  job's start-up.
+- `spacing` is the widest dense round spacing among those groups and now (a cycle starts and ends
+  at a dense round).
+- Until such groups span `cycle_steps`, the capacity is not taken as measured and the bound is the
+  config's (where no group ever stops, nothing has shown the budget too much for the link). If the
+  cycle under way was stated so and the capacity is then measured, its bound is stated again from
+  that dense round: the steps so far plus its rest at the measured capacity plus the spacing.
+
+A fixed bound from the config alone cannot hold where the cores or the link move a fragment slower
 than the budget assumes (4 ranks of a 2D job on 2 shared cores: docs/two_d.md), so the bound states
-what the job's own link and cores allow, before the cycle runs (or, for the job's first, once they
-are measured), and the metrics count the cycles that overran it (`over_bound`): a bound that can be
-missed. With touched rows, B is the rows touched in the cycle before (at most a full cycle plus the masks).
+what the job's own link and cores allow, before the cycle runs (for the job's first, once they are
+measured), and the metrics count the cycles that overran it (`over_bound`): a forecast that can be
+missed. With touched rows, B is the rows touched in the cycle before (at most a full cycle plus the
+masks).
 """
 
 from __future__ import annotations

@@ -147,10 +147,10 @@ class TableRounds:
     def fragment_ages(self) -> dict[str, float]:
         """The tables' counters for `metrics`: cycles done, the age of the fragments now in steps,
         over the run how many steps a fragment had gone unaveraged when it was refreshed, and the
-        shadow cycles' length in steps of the fastest rank (the last and the longest, `CycleBudget`), the
-        bound the last one was held to, how many were held to one, how many overran it and by at most
-        how many steps, and
-        how many times the table rounds after a dense round stopped for the dense rounds behind them."""
+        shadow cycles' length in steps of the fastest rank (the last and the longest, `CycleBudget`),
+        the bound the last one was held to, how many were held to a bound, how many overran theirs
+        and by at most how many steps, and how many times the table rounds after a dense round
+        stopped for the dense rounds behind them."""
         tables = self.tables
         oldest, mean = tables.ages(self.step())
         return {"table_cycles": tables.cycles, "fragment_age_steps_max": oldest, "fragment_age_steps_mean": mean,
