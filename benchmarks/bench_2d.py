@@ -236,6 +236,7 @@ def throughput_metrics(result: dict[str, Any], slow_trainer: int, group_size: in
         "group_step_ratio": group_step_ratio(result["steps_in_window_by_trainer"], slow_trainer, group_size),
         "overrun_fast_group": fast_group_overrun(result, slow_trainer, group_size),
         "sync_rounds_per_s": sync.get("rounds_per_s"),
+        "dense_gap_max_any_trainer": max(result.get("sync_gap_steps_max_between_rounds_by_trainer") or [0]) or None,
         **{key: sync.get(key) for key in ("rounds_per_step", "sync_gap_steps_max", "sync_gap_steps_max_between_rounds",
                                           "table_groups_stopped",
                                           "table_rounds", "table_cycles", "fragment_refresh_age_steps_mean",
@@ -252,6 +253,7 @@ def throughput_metrics(result: dict[str, Any], slow_trainer: int, group_size: in
 
 THROUGHPUT_FIGURES = ("samples_per_s", "window_s", "group_step_ratio", "overrun_fast_group", "sync_rounds_per_s",
                       "rounds_per_step", "sync_gap_steps_max", "sync_gap_steps_max_between_rounds",
+                      "dense_gap_max_any_trainer",
                       "table_groups_stopped",
                       "table_rounds", "table_cycles", "fragment_refresh_age_steps_mean",
                       "fragment_refresh_age_steps_max", "table_cycle_steps_max", "table_cycle_steps_last",
@@ -319,6 +321,8 @@ THROUGHPUT_COLUMNS: list[Column] = [
      lambda row: f"{optional(median(row['rounds_per_step']), '.3f')} / "
                  f"{optional(median(row['sync_gap_steps_max']), '.0f')} / "
                  f"{optional(median(row['sync_gap_steps_max_between_rounds']), '.0f')}"),
+    ("longest gap between dense rounds, any trainer (its own steps)",
+     lambda row: optional(median(row["dense_gap_max_any_trainer"]), ".0f")),
     ("table groups cut short", lambda row: optional(median(row["table_groups_stopped"]), ".0f")),
     ("table rounds / cycles", lambda row: f"{optional(median(row['table_rounds']), '.0f')} / "
                                           f"{optional(median(row['table_cycles']), '.0f')}"),

@@ -177,9 +177,11 @@ def run_trainer(
         "sync": sync.metrics.summary() if sync else {},
         "sync_rounds_by_trainer": all_gather_rows(  # "sync" is trainer 0's; each trainer's own rounds
             torch.tensor([sync.metrics.rounds if sync else 0], device=device), roles.trainer_group).tolist(),
-        **{f"{key}_by_trainer": all_gather_rows(  # each trainer's own: NaN / Inf it skipped, and its heals
+        **{f"{key}_by_trainer": all_gather_rows(  # each trainer's own: NaN / Inf it skipped, its heals, and
+            # its longest gap between two dense rounds, in its own steps
             torch.tensor([sync.metrics.summary().get(key, 0) if sync else 0], device=device), roles.trainer_group
-        ).tolist() for key in ("nonfinite_steps_skipped", "nonfinite_replicas_healed")},
+        ).tolist() for key in ("nonfinite_steps_skipped", "nonfinite_replicas_healed",
+                               "sync_gap_steps_max_between_rounds")},
         "gba": {
             **training_mode, "global_step": stats.global_steps[1], "global_steps_per_s": global_steps_per_s(stats),
             "dense_shards": gba.server_stats(),

@@ -40,13 +40,17 @@ def test_flat_ddp_shards_over_every_trainer_and_the_2d_variants_over_a_group() -
 def test_the_fast_group_is_the_one_without_the_slowed_trainer() -> None:
     sync = {"rounds_per_s": 2.0, "table_rounds": 51, "table_cycles": 1, "fragment_refresh_age_steps_mean": 3.5,
             "fragment_refresh_age_steps_max": 9}
-    metrics = throughput_metrics(result(1000.0, [10, 10, 30, 29], [1.0, 0.0, 0.1, 0.3], sync, 40.0), 1, 2)
+    run = result(1000.0, [10, 10, 30, 29], [1.0, 0.0, 0.1, 0.3], sync, 40.0)
+    run["sync_gap_steps_max_between_rounds_by_trainer"] = [7, 7, 21, 20]  # each in its own steps
+    metrics = throughput_metrics(run, 1, 2)
+    assert metrics["dense_gap_max_any_trainer"] == 21
     assert metrics["group_step_ratio"] == pytest.approx(2.95)  # trainers 2 and 3 over 0 and 1
     assert metrics["overrun_fast_group"] == pytest.approx(0.2)  # trainer 0 waits on its slow partner: left out
     assert metrics["table_rounds"] == 51 and metrics["fragment_refresh_age_steps_max"] == 9 and metrics["extra_mib"] == 40.0
     assert not metrics["stopped_together"]
     ddp = throughput_metrics(result(500.0, [10, 10, 10, 10], [0.0] * 4, {}, 20.0, stopped_at=40), 1, 2)
     assert ddp["sync_rounds_per_s"] is None and ddp["table_cycles"] is None and ddp["stopped_together"]
+    assert ddp["dense_gap_max_any_trainer"] is None
 
 
 def throughput_run(variant: str, rep: int, speed: float, extra_mib: float, straggler: str = "straggler",
