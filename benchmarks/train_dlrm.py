@@ -147,6 +147,7 @@ def run_trainer(
     quality = evaluate(model.module, data, roles, device)
     curve.finish(quality, stats.step_end_s[-1])
     ceiling = data.teacher_heldout() if isinstance(data, SyntheticCTR) else None  # only synthetic data has one
+    sync_summary = sync.metrics.summary() if sync else {}
     return {
         "world_size": dist.get_world_size(),
         "trainers": num_trainers,
@@ -174,12 +175,12 @@ def run_trainer(
         "straggler_sleep_s_total": sum_over_trainers(stats.straggler_sleep_s, roles, device),
         "straggler_overrun_fraction_by_trainer": all_gather_rows(  # simulated compute that did not hold
             torch.tensor([stats.straggler_overrun_fraction], device=device), roles.trainer_group).tolist(),
-        "sync": sync.metrics.summary() if sync else {},
+        "sync": sync_summary,
         "sync_rounds_by_trainer": all_gather_rows(  # "sync" is trainer 0's; each trainer's own rounds
             torch.tensor([sync.metrics.rounds if sync else 0], device=device), roles.trainer_group).tolist(),
         **{f"{key}_by_trainer": all_gather_rows(  # each trainer's own: NaN / Inf it skipped, its heals, and
             # its longest gap between two dense rounds, in its own steps
-            torch.tensor([sync.metrics.summary().get(key, 0) if sync else 0], device=device), roles.trainer_group
+            torch.tensor([sync_summary.get(key, 0)], device=device), roles.trainer_group
         ).tolist() for key in ("nonfinite_steps_skipped", "nonfinite_replicas_healed",
                                "sync_gap_steps_max_between_rounds")},
         "gba": {

@@ -110,12 +110,17 @@ class CycleBudget:
     def capacity(self) -> float | None:
         """Fragments per step of the fastest rank the link and cores moved when the time, not the
         budget, limited them (None: not measured over `cycle_steps` steps yet)."""
-        done, span = self._window()
-        return done / span if span >= max(self.cycle_steps, 1) else None
+        measured = self._measured()
+        return measured[0] / measured[1] if measured else None
 
     def _window(self) -> tuple[int, int]:
         """The capacity window's fragments and steps."""
         return sum(count for count, _ in self.capacity_window), sum(spacing for _, spacing in self.capacity_window)
+
+    def _measured(self) -> tuple[int, int] | None:
+        """The capacity window's fragments and steps once they measure it (they span `cycle_steps`)."""
+        done, span = self._window()
+        return (done, span) if done and span >= max(self.cycle_steps, 1) else None
 
     def fragments_now(self, steps: int, left: int, started: bool = False) -> int:
         """A dense round ended, `steps` steps of the fastest rank after the one before, with `left`
@@ -143,9 +148,9 @@ class CycleBudget:
         spacing that just ended (module docstring)."""
         if not started and (self.bound is None or self.bound_measured):
             return
-        measured = None
-        if self.capacity is not None:
-            done, span = self._window()
+        measured, window = None, self._measured()
+        if window is not None:
+            done, span = window
             measured = -(-left * span // done)  # left / capacity, rounded up, in integers
             spacing = max(spacing, *(gap for _, gap in self.capacity_window))
         if started:
