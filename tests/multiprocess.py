@@ -38,7 +38,6 @@ import io
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -50,6 +49,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dlrm.host import free_port
 
 
 PRELOADED = ["torch", "torch.distributed", "torchrec", "shadowgba", "tests.tiny_dmp"]
@@ -90,13 +90,6 @@ def _context() -> Any:
                 else:
                     os.environ[name] = value
     return context
-
-
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any,

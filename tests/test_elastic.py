@@ -427,7 +427,8 @@ def kill_a_server(fault: str, tmp_path: Path) -> ServerOutage:
          "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=1", "--monitor-interval=0.5",
          "-m", "tests.test_elastic", str(port), str(checkpoint_dir), str(report), fault],
         cwd=CHECKOUT, env={**os.environ, "OMP_NUM_THREADS": "1",
-                           "PYTHONPATH": os.pathsep.join(filter(None, [CHECKOUT, os.environ.get("PYTHONPATH")]))},
+                           "PYTHONPATH": os.pathsep.join(filter(None, [CHECKOUT, os.path.join(CHECKOUT, "benchmarks"),
+                                                                      os.environ.get("PYTHONPATH")]))},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     trainers = [events.start(run_process, (index, port, fault, str(checkpoint_dir), finish))
                 for index in range(TRAINERS)]
