@@ -58,6 +58,15 @@ PRELOADED = ["torch", "torch.distributed", "torchrec", "shadowgba", "tests.tiny_
 
 CHECKOUT = str(Path(__file__).resolve().parents[1])
 """The checkout this file belongs to: the code every rank must run."""
+CHECKOUT_PATH = os.pathsep.join([CHECKOUT, os.path.join(CHECKOUT, "benchmarks")])
+"""What a process that imports this file needs first on its `PYTHONPATH` (the checkout, and
+benchmarks/, whose `dlrm.host` gives `free_port`), as pytest's own `pythonpath` setting has it."""
+
+
+def with_checkout_path(environment: Mapping[str, str]) -> dict[str, str]:
+    """`environment` with `CHECKOUT_PATH` first on its `PYTHONPATH`: for a rank started by a command
+    (torchrun) that imports this file."""
+    return {**environment, "PYTHONPATH": os.pathsep.join(filter(None, [CHECKOUT_PATH, environment.get("PYTHONPATH")]))}
 
 
 _CONTEXT_LOCK = threading.Lock()
@@ -79,7 +88,7 @@ def _context() -> Any:
     with _CONTEXT_LOCK:
         context.set_forkserver_preload(PRELOADED)
         saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "PYTHONSAFEPATH")}
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [CHECKOUT, saved["PYTHONPATH"]]))
+        os.environ["PYTHONPATH"] = with_checkout_path(os.environ)["PYTHONPATH"]
         os.environ["PYTHONSAFEPATH"] = "1"
         try:
             forkserver.ensure_running()

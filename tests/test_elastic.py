@@ -44,7 +44,7 @@ from shadowgba.ps.embedding_shard import DEFAULT_SERVICE
 from shadowgba.job.rendezvous import ELASTIC_RANK
 from shadowgba.ps.server_end import RECONNECT_GRACE_S
 from ctrkit.events import Events
-from tests.multiprocess import CHECKOUT, CaseResults, _context, free_port, run_concurrently
+from tests.multiprocess import CHECKOUT, CaseResults, _context, free_port, run_concurrently, with_checkout_path
 
 pytestmark = pytest.mark.timeout(300)  # the first test to read a job waits for every job (`outages`)
 
@@ -426,9 +426,7 @@ def kill_a_server(fault: str, tmp_path: Path) -> ServerOutage:
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={servers}",
          "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=1", "--monitor-interval=0.5",
          "-m", "tests.test_elastic", str(port), str(checkpoint_dir), str(report), fault],
-        cwd=CHECKOUT, env={**os.environ, "OMP_NUM_THREADS": "1",
-                           "PYTHONPATH": os.pathsep.join(filter(None, [CHECKOUT, os.path.join(CHECKOUT, "benchmarks"),
-                                                                      os.environ.get("PYTHONPATH")]))},
+        cwd=CHECKOUT, env=with_checkout_path({**os.environ, "OMP_NUM_THREADS": "1"}),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     trainers = [events.start(run_process, (index, port, fault, str(checkpoint_dir), finish))
                 for index in range(TRAINERS)]

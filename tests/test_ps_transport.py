@@ -29,7 +29,7 @@ from shadowgba.job.roles import Roles, failure_message
 from shadowgba.ps import channel, same_host, server_end, sessions, trainer_end
 from shadowgba.ps.start import start_transport
 from shadowgba.ps.transport import Caller
-from tests.multiprocess import run_ranks, run_ranks_outcomes, run_shared_concurrently
+from tests.multiprocess import run_ranks, run_ranks_outcomes, run_shared_concurrently, with_checkout_path
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -458,8 +458,8 @@ def test_a_server_runs_each_call_number_once_and_forgets_the_replies_its_trainer
 def test_the_same_checks_pass_under_torchrun() -> None:
     """torchrun's agent owns MASTER_PORT; start() creates the default group and joins the agent's store."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", __file__]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    env = {**{key: value for key, value in os.environ.items() if key != "PYTHONPATH"}, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=with_checkout_path(env), capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # the ranks share torchrun's stdout, so their lines may interleave
     assert sorted(re.findall(r"transport ok: (ps\d+|trainer\d+)", done.stdout)) == ["ps0", "trainer0", "trainer1"]
