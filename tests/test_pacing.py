@@ -100,6 +100,30 @@ def test_the_pacer_keeps_the_rounds_cost_within_its_share_of_the_steps_and_the_f
     assert pacer.start_to_start_s() == pytest.approx(10.0) and pacer.limit == "max_step_cost"
 
 
+def test_the_share_limits_wait_until_the_floor_can_be_put_in_time() -> None:
+    """The job's first round holds the start-up (here 8 s of waiting for a slower group, which its
+    cost and duration count): before a second round has measured the fastest rank's pace, the floor
+    has no time to cap the share limits with, so they do not apply and the next round starts after
+    interval_ms; without a floor configured, they do."""
+    clock = FakeClock()
+    pacer = RoundPacer(interval_ms=200.0, interval_steps=0, max_round_share=0.1, max_step_cost=0.02,
+                       max_gap_steps=10, clock=clock)
+    pacer.round_started(step=50)
+    clock.now += 8.0
+    pacer.round_ended(fastest_steps=50, previous_cost_s=0.0)
+    pacer.cost_measured(2.0)
+    assert pacer.fastest_step_s is None and pacer.floor_s() is None
+    assert pacer.start_to_start_s() == pytest.approx(0.2) and pacer.limit == "interval_ms"
+    pacer.max_gap_steps = 0
+    assert pacer.start_to_start_s() == pytest.approx(100.0) and pacer.limit == "max_step_cost"
+    pacer.max_gap_steps = 10
+    pacer.round_started(step=60)  # the second round: the pace is measured, and the floor caps the cost limit
+    clock.now += 0.05
+    pacer.round_ended(fastest_steps=10, previous_cost_s=0.05)
+    assert pacer.fastest_step_s == pytest.approx(0.8) and pacer.floor_s() == pytest.approx(8.0)
+    assert pacer.start_to_start_s() == pytest.approx(8.0) and pacer.limit == "max_gap_steps"
+
+
 def test_a_rounds_cost_is_the_steps_slowdown_while_it_is_in_flight() -> None:
     """Steps of 100 ms, 150 ms while a round is in flight; each round spans two steps: 100 ms of the
     training threads' time a round. Before enough steps of both kinds, the CPU it took from busy
@@ -147,6 +171,7 @@ def test_the_training_thread_wakes_a_paused_round_at_the_floor_in_its_own_steps(
     schedule.round_finished()
     for _ in range(RoundPacer.RECENT_ROUNDS):  # rounds that cost a minute each: an hour's pause at 2%
         schedule.pacer.cost_measured(60.0)
+    schedule.pacer.fastest_step_s = 60.0  # the pace measured: the floor in time, 20 minutes, caps nothing sooner
     for step in range(11, 29):
         schedule.step_ended(step)
     waiter = threading.Thread(target=schedule.wait, args=(stop,))
@@ -258,12 +283,17 @@ def test_the_table_rounds_stop_for_the_dense_round_behind_them_so_it_keeps_its_f
     """Fragments that cost the cores 2 steps of the fastest rank each (4 ranks on 2 shared cores),
     against a budget that assumed 4 a step: without `group_steps`, a late dense round credits many
     steps' budget, its fragments make the next one later still, and the dense rounds starve (a gap
-    past 100 steps); stopping the table rounds once a partner took 5 steps (half a floor of 10)
-    keeps every dense round within 3 + 4 fragments' 8 steps of the last, and the cycles still end."""
+    past 100 steps); stopping the table rounds before a fragment forecast to end past 5 steps (half
+    a floor of 10) keeps every dense round within 3 + 2 fragments' 4 steps of the last, and the
+    cycles still end. Fragments of 4 steps (a 3x straggler's: each waits for the slow partner's step
+    boundary): by the steps alone a group runs 3 (the third starts at 4 steps, under 5), 12 steps;
+    by the forecast, one, and every `FORECAST_GROUPS`-th group measures their cost again with 2."""
     from shadowgba.shadow.cycle_budget import CycleBudget
 
-    def run(group_steps: int, dense_rounds: int = 60, fragments: int = 168, cost: int = 2) -> tuple[list[int], int]:
+    def run(group_steps: int, dense_rounds: int = 60, fragments: int = 168, cost: int = 2,
+            forecast_groups: int = CycleBudget.FORECAST_GROUPS) -> tuple[list[int], int]:
         budget = CycleBudget(100, 4.0, 2**20 // 4, group_steps=group_steps)
+        budget.FORECAST_GROUPS = forecast_groups  # 0: no forecast, the steps alone
         gaps, left, gap, cycles = [], fragments, 3, 0
         for _ in range(dense_rounds):
             planned = budget.fragments_now(gap, left, started=left == fragments)
@@ -271,7 +301,7 @@ def test_the_table_rounds_stop_for_the_dense_round_behind_them_so_it_keeps_its_f
             while done < planned:
                 partner_steps = done * cost  # what this fragment's trailer carries: steps since they began
                 done += 1
-                if budget.stop(partner_steps):
+                if budget.stop(partner_steps, done):
                     break
             budget.averaged(done, left, planned)
             left -= done
@@ -283,21 +313,30 @@ def test_the_table_rounds_stop_for_the_dense_round_behind_them_so_it_keeps_its_f
 
     starved, _ = run(group_steps=0)
     assert max(starved) > 100, starved
-    gaps, cycles = run(group_steps=5)
-    assert max(gaps) <= 3 + 4 * 2 and cycles >= 1, (gaps, cycles)
+    gaps, cycles = run(group_steps=5, dense_rounds=100)
+    assert max(gaps) == 3 + 2 * 2 and cycles >= 1, (gaps, cycles)
+    by_steps, _ = run(group_steps=5, cost=4, forecast_groups=0)
+    assert set(by_steps) == {3 + 3 * 4}, by_steps
+    forecast, _ = run(group_steps=5, cost=4)
+    assert forecast == [3 + 2 * 4 if group % CycleBudget.FORECAST_GROUPS == 0 else 3 + 4
+                        for group in range(len(forecast))], forecast
 
 
 def test_a_cycle_is_held_to_the_bound_its_link_was_measured_to_allow_and_an_overrun_is_counted() -> None:
-    """The replay above with the stop (fragments of 2 steps each, groups stopped at 5 partner steps,
-    so 4 fragments in each dense spacing of 3 + 8 steps): the config's bound (max(100, 168 / 4) +
-    spacing) cannot hold, and the job's first cycle, stated from the config, is stated again once the
-    groups that stopped span 100 steps (10 of them after the job's first, which is not measured): the
-    steps so far plus its 124 fragments left at the measured 4 / 11 a step plus the widest spacing
-    (121 + 341 + 11). Every cycle after it is stated at its start from the capacity (168 / (4 / 11)
-    + 11 = 473) and ends within it (42 groups of 11 steps). Then the cores slow to 3 steps a
-    fragment (3 in each spacing of 12): the cycle that starts then, stated from the old capacity, overruns
-    its bound and is counted; the capacity is measured over the latest 100 steps' groups, so the
-    cycles after it are stated from the slower one (168 * 12 / 3 + 12) and meet theirs."""
+    """The replay above with the stop (fragments of 2 steps each, groups stopped before a fragment
+    forecast to end past 5 partner steps, so 2 fragments in each dense spacing of 3 + 4 steps): the
+    config's bound (max(100, 168 / 4) + spacing) cannot hold, and the job's first cycle, stated from
+    the config, is stated again once the groups that stopped span 100 steps (15 of them after the
+    job's first, which is not measured): the steps so far plus its 136 fragments left at the
+    measured 2 / 7 a step plus the spacing (112 + 476 + 7). Every cycle after it is stated at its
+    start from the capacity (168 / (2 / 7) + 7 = 595) and ends within it (84 groups, 83 spacings of
+    7 steps after the first). Then the cores slow to 3 steps a fragment, so a group
+    takes 1 (spacing 6), and every eighth 2 (spacing 9), as it measures their cost again: the cycle
+    that starts then, stated from the old capacity, overruns its bound and is counted; the capacity
+    is measured over the latest cycle's length of groups (9 fragments in 51 steps), so the cycles
+    after it are stated from the slower one and meet theirs: 168 * 51 / 9 + 9 at the mean, and a
+    few percent more, the capacity taken two standard errors lower for the groups' spread (where
+    every group was alike, above, the bound is the mean's)."""
     from shadowgba.shadow.cycle_budget import CycleBudget
 
     budget = CycleBudget(100, 4.0, 2**20 // 4, group_steps=5)
@@ -311,7 +350,7 @@ def test_a_cycle_is_held_to_the_bound_its_link_was_measured_to_allow_and_an_over
             done = 0
             while done < planned:
                 done += 1
-                if budget.stop((done - 1) * cost):  # its trailer: the steps taken before it
+                if budget.stop((done - 1) * cost, done):  # its trailer: the steps taken before it
                     break
             budget.averaged(done, left, planned)
             left -= done
@@ -320,14 +359,17 @@ def test_a_cycle_is_held_to_the_bound_its_link_was_measured_to_allow_and_an_over
                 bounds.append((budget.last_cycle_steps, budget.last_cycle_bound, cost))
             gap = 3 + done * cost
 
-    dense_rounds(42 * 3, cost=2)
-    assert budget.capacity == pytest.approx(4 / 11, rel=0.05), budget.capacity
+    dense_rounds(84 * 3, cost=2)
+    assert budget.capacity == pytest.approx(2 / 7), budget.capacity
     assert len(bounds) == 3 and budget.over_bound == 0, bounds
-    assert bounds[0][1] == 121 + 341 + 11 and all(steps <= bound for steps, bound, _ in bounds), bounds
-    assert bounds[1][1] == 462 + 11, bounds
-    dense_rounds(60 * 3, cost=3)
+    assert bounds[0][1] == 112 + 476 + 7 and all(steps <= bound for steps, bound, _ in bounds), bounds
+    assert bounds[1][1] == bounds[2][1] == 588 + 7, bounds
+    dense_rounds(150 * 4, cost=3)
+    assert budget.capacity == pytest.approx(9 / 51, rel=0.01), budget.capacity
     over = [cycle for cycle in bounds[3:] if cycle[0] > cycle[1]]
     assert budget.over_bound == len(over) == 1 and bounds[3] == over[0], bounds
     assert budget.overrun_max == over[0][0] - over[0][1] > 0, (budget.overrun_max, over)
-    assert all(steps <= bound == 672 + 12 for steps, bound, _ in bounds[4:]) and len(bounds) >= 5, bounds
+    slower = 168 * 51 / 9 + 9  # at the mean capacity: the bound is wider by the groups' spread
+    assert all(steps <= bound and slower < bound <= 1.05 * slower for steps, bound, _ in bounds[4:]), bounds
+    assert len(bounds) >= 6, bounds
     assert budget.timed_cycles == len(bounds)

@@ -24,6 +24,15 @@ on 2 shared cores), a late dense round credited many steps' budget, its many fra
 next dense round late again, and the dense rounds starved: one in 150 to 200 steps of the fastest
 rank against a floor of 10.
 
+They also stop before a fragment forecast to end past `group_steps`: the trailers' spacing within a
+group measures the steps a fragment takes (`fragment_steps`), and the next would end about two of
+those after the last one started. Checked after a fragment only, the steps alone let the group run
+one fragment past them, which is a whole fragment's steps where a fragment is dear: under a 3x
+straggler, a fragment waits for the slow partner's step boundary, 3.6 steps of the fast rank, so
+the groups ran 3 fragments in 11 steps, against 5, and the fast group went 22 of its steps without
+a dense round (docs/benchmarks.md). A measured cost forecasts `FORECAST_GROUPS` groups, then one
+group stops by its steps alone and measures it again.
+
 Every input is the same on every partner (the fragment count left, the fastest rank's steps, which
 the dense round's trailer carries, the steps each partner took since the table rounds began, which
 each fragment's trailer carries, the config), so the partners' table collectives pair up.
@@ -40,8 +49,10 @@ steps of the fastest rank after it started.
   were part of, summed over the latest such groups that span the last cycle's length, at least
   `cycle_steps`. An average over as many steps as the cycle it forecasts: a window of a few groups
   moves between cycles by more than the spacing leaves as margin, and a link or cores that slow
-  down are still seen within a cycle. The job's first group is left out: its spacing holds the
-  job's start-up.
+  down are still seen within a cycle. The bound takes it `CAPACITY_ERRORS` (2) standard errors
+  lower, from the groups' spread about it: the mean alone forecast a cycle's rest 10-15% short.
+  The groups before the first stopped by a measured fragment cost (`forecast_from`: the job's
+  first one or two) are left out: they hold the job's start-up.
 - `spacing` is the widest dense round spacing among those groups and now (a cycle starts and ends
   at a dense round).
 - Until such groups span `cycle_steps`, the capacity is not taken as measured and the bound is the
@@ -68,6 +79,18 @@ class CycleBudget:
     fragment's values (4 bytes each). `cycle_steps` 0: one fragment after each dense round, no bound
     stated. `group_steps` 0: table rounds that never stop early for the dense rounds behind them."""
 
+    CAPACITY_ERRORS = 2.0
+    """The bound takes the measured capacity this many standard errors lower (never below half of
+    it): the groups' fragments and spacings vary (a fragment waits for the slow partner's step
+    boundary, 0 to 3 steps of the fast rank), and a mean over the last cycle's groups forecast the
+    next cycle's rest 10-15% short, more than the spacing the bound adds."""
+
+    FORECAST_GROUPS = 8
+    """How many groups a measured `fragment_steps` forecasts for. A group the forecast stops after
+    its first fragment measures nothing (it takes two trailers), so the forecast would never see
+    fragments grow cheaper (a straggler recovered); the first group past this age stops by its steps
+    alone, and measures them again."""
+
     def __init__(self, cycle_steps: int, link_mb_per_step: float, fragment_numel: int, group_steps: int = 0) -> None:
         self.cycle_steps = cycle_steps
         self.budget_per_step = link_mb_per_step * 2**20 / 4 / fragment_numel
@@ -86,8 +109,7 @@ class CycleBudget:
         self.stopped_group: int | None = None
         """The fragments of the last group, if it stopped early (its spacing comes with the next dense round)."""
         self.groups = 0
-        """Table round groups so far: the job's first is not measured (its spacing holds the job's
-        start-up: the first masks, replica groups still warming up at different paces)."""
+        """Table round groups so far."""
         self.bound: int | None = None
         """The bound of the cycle under way, in steps of the fastest rank after its start (None: none stated)."""
         self.bound_measured = False
@@ -105,6 +127,16 @@ class CycleBudget:
         """The most steps a cycle ran past its bound."""
         self.stopped_early = 0
         """Table round groups that stopped at `group_steps` with fragments still planned."""
+        self.fragment_steps: float | None = None
+        """Steps of the fastest partner a fragment took, as the latest group that averaged two or
+        more measured it (the spacing of their trailers); None: not measured yet."""
+        self.fragment_steps_group = 0
+        """The group that measured `fragment_steps` (`groups` then)."""
+        self.forecast_from: int | None = None
+        """The first group stopped by a measured `fragment_steps` (None: none measured yet). The
+        groups before it do not measure the capacity: they hold the job's start-up (the first masks,
+        replica groups still warming up at their own paces), and they stop by the steps alone,
+        running a fragment more than the forecast lets the later groups run."""
 
     @property
     def capacity(self) -> float | None:
@@ -121,6 +153,22 @@ class CycleBudget:
         """The capacity window's fragments and steps once they measure it (they span `cycle_steps`)."""
         done, span = self._window()
         return (done, span) if done and span >= max(self.cycle_steps, 1) else None
+
+    def _rest_steps(self, left: int) -> int | None:
+        """Steps of the fastest rank `left` fragments take at the capacity the window measured, less
+        `CAPACITY_ERRORS` standard errors (None: not measured yet). The ratio's standard error, from
+        the groups' spread about it: sqrt(sum((f - c * s)^2) / (n - 1) / n) / mean(s), for n groups
+        of f fragments in s steps at the capacity c."""
+        measured = self._measured()
+        if measured is None:
+            return None
+        done, span = measured
+        capacity, groups = done / span, len(self.capacity_window)
+        if groups > 1:
+            spread = sum((count - capacity * spacing) ** 2 for count, spacing in self.capacity_window) / (groups - 1)
+            capacity = max(capacity - self.CAPACITY_ERRORS * math.sqrt(spread / groups) / (span / groups),
+                           capacity / 2)
+        return math.ceil(left / capacity)
 
     def fragments_now(self, steps: int, left: int, started: bool = False) -> int:
         """A dense round ended, `steps` steps of the fastest rank after the one before, with `left`
@@ -148,10 +196,8 @@ class CycleBudget:
         spacing that just ended (module docstring)."""
         if not started and (self.bound is None or self.bound_measured):
             return
-        measured, window = None, self._measured()
-        if window is not None:
-            done, span = window
-            measured = -(-left * span // done)  # left / capacity, rounded up, in integers
+        measured = self._rest_steps(left)
+        if measured is not None:
             spacing = max(spacing, *(gap for _, gap in self.capacity_window))
         if started:
             self.bound = max(self.cycle_steps, math.ceil(left / self.budget_per_step), measured or 0) + spacing
@@ -160,10 +206,22 @@ class CycleBudget:
             self.bound = max(self.bound, self.steps + measured + spacing)
             self.bound_measured = True
 
-    def stop(self, partner_steps: int) -> bool:
-        """Whether the table rounds stop before their next fragment, some partner having taken
-        `partner_steps` steps since they began (the last fragment's trailer: alike on every partner)."""
-        return 0 < self.group_steps <= partner_steps
+    def stop(self, partner_steps: int, done: int) -> bool:
+        """Whether the table rounds stop before their next fragment, `done` fragments averaged since
+        they began, the last of which some partner started `partner_steps` steps after they began
+        (its trailer: alike on every partner). They stop once those steps reach `group_steps`, or
+        once the next fragment is forecast to end past them: the last one ends about
+        `fragment_steps` after it started, the next as many later (module docstring)."""
+        if not self.group_steps:
+            return False
+        if done >= 2:
+            self.fragment_steps, self.fragment_steps_group = partner_steps / (done - 1), self.groups
+            if self.forecast_from is None:
+                self.forecast_from = self.groups + 1
+        if partner_steps >= self.group_steps:
+            return True
+        trusted = self.fragment_steps is not None and self.groups - self.fragment_steps_group < self.FORECAST_GROUPS
+        return trusted and partner_steps + 2 * self.fragment_steps > self.group_steps
 
     def averaged(self, count: int, left: int, planned: int) -> None:
         """The table rounds after a dense round averaged `count` of the `left` fragments the cycle
@@ -171,10 +229,11 @@ class CycleBudget:
         measures the capacity, and a cycle that ended is timed against its bound."""
         if self.cycle_steps:
             self.credit -= count
-        self.groups += 1
         if count < planned:
             self.stopped_early += 1
-            self.stopped_group = count if self.groups > 1 else None
+            measures = self.forecast_from is not None and self.groups >= self.forecast_from
+            self.stopped_group = count if measures else None
+        self.groups += 1
         if count == left:
             self.last_cycle_steps = self.steps
             self.longest_cycle_steps = max(self.longest_cycle_steps, self.steps)

@@ -12,7 +12,10 @@ Four limits, the latest one wins:
 
 The floor on the round rate caps the two share limits, which the pacing sets by itself: a round
 starts at most `sync.max_gap_steps` steps of the fastest rank after the last one started, however
-dear the rounds are. `interval_ms` and `interval_steps` are the user's, and stand: the floor never
+dear the rounds are. Until two rounds have measured the fastest rank's pace the floor cannot be put
+in time, and the share limits wait for it: the job's first round holds the ranks' start-up (a
+replica group still importing, building its model), and its cost once paused a slow group's next
+round for 7 s, 30 steps of the fast group without a dense round. `interval_ms` and `interval_steps` are the user's, and stand: the floor never
 starts a round sooner than they ask. Here the floor caps the pause in time; the training thread
 enforces it in steps too (`shadowgba.shadow.schedule`), and raises a late round's priority.
 
@@ -107,15 +110,21 @@ class RoundPacer:
         limits = {"interval_ms": self.interval_s}
         if self.interval_steps and self.fastest_step_s is not None:
             limits["interval_steps"] = self.interval_steps * self.fastest_step_s
+        floor_s = self.floor_s()
+        if floor_s is None and self.max_gap_steps:  # a floor not yet in time: the share limits wait for it
+            return self._set_limit(limits)
         if self.max_round_share < 1.0 and self._durations:
             limits["max_round_share"] = statistics.median(self._durations) / self.max_round_share
         if self.max_step_cost < 1.0 and self._costs:
             limits["max_step_cost"] = statistics.median(self._costs) / self.max_step_cost
-        floor_s = self.floor_s()
         for name in ("max_round_share", "max_step_cost"):
             if floor_s is not None and limits.get(name, 0.0) > floor_s:
                 del limits[name]
                 limits["max_gap_steps"] = floor_s
+        return self._set_limit(limits)
+
+    def _set_limit(self, limits: dict[str, float]) -> float:
+        """The latest of `limits` (by name), which becomes `limit`."""
         self.limit = max(limits, key=limits.__getitem__)
         return limits[self.limit]
 

@@ -130,7 +130,7 @@ class TableRounds:
                 writeback.apply(buffer, replace)
             if self.check_flags(self.global_ranks(reduced.nonfinite_ranks, tables.group), (), "a table round"):
                 return False
-            if budgeted and self.budget.stop(reduced.fastest_steps):
+            if budgeted and self.budget.stop(reduced.fastest_steps, done):
                 break  # the dense round behind these comes first; the cycle goes on after it
         if budgeted:
             self.budget.averaged(done, left, count)
