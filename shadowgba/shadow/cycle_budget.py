@@ -126,7 +126,8 @@ class CycleBudget:
         self.overrun_max = 0
         """The most steps a cycle ran past its bound."""
         self.stopped_early = 0
-        """Table round groups that stopped at `group_steps` with fragments still planned."""
+        """Table round groups that stopped for the dense round behind them (`stop`) with fragments
+        still planned."""
         self.fragment_steps: float | None = None
         """Steps of the fastest partner a fragment took, as the latest group that averaged two or
         more measured it (the spacing of their trailers); None: not measured yet."""

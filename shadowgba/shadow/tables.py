@@ -74,10 +74,10 @@ class TableSyncConfig:
     round the table rounds average as many fragments as the cycle's rest needs to end within this
     many steps of its start, within `link_mb_per_step` (`shadowgba.shadow.cycle_budget`). Each
     cycle is held to a bound stated at its start: max(cycle_steps, B / link_mb_per_step, its
-    fragments at the capacity the link and cores were measured to move) steps plus the widest dense
-    round spacing, the table rounds stopping after a dense round at half the dense rounds' spacing
-    (the dense rounds come first); the metrics count the cycles that overran it. 0: one fragment
-    after each dense round, however long the cycle, no bound stated."""
+    fragments at the capacity the link and cores were measured to move, less two standard errors)
+    steps plus the widest dense round spacing, the table rounds after a dense round ending within
+    half the dense rounds' spacing (the dense rounds come first); the metrics count the cycles that
+    overran it. 0: one fragment after each dense round, however long the cycle, no bound stated."""
     link_mb_per_step: float = 4.0
     """Shadow rounds: the byte budget of a rank's replica-group link, in MiB of table fragments per
     step of the fastest rank (a round takes at least one fragment). Caps what `cycle_steps` asks for
