@@ -127,6 +127,7 @@ def test_with_the_board_unreachable_the_transports_naming_of_a_server_wins_and_o
     refused = PeerLost("server 0 (ps0, rank 3) failed dense.push for trainer0: connection closed")
     verdict = trainer.judge(refused)
     assert not trainer.board.reachable  # the fault fired: every access failed
+    assert "Connection reset by peer" in trainer.board.unreachable_why, trainer.board.unreachable_why  # what errors quote
     assert verdict.replacement is None and verdict.why == str(refused) and not verdict.own, verdict
     unknown = trainer.judge(gloo_error())
     assert isinstance(unknown.replacement, SyncError) and unknown.culprits == ()

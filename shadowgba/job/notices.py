@@ -65,6 +65,8 @@ class NoticeBoard:
         """An access that did not return within `NOTICE_TIMEOUT_S` and may still be blocked."""
         self.reachable = True
         """Whether the last read or write reached the store (False: it failed or timed out)."""
+        self.unreachable_why = ""
+        """Why the last access that did not reach the store failed: what an error naming it says."""
 
     def post_abort(self, rank: int, reason: str) -> None:
         """Put `reason` on the board as rank `rank`'s: why it left; then add `rank` to the list of
@@ -180,6 +182,7 @@ class NoticeBoard:
         with self._lock:
             if self._stuck is not None and self._stuck.is_alive():
                 self.reachable = False
+                self.unreachable_why = f"an earlier access has not returned after {NOTICE_TIMEOUT_S:g} s"
                 return None
         try:
             value = bounded(lambda: operation(self._store_now()), NOTICE_TIMEOUT_S)
@@ -187,6 +190,7 @@ class NoticeBoard:
             with self._lock:
                 self._stuck = unreachable.thread or self._stuck
                 self.reachable = False
+                self.unreachable_why = str(unreachable)
             return None
         self.reachable = True
         return value

@@ -224,8 +224,8 @@ class SurvivingGroups:
                 raise SyncError(f"a round failed and no peer is known to be lost (sync.on_group_lost: continue "
                                 f"keeps groups going only without a lost rank): {error!r}") from error
         if decided is None:
-            raise SyncError(f"rank {self.rank} could not reach the job's store to agree on the lost replica "
-                            f"groups after: {error!r}") from error
+            raise SyncError(f"rank {self.rank} could not reach the job's store ({self.notices.unreachable_why}) to "
+                            f"agree on the lost replica groups after: {error!r}") from error
         self._apply(decided)
         if self.group_of(self.rank) not in self.members:
             raise SyncError(f"{self.describe()}: this rank's group dropped out of the job (sync.on_group_lost: "
@@ -352,7 +352,8 @@ class SurvivingGroups:
             time.sleep(DECISION_POLL_S / 5)
             arrived = self.notices.count(f"{MEETING}_{self.epoch}", self._made)
         if arrived is None:
-            raise SyncError(f"rank {self.rank} could not reach the job's store to meet epoch {self.epoch}'s members")
+            raise SyncError(f"rank {self.rank} could not reach the job's store ({self.notices.unreachable_why}) to "
+                            f"meet epoch {self.epoch}'s members")
         if arrived < members:
             raise SyncError(f"{arrived} of the {members} member ranks came to make epoch {self.epoch}'s groups within "
                             f"{wait_s:.0f} s")
