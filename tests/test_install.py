@@ -46,10 +46,11 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def user_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh virtual environment holding this suite's torch version (and its own dependencies) only.
     It gets no pip of its own (seeding one costs more than half of creating it): this suite's pip
-    installs into it (`pip --python`)."""
+    installs into it (`pip --python`), without byte-compiling torch's thousands of modules (Python
+    compiles those it imports when it imports them)."""
     venv = tmp_path_factory.mktemp("user") / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=venv.parent, timeout_s=60)
-    pip(venv, "install", f"torch=={TORCH}", timeout_s=240)
+    pip(venv, "install", "--no-compile", f"torch=={TORCH}", timeout_s=240)
     return venv
 
 
