@@ -15,9 +15,10 @@ starts at most `sync.max_gap_steps` steps of the fastest rank after the last one
 dear the rounds are. Until two rounds have measured the fastest rank's pace the floor cannot be put
 in time, and the share limits wait for it: the job's first round holds the ranks' start-up (a
 replica group still importing, building its model), and its cost once paused a slow group's next
-round for 7 s, 30 steps of the fast group without a dense round. `interval_ms` and `interval_steps` are the user's, and stand: the floor never
-starts a round sooner than they ask. Here the floor caps the pause in time; the training thread
-enforces it in steps too (`shadowgba.shadow.schedule`), and raises a late round's priority.
+round for 7 s, 30 steps of the fast group without a dense round. `interval_ms` and
+`interval_steps` are the user's, and stand: the floor never starts a round sooner than they ask.
+Here the floor caps the pause in time; the training thread enforces it in steps too
+(`shadowgba.shadow.schedule`), and raises a late round's priority.
 
 The step limit makes the round rate follow the steps, as TorchRec's "sync every N batches" does,
 whatever a step costs. The share limits make it follow what a round costs: the link's time (the
