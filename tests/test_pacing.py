@@ -12,6 +12,7 @@ import pytest
 
 from shadowgba import SyncConfig
 from shadowgba.metrics import SyncMetrics
+from shadowgba.shadow.cycle_budget import CycleBudget
 from shadowgba.shadow.pacing import RoundPacer
 from shadowgba.shadow.round_cost import RoundCost
 from shadowgba.shadow.schedule import RoundSchedule
@@ -255,7 +256,6 @@ def test_a_table_cycle_ends_within_its_bound_in_steps_within_the_links_byte_budg
     cycle of 50 fragments is spread over the 10 dense rounds before its deadline (5 a round); one of
     1,000 fragments is held to the budget (4 MiB a step: 40 a round) and takes 250 steps, its bytes
     over the budget; `cycle_steps` 0 takes one a round."""
-    from shadowgba.shadow.cycle_budget import CycleBudget
 
     def cycle(budget: CycleBudget, fragments: int, every: int = 10) -> tuple[list[int], int]:
         counts, left = [], fragments
@@ -279,6 +279,21 @@ def test_a_table_cycle_ends_within_its_bound_in_steps_within_the_links_byte_budg
     assert budget.longest_cycle_steps <= 117
 
 
+def replay_table_group(budget: CycleBudget, spacing: int, left: int, started: bool, cost: int) -> int:
+    """The table rounds after one dense round, `spacing` steps after the last, replayed on `budget`
+    with fragments that take `cost` steps of the fastest partner each (`TableRounds.run`): how many
+    fragments of the cycle's `left` they averaged. Each fragment's trailer carries the steps taken
+    before it since they began."""
+    planned = budget.fragments_now(spacing, left, started=started)
+    done = 0
+    while done < planned:
+        done += 1
+        if budget.stop((done - 1) * cost, done):
+            break
+    budget.averaged(done, left, planned)
+    return done
+
+
 def test_the_table_rounds_stop_for_the_dense_round_behind_them_so_it_keeps_its_floor() -> None:
     """Fragments that cost the cores 2 steps of the fastest rank each (4 ranks on 2 shared cores),
     against a budget that assumed 4 a step: without `group_steps`, a late dense round credits many
@@ -288,7 +303,6 @@ def test_the_table_rounds_stop_for_the_dense_round_behind_them_so_it_keeps_its_f
     cycles still end. Fragments of 4 steps (a 3x straggler's: each waits for the slow partner's step
     boundary): by the steps alone a group runs 3 (the third starts at 4 steps, under 5), 12 steps;
     by the forecast, one, and every `FORECAST_GROUPS`-th group measures their cost again with 2."""
-    from shadowgba.shadow.cycle_budget import CycleBudget
 
     def run(group_steps: int, dense_rounds: int = 60, fragments: int = 168, cost: int = 2,
             forecast_groups: int = CycleBudget.FORECAST_GROUPS) -> tuple[list[int], int]:
@@ -296,14 +310,7 @@ def test_the_table_rounds_stop_for_the_dense_round_behind_them_so_it_keeps_its_f
         budget.FORECAST_GROUPS = forecast_groups  # 0: no forecast, the steps alone
         gaps, left, gap, cycles = [], fragments, 3, 0
         for _ in range(dense_rounds):
-            planned = budget.fragments_now(gap, left, started=left == fragments)
-            done = 0
-            while done < planned:
-                partner_steps = done * cost  # what this fragment's trailer carries: steps since they began
-                done += 1
-                if budget.stop(partner_steps, done):
-                    break
-            budget.averaged(done, left, planned)
+            done = replay_table_group(budget, gap, left, left == fragments, cost)
             left -= done
             if not left:
                 left, cycles = fragments, cycles + 1
@@ -337,7 +344,6 @@ def test_a_cycle_is_held_to_the_bound_its_link_was_measured_to_allow_and_an_over
     after it are stated from the slower one and meet theirs: 168 * 51 / 9 + 9 at the mean, and a
     few percent more, the capacity taken two standard errors lower for the groups' spread (where
     every group was alike, above, the bound is the mean's)."""
-    from shadowgba.shadow.cycle_budget import CycleBudget
 
     budget = CycleBudget(100, 4.0, 2**20 // 4, group_steps=5)
     fragments, left, gap = 168, 168, 3
@@ -346,13 +352,7 @@ def test_a_cycle_is_held_to_the_bound_its_link_was_measured_to_allow_and_an_over
     def dense_rounds(count: int, cost: int) -> None:
         nonlocal left, gap
         for _ in range(count):
-            planned = budget.fragments_now(gap, left, started=left == fragments)
-            done = 0
-            while done < planned:
-                done += 1
-                if budget.stop((done - 1) * cost, done):  # its trailer: the steps taken before it
-                    break
-            budget.averaged(done, left, planned)
+            done = replay_table_group(budget, gap, left, left == fragments, cost)
             left -= done
             if not left:
                 left = fragments
