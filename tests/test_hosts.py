@@ -285,33 +285,37 @@ def test_a_link_throttled_to_1_percent_is_a_network_straggler_the_other_host_tra
     round): the rounds slow to the link's pace, and neither host's training waits for them.
     Compared with the same job's own steps before the throttle; the bound is loose (the 2 cores
     are shared by both hosts) but far above a job that waits for its rounds, where a step would
-    take a 4 MB round at 10 Mbit/s (>= 3 s)."""
+    take a 4 MB round at 10 Mbit/s (>= 3 s). A round across the throttled link has taken up to
+    about 10 s (0.1 rounds/s), so the throttled window is twice that: a window of 10 s once held
+    no round's end at all."""
+    throttled_s = 20.0  # the window measured, after 2 s for the link's queue to drain
     with Cluster(2, rate="1gbit") as cluster:
-        job = FaultJob(cluster, [1, 1], "ma.yaml", tmp_path, seconds=30, extra=["--width", "1024"])
+        job = FaultJob(cluster, [1, 1], "ma.yaml", tmp_path, seconds=45, extra=["--width", "1024"])
         job.wait_for_rounds([0, 1], 5)
         fast = time.time()
         time.sleep(6)
         cluster.set_rate(1, "10mbit")
         slow = time.time()
-        time.sleep(12)
+        time.sleep(2 + throttled_s)
         cluster.set_rate(1, "1gbit")
         outcomes = job.finish(120)
     records = [job.record(rank) for rank in range(2)]
     before = [job.between(rank, fast, slow) for rank in range(2)]
-    during = [job.between(rank, slow + 2, slow + 12) for rank in range(2)]
-    fault_table.record("a host's link throttled to 1% (10 Mbit/s) for 12 s", "flat ma, 2 hosts x 1, 1M dense",
+    during = [job.between(rank, slow + 2, slow + 2 + throttled_s) for rank in range(2)]
+    fault_table.record(f"a host's link throttled to 1% (10 Mbit/s) for {2 + throttled_s:g} s (the last {throttled_s:g} s measured)",
+                       "flat ma, 2 hosts x 1, 1M dense",
                        exit_codes=[code for code, _ in outcomes],
                        steps_per_s_before=[steps / (slow - fast) for steps, _ in before],
-                       steps_per_s_throttled=[steps / 10 for steps, _ in during],
+                       steps_per_s_throttled=[steps / throttled_s for steps, _ in during],
                        rounds_per_s_before=[rounds / (slow - fast) for _, rounds in before],
-                       rounds_per_s_throttled=[rounds / 10 for _, rounds in during],
+                       rounds_per_s_throttled=[rounds / throttled_s for _, rounds in during],
                        identical_replicas=records[0]["checksum"] == records[1]["checksum"])
     assert_finished(outcomes)
     assert records[0]["checksum"] == records[1]["checksum"]  # the final sync: identical replicas
     for rank, ((steps_before, rounds_before), (steps_during, rounds_during)) in enumerate(zip(before, during)):
-        rate_before, rate_during = steps_before / (slow - fast), steps_during / 10
+        rate_before, rate_during = steps_before / (slow - fast), steps_during / throttled_s
         assert rounds_during >= 1, f"rank {rank}: no round while throttled"
-        assert rounds_during / 10 < rounds_before / (slow - fast) / 3, \
+        assert rounds_during / throttled_s < rounds_before / (slow - fast) / 3, \
             f"the fault did not fire: rank {rank}'s rounds kept their pace ({rounds_before}, then {rounds_during})"
         assert rate_during > 0.5 * rate_before, f"rank {rank} waited for the throttled link: {rate_before} -> {rate_during} steps/s"
 
