@@ -36,7 +36,7 @@ from typing import Iterable, Mapping
 import torch
 
 from shadowgba.errors import ConfigError, SyncError
-from sync_algos.base import is_finite
+from sync_algos.base import all_finite, is_finite
 
 logger = logging.getLogger("shadowgba")
 
@@ -98,7 +98,7 @@ class NonFiniteGuard:
 
     def check_all(self, tensors: Iterable[torch.Tensor], what: str) -> bool:
         """`check` over several tensors (a model's gradients), recording `what` once."""
-        finite = all(is_finite(tensor) for tensor in tensors)
+        finite = all_finite(tensors)
         if not finite:
             self.note(what)
         return finite

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import sync_algos
 from shadowgba.metrics import GBAMetrics
-from sync_algos.base import FlaggedAllReduce, RoundResult, is_finite
+from sync_algos.base import FlaggedAllReduce, RoundResult, all_finite, is_finite
 from sync_algos.compressed import CompressedSum
 from sync_algos.easgd import elastic_pull
 from sync_algos.easgd_ps import Centre
@@ -443,6 +443,26 @@ def test_is_finite_finds_every_nan_and_infinity_and_passes_finite_values_whose_s
         assert not is_finite(torch.tensor([big, bad, big], dtype=dtype)), bad  # an overflowing sum with a real one
     assert not is_finite(torch.tensor([float("inf"), -float("inf")], dtype=dtype))  # sums to NaN
     assert is_finite(torch.tensor([1, 2, 3]))  # integers have no NaN
+
+
+def test_all_finite_finds_one_bad_value_among_many_tensors_of_mixed_dtypes_and_passes_sums_that_overflow() -> None:
+    """A step's gradients are checked together (one read of the sums): one NaN / Inf in any tensor
+    fails them all; finite tensors whose sums, or the sum of whose sums, overflow pass (the exact
+    fallback); integers and empty tensors are skipped."""
+    big32 = torch.finfo(torch.float32).max
+    good = [torch.randn(100), torch.randn(7, dtype=torch.float64), torch.randn(9).to(torch.bfloat16),
+            torch.zeros(0), torch.tensor([1, 2])]
+    assert all_finite(good) and all_finite([]) and all_finite(iter(good))  # a generator is read once
+    overflowing = [torch.full((2,), big32), torch.full((2,), big32), torch.tensor([1e300], dtype=torch.float64)]
+    assert all(bool(torch.isfinite(tensor.sum())) for tensor in overflowing[2:])
+    assert not bool(torch.isfinite(torch.stack([t.sum().float() for t in overflowing]).sum()))  # the fallback ran
+    assert all_finite(overflowing)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for index in range(3):
+            tensors = [tensor.clone() for tensor in good]
+            tensors[index].view(-1)[-1] = bad
+            assert not all_finite(tensors), (bad, index)
+            assert not all_finite([*overflowing, tensors[index]]), (bad, index)  # behind an overflow too
 
 
 def test_a_nonfinite_contribution_is_left_out_and_an_aborting_rank_stops_its_peers(three_ranks: dict) -> None:

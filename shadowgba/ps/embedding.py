@@ -59,7 +59,7 @@ from shadowgba.nonfinite import NonFiniteGuard
 from shadowgba.ps.embedding_shard import DEFAULT_SERVICE, PSEmbeddingConfig, RowsByTable, checked_tables
 from shadowgba.ps.trainer_end import TrainerTransport
 from shadowgba.serialized import state_from_bytes, state_to_bytes
-from sync_algos.base import is_finite
+from sync_algos.base import all_finite
 
 @dataclasses.dataclass
 class _Step:
@@ -163,7 +163,7 @@ class PSEmbeddingBagCollection(nn.Module):
             for name, leaf in step.leaves.items()
             if leaf.grad is not None
         }
-        finite = all(is_finite(rows) for _, rows in grads.values())
+        finite = all_finite(rows for _, rows in grads.values())
         if not finite and self.guard is not None:
             self.guard.note("row gradients of PS-hosted tables")
         requests = self._split(grads) if finite else [{} for _ in range(self.num_servers)]  # NaN stays here

@@ -32,7 +32,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, poo
 from shadowgba.errors import CheckpointError, ConfigError, SetupError, SyncError
 from shadowgba.job.roster import Roster
 from shadowgba.nonfinite import DEFAULT_ON_NONFINITE, nonfinite_failure
-from sync_algos.base import is_finite
+from sync_algos.base import all_finite, is_finite
 from sync_algos.gba import AggregationConfig, Admission, GlobalBatchRule
 from sync_algos.staleness import StalenessCounts, StalenessDecayConfig
 
@@ -162,7 +162,7 @@ class EmbeddingShard:
             raise ValueError(f"push refused: num_samples must be an integer >= 1, got {num_samples!r}")
         if self._rule is not None and (isinstance(token, bool) or not isinstance(token, int)):
             raise ValueError(f"push refused: aggregate mode needs the lookup's token, an integer >= 0; got {token!r}")
-        finite = finite is True and all(is_finite(values) for _, _, values in checked)  # one pass, outside the lock
+        finite = finite is True and all_finite(values for _, _, values in checked)  # one pass, outside the lock
         with self._lock:
             if (refusal := self._roster.refusal("push refused")) is not None:
                 raise refusal
