@@ -505,7 +505,10 @@ def test_a_killed_server_restarts_from_its_own_checkpoint_and_the_trainers_carry
     if fault == "server":  # the global step went back to the restored one (a trainer that waited longer may first train later)
         restored = reports[0][2]["restored_at"]
         assert killed_step - 2 * SERVER_CHECKPOINT_EVERY <= restored <= killed_step, (restored, killed_step)
-        assert min(step[3] for step in after) <= killed_step, after[:6]
+        # the first step after the restart is the restored one's next; not "at most killed_step": the
+        # server may have stepped past the last step a trainer reported before the kill, and when it
+        # restored that very step (its checkpoint landed just before the kill) every later step exceeds it
+        assert min(step[3] for step in after) <= restored + 1, (restored, killed_step, after[:6])
     else:  # every trainer's exchanges went on after the restart
         for index in range(TRAINERS):
             rounds = [step[3] for step in after if step[0] == index]
