@@ -22,12 +22,20 @@ TORCH = torch.__version__.split("+")[0]
 """The torch the user already has: the version this suite runs on."""
 
 
+def user_environment() -> dict[str, str]:
+    """This process's environment as a user's shell has it: no PYTHONPATH (nothing of the checkout
+    leaks in), and Python writing the bytecode of what it imports, as it does by default (torch is
+    installed without it; this machine's PYTHONDONTWRITEBYTECODE would have every process of the
+    example compile torch's modules anew)."""
+    left_out = ("PYTHONPATH", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE")
+    return {key: value for key, value in os.environ.items() if key not in left_out}
+
+
 def run(command: list[str], cwd: Path, timeout_s: float) -> str:
-    """Run `command` (no PYTHONPATH: nothing of the checkout leaks in) and return its standard output; it
-    must exit 0."""
-    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONSAFEPATH")}
-    done = subprocess.run(command, cwd=cwd, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=timeout_s)
+    """Run `command` in the user's environment (`user_environment`) and return its standard output;
+    it must exit 0."""
+    done = subprocess.run(command, cwd=cwd, env={**user_environment(), "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=timeout_s)
     assert done.returncode == 0, f"{command} exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}"
     return done.stdout
 
@@ -88,7 +96,7 @@ def test_the_wheel_installs_next_to_the_user_s_torch_and_the_plain_example_runs_
         algo: subprocess.Popen(
             [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
              "--config", str(ROOT / "examples/configs" / f"{algo}.yaml"), "--steps", "30", "--sync.interval_ms=5"],
-            cwd=tmp_path, env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
+            cwd=tmp_path, env=user_environment(),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for algo in ("ma", "bmuf")
     }
