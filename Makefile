@@ -39,7 +39,7 @@ run: $(STAMP)
 
 # The checkout's own modules, byte-compiled once before a suite: every process a test starts imports
 # them, and where PYTHONDONTWRITEBYTECODE is set (as on the development machines) each would compile
-# them anew, about a second of CPU a process over the suite's hundreds.
+# them anew, about a second of CPU a process.
 COMPILE = $(1) -m compileall -q -j 0 shadowgba sync_algos benchmarks tests examples ctrkit
 
 test: $(STAMP)
