@@ -85,18 +85,20 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     read-only reduction per tensor, the cheapest there is: the sum. A NaN or an infinity anywhere
     makes a sum NaN or infinite, so finite sums prove every value finite. The sums are added up
     and read once: a step's dozens of gradients cost one wait of the host for the device, and on
-    CPU one test in place of dozens (the check is most of what a shadow round costs a training
-    thread per step, docs/benchmarks.md). Only finite values that overflow a sum, or the sum of the sums, make it infinite too; that
-    rare case falls back to the exact test of each tensor, the minimum and maximum (NaN propagates
-    into both, and -Inf / +Inf become them). `isfinite(tensor).all()` would first write a mask as
-    large as the tensor, about ten times slower on CPU; the minimum and maximum alone are two to
-    five times slower than the sum."""
+    CPU one test in place of dozens (the check is most of what the shadow runtime costs a training
+    thread a step, docs/benchmarks.md). Only finite values that overflow a sum, or the sum of the
+    sums, make it infinite too; that rare case falls back to the exact test of each tensor, the
+    minimum and maximum (NaN propagates into both, and -Inf / +Inf become them).
+    `isfinite(tensor).all()` would first write a mask as large as the tensor, about ten times slower
+    on CPU; the minimum and maximum alone are two to five times slower than the sum."""
     checked = [tensor for tensor in tensors if tensor.is_floating_point() and tensor.numel() > 0]
     if not checked:
         return True
-    device = checked[0].device
-    sums = torch.stack([tensor.sum().to(device=device, dtype=torch.float32) for tensor in checked])
-    if bool(torch.isfinite(sums.sum())):
+    sums = [tensor.sum() for tensor in checked]
+    device = sums[0].device
+    total = sums[0] if len(sums) == 1 else torch.stack([value.to(device=device, dtype=torch.float32)
+                                                        for value in sums]).sum()
+    if bool(torch.isfinite(total)):
         return True
     for tensor in checked:
         low, high = torch.aminmax(tensor)
