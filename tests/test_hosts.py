@@ -288,7 +288,7 @@ def test_a_link_throttled_to_1_percent_is_a_network_straggler_the_other_host_tra
     take a 4 MB round at 10 Mbit/s (>= 3 s). A round across the throttled link has taken up to
     about 10 s (0.1 rounds/s), so the throttled window is twice that: a window of 10 s once held
     no round's end at all."""
-    throttled_s = 20.0  # the window measured, after 2 s for the link's queue to drain
+    drain_s, throttled_s = 2.0, 20.0  # the link's queue drains, then the window measured
     with Cluster(2, rate="1gbit") as cluster:
         job = FaultJob(cluster, [1, 1], "ma.yaml", tmp_path, seconds=45, extra=["--width", "1024"])
         job.wait_for_rounds([0, 1], 5)
@@ -296,13 +296,13 @@ def test_a_link_throttled_to_1_percent_is_a_network_straggler_the_other_host_tra
         time.sleep(6)
         cluster.set_rate(1, "10mbit")
         slow = time.time()
-        time.sleep(2 + throttled_s)
+        time.sleep(drain_s + throttled_s)
         cluster.set_rate(1, "1gbit")
         outcomes = job.finish(120)
     records = [job.record(rank) for rank in range(2)]
     before = [job.between(rank, fast, slow) for rank in range(2)]
-    during = [job.between(rank, slow + 2, slow + 2 + throttled_s) for rank in range(2)]
-    fault_table.record(f"a host's link throttled to 1% (10 Mbit/s) for {2 + throttled_s:g} s (the last {throttled_s:g} s measured)",
+    during = [job.between(rank, slow + drain_s, slow + drain_s + throttled_s) for rank in range(2)]
+    fault_table.record(f"a host's link throttled to 1% (10 Mbit/s) for {drain_s + throttled_s:g} s (the last {throttled_s:g} s measured)",
                        "flat ma, 2 hosts x 1, 1M dense",
                        exit_codes=[code for code, _ in outcomes],
                        steps_per_s_before=[steps / (slow - fast) for steps, _ in before],
